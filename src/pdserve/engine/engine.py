@@ -1,0 +1,308 @@
+"""`LLMEngine`: requests in, one `step()` at a time, outputs out; and `LLM`, the offline API.
+
+A step: the scheduler picks tokens under its budget -> the model runner computes them and the
+logits of rows to sample -> the sampler picks tokens -> the scheduler appends them and finishes
+requests on token-level stops -> the detokenizer adds text and finishes requests on stop strings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine import loader
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.llama import LlamaModel
+from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Prompt = str | list[int]
+
+
+class _Tracked:
+    """Engine-side state of a live request that the pure scheduler does not hold."""
+
+    def __init__(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer):
+        self.request, self.prompt, self.detok = request, prompt, detok
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if request.sampling_params.logprobs is not None else None
+        )
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.sent_tokens = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc = config.model_config, config.cache_config
+        if config.parallel_config.threads:
+            torch.set_num_threads(config.parallel_config.threads)
+        self.device = torch.device(mc.device)
+        self.dtype = _DTYPES[mc.dtype]
+        self.source = loader.resolve_model(mc.model)
+        self.arch = loader.load_arch(self.source)
+        self.tokenizer = loader.load_tokenizer(self.source)
+        self.max_model_len = min(
+            mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
+        )
+        self.model = self._build_model()
+        num_blocks = cc.num_blocks or num_blocks_for_memory(
+            self.arch, cc.block_size, self.dtype, cc.kv_cache_memory_gb
+        )
+        self.cache = PagedKVCache(self.arch, num_blocks, cc.block_size, self.dtype, self.device)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        sc = config.scheduler_config
+        self.scheduler = Scheduler(
+            SchedulerPolicy(
+                sc.max_num_batched_tokens,
+                sc.max_num_seqs,
+                sc.enable_chunked_prefill,
+                sc.decode_first,
+            ),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.sampler = Sampler(mc.seed)
+        self._live: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    def _build_model(self) -> LlamaModel:
+        weights = loader.load_weights(self.source, self.arch, self.dtype)
+        with torch.device("meta"):
+            model = LlamaModel(self.arch)
+        model = model.to_empty(device=self.device)
+        model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
+        return model.eval()
+
+    # ---- intake -----------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a token prompt must be a list of integers")
+        return None, list(prompt)
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        self._check_prompt(ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already in use")
+        request = Request(rid, ids, params, self.eos_token_ids, max_model_len=self.max_model_len)
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings)
+        self._live[rid] = _Tracked(request, text, detok)
+        return rid
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len}; "
+                "shorten the prompt (or raise max_model_len if the model allows)"
+            )
+        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.arch.vocab_size}): {bad[:5]}")
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            m = self._live[s.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        sampled = self._run(out)
+        self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
+        return self._collect(out, sampled)
+
+    def _run(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
+        result = self.runner.execute(out)
+        if not result.request_ids:
+            return {}
+        params = [self._live[r].request.sampling_params for r in result.request_ids]
+        samples = self.sampler.sample(result.logits, result.request_ids, params)
+        return {
+            r: (s.token_id, s.logprobs) for r, s in zip(result.request_ids, samples, strict=True)
+        }
+
+    def _collect(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
+    ) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for rid, (_, logprobs) in sampled.items():
+            tracked = self._live[rid]
+            request = tracked.request
+            if tracked.logprobs is not None and logprobs is not None:
+                tracked.logprobs.append(logprobs)
+            tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
+            new_ids = request.output_token_ids[tracked.sent_tokens :]
+            tracked.sent_tokens = request.num_output_tokens
+            new_text = tracked.detok.add(new_ids)
+            if tracked.detok.stop_hit is not None and not request.finished:
+                request.stop_reason = tracked.detok.stop_hit
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output(tracked, new_ids, new_text))
+            if request.finished:
+                tracked.metrics.finished_time = now
+                self._forget(rid)
+        return outputs
+
+    def _output(self, t: _Tracked, new_ids: list[int], new_text: str) -> RequestOutput:
+        r = t.request
+        t.metrics.num_cached_tokens = r.num_cached_tokens
+        t.metrics.num_preemptions = r.num_preemptions
+        completion = CompletionOutput(
+            index=0,
+            text=t.detok.text,
+            token_ids=list(r.output_token_ids),
+            logprobs=t.logprobs,
+            finish_reason=r.status.finish_reason,
+            stop_reason=r.stop_reason,
+        )
+        return RequestOutput(
+            r.request_id,
+            t.prompt,
+            r.prompt_token_ids,
+            [completion],
+            r.finished,
+            t.metrics,
+            new_ids,
+            new_text,
+        )
+
+    def _forget(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        self.sampler.forget(rid)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv_manager
+        return {
+            "waiting": self.scheduler.num_waiting,
+            "running": self.scheduler.num_running,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
+
+class LLM:
+    """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        ids = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:  # lose nothing: a bad prompt leaves no half-added batch behind
+                self.engine.abort_request(rid)
+            raise
+        return self._run_to_completion(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return list(params)
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate")

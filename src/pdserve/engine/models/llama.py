@@ -1,0 +1,249 @@
+"""The Llama family (Llama, SmolLM2, Qwen2 with q/k/v bias, Mistral) over a paged KV cache.
+
+One step runs a flat batch of T tokens from several requests (no padding of the token axis):
+  * decode requests (one query token each) come first and share one batched attention call;
+  * prompt chunks follow, each attending to its cached prefix plus itself (causal).
+K and V are written into the paged cache before attention, so a chunk reads its own keys back
+from the same place a later step will. The LM head runs only on the positions that are sampled.
+Weights are fused per layer (q|k|v and gate|up) so each layer issues four matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.models.arch import ModelArch
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first row of this chunk in the flat batch
+    length: int  # tokens in this chunk
+    start_pos: int  # tokens of this request already in the cache before the step
+    block_ids: torch.Tensor  # [num_blocks] long: the request's block table
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for each token
+    num_decodes: int = 0  # rows [0, num_decodes) are single-token decodes
+    decode_block_table: torch.Tensor | None = None  # [B, max_blocks] long, padded with 0
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    sample_rows: torch.Tensor | None = None  # [S] long: rows whose logits are needed
+
+
+class RotaryEmbedding:
+    """RoPE in the HF (rotate-half) layout, with optional llama3-style frequency scaling."""
+
+    def __init__(self, arch: ModelArch, device: torch.device) -> None:
+        dim = arch.head_dim
+        inv_freq = 1.0 / (
+            arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
+        scaling = arch.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "llama3":
+            inv_freq = _llama3_scale(inv_freq, scaling)
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
+        self.eps = arch.rms_norm_eps
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h))
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size))
+            if arch.attention_bias
+            else None
+        )
+        self.o = nn.Parameter(torch.empty(h, self.q_size))
+        self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
+        self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        t = x.shape[0]
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    kv: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, KVH, D]
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    k_cache, v_cache = kv
+    kvh, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        b = meta.num_decodes
+        out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta)
+    for seg in meta.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    assert meta.decode_block_table is not None and meta.decode_mask is not None
+    table = meta.decode_block_table
+    b, kvh, d = table.shape[0], k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[table].view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
+    values = v_cache[table].view(b, -1, kvh, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+    )  # [B, H, 1, D]
+    return o.squeeze(2)
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # [n, H, D]
+    k: torch.Tensor,  # [n, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+) -> torch.Tensor:
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if seg.start_pos == 0:  # nothing cached: attend within the chunk only
+        o = F.scaled_dot_product_attention(
+            qh,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)
+    ctx = seg.start_pos + seg.length
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[seg.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+    values = v_cache[seg.block_ids].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+    q_pos = torch.arange(seg.start_pos, ctx, device=q.device)
+    mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [n, ctx]
+    o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
+        self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
+        )
+        self.rope: RotaryEmbedding | None = None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Returns logits [S, vocab] for `meta.sample_rows` (float32)."""
+        if self.rope is None:
+            self.rope = RotaryEmbedding(self.arch, self.embed.device)
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(meta.positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv, meta)
+        if meta.sample_rows is not None:
+            x = x[meta.sample_rows]
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the fused parameters; every parameter must be filled."""
+        filled: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            param = dict(self.named_parameters())[name]
+            param.data = value.to(param.dtype).contiguous()
+            filled.add(name)
+
+        put("embed", weights["model.embed_tokens.weight"])
+        put("norm", weights["model.norm.weight"])
+        if self.lm_head is not None:
+            put("lm_head", weights["lm_head.weight"])
+        for i in range(self.arch.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            put(f"layers.{i}.input_norm", weights[p + "input_layernorm.weight"])
+            put(f"layers.{i}.post_norm", weights[p + "post_attention_layernorm.weight"])
+            put(f"layers.{i}.qkv", torch.cat([weights[a + f"{n}_proj.weight"] for n in "qkv"]))
+            if self.arch.attention_bias:
+                bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
+                put(f"layers.{i}.qkv_bias", bias)
+            put(f"layers.{i}.o", weights[a + "o_proj.weight"])
+            gate_up = torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])
+            put(f"layers.{i}.gate_up", gate_up)
+            put(f"layers.{i}.down", weights[m + "down_proj.weight"])
+        missing = {n for n, _ in self.named_parameters()} - filled
+        if missing:
+            raise ValueError(f"weights missing for parameters: {sorted(missing)[:5]}")

@@ -1,0 +1,248 @@
+"""The scheduler: a pure policy over plain data (no tensors, no I/O).
+
+Life cycle of a request, by the queue names used below:
+  1. `waiting`  — added, or preempted (at the front, so it resumes first);
+  2. `running`  — admitted: holds KV blocks; each step it gets `num_tokens - num_computed_tokens`
+                  tokens scheduled (a prompt chunk, or one decode token), bounded by the budget;
+  3. finished   — stopped, length-capped or aborted: its blocks are freed at once.
+
+Each `schedule()` fills a token budget (`max_num_batched_tokens`):
+  * decode-first (default): running requests first — every running decode gets its token each
+    step — then waiting prompts, chunked into what is left. Long prompts cannot stall decodes.
+  * prefill-first (`decode_first=False`): if a waiting prompt can be admitted, the step runs
+    prompts only and running decodes wait; the classic aggregated behaviour, kept as a baseline.
+When blocks run out, the most recently admitted running request is preempted by recompute: its
+blocks are freed, `num_computed_tokens` resets to 0, and it goes back to the front of `waiting`
+with the tokens it has generated, which are recomputed as part of its prompt later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    decode_first: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this step reaches the last known token: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, policy: SchedulerPolicy, kv: KVCacheManager) -> None:
+        self.policy = policy
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- intake ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.kv.blocks_needed(request.num_tokens + 1) > self.kv.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs more KV blocks than the cache holds "
+                f"({request.num_tokens} tokens, {self.kv.num_blocks} blocks of "
+                f"{self.kv.block_size}); shorten the prompt or give the cache more memory"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is and free its blocks; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish for a reason found outside the scheduler (e.g. a stop string in the text)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, status)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.policy.max_num_batched_tokens
+        if self.policy.decode_first:
+            budget = self._schedule_running(out, budget)
+            if not out.preempted:
+                self._schedule_waiting(out, budget)
+        else:
+            budget = self._schedule_running(out, budget, prefills_only=True)
+            if not out.preempted:
+                budget = self._schedule_waiting(out, budget)
+            if not out.scheduled:
+                self._schedule_running(out, budget)
+        return out
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, prefills_only: bool = False
+    ) -> int:
+        already = {s.request_id for s in out.scheduled}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            i += 1
+            if request.request_id in already:
+                continue
+            if prefills_only and request.num_tokens - request.num_computed_tokens <= 1:
+                continue
+            num_new = self._num_to_schedule(request, budget)
+            if num_new == 0:
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new, out)
+            if block_ids is None:  # the request preempted itself
+                break
+            out.scheduled.append(self._scheduled(request, num_new, block_ids))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.policy.max_num_seqs:
+            request = self.waiting[0]
+            prefix = (
+                self.kv.find_cached_prefix(request)
+                if request.num_computed_tokens == 0
+                else PrefixHit([], 0)
+            )
+            remaining = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.policy.enable_chunked_prefill:
+                break
+            block_ids = self.kv.allocate_slots(request, num_new, prefix)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens += prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new, block_ids))
+            budget -= num_new
+        return budget
+
+    def _num_to_schedule(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining > budget and not self.policy.enable_chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, out: SchedulerOutput
+    ) -> list[int] | None:
+        """Allocate, preempting from the back of `running` until it fits (maybe `request`)."""
+        while True:
+            block_ids = self.kv.allocate_slots(request, num_new)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=block_ids,
+            sample=start + num_new == request.num_tokens,
+        )
+
+    # ---- results -----------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish what stopped; returns finished ones."""
+        finished = []
+        for s in out.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens += s.num_tokens
+            token = sampled.get(s.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            status = request.check_stop()
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        request.status = status
+        del self.requests[request.request_id]

