@@ -84,7 +84,7 @@ class LLMEngine:
         weights = loader.load_weights(self.source, self.arch, self.dtype)
         with torch.device("meta"):
             model = LlamaModel(self.arch)
-        model = model.to_empty(device=self.device)
+        model = model.to_empty(device=self.device).to(self.dtype).requires_grad_(False)
         model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
         return model.eval()
 

@@ -79,11 +79,26 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.kv.blocks_needed(request.num_tokens + 1) > self.kv.num_blocks:
+        budget = self.policy.max_num_batched_tokens
+        if not self.policy.enable_chunked_prefill and request.num_tokens > budget:
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens but one step computes at most "
+                f"{budget} and chunked prefill is off; enable chunked prefill or raise "
+                "max_num_batched_tokens"
+            )
+        # Every token but the last generated one (sampled, never computed) needs a KV slot. A
+        # request that can outgrow the whole cache would preempt itself forever, so refuse it.
+        final_len = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens, request.max_model_len
+        )
+        max_kv_tokens = max(request.num_tokens, final_len - 1)
+        if self.kv.blocks_needed(max_kv_tokens) > self.kv.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} needs more KV blocks than the cache holds "
-                f"({request.num_tokens} tokens, {self.kv.num_blocks} blocks of "
-                f"{self.kv.block_size}); shorten the prompt or give the cache more memory"
+                f"(up to {max_kv_tokens} tokens with max_tokens="
+                f"{request.sampling_params.max_tokens}, {self.kv.num_blocks} blocks of "
+                f"{self.kv.block_size}); shorten the prompt, lower max_tokens or give the cache "
+                "more memory"
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -162,7 +177,7 @@ class Scheduler:
             )
             remaining = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
             num_new = min(remaining, budget)
-            if num_new < remaining and not self.policy.enable_chunked_prefill:
+            if num_new < remaining and not self._may_chunk(request):
                 break
             block_ids = self.kv.allocate_slots(request, num_new, prefix)
             if block_ids is None:
@@ -179,9 +194,20 @@ class Scheduler:
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
-        if remaining > budget and not self.policy.enable_chunked_prefill:
+        if remaining > budget and not self._may_chunk(request):
             return 0
         return min(remaining, budget)
+
+    def _may_chunk(self, request: Request) -> bool:
+        """Whether the request's uncomputed tokens may be split over several steps.
+
+        Without chunked prefill a prompt runs whole. But a preempted request recomputes its prompt
+        plus the tokens it generated; once that outgrows the whole budget it could never run whole
+        again, so it is recomputed in chunks rather than left waiting forever.
+        """
+        return self.policy.enable_chunked_prefill or (
+            request.num_preemptions > 0 and request.num_tokens > self.policy.max_num_batched_tokens
+        )
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput

@@ -5,7 +5,9 @@ One step runs a flat batch of T tokens from several requests (no padding of the 
   * prompt chunks follow, each attending to its cached prefix plus itself (causal).
 K and V are written into the paged cache before attention, so a chunk reads its own keys back
 from the same place a later step will. The LM head runs only on the positions that are sampled.
-Weights are fused per layer (q|k|v and gate|up) so each layer issues four matmuls.
+Weights are fused per layer (q|k|v and gate|up) so each layer issues four matmuls, and stored
+transposed, [in, out], because MKL's `x @ W` runs up to 2x faster than `x @ W.T` when x has few
+rows (decode batches), and no slower for prompts.
 """
 
 from __future__ import annotations
@@ -89,15 +91,16 @@ class LlamaLayer(nn.Module):
         self.eps = arch.rms_norm_eps
         self.input_norm = nn.Parameter(torch.ones(h))
         self.post_norm = nn.Parameter(torch.ones(h))
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h))
+        # Projection weights are [in, out]: transposed w.r.t. HF / nn.Linear.
+        self.qkv = nn.Parameter(torch.empty(h, self.q_size + 2 * self.kv_size))
         self.qkv_bias = (
             nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size))
             if arch.attention_bias
             else None
         )
-        self.o = nn.Parameter(torch.empty(h, self.q_size))
-        self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
-        self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
+        self.o = nn.Parameter(torch.empty(self.q_size, h))
+        self.gate_up = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
+        self.down = nn.Parameter(torch.empty(arch.intermediate_size, h))
 
     def forward(
         self,
@@ -108,17 +111,17 @@ class LlamaLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qkv = h @ self.qkv if self.qkv_bias is None else torch.addmm(self.qkv_bias, h, self.qkv)
         t = x.shape[0]
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o)
+        x = x + attn.reshape(t, self.q_size) @ self.o
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = (h @ self.gate_up).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.down
 
 
 def paged_attention(
@@ -191,11 +194,8 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
-        )
+        # [hidden, vocab]: a transposed copy even when tied (the lookup needs rows of `embed`).
+        self.lm_head = nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))
         self.rope: RotaryEmbedding | None = None
 
     @torch.inference_mode()
@@ -215,35 +215,42 @@ class LlamaModel(nn.Module):
         if meta.sample_rows is not None:
             x = x[meta.sample_rows]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return (x @ self.lm_head).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled."""
         filled: set[str] = set()
 
-        def put(name: str, value: torch.Tensor) -> None:
-            param = dict(self.named_parameters())[name]
-            param.data = value.to(param.dtype).contiguous()
+        params = dict(self.named_parameters())
+
+        def put(name: str, value: torch.Tensor, transpose: bool = False) -> None:
+            value = value.t() if transpose else value
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(value.shape)}, expected {tuple(params[name].shape)}"
+                )
+            params[name].data = value.to(params[name].dtype).contiguous()
             filled.add(name)
 
         put("embed", weights["model.embed_tokens.weight"])
         put("norm", weights["model.norm.weight"])
-        if self.lm_head is not None:
-            put("lm_head", weights["lm_head.weight"])
+        tied = self.arch.tie_word_embeddings
+        head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        put("lm_head", head, transpose=True)
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             put(f"layers.{i}.input_norm", weights[p + "input_layernorm.weight"])
             put(f"layers.{i}.post_norm", weights[p + "post_attention_layernorm.weight"])
-            put(f"layers.{i}.qkv", torch.cat([weights[a + f"{n}_proj.weight"] for n in "qkv"]))
+            qkv = torch.cat([weights[a + f"{n}_proj.weight"] for n in "qkv"])
+            put(f"layers.{i}.qkv", qkv, transpose=True)
             if self.arch.attention_bias:
                 bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
                 put(f"layers.{i}.qkv_bias", bias)
-            put(f"layers.{i}.o", weights[a + "o_proj.weight"])
+            put(f"layers.{i}.o", weights[a + "o_proj.weight"], transpose=True)
             gate_up = torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])
-            put(f"layers.{i}.gate_up", gate_up)
-            put(f"layers.{i}.down", weights[m + "down_proj.weight"])
+            put(f"layers.{i}.gate_up", gate_up, transpose=True)
+            put(f"layers.{i}.down", weights[m + "down_proj.weight"], transpose=True)
         missing = {n for n, _ in self.named_parameters()} - filled
         if missing:
             raise ValueError(f"weights missing for parameters: {sorted(missing)[:5]}")

@@ -1,0 +1,217 @@
+"""Plain factories and checkers for the pure engine parts (block pool, KV manager, scheduler).
+
+Kept as functions, not fixtures, so that `tests/conftest.py` stays free for model fixtures.
+Import with `from factories import ...` (pytest puts `tests/` on sys.path for its conftest).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+
+_ids = itertools.count()
+# Default prompts are drawn from disjoint token ranges so that requests never share a prefix by
+# accident; tests that want sharing pass `prompt=` explicitly.
+_prompt_base = itertools.count(1)
+
+
+def make_request(
+    rid: str | None = None,
+    prompt_len: int = 8,
+    max_tokens: int = 4,
+    prompt: list[int] | None = None,
+    *,
+    eos_token_ids: tuple[int, ...] = (),
+    max_model_len: int | None = None,
+    **sampling: object,
+) -> Request:
+    if rid is None:
+        rid = f"req-{next(_ids)}"
+    if prompt is None:
+        base = 10_000 * next(_prompt_base)
+        prompt = list(range(base, base + prompt_len))
+    params = SamplingParams(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
+    kwargs: dict[str, object] = {}
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    return Request(rid, list(prompt), params, eos_token_ids, **kwargs)  # type: ignore[arg-type]
+
+
+def make_kv(num_blocks: int = 64, block_size: int = 4, caching: bool = True) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 32,
+    max_num_seqs: int = 16,
+    chunked: bool = True,
+    decode_first: bool = True,
+    caching: bool = True,
+) -> Scheduler:
+    policy = SchedulerPolicy(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked,
+        decode_first=decode_first,
+    )
+    return Scheduler(policy, make_kv(num_blocks, block_size, caching))
+
+
+def det_token(request: Request) -> int:
+    """A token that depends only on (request id, position): equal across schedules."""
+    return 100 + zlib.crc32(f"{request.request_id}:{request.num_tokens}".encode()) % 5000
+
+
+class FakeKVCache:
+    """The physical cache as the model would see it: one token id per slot.
+
+    Each step writes the scheduled tokens into their slots, then checks that every scheduled row
+    finds its whole context (prefix-cache hits included) in the slots its block table names. This
+    catches a block table that points at evicted, reused or wrongly shared blocks.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, int] = {}
+
+    def _slot(self, block_ids: list[int], pos: int) -> int:
+        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def step(self, scheduler: Scheduler, out: SchedulerOutput) -> None:
+        for s in out.scheduled:
+            end = s.start_pos + s.num_tokens
+            assert len(s.block_ids) >= -(-end // self.block_size), s
+            assert len(set(s.block_ids)) == len(s.block_ids), s
+            for i, tok in enumerate(s.token_ids):
+                self.slots[self._slot(s.block_ids, s.start_pos + i)] = tok
+        for s in out.scheduled:
+            req = scheduler.requests[s.request_id]
+            expected = req.all_token_ids[: s.start_pos + s.num_tokens]
+            got = [self.slots.get(self._slot(s.block_ids, p)) for p in range(len(expected))]
+            assert got == expected, f"{s.request_id}: KV content differs from its tokens"
+
+
+def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """Invariants of one schedule() result, checked before update_from_output."""
+    policy = scheduler.policy
+    assert out.num_batched_tokens <= policy.max_num_batched_tokens
+    assert len(scheduler.running) <= policy.max_num_seqs
+    ids = [s.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    assert not set(ids) & set(out.preempted), "a preempted request was scheduled"
+    running = {r.request_id for r in scheduler.running}
+    for s in out.scheduled:
+        assert s.request_id in running
+        req = scheduler.requests[s.request_id]
+        assert s.num_tokens >= 1
+        assert s.start_pos == req.num_computed_tokens
+        assert s.token_ids == req.all_token_ids[s.start_pos : s.start_pos + s.num_tokens]
+        assert s.sample == (s.start_pos + s.num_tokens == req.num_tokens)
+        assert s.block_ids == scheduler.kv.get_block_ids(s.request_id)
+    for r in scheduler.waiting:
+        assert r.request_id not in running
+        assert not scheduler.kv.has_request(r.request_id), "a waiting request holds blocks"
+
+
+_fakes: weakref.WeakKeyDictionary[Scheduler, FakeKVCache] = weakref.WeakKeyDictionary()
+
+
+def fake_cache(scheduler: Scheduler) -> FakeKVCache:
+    """The FakeKVCache that follows `scheduler` across `step` and `run_to_completion` calls."""
+    if scheduler not in _fakes:
+        _fakes[scheduler] = FakeKVCache(scheduler.kv.block_size)
+    return _fakes[scheduler]
+
+
+def step(
+    scheduler: Scheduler,
+    token_fn: Callable[[Request], int] = lambda req: 7,
+    check: bool = True,
+) -> SchedulerOutput:
+    """One engine step: schedule, check invariants and KV content, sample, update."""
+    out = scheduler.schedule()
+    if check:
+        check_step(scheduler, out)
+        fake_cache(scheduler).step(scheduler, out)
+    sampled = {
+        s.request_id: token_fn(scheduler.requests[s.request_id]) for s in out.scheduled if s.sample
+    }
+    scheduler.update_from_output(out, sampled)
+    return out
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]]  # every request seen, aborted ones included
+    steps: list[SchedulerOutput]
+    requests: dict[str, Request] = field(default_factory=dict)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        """Unpacks as `outputs, steps = run_to_completion(...)`."""
+        return iter((self.outputs, self.steps))
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    token_fn: Callable[[Request], int] = lambda req: 7,
+    max_steps: int = 1000,
+    *,
+    before_step: Callable[[int, Scheduler], None] | None = None,
+    check: bool = True,
+) -> RunResult:
+    """Drive the scheduler like the engine does, with fake sampled tokens, until nothing is left.
+
+    `before_step(i, scheduler)` runs before each step and may add or abort requests. Raises
+    AssertionError after `max_steps` steps (a livelock).
+    """
+    seen: dict[str, Request] = dict(scheduler.requests)
+    steps: list[SchedulerOutput] = []
+    for i in range(max_steps):
+        if before_step is not None:
+            before_step(i, scheduler)
+        seen.update(scheduler.requests)
+        if not scheduler.has_unfinished():
+            break
+        steps.append(step(scheduler, token_fn, check))
+    else:
+        raise AssertionError(
+            f"not finished after {max_steps} steps: {scheduler.num_running} running, "
+            f"{scheduler.num_waiting} waiting"
+        )
+    outputs = {rid: list(r.output_token_ids) for rid, r in seen.items()}
+    return RunResult(outputs, steps, seen)
+
+
+def assert_no_leaks(obj: Scheduler | KVCacheManager | BlockPool) -> None:
+    """Nothing alive holds memory: all blocks free, no request held, refcounts all 0."""
+    if isinstance(obj, Scheduler):
+        assert not obj.requests, f"requests still held: {list(obj.requests)}"
+        assert not obj.waiting
+        assert not obj.running
+        obj = obj.kv
+    if isinstance(obj, KVCacheManager):
+        assert not obj._blocks, f"block tables still held: {list(obj._blocks)}"
+        assert not obj._hashes
+        assert not obj._num_cached
+        assert obj.num_free_blocks == obj.num_blocks
+        assert obj.usage == 0.0
+        obj = obj.pool
+    pool = obj
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks), "non-zero reference count"
+    assert sorted(pool._free) == list(range(pool.num_blocks))
+    for block_hash, block in pool._cached.items():
+        assert block.block_hash == block_hash, "cache map and block disagree"
+    for b in pool.blocks:
+        if b.block_hash is not None:
+            assert pool._cached.get(b.block_hash) is b, "a hashed block missing from the map"
