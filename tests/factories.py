@@ -198,6 +198,7 @@ def assert_no_leaks(obj: Scheduler | KVCacheManager | BlockPool) -> None:
         assert not obj.requests, f"requests still held: {list(obj.requests)}"
         assert not obj.waiting
         assert not obj.running
+        assert not obj.held, f"KV still held for transfer: {list(obj.held)}"
         obj = obj.kv
     if isinstance(obj, KVCacheManager):
         assert not obj._blocks, f"block tables still held: {list(obj._blocks)}"

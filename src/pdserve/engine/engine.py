@@ -78,6 +78,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.sampler = Sampler(mc.seed)
         self._live: dict[str, _Tracked] = {}
+        self._reserved: dict[str, _Tracked] = {}  # decode side: KV on its way from P
         self._ids = itertools.count()
 
     def _build_model(self) -> LlamaModel:
@@ -104,19 +105,100 @@ class LLMEngine:
         return None, list(prompt)
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        hold_kv: bool = False,
     ) -> str:
+        """Queue a request. `hold_kv` keeps its KV after it finishes, until `release_kv`."""
+        tracked = self._new_request(prompt, params, request_id)
+        tracked.request.hold_kv = hold_kv
+        self.scheduler.add_request(tracked.request)
+        self._live[tracked.request.request_id] = tracked
+        return tracked.request.request_id
+
+    def _new_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None
+    ) -> _Tracked:
         params.validate()
         text, ids = self.tokenize(prompt)
         self._check_prompt(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._live:
+        if rid in self._live or rid in self._reserved or rid in self.scheduler.held:
             raise ValueError(f"request id {rid!r} is already in use")
         request = Request(rid, ids, params, self.eos_token_ids, max_model_len=self.max_model_len)
-        self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings)
-        self._live[rid] = _Tracked(request, text, detok)
-        return rid
+        return _Tracked(request, text, detok)
+
+    # ---- KV hand-off (used by prefill and decode workers) ------------------------------------
+    def reserve_kv(
+        self, prompt: Prompt, params: SamplingParams, request_id: str, num_kv_tokens: int
+    ) -> list[int] | None:
+        """Decode side: blocks for `num_kv_tokens` tokens of KV that will arrive from P.
+
+        Returns the block ids, or None when memory is short (nothing is reserved then).
+        """
+        tracked = self._new_request(prompt, params, request_id)
+        if not 0 < num_kv_tokens < self.max_model_len:
+            raise ValueError(f"num_kv_tokens must be in [1, {self.max_model_len})")
+        block_ids = self.kv_manager.reserve(request_id, num_kv_tokens + 1)
+        if block_ids is not None:
+            self._reserved[request_id] = tracked
+        return block_ids
+
+    def admit_prefilled(
+        self, request_id: str, output_token_ids: list[int], num_kv_tokens: int
+    ) -> None:
+        """Decode side: the KV of the first `num_kv_tokens` tokens is in the reserved blocks."""
+        tracked = self._reserved.pop(request_id)
+        request = tracked.request
+        request.output_token_ids = list(output_token_ids)
+        if num_kv_tokens != request.num_tokens - 1:
+            self.kv_manager.free(request_id)
+            raise ValueError(
+                f"{request_id}: {num_kv_tokens} KV tokens for {request.num_tokens} tokens; "
+                "all but the last must be computed"
+            )
+        request.num_computed_tokens = num_kv_tokens
+        tracked.detok.add(list(output_token_ids))  # P already emitted this text
+        tracked.sent_tokens = len(output_token_ids)
+        self.scheduler.add_prefilled(request)
+        self._live[request_id] = tracked
+
+    def cancel_reserved(self, request_id: str) -> bool:
+        if self._reserved.pop(request_id, None) is None:
+            return False
+        self.kv_manager.free(request_id)
+        return True
+
+    def release_kv(self, request_id: str) -> bool:
+        """Prefill side: the transfer is acknowledged (or its lease expired); free the KV."""
+        return self.scheduler.release_held(request_id)
+
+    def held_request(self, request_id: str) -> Request | None:
+        return self.scheduler.held.get(request_id)
+
+    def kv_slots(self, block_ids: list[int], token_start: int, token_end: int) -> torch.Tensor:
+        """Flat slot index of each token in [token_start, token_end) of a block table."""
+        bs = self.cache.block_size
+        pos = torch.arange(token_start, token_end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
+
+    def write_kv(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store received K/V [n, KVH, D] into reserved slots. Touches only those slots, so a
+        receiver thread may call it while the engine steps on other requests."""
+        k_cache, v_cache = self.cache.layers[layer]
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def read_kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = self.cache.layers[layer]
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        return k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -131,7 +213,9 @@ class LLMEngine:
             raise ValueError(f"token ids out of range [0, {self.arch.vocab_size}): {bad[:5]}")
 
     def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is (queued, running, reserved or held); frees its KV."""
         self.scheduler.abort_request(request_id)
+        self.cancel_reserved(request_id)
         self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -220,6 +304,8 @@ class LLMEngine:
             "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
             "preemptions": self.scheduler.num_preemptions,
+            "held_for_transfer": len(self.scheduler.held),
+            "reserved_for_transfer": len(self._reserved),
         }
 
 

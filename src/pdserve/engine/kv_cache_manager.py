@@ -140,6 +140,20 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in blocks]
 
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Blocks for KV that will arrive from elsewhere (a decode worker's pre-allocation).
+
+        Nothing is registered in the prefix cache: the content is not there yet. It is
+        registered when the request is admitted and `allocate_slots` runs for it.
+        """
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        need = self.blocks_needed(num_tokens)
+        if need > self.pool.num_free_blocks:
+            return None
+        self._blocks[request_id] = self.pool.get_new_blocks(need)
+        return self.get_block_ids(request_id)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register blocks that will be full once this step has written `num_tokens` tokens."""
         if not self.enable_prefix_caching:

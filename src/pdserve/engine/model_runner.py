@@ -6,6 +6,7 @@ prompt chunks. Only requests whose step reaches their last known token are sampl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,20 @@ import torch
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.models.llama import AttentionMetadata, LlamaModel, PrefillSegment
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Where one request's tokens sit in the flat batch of a step."""
+
+    request_id: str
+    row: int  # first row in the batch
+    num_tokens: int
+    start_pos: int  # position of the first of these tokens in the request
+
+
+# hook(layer, k, v, spans): k and v are [T, KVH, D], rows as laid out by `spans`.
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor, list[RowSpan]], None]
 
 
 @dataclass
@@ -25,15 +40,28 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
+        self.layer_hook: LayerHook | None = None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
         chunks = [s for s in out.scheduled if s.num_tokens > 1]
         ordered = decodes + chunks
         input_ids, meta = self._prepare(decodes, chunks)
+        if self.layer_hook is not None:
+            meta.layer_hook = self._bind_hook(self.layer_hook, ordered)
         sampled = [s.request_id for s in ordered if s.sample]
         logits = self.model(input_ids, meta, self.cache.layers)
         return StepResult(sampled, logits)
+
+    @staticmethod
+    def _bind_hook(
+        hook: LayerHook, ordered: list[ScheduledRequest]
+    ) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        spans, row = [], 0
+        for s in ordered:
+            spans.append(RowSpan(s.request_id, row, s.num_tokens, s.start_pos))
+            row += s.num_tokens
+        return lambda layer, k, v: hook(layer, k, v, spans)
 
     def _prepare(
         self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]

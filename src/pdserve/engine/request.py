@@ -93,6 +93,8 @@ class Request:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     max_model_len: int = 1 << 62  # generation stops (length) when the context is full
+    # Keep the KV blocks when finished (not aborted): a prefill worker's KV awaits transfer.
+    hold_kv: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

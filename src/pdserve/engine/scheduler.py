@@ -74,13 +74,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Finished requests whose blocks are kept (`Request.hold_kv`) until `release_held`.
+        self.held: dict[str, Request] = {}
 
     # ---- intake ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         budget = self.policy.max_num_batched_tokens
-        if not self.policy.enable_chunked_prefill and request.num_tokens > budget:
+        to_compute = request.num_tokens - request.num_computed_tokens
+        if not self.policy.enable_chunked_prefill and to_compute > budget:
             raise ValueError(
                 f"the prompt has {request.num_tokens} tokens but one step computes at most "
                 f"{budget} and chunked prefill is off; enable chunked prefill or raise "
@@ -104,11 +107,24 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_prefilled(self, request: Request) -> None:
+        """Admit a request whose KV for `num_computed_tokens` tokens is already in its blocks.
+
+        A decode worker reserves the blocks (`KVCacheManager.reserve`), fills them from the
+        wire, then calls this. The request joins `waiting` like any other; with only its last
+        token uncomputed it schedules as a decode, needing no special path.
+        """
+        if not self.kv.has_request(request.request_id) or request.num_computed_tokens < 1:
+            raise ValueError(f"request {request.request_id!r} has no reserved, filled KV blocks")
+        self.add_request(request)
+
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its blocks; unknown ids are ignored."""
         request = self.requests.get(request_id)
         if request is None:
-            return None
+            held = self.held.get(request_id)
+            self.release_held(request_id)
+            return held
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
@@ -269,6 +285,17 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
         request.status = status
         del self.requests[request.request_id]
+        if request.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request  # a prefill worker's KV awaiting transfer
+        else:
+            self.kv.free(request.request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the KV kept by a finished `hold_kv` request (its transfer is acknowledged)."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request_id)
+        return True

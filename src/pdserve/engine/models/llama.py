@@ -13,6 +13,7 @@ rows (decode batches), and no slower for prompts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSegment] = field(default_factory=list)
     sample_rows: torch.Tensor | None = None  # [S] long: rows whose logits are needed
+    # Called after each layer as hook(layer, k, v), k/v [T, KVH, D] as cached (after RoPE):
+    # lets a prefill worker stream a layer's KV while the next layer computes.
+    layer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
 class RotaryEmbedding:
@@ -83,8 +87,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, index: int) -> None:
         super().__init__()
+        self.index = index
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
@@ -118,6 +123,8 @@ class LlamaLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
+        if meta.layer_hook is not None:
+            meta.layer_hook(self.index, k, v)
         x = x + attn.reshape(t, self.q_size) @ self.o
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
         gate, up = (h @ self.gate_up).chunk(2, dim=-1)
@@ -192,7 +199,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
-        self.layers = nn.ModuleList(LlamaLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         # [hidden, vocab]: a transposed copy even when tied (the lookup needs rows of `embed`).
         self.lm_head = nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))

@@ -1,0 +1,65 @@
+"""Two engines in one process hand a request over by copying KV token ranges: the engine half of
+disaggregation, without workers or a transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_engine_idle
+from pdserve import LLM, SamplingParams
+
+
+def _handoff(p: LLM, d: LLM, prompt: list[int], params: SamplingParams, k: int = 1) -> list[int]:
+    """Prefill (and k-1 decode steps) on p, copy the KV to d, finish on d; returns all tokens."""
+    pe, de = p.engine, d.engine
+    p_params = SamplingParams(**{**params.__dict__, "max_tokens": k})
+    rid = pe.add_request(prompt, p_params, "r", hold_kv=True)
+    while pe.has_unfinished_requests():
+        pe.step()
+    held = pe.held_request(rid)
+    assert held is not None
+    n_kv = held.num_computed_tokens
+    assert n_kv == len(prompt) + k - 1
+    blocks = de.reserve_kv(prompt, params, rid, n_kv)
+    assert blocks is not None
+    src = pe.kv_slots(pe.kv_manager.get_block_ids(rid), 0, n_kv)
+    dst = de.kv_slots(blocks, 0, n_kv)
+    for layer in range(pe.arch.num_layers):
+        de.write_kv(dst, layer, *pe.read_kv(src, layer))
+    assert pe.release_kv(rid)
+    de.admit_prefilled(rid, held.output_token_ids, n_kv)
+    out = None
+    while de.has_unfinished_requests():
+        for o in de.step():
+            out = o
+    assert out is not None and out.finished
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("p_block", "d_block", "k"), [(4, 4, 1), (4, 16, 1), (16, 4, 3)])
+def test_handoff_equals_single_engine(tiny_llama_path, p_block, d_block, k) -> None:  # type: ignore[no-untyped-def]
+    path = str(tiny_llama_path)
+    ref = LLM(path, block_size=8, num_blocks=256)
+    p = LLM(path, block_size=p_block, num_blocks=256)
+    d = LLM(path, block_size=d_block, num_blocks=256)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(2)
+    for n in (3, 17, 50):
+        prompt = torch.randint(3, 49000, (n,), generator=g).tolist()
+        want = ref.generate([prompt], params)[0].outputs[0].token_ids
+        assert _handoff(p, d, prompt, params, k) == want
+    for llm in (ref, p, d):
+        assert_engine_idle(llm)
+        assert not llm.engine.scheduler.held and not llm.engine._reserved
+
+
+def test_reserve_refuses_and_cancel_frees(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    d = LLM(str(tiny_llama_path), block_size=4, num_blocks=8)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    assert d.engine.reserve_kv([5] * 20, params, "a", 20) is not None
+    assert d.engine.reserve_kv([5] * 20, params, "b", 20) is None
+    with pytest.raises(ValueError, match="in use"):
+        d.engine.reserve_kv([5] * 4, params, "a", 4)
+    assert d.engine.cancel_reserved("a") and not d.engine.cancel_reserved("a")
+    assert_engine_idle(d)
