@@ -36,3 +36,4 @@ class RequestOutput:
     # Tokens appended since the previous output of this request (for streaming).
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    error: str | None = None  # why the request failed (finish_reason "error"), if it did

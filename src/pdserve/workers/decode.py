@@ -1,0 +1,219 @@
+"""Decode side of the hand-off: reserve blocks, receive KV frames into them, admit, generate.
+
+Life cycle of a request here, by the names used below (`Incoming.stage`):
+  1. `reserving`  — ExpectKV arrived; blocks for the prompt's KV are reserved (retried each loop
+                    while memory is short, until the deadline);
+  2. `receiving`  — reserved and P's KVWant seen: KVReady went to P; frames are checked (checksum,
+                    layout fingerprint, ranges in order per layer) and written into the blocks;
+  3. admitted     — KVDone arrived and every layer holds every token: the engine admits the
+                    request with num_computed_tokens = KV tokens; KVAck releases P's blocks.
+Any bad frame, silence longer than the deadline, or KVFail from P cancels the reservation and tells
+both P and the requester. Nothing here waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.request import SamplingParams
+from pdserve.transfer import wire
+from pdserve.transfer.transports import MSG
+from pdserve.workers import messages as m
+
+if TYPE_CHECKING:
+    from pdserve.workers.worker import Worker
+
+
+@dataclass
+class Incoming:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    src_worker: str
+    num_kv_tokens: int
+    client: bytes
+    last_activity: float
+    stage: str = "reserving"
+    peer: bytes | None = None  # P's identity on the KV socket, once KVWant arrived
+    slots: torch.Tensor | None = None
+    next_token: list[int] = field(default_factory=list)
+    frames: int = 0
+    nbytes: int = 0
+    started: float = 0.0
+
+
+class DecodeSide:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.inc: dict[str, Incoming] = {}
+        self.early_wants: dict[str, tuple[bytes, float]] = {}  # KVWant before ExpectKV
+
+    # ---- intake --------------------------------------------------------------------------
+    def expect(self, msg: m.ExpectKV, client: bytes) -> None:
+        params = SamplingParams(**msg.params)
+        n_kv = len(msg.prompt_ids) + max(1, msg.handoff_tokens) - 1
+        now = time.monotonic()
+        inc = Incoming(
+            msg.rid,
+            list(msg.prompt_ids),
+            params,
+            msg.src_worker,
+            n_kv,
+            client,
+            now,
+            next_token=[0] * self.w.engine.arch.num_layers,
+            started=now,
+        )
+        if msg.rid in self.inc or msg.rid in self.w.engine._live:
+            raise ValueError(f"request id {msg.rid!r} is already in use")
+        self.inc[msg.rid] = inc
+        self.w.clients[msg.rid] = client
+        early = self.early_wants.pop(msg.rid, None)
+        if early is not None:
+            inc.peer = early[0]
+        self._try_reserve(inc)
+
+    def _try_reserve(self, inc: Incoming) -> None:
+        eng = self.w.engine
+        try:
+            blocks = eng.reserve_kv(inc.prompt_ids, inc.params, inc.rid, inc.num_kv_tokens)
+        except ValueError as e:
+            self.fail(inc, f"cannot admit: {e}")
+            return
+        if blocks is None:
+            return  # memory short: retried each loop until the deadline
+        inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
+        inc.stage = "receiving"
+        self._maybe_ready(inc)
+
+    def _maybe_ready(self, inc: Incoming) -> None:
+        if inc.stage == "receiving" and inc.peer is not None:
+            self._send(inc.peer, m.KVReady(inc.rid))
+
+    # ---- the KV socket -------------------------------------------------------------------
+    def on_message(self, peer: bytes, msg: object) -> None:
+        if isinstance(msg, m.KVWant):
+            inc = self.inc.get(msg.rid)
+            if inc is None:
+                self.early_wants[msg.rid] = (peer, time.monotonic())
+                return
+            inc.peer, inc.last_activity = peer, time.monotonic()
+            self._maybe_ready(inc)
+        elif isinstance(msg, m.KVDone):
+            inc = self.inc.get(msg.rid)
+            if inc is not None:
+                self._on_done(inc, msg)
+        elif isinstance(msg, m.KVFail):
+            inc = self.inc.get(msg.rid)
+            if inc is not None:
+                self.fail(inc, f"prefill worker {inc.src_worker}: {msg.reason}", tell_src=False)
+
+    def on_frame(self, peer: bytes, parts: list) -> None:
+        try:
+            head = wire.peek_header(parts)
+        except wire.WireError as e:
+            self.w.counters["bad_frames"] += 1
+            self.w.log.warning("dropping a malformed KV frame from %r: %s", peer, e)
+            return
+        inc = self.inc.get(head.request_id)
+        if inc is None or inc.stage != "receiving" or inc.peer != peer:
+            self.w.counters["stray_frames"] += 1
+            return
+        try:
+            self._store(inc, wire.decode_frame(parts, fingerprint=self.w.fingerprint))
+        except ValueError as e:
+            self.w.counters["bad_frames"] += 1
+            self.fail(inc, f"bad KV frame: {e}")
+
+    def _store(self, inc: Incoming, frame: wire.Frame) -> None:
+        h = frame.header
+        if h.token_end > inc.num_kv_tokens or h.layer_end > len(inc.next_token):
+            raise ValueError(
+                f"frame range beyond the request ({h.token_end} tokens, layer {h.layer_end})"
+            )
+        assert inc.slots is not None
+        for layer, k, v in frame.layers():
+            if inc.next_token[layer] != h.token_start:
+                raise ValueError(
+                    f"layer {layer}: tokens from {h.token_start}, expected {inc.next_token[layer]}"
+                )
+            self.w.engine.write_kv(inc.slots[h.token_start : h.token_end], layer, k, v)
+            inc.next_token[layer] = h.token_end
+        inc.frames += 1
+        inc.nbytes += h.payload_len
+        inc.last_activity = time.monotonic()
+
+    def _on_done(self, inc: Incoming, msg: m.KVDone) -> None:
+        complete = all(n == inc.num_kv_tokens for n in inc.next_token)
+        if (
+            inc.stage != "receiving"
+            or msg.num_kv_tokens != inc.num_kv_tokens
+            or not complete
+            or msg.frames != inc.frames
+        ):
+            self.fail(
+                inc,
+                f"incomplete KV: {inc.frames}/{msg.frames} frames, "
+                f"{min(inc.next_token)}/{inc.num_kv_tokens} tokens",
+            )
+            return
+        del self.inc[inc.rid]
+        try:
+            self.w.engine.admit_prefilled(inc.rid, msg.output_ids, inc.num_kv_tokens)
+        except ValueError as e:
+            self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, str(e), "admission"))
+            return
+        assert inc.peer is not None
+        self._send(inc.peer, m.KVAck(inc.rid))
+        self.w.counters["handoffs_received"] += 1
+        self.w.emit(
+            inc.rid,
+            m.TransferReport(
+                inc.rid,
+                self.w.worker_id,
+                "recv",
+                inc.frames,
+                inc.nbytes,
+                time.monotonic() - inc.started,
+                self.w.kv_codec,
+            ),
+        )
+
+    # ---- deadlines and failures ----------------------------------------------------------
+    def check_deadlines(self, now: float) -> None:
+        for inc in list(self.inc.values()):
+            if inc.stage == "reserving":
+                self._try_reserve(inc)
+            if inc.rid in self.inc and now - inc.last_activity > self.w.deadline_s:
+                what = "KV blocks" if inc.stage == "reserving" else "KV frames"
+                self.fail(inc, f"no progress on {what} for {self.w.deadline_s:g}s")
+        for rid, (_, t) in list(self.early_wants.items()):
+            if now - t > self.w.deadline_s:
+                del self.early_wants[rid]
+
+    def fail(self, inc: Incoming, reason: str, tell_src: bool = True) -> None:
+        self.inc.pop(inc.rid, None)
+        self.w.engine.cancel_reserved(inc.rid)
+        self.w.counters["transfer_failures"] += 1
+        if tell_src and inc.peer is not None:
+            self._send(inc.peer, m.KVFail(inc.rid, reason))
+        self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, reason, "transfer"))
+        self.w.clients.pop(inc.rid, None)
+
+    def abort(self, rid: str) -> None:
+        inc = self.inc.pop(rid, None)
+        if inc is not None:
+            self.w.engine.cancel_reserved(rid)
+            if inc.peer is not None:
+                self._send(inc.peer, m.KVFail(rid, "aborted"))
+        self.early_wants.pop(rid, None)
+
+    def _send(self, peer: bytes, msg: object) -> None:
+        try:
+            self.w.kv_in.send_multipart([peer, MSG, m.encode(msg)])
+        except Exception as e:  # zmq.ZMQError: the peer is gone (ROUTER_MANDATORY)
+            self.w.log.warning("cannot reach %r: %s", peer, e)

@@ -1,0 +1,277 @@
+"""Every control message that crosses a process boundary: typed dataclasses, one msgpack codec.
+
+Wire form (version 1): a msgpack map {"v": 1, "t": <type name>, <field>: <value>, ...}.
+`decode` never unpickles, bounds every size before allocating, rejects unknown types, unknown or
+missing fields and wrongly typed values with `MessageError` (a ValueError) — a peer's bug or an
+attacker gets an error, never a crash or an object of the wrong shape.
+
+Sampling parameters travel as a plain dict and are rebuilt (and validated) by `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgpack
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 32 << 20  # a 1M-token prompt as msgpack ints fits; KV never travels here
+
+
+class MessageError(ValueError):
+    """A control message that is malformed, too large, or of an unknown type."""
+
+
+# ---- router/client -> worker ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    client: str
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Run the whole request here (colocated worker, or a decode worker prefilling locally)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill here, stream the KV to `dest_endpoint`, hand over after `handoff_tokens`."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: dict[str, Any]
+    dest_worker: str
+    dest_endpoint: str
+    handoff_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class ExpectKV:
+    """Reserve blocks for a request whose KV `src_worker` will push here."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: dict[str, Any]
+    src_worker: str
+    handoff_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class GetStats:
+    pass
+
+
+@dataclass(frozen=True)
+class SetFault:
+    """Fault injection on this worker's outgoing KV frames (tests and chaos runs only)."""
+
+    mode: str  # "none" | "drop" | "delay" | "corrupt"
+    count: int = 1  # frames affected, -1 for all
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- worker -> router/client ------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    pid: int
+    kv_endpoint: str
+    block_size: int
+    num_blocks: int
+    fingerprint: bytes
+    model: str
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens of a request (and its end, when `finished`)."""
+
+    rid: str
+    worker: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    # The worker hands the request to a decode worker after these tokens (prefill side).
+    handoff: bool = False
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """How a request's KV moved (sent by both ends when a hand-off completes)."""
+
+    rid: str
+    worker: str
+    side: str  # "send" | "recv"
+    frames: int
+    nbytes: int
+    seconds: float
+    codec: str
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    rid: str
+    worker: str
+    reason: str
+    stage: str  # "prefill" | "transfer" | "decode" | "admission"
+
+
+@dataclass(frozen=True)
+class Stats:
+    stats: dict[str, Any]
+
+
+# ---- prefill worker <-> decode worker (beside the KV frames) ----------------------------------
+@dataclass(frozen=True)
+class KVWant:
+    rid: str
+    src_worker: str
+
+
+@dataclass(frozen=True)
+class KVReady:
+    rid: str
+
+
+@dataclass(frozen=True)
+class KVDone:
+    rid: str
+    output_ids: list[int]
+    num_kv_tokens: int
+    frames: int
+
+
+@dataclass(frozen=True)
+class KVAck:
+    rid: str
+
+
+@dataclass(frozen=True)
+class KVFail:
+    rid: str
+    reason: str
+
+
+Message = Union[  # noqa: UP007 (a runtime union for the registry)
+    Hello,
+    Generate,
+    Prefill,
+    ExpectKV,
+    Abort,
+    GetStats,
+    SetFault,
+    Shutdown,
+    WorkerInfo,
+    Tokens,
+    TransferReport,
+    RequestFailed,
+    Stats,
+    KVWant,
+    KVReady,
+    KVDone,
+    KVAck,
+    KVFail,
+]
+REGISTRY: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if REGISTRY.get(name) is not type(msg):
+        raise MessageError(f"not a control message: {type(msg)!r}")
+    body = {"v": VERSION, "t": name, **{f.name: getattr(msg, f.name) for f in _fields(name)}}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes | memoryview) -> Any:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        # Bounded before parsing (MAX_MESSAGE_BYTES); msgpack sizes every container from the
+        # buffer it already holds, so a lying length cannot allocate beyond it.
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise MessageError(f"undecodable message: {e}") from None
+    if not isinstance(body, dict) or body.get("v") != VERSION:
+        raise MessageError("not a version-1 control message")
+    cls = REGISTRY.get(body.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MessageError(f"unknown message type {body.get('t')!r}")
+    return _build(cls, {k: v for k, v in body.items() if k not in ("v", "t")})
+
+
+def _fields(name: str) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(REGISTRY[name])
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise MessageError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}")
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    missing = required - set(values)
+    if missing:
+        raise MessageError(f"{cls.__name__}: missing fields {sorted(missing)}")
+    for key, value in values.items():
+        if not _conforms(value, hints[key]):
+            raise MessageError(f"{cls.__name__}.{key}: bad value of type {type(value).__name__}")
+    return cls(**values)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """A small runtime type check for the shapes messages use."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items()
+        )
+    return isinstance(value, hint)

@@ -1,0 +1,254 @@
+"""Prefill side of the hand-off: compute the prompt, push its KV to D, keep it until D acknowledges.
+
+Life cycle of a request here, by the names used below (`Outgoing.stage`):
+  1. `waiting_ready`  — Prefill arrived; the engine computes at once; KVWant went to D. Frames are
+                        not sent until D answers KVReady (its blocks are reserved).
+  2. `streaming`      — D is ready: the backlog (layers already computed) is sent from the cache,
+                        then every layer's KV is sent from the layer hook as soon as it exists.
+  3. `done_sent`      — the hand-off tokens are sampled, all frames and KVDone are out; the blocks
+                        stay held (lease) until KVAck, KVFail, or the lease runs out (reclaimed,
+                        counted, reported).
+The first token goes to the requester as soon as it is sampled, before any of this completes.
+Every stage has a deadline; on any failure both D and the requester are told.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+
+from pdserve.engine.model_runner import RowSpan
+from pdserve.engine.request import SamplingParams
+from pdserve.transfer import wire
+from pdserve.transfer.transports import FRAME, MSG, connect_sender
+from pdserve.workers import messages as m
+
+if TYPE_CHECKING:
+    from pdserve.workers.worker import Worker
+
+
+@dataclass
+class Outgoing:
+    rid: str
+    dest_worker: str
+    sock: zmq.Socket
+    params: SamplingParams  # the client's parameters (P runs with max_tokens = hand-off tokens)
+    started: float
+    stage: str = "waiting_ready"
+    next_token: list[int] = field(default_factory=list)  # per layer: first token not yet sent
+    frames: int = 0
+    nbytes: int = 0
+    done_at: float = 0.0
+    finished_local: bool = False  # the hand-off tokens are sampled; KVDone may go out
+
+
+@dataclass
+class Fault:
+    """Injected faults on outgoing frames (tests, chaos): drop, delay or corrupt N frames."""
+
+    mode: str = "none"
+    remaining: int = 0
+    delay_s: float = 0.0
+
+    def take(self) -> str:
+        if self.mode == "none" or self.remaining == 0:
+            return "none"
+        if self.remaining > 0:
+            self.remaining -= 1
+        return self.mode
+
+
+class PrefillSide:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.out: dict[str, Outgoing] = {}
+        self.senders: dict[str, zmq.Socket] = {}  # endpoint -> DEALER
+        self.fault = Fault()
+        self.delayed: list[tuple[float, zmq.Socket, list]] = []
+        worker.engine.runner.layer_hook = self.on_layer
+
+    # ---- intake --------------------------------------------------------------------------
+    def start(self, msg: m.Prefill, client: bytes) -> None:
+        params = SamplingParams(**msg.params)
+        handoff = max(1, msg.handoff_tokens)
+        local = SamplingParams(**{**msg.params, "max_tokens": min(handoff, params.max_tokens)})
+        self.w.engine.add_request(msg.prompt_ids, local, msg.rid, hold_kv=True)
+        sock = self._sender(msg.dest_endpoint)
+        layers = self.w.engine.arch.num_layers
+        self.out[msg.rid] = Outgoing(
+            msg.rid, msg.dest_worker, sock, params, time.monotonic(), next_token=[0] * layers
+        )
+        self.w.clients[msg.rid] = client
+        self._send_msg(sock, m.KVWant(msg.rid, self.w.worker_id))
+
+    def _sender(self, endpoint: str) -> zmq.Socket:
+        sock = self.senders.get(endpoint)
+        if sock is None:
+            sock = connect_sender(self.w.ctx, endpoint, self.w.worker_id)
+            self.w.poller.register(sock, zmq.POLLIN)
+            self.senders[endpoint] = sock
+        return sock
+
+    # ---- messages from D -----------------------------------------------------------------
+    def on_message(self, msg: object) -> None:
+        if isinstance(msg, m.KVReady):
+            self._on_ready(msg.rid)
+        elif isinstance(msg, m.KVAck):
+            self._on_ack(msg.rid)
+        elif isinstance(msg, m.KVFail):
+            o = self.out.get(msg.rid)
+            if o is not None:
+                self.fail(o, f"decode worker {o.dest_worker}: {msg.reason}", tell_dest=False)
+
+    def _on_ready(self, rid: str) -> None:
+        o = self.out.get(rid)
+        if o is None or o.stage != "waiting_ready":
+            return
+        o.stage = "streaming"
+        self._send_backlog(o)
+        if o.finished_local:
+            self._send_done(o)
+
+    def _send_backlog(self, o: Outgoing) -> None:
+        """Send from the cache every layer's KV computed before D was ready."""
+        eng = self.w.engine
+        request = eng.scheduler.requests.get(o.rid) or eng.scheduler.held.get(o.rid)
+        if request is None:
+            return
+        computed = request.num_computed_tokens
+        blocks = eng.kv_manager.get_block_ids(o.rid)
+        for layer in range(eng.arch.num_layers):
+            start = o.next_token[layer]
+            if start < computed:
+                k, v = eng.read_kv(eng.kv_slots(blocks, start, computed), layer)
+                self._send_frame(o, layer, start, k, v)
+
+    def _on_ack(self, rid: str) -> None:
+        o = self.out.pop(rid, None)
+        if o is None:
+            return
+        self.w.engine.release_kv(rid)
+        self.w.counters["handoffs_acked"] += 1
+        self.w.emit(
+            rid,
+            m.TransferReport(
+                rid,
+                self.w.worker_id,
+                "send",
+                o.frames,
+                o.nbytes,
+                time.monotonic() - o.started,
+                self.w.kv_codec,
+            ),
+        )
+
+    # ---- streaming -----------------------------------------------------------------------
+    def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, spans: list[RowSpan]) -> None:
+        """Layer hook: send this layer's fresh KV of every streaming request in the batch."""
+        for span in spans:
+            o = self.out.get(span.request_id)
+            if o is None or o.stage != "streaming" or o.next_token[layer] != span.start_pos:
+                continue
+            rows = slice(span.row, span.row + span.num_tokens)
+            self._send_frame(o, layer, span.start_pos, k[rows], v[rows])
+
+    def _send_frame(
+        self, o: Outgoing, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        parts = wire.encode_frame(
+            o.rid, layer, token_start, [k], [v], self.w.kv_codec, self.w.fingerprint
+        )
+        o.next_token[layer] = token_start + k.shape[0]
+        o.frames += 1
+        o.nbytes += wire.frame_nbytes(parts)
+        self._send_parts(o.sock, [FRAME, *parts])
+
+    def _send_parts(self, sock: zmq.Socket, parts: list) -> None:
+        fault = self.fault.take() if parts[0] == FRAME else "none"
+        if fault == "drop":
+            self.w.counters["faults_injected"] += 1
+            return
+        if fault == "corrupt":
+            self.w.counters["faults_injected"] += 1
+            payload = bytearray(b"".join(bytes(p) for p in parts[2:]))
+            payload[random.randrange(len(payload))] ^= 0x10
+            parts = [parts[0], parts[1], bytes(payload)]
+        if fault == "delay":
+            self.w.counters["faults_injected"] += 1
+            self.delayed.append((time.monotonic() + self.fault.delay_s, sock, parts))
+            return
+        sock.send_multipart(parts, copy=False)
+
+    def _send_msg(self, sock: zmq.Socket, msg: object) -> None:
+        self._send_parts(sock, [MSG, m.encode(msg)])
+
+    # ---- after each engine step ----------------------------------------------------------
+    def on_finished(self, rid: str, handoff: bool) -> None:
+        """The engine finished `rid` here: hand it over, or (finished for real) let it go."""
+        o = self.out.get(rid)
+        if o is None:
+            return
+        if not handoff:
+            self.out.pop(rid)
+            self.w.engine.release_kv(rid)
+            self._send_msg(o.sock, m.KVFail(rid, "finished on the prefill worker"))
+            return
+        o.finished_local = True
+        if o.stage == "streaming":
+            self._send_done(o)
+
+    def _send_done(self, o: Outgoing) -> None:
+        held = self.w.engine.held_request(o.rid)
+        if held is None:
+            return
+        self._send_backlog(o)  # tokens computed by decode steps on P (hand-off after k > 1)
+        self._send_msg(
+            o.sock, m.KVDone(o.rid, list(held.output_token_ids), held.num_computed_tokens, o.frames)
+        )
+        o.stage, o.done_at = "done_sent", time.monotonic()
+
+    def flush_delayed(self) -> None:
+        now = time.monotonic()
+        due = [d for d in self.delayed if d[0] <= now]
+        self.delayed = [d for d in self.delayed if d[0] > now]
+        for _, sock, parts in due:
+            sock.send_multipart(parts, copy=False)
+
+    def check_deadlines(self, now: float) -> None:
+        for o in list(self.out.values()):
+            if o.stage == "waiting_ready" and now - o.started > self.w.deadline_s:
+                self.fail(
+                    o,
+                    f"decode worker {o.dest_worker} did not reserve KV blocks within "
+                    f"{self.w.deadline_s:g}s",
+                )
+            elif o.stage == "done_sent" and now - o.done_at > self.w.lease_s:
+                self.w.counters["lease_reclaims"] += 1
+                self.fail(
+                    o,
+                    f"no acknowledgement from decode worker {o.dest_worker} within the "
+                    f"{self.w.lease_s:g}s lease; KV reclaimed",
+                )
+
+    def fail(self, o: Outgoing, reason: str, tell_dest: bool = True) -> None:
+        self.out.pop(o.rid, None)
+        self.w.engine.abort_request(o.rid)
+        self.w.counters["transfer_failures"] += 1
+        if tell_dest:
+            self._send_msg(o.sock, m.KVFail(o.rid, reason))
+        self.w.emit(o.rid, m.RequestFailed(o.rid, self.w.worker_id, reason, "transfer"))
+        self.w.clients.pop(o.rid, None)
+
+    def abort(self, rid: str) -> None:
+        o = self.out.pop(rid, None)
+        if o is not None:
+            self._send_msg(o.sock, m.KVFail(rid, "aborted"))
+
+    def close(self) -> None:
+        for sock in self.senders.values():
+            sock.close(0)

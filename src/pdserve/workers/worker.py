@@ -1,0 +1,312 @@
+"""A worker process: one engine, a control socket, a KV socket, one main loop.
+
+Roles (`prefill`, `decode`, `colocated`) only say what a router should send here; every worker
+can run whole requests (`Generate`), prefill for another worker (`Prefill`, see prefill.py) and
+receive KV (`ExpectKV`, see decode.py). The loop never blocks: it polls the sockets (briefly
+when idle, not at all when the engine has work), runs one engine step, sends the new tokens to
+whoever asked, and checks every deadline.
+
+Sockets: control = ROUTER (clients connect DEALERs, typed msgpack messages both ways);
+kv_in = ROUTER for frames pushed by prefill workers; one DEALER per decode worker we push to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import SamplingParams
+from pdserve.transfer import wire
+from pdserve.transfer.codecs import get_codec
+from pdserve.transfer.transports import FRAME, MSG, bind_receiver, get_transport
+from pdserve.workers import messages as m
+from pdserve.workers.decode import DecodeSide
+from pdserve.workers.prefill import PrefillSide
+
+ROLES = ("prefill", "decode", "colocated")
+READY_PREFIX = "PDSERVE_WORKER_READY "
+
+
+class Worker:
+    def __init__(
+        self,
+        role: str,
+        engine_args: dict[str, Any],
+        *,
+        worker_id: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kv_port: int = 0,
+        transport: str = "tcp",
+        kv_codec: str = "none",
+        deadline_s: float = 5.0,
+        lease_s: float = 10.0,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        get_codec(kv_codec)
+        self.role, self.kv_codec = role, kv_codec
+        self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
+        self.deadline_s, self.lease_s = deadline_s, lease_s
+        self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
+        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        self.fingerprint = wire.layout_fingerprint(self.engine.arch, self.engine.dtype)
+        self.ctx = ctx or zmq.Context.instance()
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        ctl_endpoint = (
+            f"inproc://ctl-{self.worker_id}"
+            if transport == "inproc"
+            else f"tcp://{host}:{port or '*'}"
+        )
+        self.control.bind(ctl_endpoint)
+        self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.kv_in, self.kv_endpoint = bind_receiver(
+            self.ctx, get_transport(transport), host, kv_port, self.worker_id
+        )
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.kv_in, zmq.POLLIN)
+        self.clients: dict[str, bytes] = {}  # request id -> identity of who asked
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.prefill = PrefillSide(self)
+        self.decode = DecodeSide(self)
+        self.running = True
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        try:
+            while self.running:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        ready = dict(self.poller.poll(0 if busy else 5))
+        for sock in ready:
+            self._drain(sock)
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self._on_output(out)
+        now = time.monotonic()
+        self.prefill.flush_delayed()
+        self.prefill.check_deadlines(now)
+        self.decode.check_deadlines(now)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if sock is self.control:
+                self._on_control(parts[0].bytes, parts[1:])
+            elif sock is self.kv_in:
+                self._on_kv_in(parts[0].bytes, parts[1:])
+            else:
+                self._on_kv_reply(parts)
+
+    # ---- control socket ----------------------------------------------------------------------
+    def _on_control(self, client: bytes, parts: list) -> None:
+        try:
+            if len(parts) != 1:
+                raise m.MessageError("expected a single-part message")
+            msg = m.decode(parts[0].buffer)
+        except ValueError as e:
+            self.counters["bad_messages"] += 1
+            self._send(client, m.RequestFailed("", self.worker_id, str(e), "admission"))
+            return
+        try:
+            self._handle(client, msg)
+        except ValueError as e:  # bad request content: the client learns why, nothing is held
+            rid = getattr(msg, "rid", "")
+            self.clients.pop(rid, None)
+            self._send(client, m.RequestFailed(rid, self.worker_id, str(e), "admission"))
+
+    def _handle(self, client: bytes, msg: object) -> None:
+        if isinstance(msg, m.Hello):
+            self._send(client, self.info())
+        elif isinstance(msg, m.Generate):
+            self.engine.add_request(msg.prompt_ids, SamplingParams(**msg.params), msg.rid)
+            self.clients[msg.rid] = client
+        elif isinstance(msg, m.Prefill):
+            self.prefill.start(msg, client)
+        elif isinstance(msg, m.ExpectKV):
+            self.decode.expect(msg, client)
+        elif isinstance(msg, m.Abort):
+            self.abort(msg.rid)
+        elif isinstance(msg, m.GetStats):
+            self._send(client, m.Stats(self.stats()))
+        elif isinstance(msg, m.SetFault):
+            self.prefill.fault.mode, self.prefill.fault.remaining = msg.mode, msg.count
+            self.prefill.fault.delay_s = msg.delay_s
+        elif isinstance(msg, m.Shutdown):
+            self.running = False
+        else:
+            raise m.MessageError(f"{type(msg).__name__} is not a request to a worker")
+
+    def info(self) -> m.WorkerInfo:
+        e = self.engine
+        return m.WorkerInfo(
+            self.worker_id,
+            self.role,
+            os.getpid(),
+            self.kv_endpoint,
+            e.cache.block_size,
+            e.kv_manager.num_blocks,
+            self.fingerprint,
+            str(e.source.path),
+        )
+
+    def abort(self, rid: str) -> None:
+        self.prefill.abort(rid)
+        self.decode.abort(rid)
+        self.engine.abort_request(rid)
+        self.clients.pop(rid, None)
+
+    # ---- KV sockets --------------------------------------------------------------------------
+    def _on_kv_in(self, peer: bytes, parts: list) -> None:
+        kind = parts[0].bytes if parts else b""
+        if kind == FRAME:
+            self.decode.on_frame(peer, [p.buffer for p in parts[1:]])
+        elif kind == MSG and len(parts) == 2:
+            self._guarded(lambda: self.decode.on_message(peer, m.decode(parts[1].buffer)))
+        else:
+            self.counters["bad_frames"] += 1
+
+    def _on_kv_reply(self, parts: list) -> None:
+        if len(parts) == 2 and parts[0].bytes == MSG:
+            self._guarded(lambda: self.prefill.on_message(m.decode(parts[1].buffer)))
+        else:
+            self.counters["bad_frames"] += 1
+
+    def _guarded(self, fn: Any) -> None:
+        try:
+            fn()
+        except m.MessageError as e:
+            self.counters["bad_messages"] += 1
+            self.log.warning("dropping a bad message on the KV link: %s", e)
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def _on_output(self, out: RequestOutput) -> None:
+        c = out.outputs[0]
+        handoff = out.finished and self._is_handoff(out)
+        self.emit(
+            out.request_id,
+            m.Tokens(
+                out.request_id,
+                self.worker_id,
+                out.new_token_ids,
+                out.new_text,
+                finished=out.finished and not handoff,
+                finish_reason=None if handoff else c.finish_reason,
+                stop_reason=None if handoff else c.stop_reason,
+                logprobs=c.logprobs[-len(out.new_token_ids) :] if c.logprobs else None,
+                handoff=handoff,
+            ),
+        )
+        if out.finished:
+            self.prefill.on_finished(out.request_id, handoff)
+            if not handoff:
+                self.clients.pop(out.request_id, None)
+
+    def _is_handoff(self, out: RequestOutput) -> bool:
+        """Finished only because P's run stops at the hand-off, not for the client's reasons."""
+        o = self.prefill.out.get(out.request_id)
+        c = out.outputs[0]
+        if o is None or c.finish_reason != "length":
+            return False
+        n = len(out.prompt_token_ids) + len(c.token_ids)
+        return len(c.token_ids) < o.params.max_tokens and n < self.engine.max_model_len
+
+    def emit(self, rid: str, msg: object) -> None:
+        client = self.clients.get(rid)
+        if client is not None:
+            self._send(client, msg)
+
+    def _send(self, client: bytes, msg: object) -> None:
+        try:
+            self.control.send_multipart([client, m.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.log.warning("cannot reach client %r: %s", client, e)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.engine.stats(),
+            **self.counters,
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "transfers_out": len(self.prefill.out),
+            "transfers_in": len(self.decode.inc),
+        }
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.control.close(0)
+        self.kv_in.close(0)
+
+
+# ---- process entry point ---------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback)")
+    parser.add_argument("--port", type=int, default=0, help="control port; 0 picks a free one")
+    parser.add_argument("--kv-port", type=int, default=0, help="KV port; 0 picks a free one")
+    parser.add_argument("--transport", default="tcp", help="KV transport: tcp | ipc | inproc")
+    parser.add_argument("--kv-codec", default="none", help="KV wire codec: none | int8 | int4")
+    parser.add_argument(
+        "--deadline", type=float, default=5.0, help="seconds of silence before a hand-off fails"
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=10.0,
+        help="seconds P keeps sent KV waiting for D's acknowledgement",
+    )
+    parser.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
+
+
+def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    worker = Worker(
+        args.role,
+        engine_args,
+        worker_id=args.worker_id,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        transport=args.transport,
+        kv_codec=args.kv_codec,
+        deadline_s=args.deadline,
+        lease_s=args.lease,
+    )
+    ready = {
+        "worker_id": worker.worker_id,
+        "role": worker.role,
+        "pid": os.getpid(),
+        "control": worker.control_endpoint,
+        "kv": worker.kv_endpoint,
+    }
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+    worker.serve_forever()
+    return 0
