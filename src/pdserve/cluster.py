@@ -68,6 +68,10 @@ class _Pending:
     done: bool = False
     arrival: float = field(default_factory=time.monotonic)
 
+    @property
+    def wire_rid(self) -> str:
+        return f"{self.rid}.{self.attempts}"
+
 
 class LocalCluster:
     def __init__(
@@ -294,18 +298,26 @@ class LocalCluster:
     def _dispatch(
         self, rid: str, ids: list[int], params: SamplingParams, attempts: int = 1
     ) -> _Pending:
-        p = {k: v for k, v in params.__dict__.items()}
-        if "colocated" in self._rr:
-            c = next(self._rr["colocated"])
-            self._send(c, m.Generate(rid, ids, p))
-            return _Pending(rid, ids, params, (c, None), time.monotonic(), attempts=attempts)
-        pw, dw = next(self._rr["prefill"]), next(self._rr["decode"])
-        assert dw.info is not None
-        self._send(dw, m.ExpectKV(rid, ids, p, pw.worker_id, self.handoff_tokens))
+        pending = _Pending(rid, ids, params, self._pick(), time.monotonic(), attempts=attempts)
+        # Each attempt has its own id on the workers, so a late message about an earlier,
+        # failed attempt can never be mistaken for the current one.
+        wid, p = pending.wire_rid, dict(params.__dict__)
+        first, second = pending.pair
+        if second is None:
+            self._send(first, m.Generate(wid, ids, p))
+            return pending
+        assert second.info is not None
+        self._send(second, m.ExpectKV(wid, ids, p, first.worker_id, self.handoff_tokens))
         self._send(
-            pw, m.Prefill(rid, ids, p, dw.worker_id, dw.info.kv_endpoint, self.handoff_tokens)
+            first,
+            m.Prefill(wid, ids, p, second.worker_id, second.info.kv_endpoint, self.handoff_tokens),
         )
-        return _Pending(rid, ids, params, (pw, dw), time.monotonic(), attempts=attempts)
+        return pending
+
+    def _pick(self) -> tuple[WorkerHandle, WorkerHandle | None]:
+        if "colocated" in self._rr:
+            return next(self._rr["colocated"]), None
+        return next(self._rr["prefill"]), next(self._rr["decode"])
 
     def _send(self, w: WorkerHandle, msg: object) -> None:
         assert w.sock is not None
@@ -325,9 +337,10 @@ class LocalCluster:
                     self._finish_error(p, f"no progress for {silence:g}s")
 
     def _on_event(self, pending: dict[str, _Pending], w: WorkerHandle, msg: Any) -> None:
-        p = pending.get(getattr(msg, "rid", ""))
-        if p is None or p.done:
-            return
+        rid, _, attempt = str(getattr(msg, "rid", "")).rpartition(".")
+        p = pending.get(rid)
+        if p is None or p.done or attempt != str(p.attempts):
+            return  # unknown, finished, or about an earlier attempt
         p.last_event = time.monotonic()
         if isinstance(msg, m.Tokens):
             self._on_tokens(p, msg)
@@ -346,7 +359,7 @@ class LocalCluster:
         if msg.finished:
             p.finish_reason, p.stop_reason, p.done = msg.finish_reason, msg.stop_reason, True
             if p.pair[1] is not None and msg.worker == p.pair[0].worker_id:
-                self._send(p.pair[1], m.Abort(p.rid))  # finished on P: D's reservation goes
+                self._send(p.pair[1], m.Abort(p.wire_rid))  # finished on P: D's reservation goes
 
     def _on_failed(self, pending: dict[str, _Pending], p: _Pending, msg: m.RequestFailed) -> None:
         self._abort(p)
@@ -359,7 +372,7 @@ class LocalCluster:
     def _abort(self, p: _Pending) -> None:
         for w in p.pair:
             if w is not None:
-                self._send(w, m.Abort(p.rid))
+                self._send(w, m.Abort(p.wire_rid))
 
     def _finish_error(self, p: _Pending, reason: str) -> None:
         self.stats["errors"] += 1

@@ -182,6 +182,9 @@ class PrefillSide:
             self.w.counters["faults_injected"] += 1
             self.delayed.append((time.monotonic() + self.fault.delay_s, sock, parts))
             return
+        if any(d[1] is sock for d in self.delayed):  # a slow link delays what follows, in order
+            self.delayed.append((0.0, sock, parts))
+            return
         sock.send_multipart(parts, copy=False)
 
     def _send_msg(self, sock: zmq.Socket, msg: object) -> None:
@@ -213,11 +216,15 @@ class PrefillSide:
         o.stage, o.done_at = "done_sent", time.monotonic()
 
     def flush_delayed(self) -> None:
-        now = time.monotonic()
-        due = [d for d in self.delayed if d[0] <= now]
-        self.delayed = [d for d in self.delayed if d[0] > now]
-        for _, sock, parts in due:
-            sock.send_multipart(parts, copy=False)
+        """Send delayed parts whose time has come, keeping each link's order."""
+        now, keep, blocked = time.monotonic(), [], set()
+        for due, sock, parts in self.delayed:
+            if id(sock) in blocked or due > now:
+                blocked.add(id(sock))
+                keep.append((due, sock, parts))
+            else:
+                sock.send_multipart(parts, copy=False)
+        self.delayed = keep
 
     def check_deadlines(self, now: float) -> None:
         for o in list(self.out.values()):

@@ -1,0 +1,137 @@
+"""`pdserve` command line: generate | demo | bench engine.
+
+Engine flags are generated from the config dataclasses (`pdserve.config`), so every engine
+argument of `LLM(**engine_args)` is also a flag with the same name and help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from pdserve.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    add_config_args,
+    engine_kwargs_from_args,
+)
+
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        add_config_args(group, cls)  # type: ignore[arg-type]
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_args(gen)
+    _engine_args(gen)
+
+    demo = sub.add_parser("demo", help="offline demo: ask the default model a question")
+    demo.add_argument("--question", default=DEMO_QUESTION)
+    _sampling_args(demo)
+    _engine_args(demo)
+
+    worker = sub.add_parser("worker", help="run one prefill/decode/colocated worker")
+    from pdserve.workers.worker import add_arguments as worker_arguments
+
+    worker_arguments(worker)
+    _engine_args(worker)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    eng = bench_sub.add_parser("engine", help="prefill/decode throughput, MFU and MBU")
+    from pdserve.bench.engine_bench import add_arguments
+
+    add_arguments(eng)
+    return parser
+
+
+def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pdserve import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM
+
+    llm = LLM(**engine_kwargs_from_args(args))
+    params = _params(args)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate([args.prompt], params)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pdserve import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs_from_args(args))
+    loaded = time.perf_counter()
+    out = llm.chat([{"role": "user", "content": args.question}], _params(args))[0]
+    done = time.perf_counter()
+    name = llm.engine.arch.name or llm.engine.source.path.name
+    print(f"model: {name} ({llm.engine.source.kind}, loaded in {loaded - t0:.1f}s)")
+    print(f"Q: {args.question}")
+    print(f"A: {out.outputs[0].text.strip()}")
+    n = len(out.outputs[0].token_ids)
+    print(f"({n} tokens in {done - loaded:.2f}s, finish: {out.outputs[0].finish_reason})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+        if args.command == "worker":
+            from pdserve.workers.worker import run as run_worker
+
+            return run_worker(args, engine_kwargs_from_args(args))
+        if args.command == "bench" and args.bench_command == "engine":
+            from pdserve.bench.engine_bench import run
+
+            return run(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

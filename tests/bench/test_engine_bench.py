@@ -1,0 +1,147 @@
+"""`pdserve bench engine` end to end on a tiny random Llama with tiny sizes, plus its formulas.
+
+No timing assertions: only that every field is there and every measured number is positive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve import cli
+from pdserve.bench import engine_bench as eb
+from pdserve.engine.models.arch import ModelArch
+
+TINY_ARGS = [
+    "--threads", "1", "--prompt-lens", "8,16", "--batch-sizes", "1,2", "--decode-steps", "2",
+    "--decode-context", "16", "--repeats", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    md, js = out / "engine.md", out / "engine.json"
+    argv = ["bench", "engine", "--model", str(tiny_llama_path), *TINY_ARGS]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main([*argv, "--output", str(md), "--json", str(js)])
+    return {"rc": rc, "stdout": stdout.getvalue(), "md": md.read_text(),
+            "json": json.loads(js.read_text())}  # fmt: skip
+
+
+def test_exits_zero_and_prints_the_report(bench_run: dict[str, Any]) -> None:
+    assert bench_run["rc"] == 0
+    assert bench_run["stdout"].strip() == bench_run["md"].strip()
+
+
+def test_json_has_machine_roofline_and_model(bench_run: dict[str, Any]) -> None:
+    data = bench_run["json"]
+    machine = data["machine"]
+    assert machine["threads"] == 1 and machine["cores"] >= 1
+    assert machine["cpu"] and machine["torch"] and machine["transformers"]
+    roof = data["roofline"]
+    assert all(math.isfinite(v) and v > 0 for v in roof.values())
+    assert roof["read_gbs"] == max(roof["sum_gbs"], roof["matvec_gbs"])
+    assert data["model"]["layers"] == 2 and data["model"]["weight_bytes_per_step"] > 0
+    assert data["date"] and "bench engine" in data["command"]
+    assert data["settings"]["prompt_lens"] == [8, 16]
+
+
+def test_json_rows_are_positive_with_hf_side_by_side(bench_run: dict[str, Any]) -> None:
+    rows = bench_run["json"]["rows"]
+    labels = [r["label"] for r in rows]
+    assert labels == ["prefill 8", "prefill 16", "decode B=1", "decode B=2"]
+    for r in rows:
+        for key in ("seconds", "tokens_per_s", "utilization", "context", "hf_seconds",
+                    "hf_tokens_per_s", "ratio"):  # fmt: skip
+            assert r[key] > 0, (r["label"], key)
+        assert len(r["samples_s"]) == 1
+    decode = [r for r in rows if r["phase"] == "decode"]
+    # 16-token prompt, 1 warm-up step, 2 timed steps: keys attended 18 and 19 -> mean 18.5;
+    # with B=2 the second prompt may be prefilled a step later, so the first is one ahead.
+    assert decode[0]["context"] == 18.5
+    assert 18.5 <= decode[1]["context"] <= 19.0
+    for r in decode:
+        assert r["tokens_per_s"] == pytest.approx(r["size"] / r["seconds"])
+
+
+def test_targets_report_met_missed_or_not_run(bench_run: dict[str, Any]) -> None:
+    targets = {t["name"]: t for t in bench_run["json"]["targets"]}
+    assert len(targets) == 4
+    status = [t["status"] for t in targets.values()]
+    # Neither prompt length 512 nor B=8 was run; B=1 MBU and the HF ratio were.
+    assert status[0] == "n/a" and status[2] == "n/a"
+    assert status[1] in ("met", "missed") and status[3] in ("met", "missed")
+
+
+def test_markdown_has_table_machine_and_targets(bench_run: dict[str, Any]) -> None:
+    md = bench_run["md"]
+    for text in ("| prefill 8 |", "| prefill 16 |", "| decode B=1 |", "| decode B=2 |",
+                 "pdserve tok/s", "HF tok/s", "pdserve/HF", "GFLOP/s", "GB/s", "threads used",
+                 "## Targets", "command: `pdserve bench engine", "- date: "):  # fmt: skip
+        assert text in md, text
+
+
+def _tiny_arch(tied: bool) -> ModelArch:
+    return ModelArch(
+        architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_cost_formulas(tied: bool) -> None:
+    cost = eb.ModelCost.from_arch(_tiny_arch(tied), elem_size=4)
+    # Per layer: q 8x8, k 4x8, v 4x8, o 8x8, gate/up 16x8 each, down 8x16.
+    per_layer = 64 + 32 + 32 + 64 + 3 * 128
+    assert cost.matmul_params == 2 * per_layer
+    body = 2 * (per_layer + 2 * 8) + 8  # plus two norms per layer and the final norm
+    assert cost.weight_bytes() == (body + 100 * 8) * 4  # the head is read once, tied or not
+    n = 10
+    attention = 4 * 2 * 2 * 4 * n * n / 2
+    assert cost.prefill_flops(n) == 2 * cost.matmul_params * n + attention + 2 * 100 * 8
+    assert cost.kv_bytes(3, 5.5) == 3 * 5.5 * 2 * 2 * 1 * 4 * 4
+
+
+def test_report_without_hf_renders_dashes_and_na() -> None:
+    rows = [
+        eb.Row("prefill", 512, 0.5, 1024.0, 0.6, 512.0),
+        eb.Row("decode", 1, 0.01, 100.0, 0.5, 129.0),
+        eb.Row("decode", 4, 0.01, 400.0, 1.2, 129.0),
+        eb.Row("decode", 8, 0.02, 400.0, 0.3, 129.0, [0.02, 0.03]),
+    ]
+    targets = eb.evaluate_targets(rows)
+    assert [t.status for t in targets] == ["met", "missed", "met", "n/a"]
+    rep = eb.Report("2025-01-01T00:00:00+00:00", "pdserve bench engine --no-hf",
+                    {"cpu": "x", "cores": 2, "threads": 1, "torch": "t", "transformers": "h",
+                     "load_average": [0.0, 0.0, 0.0]},
+                    {"name": "m", "source": "hf", "dtype": "float32", "layers": 2,
+                     "matmul_params": 10, "weight_bytes_per_step": 40},
+                    {"decode_context": 128, "decode_steps": 32, "repeats": 3},
+                    eb.Roofline(100.0, 10.0, 9.0, 10.0, 20.0), rows, targets)  # fmt: skip
+    md = eb.render_markdown(rep)
+    assert "| decode B=8 | 400.0 | 20.0 | — | — | MBU 30.0% |" in md
+    assert "Noisy (slowest/fastest repeat > 1.3x): decode B=8 (1.5x)." in md
+    assert "Above 100% of the roofline: decode B=4;" in md
+    assert json.loads(json.dumps(eb.report_json(rep)))["rows"][0]["ratio"] is None
+
+
+def test_flags_and_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    eb.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.model is None and args.threads is None and not args.no_hf
+    assert args.prompt_lens == [128, 512, 2048] and args.batch_sizes == [1, 8, 32]
+    assert (args.decode_steps, args.decode_context, args.repeats) == (32, 128, 3)
+    assert parser.parse_args(["--batch-sizes", "2,4"]).batch_sizes == [2, 4]
+    for bad in ("0", "a,b", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--prompt-lens", bad])

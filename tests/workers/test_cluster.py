@@ -1,0 +1,140 @@
+"""1P1D over real workers: token-exact parity, transports, hand-off knobs, injected faults."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import LocalCluster
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _prompts() -> list[str | list[int]]:
+    g = torch.Generator().manual_seed(21)
+    long = torch.randint(3, 49000, (70,), generator=g).tolist()  # many blocks on both sides
+    return ["Hi", "The quick brown fox jumps over the lazy dog", long, [17]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    llm = LLM(str(tiny_llama_path), block_size=8)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+
+
+def _check_idle(cluster: LocalCluster) -> None:
+    stats = cluster.wait_idle()
+    for wid, s in stats.items():
+        assert s["kv_blocks_used"] == 0, (wid, s)
+        assert s["transfers_out"] == 0 and s["transfers_in"] == 0, (wid, s)
+        assert s["held_for_transfer"] == 0 and s["reserved_for_transfer"] == 0, (wid, s)
+
+
+def _ids(outs) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tcp_cluster(tiny_llama_path):  # type: ignore[no-untyped-def]
+    with LocalCluster(
+        str(tiny_llama_path),
+        transport="tcp",
+        deadline_s=1.0,
+        lease_s=2.0,
+        prefill_args={"block_size": 4},
+        decode_args={"block_size": 16},
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize("transport", ["inproc", "ipc"])
+def test_parity_over_transport(tiny_llama_path, reference, transport) -> None:  # type: ignore[no-untyped-def]
+    with LocalCluster(
+        str(tiny_llama_path),
+        transport=transport,
+        prefill_args={"block_size": 16},
+        decode_args={"block_size": 4},
+    ) as c:
+        assert _ids(c.generate(_prompts(), GREEDY)) == reference
+        assert c.stats["kv_send_frames"] > 0 and c.stats["retries"] == 0
+        _check_idle(c)
+
+
+def test_parity_over_tcp_with_different_block_sizes(tcp_cluster, reference) -> None:  # type: ignore[no-untyped-def]
+    outs = tcp_cluster.generate(_prompts(), GREEDY)
+    assert _ids(outs) == reference
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    stats = tcp_cluster.worker_stats()
+    assert stats["P0"]["handoffs_acked"] >= 4 and stats["D0"]["handoffs_received"] >= 4
+    _check_idle(tcp_cluster)
+
+
+def test_colocated_worker_matches(tiny_llama_path, reference) -> None:  # type: ignore[no-untyped-def]
+    with LocalCluster(
+        str(tiny_llama_path), prefill=0, decode=0, colocated=1, transport="inproc"
+    ) as c:
+        assert _ids(c.generate(_prompts(), GREEDY)) == reference
+        _check_idle(c)
+
+
+def test_handoff_after_k_tokens(tiny_llama_path, reference) -> None:  # type: ignore[no-untyped-def]
+    with LocalCluster(str(tiny_llama_path), transport="inproc", handoff_tokens=4) as c:
+        outs = c.generate(_prompts(), GREEDY)
+        assert _ids(outs) == reference
+        _check_idle(c)
+
+
+def test_request_finishing_on_prefill_releases_decode_reservation(tcp_cluster) -> None:  # type: ignore[no-untyped-def]
+    out = tcp_cluster.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 1
+    assert out.outputs[0].finish_reason == "length"
+    _check_idle(tcp_cluster)
+
+
+@pytest.mark.parametrize("mode", ["corrupt", "drop"])
+def test_bad_frame_is_detected_and_retried_once(tcp_cluster, reference, mode) -> None:  # type: ignore[no-untyped-def]
+    before = tcp_cluster.stats["retries"]
+    tcp_cluster.set_fault("P0", mode, count=1)
+    t0 = time.monotonic()
+    outs = tcp_cluster.generate(_prompts()[2:3], GREEDY)
+    assert _ids(outs) == reference[2:3]  # the retry computed it again, correctly
+    assert tcp_cluster.stats["retries"] == before + 1  # counted, not silent
+    assert time.monotonic() - t0 < 10  # detected by checksum or by the 1 s deadline
+    stats = tcp_cluster.worker_stats()
+    assert stats["P0"]["faults_injected"] >= 1 and stats["D0"]["transfer_failures"] >= 1
+    _check_idle(tcp_cluster)
+
+
+def test_delayed_frame_within_deadline_needs_no_retry(tcp_cluster, reference) -> None:  # type: ignore[no-untyped-def]
+    before = tcp_cluster.stats["retries"]
+    tcp_cluster.set_fault("P0", "delay", count=3, delay_s=0.3)
+    assert _ids(tcp_cluster.generate(_prompts()[1:2], GREEDY)) == reference[1:2]
+    assert tcp_cluster.stats["retries"] == before
+    _check_idle(tcp_cluster)
+
+
+def test_persistent_failure_ends_with_a_clear_error(tcp_cluster) -> None:  # type: ignore[no-untyped-def]
+    tcp_cluster.set_fault("P0", "corrupt", count=-1)
+    try:
+        t0 = time.monotonic()
+        (out,) = tcp_cluster.generate(["Hello there"], GREEDY)
+        assert out.outputs[0].finish_reason == "error"
+        assert "bad KV frame" in (out.error or "") and "checksum" in (out.error or "")
+        assert time.monotonic() - t0 < 10
+    finally:
+        tcp_cluster.set_fault("P0", "none")
+    _check_idle(tcp_cluster)
+
+
+@pytest.mark.slow
+def test_smollm2_1p1d_equals_llm(smollm2) -> None:  # type: ignore[no-untyped-def]
+    prompts = ["The capital of Germany is", "def fibonacci(n):", "Water boils at"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params)]
+    with LocalCluster(None, transport="tcp") as c:
+        assert _ids(c.generate(prompts, params)) == want
+        _check_idle(c)
