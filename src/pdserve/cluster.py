@@ -88,6 +88,7 @@ class LocalCluster:
         deadline_s: float = 5.0,
         lease_s: float = 10.0,
         max_retries: int = 1,
+        shm_mb: int = 512,
         engine_args: dict[str, Any] | None = None,
         prefill_args: dict[str, Any] | None = None,
         decode_args: dict[str, Any] | None = None,
@@ -99,7 +100,7 @@ class LocalCluster:
         n = prefill + decode + colocated
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.handoff_tokens, self.deadline_s, self.lease_s = handoff_tokens, deadline_s, lease_s
-        self.max_retries = max_retries
+        self.max_retries, self.shm_mb = max_retries, shm_mb
         self.engine_args = dict(engine_args or {})
         self.role_args = {
             "prefill": prefill_args or {},
@@ -171,6 +172,8 @@ class LocalCluster:
             str(self.deadline_s),
             "--lease",
             str(self.lease_s),
+            "--shm-mb",
+            str(self.shm_mb),
         ]
         for key, value in self._engine_args(role).items():
             if value is None:

@@ -51,7 +51,7 @@ def tcp_cluster(tiny_llama_path):  # type: ignore[no-untyped-def]
         yield c
 
 
-@pytest.mark.parametrize("transport", ["inproc", "ipc"])
+@pytest.mark.parametrize("transport", ["inproc", "ipc", "shm"])
 def test_parity_over_transport(tiny_llama_path, reference, transport) -> None:  # type: ignore[no-untyped-def]
     with LocalCluster(
         str(tiny_llama_path),
@@ -137,4 +137,13 @@ def test_smollm2_1p1d_equals_llm(smollm2) -> None:  # type: ignore[no-untyped-de
     want = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params)]
     with LocalCluster(None, transport="tcp") as c:
         assert _ids(c.generate(prompts, params)) == want
+        _check_idle(c)
+
+
+def test_shm_ring_full_sends_inline_and_counts_it(tiny_llama_path, reference) -> None:  # type: ignore[no-untyped-def]
+    # A 0 MiB ring holds nothing: every frame must go inline over the socket, visibly.
+    with LocalCluster(str(tiny_llama_path), transport="shm", shm_mb=0) as c:
+        assert _ids(c.generate(_prompts(), GREEDY)) == reference
+        stats = c.worker_stats()
+        assert stats["P0"]["shm_inline_frames"] == c.stats["kv_send_frames"] > 0
         _check_idle(c)

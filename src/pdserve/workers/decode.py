@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
-from pdserve.transfer.transports import MSG
+from pdserve.transfer.transports import MSG, ShmReader
 from pdserve.workers import messages as m
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class DecodeSide:
         self.w = worker
         self.inc: dict[str, Incoming] = {}
         self.early_wants: dict[str, tuple[bytes, float]] = {}  # KVWant before ExpectKV
+        self.shm = ShmReader()
 
     # ---- intake --------------------------------------------------------------------------
     def expect(self, msg: m.ExpectKV, client: bytes) -> None:
@@ -111,6 +112,21 @@ class DecodeSide:
             inc = self.inc.get(msg.rid)
             if inc is not None:
                 self.fail(inc, f"prefill worker {inc.src_worker}: {msg.reason}", tell_src=False)
+
+    def on_shm_frame(self, peer: bytes, parts: list) -> None:
+        """A frame whose payload sits in the sender's shared-memory ring: [header, ref]."""
+        try:
+            if len(parts) != 2:
+                raise ValueError("expected [header, ring reference]")
+            payload = self.shm.view(bytes(parts[1]), wire.DEFAULT_MAX_PAYLOAD)
+        except (ValueError, OSError) as e:
+            self.w.counters["bad_frames"] += 1
+            self.w.log.warning("dropping a bad shared-memory frame from %r: %s", peer, e)
+            return
+        try:
+            self.on_frame(peer, [parts[0], payload])
+        finally:
+            payload.release()
 
     def on_frame(self, peer: bytes, parts: list) -> None:
         try:

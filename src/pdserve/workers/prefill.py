@@ -25,7 +25,7 @@ import zmq
 from pdserve.engine.model_runner import RowSpan
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
-from pdserve.transfer.transports import FRAME, MSG, connect_sender
+from pdserve.transfer.transports import FRAME, MSG, SHM_FRAME, ShmRing, connect_sender
 from pdserve.workers import messages as m
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class PrefillSide:
         self.senders: dict[str, zmq.Socket] = {}  # endpoint -> DEALER
         self.fault = Fault()
         self.delayed: list[tuple[float, zmq.Socket, list]] = []
+        self.ring = ShmRing(worker.shm_bytes) if worker.transport == "shm" else None
         worker.engine.runner.layer_hook = self.on_layer
 
     # ---- intake --------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class PrefillSide:
         if o is None:
             return
         self.w.engine.release_kv(rid)
+        self._release_ring(rid)
         self.w.counters["handoffs_acked"] += 1
         self.w.emit(
             rid,
@@ -166,22 +168,31 @@ class PrefillSide:
         o.next_token[layer] = token_start + k.shape[0]
         o.frames += 1
         o.nbytes += wire.frame_nbytes(parts)
-        self._send_parts(o.sock, [FRAME, *parts])
-
-    def _send_parts(self, sock: zmq.Socket, parts: list) -> None:
-        fault = self.fault.take() if parts[0] == FRAME else "none"
-        if fault == "drop":
+        fault = self.fault.take()
+        if fault != "none":
             self.w.counters["faults_injected"] += 1
+        if fault == "drop":
             return
         if fault == "corrupt":
-            self.w.counters["faults_injected"] += 1
-            payload = bytearray(b"".join(bytes(p) for p in parts[2:]))
+            payload = bytearray(b"".join(bytes(p) for p in parts[1:]))
             payload[random.randrange(len(payload))] ^= 0x10
-            parts = [parts[0], parts[1], bytes(payload)]
+            parts = [parts[0], bytes(payload)]
+        packed = self._pack(o.rid, parts)
         if fault == "delay":
-            self.w.counters["faults_injected"] += 1
-            self.delayed.append((time.monotonic() + self.fault.delay_s, sock, parts))
+            self.delayed.append((time.monotonic() + self.fault.delay_s, o.sock, packed))
             return
+        self._send_parts(o.sock, packed)
+
+    def _pack(self, rid: str, parts: list) -> list:
+        """Multipart for the link: payload inline, or written to the shared-memory ring."""
+        if self.ring is not None:
+            ref = self.ring.put(rid, parts[1:])
+            if ref is not None:
+                return [SHM_FRAME, parts[0], ref]
+            self.w.counters["shm_inline_frames"] += 1
+        return [FRAME, *parts]
+
+    def _send_parts(self, sock: zmq.Socket, parts: list) -> None:
         if any(d[1] is sock for d in self.delayed):  # a slow link delays what follows, in order
             self.delayed.append((0.0, sock, parts))
             return
@@ -199,6 +210,7 @@ class PrefillSide:
         if not handoff:
             self.out.pop(rid)
             self.w.engine.release_kv(rid)
+            self._release_ring(rid)
             self._send_msg(o.sock, m.KVFail(rid, "finished on the prefill worker"))
             return
         o.finished_local = True
@@ -245,6 +257,7 @@ class PrefillSide:
     def fail(self, o: Outgoing, reason: str, tell_dest: bool = True) -> None:
         self.out.pop(o.rid, None)
         self.w.engine.abort_request(o.rid)
+        self._release_ring(o.rid)
         self.w.counters["transfer_failures"] += 1
         if tell_dest:
             self._send_msg(o.sock, m.KVFail(o.rid, reason))
@@ -254,8 +267,15 @@ class PrefillSide:
     def abort(self, rid: str) -> None:
         o = self.out.pop(rid, None)
         if o is not None:
+            self._release_ring(rid)
             self._send_msg(o.sock, m.KVFail(rid, "aborted"))
+
+    def _release_ring(self, rid: str) -> None:
+        if self.ring is not None:
+            self.ring.release(rid)
 
     def close(self) -> None:
         for sock in self.senders.values():
             sock.close(0)
+        if self.ring is not None:
+            self.ring.close()

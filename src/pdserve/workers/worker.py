@@ -29,7 +29,13 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
 from pdserve.transfer.codecs import get_codec
-from pdserve.transfer.transports import FRAME, MSG, bind_receiver, get_transport
+from pdserve.transfer.transports import (
+    FRAME,
+    MSG,
+    SHM_FRAME,
+    bind_receiver,
+    get_transport,
+)
 from pdserve.workers import messages as m
 from pdserve.workers.decode import DecodeSide
 from pdserve.workers.prefill import PrefillSide
@@ -52,12 +58,14 @@ class Worker:
         kv_codec: str = "none",
         deadline_s: float = 5.0,
         lease_s: float = 10.0,
+        shm_mb: int = 512,
         ctx: zmq.Context | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         get_codec(kv_codec)
-        self.role, self.kv_codec = role, kv_codec
+        self.role, self.kv_codec, self.transport = role, kv_codec, transport
+        self.shm_bytes = shm_mb << 20
         self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
         self.deadline_s, self.lease_s = deadline_s, lease_s
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
@@ -182,6 +190,8 @@ class Worker:
         kind = parts[0].bytes if parts else b""
         if kind == FRAME:
             self.decode.on_frame(peer, [p.buffer for p in parts[1:]])
+        elif kind == SHM_FRAME:
+            self.decode.on_shm_frame(peer, [p.buffer for p in parts[1:]])
         elif kind == MSG and len(parts) == 2:
             self._guarded(lambda: self.decode.on_message(peer, m.decode(parts[1].buffer)))
         else:
@@ -255,6 +265,7 @@ class Worker:
 
     def close(self) -> None:
         self.prefill.close()
+        self.decode.shm.close()
         self.control.close(0)
         self.kv_in.close(0)
 
@@ -266,7 +277,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback)")
     parser.add_argument("--port", type=int, default=0, help="control port; 0 picks a free one")
     parser.add_argument("--kv-port", type=int, default=0, help="KV port; 0 picks a free one")
-    parser.add_argument("--transport", default="tcp", help="KV transport: tcp | ipc | inproc")
+    parser.add_argument("--transport", default="tcp", help="KV transport: tcp | ipc | shm | inproc")
     parser.add_argument("--kv-codec", default="none", help="KV wire codec: none | int8 | int4")
     parser.add_argument(
         "--deadline", type=float, default=5.0, help="seconds of silence before a hand-off fails"
@@ -278,6 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds P keeps sent KV waiting for D's acknowledgement",
     )
     parser.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
+    parser.add_argument(
+        "--shm-mb", type=int, default=512, help="shared-memory ring of the shm transport, MiB"
+    )
 
 
 def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -299,6 +313,7 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         kv_codec=args.kv_codec,
         deadline_s=args.deadline,
         lease_s=args.lease,
+        shm_mb=args.shm_mb,
     )
     ready = {
         "worker_id": worker.worker_id,
