@@ -147,3 +147,33 @@ def test_shm_ring_full_sends_inline_and_counts_it(tiny_llama_path, reference) ->
         stats = c.worker_stats()
         assert stats["P0"]["shm_inline_frames"] == c.stats["kv_send_frames"] > 0
         _check_idle(c)
+
+
+def test_bad_input_gets_clear_errors_and_the_workers_keep_serving(  # type: ignore[no-untyped-def]
+    tiny_llama_path, reference
+) -> None:
+    import zmq
+
+    from pdserve.workers import messages as m
+
+    with LocalCluster(str(tiny_llama_path), transport="inproc") as c:
+        p0 = c.workers[0]
+        assert p0.sock is not None
+        p0.sock.send(b"\x93garbage")  # not a message at all
+        reply = m.decode(p0.sock.recv())
+        assert isinstance(reply, m.RequestFailed) and "undecodable" in reply.reason
+        p0.sock.send(m.encode(m.Generate("x.1", [1, 2], {"max_tokens": 2, "bogus": 1})))
+        reply = m.decode(p0.sock.recv())
+        assert isinstance(reply, m.RequestFailed) and "unknown sampling" in reply.reason
+        # a KV frame from nowhere is dropped and counted, never trusted
+        d0 = next(w for w in c.workers if w.role == "decode")
+        assert d0.info is not None
+        rogue = c.ctx.socket(zmq.DEALER)
+        rogue.connect(d0.info.kv_endpoint)
+        rogue.send_multipart([b"F", b"PDKV" + b"\x00" * 60, b"payload"])
+        rogue.close(0)
+        (too_long,) = c.generate([[5] * 5000], GREEDY)
+        assert too_long.outputs[0].finish_reason == "error" and "shorten" in (too_long.error or "")
+        assert _ids(c.generate(_prompts(), GREEDY)) == reference
+        assert c.worker_stats()["D0"]["bad_frames"] >= 1
+        _check_idle(c)

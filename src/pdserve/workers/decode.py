@@ -55,7 +55,7 @@ class DecodeSide:
 
     # ---- intake --------------------------------------------------------------------------
     def expect(self, msg: m.ExpectKV, client: bytes) -> None:
-        params = SamplingParams(**msg.params)
+        params = m.sampling_params(msg.params)
         n_kv = len(msg.prompt_ids) + max(1, msg.handoff_tokens) - 1
         now = time.monotonic()
         inc = Incoming(

@@ -18,6 +18,8 @@ from typing import Any, Union
 
 import msgpack
 
+from pdserve.engine.request import SamplingParams
+
 VERSION = 1
 MAX_MESSAGE_BYTES = 32 << 20  # a 1M-token prompt as msgpack ints fits; KV never travels here
 
@@ -195,6 +197,18 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     KVFail,
 ]
 REGISTRY: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+
+
+def sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """Rebuild (and validate) sampling parameters sent as a dict."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(values) - names
+    if unknown:
+        raise MessageError(f"unknown sampling parameters {sorted(map(str, unknown))}")
+    try:
+        return SamplingParams(**values)
+    except TypeError as e:
+        raise MessageError(f"bad sampling parameters: {e}") from None
 
 
 def encode(msg: Any) -> bytes:

@@ -75,9 +75,9 @@ class PrefillSide:
 
     # ---- intake --------------------------------------------------------------------------
     def start(self, msg: m.Prefill, client: bytes) -> None:
-        params = SamplingParams(**msg.params)
+        params = m.sampling_params(msg.params)
         handoff = max(1, msg.handoff_tokens)
-        local = SamplingParams(**{**msg.params, "max_tokens": min(handoff, params.max_tokens)})
+        local = m.sampling_params({**msg.params, "max_tokens": min(handoff, params.max_tokens)})
         self.w.engine.add_request(msg.prompt_ids, local, msg.rid, hold_kv=True)
         sock = self._sender(msg.dest_endpoint)
         layers = self.w.engine.arch.num_layers

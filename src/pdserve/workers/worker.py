@@ -26,7 +26,6 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
 from pdserve.transfer.codecs import get_codec
 from pdserve.transfer.transports import (
@@ -139,8 +138,13 @@ class Worker:
             return
         try:
             self._handle(client, msg)
-        except ValueError as e:  # bad request content: the client learns why, nothing is held
+        except Exception as e:  # the client learns why; the worker keeps serving
             rid = getattr(msg, "rid", "")
+            if not isinstance(e, ValueError):
+                self.counters["internal_errors"] += 1
+                self.log.exception("error handling %s", type(msg).__name__)
+            if rid and not isinstance(e, ValueError):
+                self.abort(rid)  # leave nothing half-admitted behind an unexpected error
             self.clients.pop(rid, None)
             self._send(client, m.RequestFailed(rid, self.worker_id, str(e), "admission"))
 
@@ -148,7 +152,7 @@ class Worker:
         if isinstance(msg, m.Hello):
             self._send(client, self.info())
         elif isinstance(msg, m.Generate):
-            self.engine.add_request(msg.prompt_ids, SamplingParams(**msg.params), msg.rid)
+            self.engine.add_request(msg.prompt_ids, m.sampling_params(msg.params), msg.rid)
             self.clients[msg.rid] = client
         elif isinstance(msg, m.Prefill):
             self.prefill.start(msg, client)
