@@ -67,6 +67,7 @@ class _Pending:
     first_token_time: float | None = None
     done: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    timeline: list[tuple[str, str, float]] = field(default_factory=list)
 
     @property
     def wire_rid(self) -> str:
@@ -89,6 +90,7 @@ class LocalCluster:
         lease_s: float = 10.0,
         max_retries: int = 1,
         shm_mb: int = 512,
+        stream_kv: bool = True,
         engine_args: dict[str, Any] | None = None,
         prefill_args: dict[str, Any] | None = None,
         decode_args: dict[str, Any] | None = None,
@@ -100,7 +102,7 @@ class LocalCluster:
         n = prefill + decode + colocated
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.handoff_tokens, self.deadline_s, self.lease_s = handoff_tokens, deadline_s, lease_s
-        self.max_retries, self.shm_mb = max_retries, shm_mb
+        self.max_retries, self.shm_mb, self.stream_kv = max_retries, shm_mb, stream_kv
         self.engine_args = dict(engine_args or {})
         self.role_args = {
             "prefill": prefill_args or {},
@@ -174,6 +176,7 @@ class LocalCluster:
             str(self.lease_s),
             "--shm-mb",
             str(self.shm_mb),
+            "--stream-kv" if self.stream_kv else "--no-stream-kv",
         ]
         for key, value in self._engine_args(role).items():
             if value is None:
@@ -200,6 +203,7 @@ class LocalCluster:
                     kv_codec=self.kv_codec,
                     deadline_s=self.deadline_s,
                     lease_s=self.lease_s,
+                    stream_kv=self.stream_kv,
                     ctx=self.ctx,
                 )
             except Exception as e:  # reported to the starting thread, which raises
@@ -302,6 +306,7 @@ class LocalCluster:
         self, rid: str, ids: list[int], params: SamplingParams, attempts: int = 1
     ) -> _Pending:
         pending = _Pending(rid, ids, params, self._pick(), time.monotonic(), attempts=attempts)
+        pending.timeline.append(("dispatch", f"attempt {attempts}", time.monotonic()))
         # Each attempt has its own id on the workers, so a late message about an earlier,
         # failed attempt can never be mistaken for the current one.
         wid, p = pending.wire_rid, dict(params.__dict__)
@@ -350,10 +355,16 @@ class LocalCluster:
         elif isinstance(msg, m.TransferReport):
             self.stats[f"kv_{msg.side}_bytes"] += msg.nbytes
             self.stats[f"kv_{msg.side}_frames"] += msg.frames
+            for stage, t in (msg.times or {}).items():
+                p.timeline.append((f"{msg.side}:{stage}", msg.worker, t))
         elif isinstance(msg, m.RequestFailed):
             self._on_failed(pending, p, msg)
 
     def _on_tokens(self, p: _Pending, msg: m.Tokens) -> None:
+        if not any(e[1] == msg.worker for e in p.timeline if e[0] == "first_token"):
+            p.timeline.append(("first_token", msg.worker, msg.time))
+        if msg.finished:
+            p.timeline.append(("finish", msg.worker, msg.time))
         p.first_token_time = p.first_token_time or time.monotonic()
         p.tokens += msg.token_ids
         p.text += msg.text
@@ -366,9 +377,13 @@ class LocalCluster:
 
     def _on_failed(self, pending: dict[str, _Pending], p: _Pending, msg: m.RequestFailed) -> None:
         self._abort(p)
+        p.timeline.append((f"failed: {msg.reason}", msg.worker, time.monotonic()))
         if msg.stage == "transfer" and p.attempts <= self.max_retries:
             self.stats["retries"] += 1
-            pending[p.rid] = self._dispatch(p.rid, p.prompt_ids, p.params, p.attempts + 1)
+            retry = self._dispatch(p.rid, p.prompt_ids, p.params, p.attempts + 1)
+            retry.timeline[:0] = p.timeline  # the retry is part of the request's story
+            retry.arrival = p.arrival
+            pending[p.rid] = retry
             return
         self._finish_error(p, f"{msg.worker} ({msg.stage}): {msg.reason}")
 
@@ -398,6 +413,7 @@ class LocalCluster:
             True,
             metrics,
             error=p.error,
+            timeline=sorted(p.timeline, key=lambda e: e[2]),
         )
 
     # ---- introspection and faults ------------------------------------------------------------

@@ -37,3 +37,5 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     error: str | None = None  # why the request failed (finish_reason "error"), if it did
+    # (event, where, time.monotonic()) of the request's stages across workers, in time order.
+    timeline: list[tuple[str, str, float]] = field(default_factory=list)

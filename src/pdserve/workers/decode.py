@@ -44,6 +44,7 @@ class Incoming:
     frames: int = 0
     nbytes: int = 0
     started: float = 0.0
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class DecodeSide:
@@ -68,6 +69,7 @@ class DecodeSide:
             now,
             next_token=[0] * self.w.engine.arch.num_layers,
             started=now,
+            times={"expect": now},
         )
         if msg.rid in self.inc or msg.rid in self.w.engine._live:
             raise ValueError(f"request id {msg.rid!r} is already in use")
@@ -88,7 +90,7 @@ class DecodeSide:
         if blocks is None:
             return  # memory short: retried each loop until the deadline
         inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
-        inc.stage = "receiving"
+        inc.stage, inc.times["reserved"] = "receiving", time.monotonic()
         self._maybe_ready(inc)
 
     def _maybe_ready(self, inc: Incoming) -> None:
@@ -162,6 +164,7 @@ class DecodeSide:
         inc.frames += 1
         inc.nbytes += h.payload_len
         inc.last_activity = time.monotonic()
+        inc.times.setdefault("first_frame", inc.last_activity)
 
     def _on_done(self, inc: Incoming, msg: m.KVDone) -> None:
         complete = all(n == inc.num_kv_tokens for n in inc.next_token)
@@ -178,6 +181,7 @@ class DecodeSide:
             )
             return
         del self.inc[inc.rid]
+        inc.times["done"] = time.monotonic()
         try:
             self.w.engine.admit_prefilled(inc.rid, msg.output_ids, inc.num_kv_tokens)
         except ValueError as e:
@@ -196,6 +200,7 @@ class DecodeSide:
                 inc.nbytes,
                 time.monotonic() - inc.started,
                 self.w.kv_codec,
+                inc.times,
             ),
         )
 

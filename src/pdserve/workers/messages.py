@@ -117,6 +117,7 @@ class Tokens:
     logprobs: list[dict[int, float]] | None = None
     # The worker hands the request to a decode worker after these tokens (prefill side).
     handoff: bool = False
+    time: float = 0.0  # time.monotonic() when the worker emitted them
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class TransferReport:
     nbytes: int
     seconds: float
     codec: str
+    # time.monotonic() stamps of the hand-off's stages on this worker (one clock per host).
+    times: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class Outgoing:
     nbytes: int = 0
     done_at: float = 0.0
     finished_local: bool = False  # the hand-off tokens are sampled; KVDone may go out
+    times: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,8 +82,15 @@ class PrefillSide:
         self.w.engine.add_request(msg.prompt_ids, local, msg.rid, hold_kv=True)
         sock = self._sender(msg.dest_endpoint)
         layers = self.w.engine.arch.num_layers
+        now = time.monotonic()
         self.out[msg.rid] = Outgoing(
-            msg.rid, msg.dest_worker, sock, params, time.monotonic(), next_token=[0] * layers
+            msg.rid,
+            msg.dest_worker,
+            sock,
+            params,
+            now,
+            next_token=[0] * layers,
+            times={"received": now},
         )
         self.w.clients[msg.rid] = client
         self._send_msg(sock, m.KVWant(msg.rid, self.w.worker_id))
@@ -110,24 +118,21 @@ class PrefillSide:
         o = self.out.get(rid)
         if o is None or o.stage != "waiting_ready":
             return
-        o.stage = "streaming"
-        self._send_backlog(o)
+        o.stage, o.times["ready"] = "streaming", time.monotonic()
         if o.finished_local:
             self._send_done(o)
+        elif self.w.stream_kv:
+            self._send_backlog(o)
 
     def _send_backlog(self, o: Outgoing) -> None:
-        """Send from the cache every layer's KV computed before D was ready."""
+        """Send from the cache every layer's KV computed (in finished steps) before D was ready."""
         eng = self.w.engine
         request = eng.scheduler.requests.get(o.rid) or eng.scheduler.held.get(o.rid)
         if request is None:
             return
-        computed = request.num_computed_tokens
-        blocks = eng.kv_manager.get_block_ids(o.rid)
         for layer in range(eng.arch.num_layers):
-            start = o.next_token[layer]
-            if start < computed:
-                k, v = eng.read_kv(eng.kv_slots(blocks, start, computed), layer)
-                self._send_frame(o, layer, start, k, v)
+            if o.next_token[layer] < request.num_computed_tokens:
+                self._send_from_cache(o, layer, request.num_computed_tokens)
 
     def _on_ack(self, rid: str) -> None:
         o = self.out.pop(rid, None)
@@ -136,6 +141,7 @@ class PrefillSide:
         self.w.engine.release_kv(rid)
         self._release_ring(rid)
         self.w.counters["handoffs_acked"] += 1
+        o.times["acked"] = time.monotonic()
         self.w.emit(
             rid,
             m.TransferReport(
@@ -146,18 +152,49 @@ class PrefillSide:
                 o.nbytes,
                 time.monotonic() - o.started,
                 self.w.kv_codec,
+                o.times,
             ),
         )
 
     # ---- streaming -----------------------------------------------------------------------
     def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, spans: list[RowSpan]) -> None:
-        """Layer hook: send this layer's fresh KV of every streaming request in the batch."""
+        """Layer hook: send this layer's fresh KV of every streaming request in the batch.
+
+        D's KVReady usually lands while a long prompt is computing, so the hook also polls for
+        it; layers of this step computed before it came are caught up from the cache.
+        """
+        if not self.w.stream_kv:
+            return  # everything goes after the prefill (the baseline streaming is measured against)
+        if any(o.stage == "waiting_ready" for o in self.out.values()):
+            self.poll_ready()
         for span in spans:
             o = self.out.get(span.request_id)
-            if o is None or o.stage != "streaming" or o.next_token[layer] != span.start_pos:
+            if o is None or o.stage != "streaming":
                 continue
-            rows = slice(span.row, span.row + span.num_tokens)
-            self._send_frame(o, layer, span.start_pos, k[rows], v[rows])
+            end = span.start_pos + span.num_tokens
+            for earlier in range(layer):
+                if o.next_token[earlier] < end:
+                    self._send_from_cache(o, earlier, end)
+            if o.next_token[layer] == span.start_pos:
+                rows = slice(span.row, span.row + span.num_tokens)
+                self._send_frame(o, layer, span.start_pos, k[rows], v[rows])
+
+    def poll_ready(self) -> None:
+        """Mid-step: act on KVReady at once; anything else waits until the step is over."""
+        for sock in self.senders.values():
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.w.on_kv_reply(parts, mid_step=True)
+
+    def _send_from_cache(self, o: Outgoing, layer: int, end: int) -> None:
+        eng = self.w.engine
+        start = o.next_token[layer]
+        slots = eng.kv_slots(eng.kv_manager.get_block_ids(o.rid), start, end)
+        k, v = eng.read_kv(slots, layer)
+        self._send_frame(o, layer, start, k, v)
 
     def _send_frame(
         self, o: Outgoing, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
@@ -202,11 +239,12 @@ class PrefillSide:
         self._send_parts(sock, [MSG, m.encode(msg)])
 
     # ---- after each engine step ----------------------------------------------------------
-    def on_finished(self, rid: str, handoff: bool) -> None:
+    def on_finished(self, rid: str, handoff: bool, times: dict[str, float]) -> None:
         """The engine finished `rid` here: hand it over, or (finished for real) let it go."""
         o = self.out.get(rid)
         if o is None:
             return
+        o.times.update(times)
         if not handoff:
             self.out.pop(rid)
             self.w.engine.release_kv(rid)
@@ -226,6 +264,7 @@ class PrefillSide:
             o.sock, m.KVDone(o.rid, list(held.output_token_ids), held.num_computed_tokens, o.frames)
         )
         o.stage, o.done_at = "done_sent", time.monotonic()
+        o.times["done_sent"] = o.done_at
 
     def flush_delayed(self) -> None:
         """Send delayed parts whose time has come, keeping each link's order."""

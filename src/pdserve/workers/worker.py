@@ -58,6 +58,7 @@ class Worker:
         deadline_s: float = 5.0,
         lease_s: float = 10.0,
         shm_mb: int = 512,
+        stream_kv: bool = True,
         ctx: zmq.Context | None = None,
     ) -> None:
         if role not in ROLES:
@@ -65,6 +66,7 @@ class Worker:
         get_codec(kv_codec)
         self.role, self.kv_codec, self.transport = role, kv_codec, transport
         self.shm_bytes = shm_mb << 20
+        self.stream_kv = stream_kv  # send each layer's KV as it is computed (else after prefill)
         self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
         self.deadline_s, self.lease_s = deadline_s, lease_s
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
@@ -91,6 +93,7 @@ class Worker:
         self.prefill = PrefillSide(self)
         self.decode = DecodeSide(self)
         self.running = True
+        self.deferred: list[object] = []  # KV-link messages that arrived during a step
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -108,6 +111,9 @@ class Worker:
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 self._on_output(out)
+        deferred, self.deferred = self.deferred, []
+        for msg in deferred:
+            self.prefill.on_message(msg)
         now = time.monotonic()
         self.prefill.flush_delayed()
         self.prefill.check_deadlines(now)
@@ -124,7 +130,7 @@ class Worker:
             elif sock is self.kv_in:
                 self._on_kv_in(parts[0].bytes, parts[1:])
             else:
-                self._on_kv_reply(parts)
+                self.on_kv_reply(parts)
 
     # ---- control socket ----------------------------------------------------------------------
     def _on_control(self, client: bytes, parts: list) -> None:
@@ -201,11 +207,22 @@ class Worker:
         else:
             self.counters["bad_frames"] += 1
 
-    def _on_kv_reply(self, parts: list) -> None:
-        if len(parts) == 2 and parts[0].bytes == MSG:
-            self._guarded(lambda: self.prefill.on_message(m.decode(parts[1].buffer)))
-        else:
+    def on_kv_reply(self, parts: list, mid_step: bool = False) -> None:
+        """A message from a decode worker we push to. During an engine step (from the layer
+        hook) only KVReady is acted on; the rest changes engine state and waits for the step."""
+        if len(parts) != 2 or parts[0].bytes != MSG:
             self.counters["bad_frames"] += 1
+            return
+        try:
+            msg = m.decode(parts[1].buffer)
+        except m.MessageError as e:
+            self.counters["bad_messages"] += 1
+            self.log.warning("dropping a bad message on the KV link: %s", e)
+            return
+        if mid_step and not isinstance(msg, m.KVReady):
+            self.deferred.append(msg)
+        else:
+            self.prefill.on_message(msg)
 
     def _guarded(self, fn: Any) -> None:
         try:
@@ -230,10 +247,11 @@ class Worker:
                 stop_reason=None if handoff else c.stop_reason,
                 logprobs=c.logprobs[-len(out.new_token_ids) :] if c.logprobs else None,
                 handoff=handoff,
+                time=time.monotonic(),
             ),
         )
         if out.finished:
-            self.prefill.on_finished(out.request_id, handoff)
+            self.prefill.on_finished(out.request_id, handoff, _stage_times(out))
             if not handoff:
                 self.clients.pop(out.request_id, None)
 
@@ -274,6 +292,14 @@ class Worker:
         self.kv_in.close(0)
 
 
+def _stage_times(out: RequestOutput) -> dict[str, float]:
+    m_ = out.metrics
+    if m_ is None:
+        return {}
+    stamps = {"prefill_start": m_.first_scheduled_time, "first_token": m_.first_token_time}
+    return {k: v for k, v in stamps.items() if v is not None}
+
+
 # ---- process entry point ---------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, required=True)
@@ -293,6 +319,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds P keeps sent KV waiting for D's acknowledgement",
     )
     parser.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
+    parser.add_argument(
+        "--stream-kv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream each layer's KV while the prompt computes (default) or send it all after",
+    )
     parser.add_argument(
         "--shm-mb", type=int, default=512, help="shared-memory ring of the shm transport, MiB"
     )
@@ -318,6 +350,7 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         deadline_s=args.deadline,
         lease_s=args.lease,
         shm_mb=args.shm_mb,
+        stream_kv=args.stream_kv,
     )
     ready = {
         "worker_id": worker.worker_id,
