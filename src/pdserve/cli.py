@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bench_sub.add_parser("engine", help="prefill/decode throughput, MFU and MBU")
-    from pdserve.bench.engine_bench import add_arguments
+    from pdserve.bench import codec_bench, engine_bench
 
-    add_arguments(eng)
+    engine_bench.add_arguments(eng)
+    codec = bench_sub.add_parser("codec", help="KV codec quality (token match, KL) and speed")
+    codec_bench.add_arguments(codec)
     return parser
 
 
@@ -123,10 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.workers.worker import run as run_worker
 
             return run_worker(args, engine_kwargs_from_args(args))
-        if args.command == "bench" and args.bench_command == "engine":
-            from pdserve.bench.engine_bench import run
+        if args.command == "bench":
+            from pdserve.bench import codec_bench, engine_bench
 
-            return run(args)
+            runners = {"engine": engine_bench.run, "codec": codec_bench.run}
+            return runners[args.bench_command](args)
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

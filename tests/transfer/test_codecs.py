@@ -145,6 +145,15 @@ def test_decode_rejects_corrupt_scales(bad_scale: float) -> None:
         codec.decode(buf, 3, 1, 4, torch.float32)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_quantized_encode_rejects_non_finite_kv(name: str, bad: float) -> None:
+    x = torch.ones(3, 2, 4)
+    x[1, 1, 2] = bad
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        CODECS[name].encode(x)
+
+
 @pytest.mark.parametrize("name", list(CODECS))
 def test_encode_rejects_unsupported_dtypes_and_shapes(name: str) -> None:
     codec = CODECS[name]

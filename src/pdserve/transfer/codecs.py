@@ -15,6 +15,8 @@ nibbles, element 2i in the low nibble of byte i, the last byte zero-padded).
 
 Round trip: every element is within scale / 2 of the input (scale = absmax / 127 or / 7), plus
 float rounding of the output dtype; an all-zero group has scale 0 and decodes to exact zeros.
+NaN or infinite KV cannot be quantized (encode raises), and decode rejects a non-finite or
+negative scale, so corruption never turns silently into NaN attention.
 Everything is little-endian, so only little-endian hosts are supported (x86-64, ARM64).
 """
 
@@ -143,6 +145,8 @@ class QuantCodec(KVCodec):
     def encode(self, x: torch.Tensor) -> memoryview:
         _check_input(x)
         scale, q = self.quantize(x.detach())
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError(f"KV holds NaN or infinity: {self.name} cannot encode it")
         n, heads, dim = x.shape
         out = torch.empty(self.encoded_size(n, heads, dim, x.dtype), dtype=torch.uint8)
         split = scale.numel() * SCALE_BYTES
