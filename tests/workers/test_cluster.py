@@ -177,3 +177,33 @@ def test_bad_input_gets_clear_errors_and_the_workers_keep_serving(  # type: igno
         assert _ids(c.generate(_prompts(), GREEDY)) == reference
         assert c.worker_stats()["D0"]["bad_frames"] >= 1
         _check_idle(c)
+
+
+def test_lost_ack_is_reclaimed_by_the_lease_without_failing_the_request(  # type: ignore[no-untyped-def]
+    tcp_cluster, reference
+) -> None:
+    before = tcp_cluster.worker_stats()["P0"].get("lease_reclaims", 0)
+    tcp_cluster.set_fault("D0", "drop_ack", count=1)
+    assert _ids(tcp_cluster.generate(_prompts()[:1], GREEDY)) == reference[:1]
+    deadline = time.monotonic() + 10  # the lease is 2 s in this cluster
+    while tcp_cluster.worker_stats()["P0"].get("lease_reclaims", 0) == before:
+        assert time.monotonic() < deadline, "P never reclaimed the unacknowledged KV"
+        time.sleep(0.2)
+    _check_idle(tcp_cluster)
+
+
+def test_decode_worker_that_can_never_reserve_fails_fast(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    # D's cache can never hold this request: D refuses at once instead of waiting for memory,
+    # P learns it over the KV link, the requester gets the reason; both ends clean.
+    with LocalCluster(
+        str(tiny_llama_path),
+        transport="inproc",
+        deadline_s=1.0,
+        decode_args={"num_blocks": 4, "block_size": 4},
+    ) as c:
+        t0 = time.monotonic()
+        (big,) = c.generate([[7] * 60], GREEDY)
+        assert big.outputs[0].finish_reason == "error" and time.monotonic() - t0 < 5
+        assert "more KV blocks than the cache holds" in (big.error or "")
+        assert c.stats["retries"] == 0  # a permanent refusal is not retried
+        _check_idle(c)

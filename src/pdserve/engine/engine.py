@@ -143,6 +143,7 @@ class LLMEngine:
         tracked = self._new_request(prompt, params, request_id)
         if not 0 < num_kv_tokens < self.max_model_len:
             raise ValueError(f"num_kv_tokens must be in [1, {self.max_model_len})")
+        self.scheduler.check_fits(tracked.request)  # never wait for memory that cannot exist
         block_ids = self.kv_manager.reserve(request_id, num_kv_tokens + 1)
         if block_ids is not None:
             self._reserved[request_id] = tracked

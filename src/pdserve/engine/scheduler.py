@@ -89,6 +89,13 @@ class Scheduler:
                 f"{budget} and chunked prefill is off; enable chunked prefill or raise "
                 "max_num_batched_tokens"
             )
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise ValueError if the request could ever need more blocks than the whole cache."""
         # Every token but the last generated one (sampled, never computed) needs a KV slot. A
         # request that can outgrow the whole cache would preempt itself forever, so refuse it.
         final_len = min(
@@ -103,9 +110,6 @@ class Scheduler:
                 f"{self.kv.block_size}); shorten the prompt, lower max_tokens or give the cache "
                 "more memory"
             )
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def add_prefilled(self, request: Request) -> None:
         """Admit a request whose KV for `num_computed_tokens` tokens is already in its blocks.

@@ -53,6 +53,7 @@ class DecodeSide:
         self.inc: dict[str, Incoming] = {}
         self.early_wants: dict[str, tuple[bytes, float]] = {}  # KVWant before ExpectKV
         self.shm = ShmReader()
+        self.drop_acks = 0  # fault injection: acknowledgements to swallow (-1: all)
 
     # ---- intake --------------------------------------------------------------------------
     def expect(self, msg: m.ExpectKV, client: bytes) -> None:
@@ -85,7 +86,7 @@ class DecodeSide:
         try:
             blocks = eng.reserve_kv(inc.prompt_ids, inc.params, inc.rid, inc.num_kv_tokens)
         except ValueError as e:
-            self.fail(inc, f"cannot admit: {e}")
+            self.fail(inc, f"cannot admit: {e}", stage="admission")  # permanent: no retry
             return
         if blocks is None:
             return  # memory short: retried each loop until the deadline
@@ -216,13 +217,15 @@ class DecodeSide:
             if now - t > self.w.deadline_s:
                 del self.early_wants[rid]
 
-    def fail(self, inc: Incoming, reason: str, tell_src: bool = True) -> None:
+    def fail(
+        self, inc: Incoming, reason: str, tell_src: bool = True, stage: str = "transfer"
+    ) -> None:
         self.inc.pop(inc.rid, None)
         self.w.engine.cancel_reserved(inc.rid)
         self.w.counters["transfer_failures"] += 1
         if tell_src and inc.peer is not None:
             self._send(inc.peer, m.KVFail(inc.rid, reason))
-        self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, reason, "transfer"))
+        self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, reason, stage))
         self.w.clients.pop(inc.rid, None)
 
     def abort(self, rid: str) -> None:
@@ -234,6 +237,10 @@ class DecodeSide:
         self.early_wants.pop(rid, None)
 
     def _send(self, peer: bytes, msg: object) -> None:
+        if isinstance(msg, m.KVAck) and self.drop_acks != 0:  # injected fault: a lost ack
+            self.drop_acks -= 1
+            self.w.counters["faults_injected"] += 1
+            return
         try:
             self.w.kv_in.send_multipart([peer, MSG, m.encode(msg)])
         except Exception as e:  # zmq.ZMQError: the peer is gone (ROUTER_MANDATORY)

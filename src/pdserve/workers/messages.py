@@ -80,7 +80,7 @@ class GetStats:
 class SetFault:
     """Fault injection on this worker's outgoing KV frames (tests and chaos runs only)."""
 
-    mode: str  # "none" | "drop" | "delay" | "corrupt"
+    mode: str  # "none" | "drop" | "delay" | "corrupt" (P's frames) | "drop_ack" (D's acks)
     count: int = 1  # frames affected, -1 for all
     delay_s: float = 0.0
 

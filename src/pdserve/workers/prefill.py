@@ -286,21 +286,28 @@ class PrefillSide:
                     f"{self.w.deadline_s:g}s",
                 )
             elif o.stage == "done_sent" and now - o.done_at > self.w.lease_s:
+                # After KVDone, D owns the request: it may be decoding already and only the ack
+                # was lost. Reclaim our copy and tell D; D fails the request if it had not
+                # admitted it, so the requester hears from the one worker that knows.
                 self.w.counters["lease_reclaims"] += 1
-                self.fail(
-                    o,
+                reason = (
                     f"no acknowledgement from decode worker {o.dest_worker} within the "
-                    f"{self.w.lease_s:g}s lease; KV reclaimed",
+                    f"{self.w.lease_s:g}s lease; KV reclaimed"
                 )
+                self.w.log.warning("%s: %s", o.rid, reason)
+                self.fail(o, reason, tell_client=False)
 
-    def fail(self, o: Outgoing, reason: str, tell_dest: bool = True) -> None:
+    def fail(
+        self, o: Outgoing, reason: str, tell_dest: bool = True, tell_client: bool = True
+    ) -> None:
         self.out.pop(o.rid, None)
         self.w.engine.abort_request(o.rid)
         self._release_ring(o.rid)
         self.w.counters["transfer_failures"] += 1
         if tell_dest:
             self._send_msg(o.sock, m.KVFail(o.rid, reason))
-        self.w.emit(o.rid, m.RequestFailed(o.rid, self.w.worker_id, reason, "transfer"))
+        if tell_client:
+            self.w.emit(o.rid, m.RequestFailed(o.rid, self.w.worker_id, reason, "transfer"))
         self.w.clients.pop(o.rid, None)
 
     def abort(self, rid: str) -> None:

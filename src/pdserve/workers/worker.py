@@ -169,12 +169,23 @@ class Worker:
         elif isinstance(msg, m.GetStats):
             self._send(client, m.Stats(self.stats()))
         elif isinstance(msg, m.SetFault):
-            self.prefill.fault.mode, self.prefill.fault.remaining = msg.mode, msg.count
-            self.prefill.fault.delay_s = msg.delay_s
+            self.set_fault(msg)
         elif isinstance(msg, m.Shutdown):
             self.running = False
         else:
             raise m.MessageError(f"{type(msg).__name__} is not a request to a worker")
+
+    def set_fault(self, msg: m.SetFault) -> None:
+        """Frame faults (drop, delay, corrupt) on what this worker sends as P; lost acks as D."""
+        if msg.mode not in ("none", "drop", "delay", "corrupt", "drop_ack"):
+            raise ValueError(f"unknown fault mode {msg.mode!r}")
+        if msg.mode == "drop_ack":
+            self.decode.drop_acks = msg.count
+            return
+        self.prefill.fault.mode, self.prefill.fault.remaining = msg.mode, msg.count
+        self.prefill.fault.delay_s = msg.delay_s
+        if msg.mode == "none":
+            self.decode.drop_acks = 0
 
     def info(self) -> m.WorkerInfo:
         e = self.engine
