@@ -120,7 +120,11 @@ class RawCodec(KVCodec):
         self, buf: BytesLike, n_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> torch.Tensor:
         view = _check_length(buf, self.encoded_size(n_tokens, kv_heads, head_dim, dtype))
-        values = np.frombuffer(view, dtype=_NP_DTYPES[dtype]).copy()  # aligned and writable
+        values = np.frombuffer(view, dtype=_NP_DTYPES[dtype])
+        # Zero-copy when the received buffer allows it (the receiver's only copy is then the
+        # store into its KV blocks); torch needs aligned, writable memory, else copy.
+        if view.readonly or values.ctypes.data % values.itemsize:
+            values = values.copy()
         out = torch.from_numpy(values)
         if dtype == torch.bfloat16:
             out = out.view(torch.bfloat16)

@@ -114,10 +114,14 @@ class FrameHeader:
 
 @dataclass(frozen=True)
 class Frame:
-    """A checked frame; `layers()` decodes one layer at a time from the received buffer."""
+    """A checked frame; `layers()` decodes one layer at a time from the received buffers.
+
+    The payload stays in the buffers it arrived in (`segments`, in order): a tensor that lies
+    inside one segment is decoded from it directly, without joining the frame first.
+    """
 
     header: FrameHeader
-    payload: memoryview
+    segments: tuple[memoryview, ...]
 
     @property
     def request_id(self) -> str:
@@ -128,13 +132,30 @@ class Frame:
         return self.header.num_tokens
 
     def layers(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(layer index, K, V) per layer, K and V new CPU tensors [num_tokens, heads, dim]."""
+        """(layer index, K, V) per layer, [num_tokens, heads, dim]; for codec "none" these may
+        be views of the received buffers, valid while those are."""
         size = self.header.tensor_size()
         for i in range(self.header.num_layers):
             offset = 2 * i * size
-            k = self._decode(self.payload[offset : offset + size])
-            v = self._decode(self.payload[offset + size : offset + 2 * size])
+            k = self._decode(self._slice(offset, size))
+            v = self._decode(self._slice(offset + size, size))
             yield self.header.layer_start + i, k, v
+
+    def _slice(self, offset: int, size: int) -> memoryview:
+        """Bytes [offset, offset + size) of the payload; a copy only if they span segments."""
+        pieces: list[memoryview] = []
+        need = size
+        for seg in self.segments:
+            if offset >= len(seg):
+                offset -= len(seg)
+                continue
+            piece = seg[offset : offset + need]
+            pieces.append(piece)
+            need -= len(piece)
+            offset = 0
+            if need == 0:
+                break
+        return pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
 
     def _decode(self, buf: memoryview) -> torch.Tensor:
         h = self.header
@@ -259,22 +280,37 @@ def decode_frame(
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     fingerprint: bytes | None = None,
 ) -> Frame:
-    """Check a whole frame (one buffer or its parts in order); raises WireError only."""
-    buf = _whole(data)
-    header = _parse_header(buf, max_payload)
-    if len(buf) != header.header_len + header.payload_len:
+    """Check a whole frame (one buffer or its parts in order); raises WireError only.
+
+    The parts are not joined: the checksum runs over them in place and the payload is decoded
+    from them, so a received frame is read once for the checksum and once to store it."""
+    views = [_as_view(p) for p in _split(data)]
+    head = _head(views)
+    header = _parse_header(head, max_payload)
+    total = sum(len(v) for v in views)
+    if total != header.header_len + header.payload_len:
         raise WireError(
-            f"frame has {len(buf)} bytes, header says {header.header_len + header.payload_len}"
+            f"frame has {total} bytes, header says {header.header_len + header.payload_len}"
         )
-    payload = buf[header.header_len :]
-    if _checksum(bytes(buf[: header.header_len]), [payload]) != header.checksum:
+    segments = tuple(_skip(views, header.header_len))
+    if _checksum(bytes(head[: header.header_len]), segments) != header.checksum:
         raise WireError("checksum mismatch: the frame is corrupt")
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise WireError(
             f"KV layout fingerprint {header.fingerprint.hex()} != expected {fingerprint.hex()}: "
             "P and D serve different model layouts or KV dtypes"
         )
-    return Frame(header, payload)
+    return Frame(header, segments)
+
+
+def _skip(views: list[memoryview], n: int) -> Iterator[memoryview]:
+    """The views after their first `n` bytes, empty ones dropped."""
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        yield v[n:]
+        n = 0
 
 
 def _as_view(data: object) -> memoryview:
@@ -290,13 +326,6 @@ def _split(data: object) -> list[object]:
     if isinstance(data, bytes | bytearray | memoryview) or not isinstance(data, Sequence):
         return [data]
     return list(data)
-
-
-def _whole(data: object) -> memoryview:
-    parts = _split(data)
-    if len(parts) == 1:
-        return _as_view(parts[0])
-    return memoryview(b"".join(_as_view(p) for p in parts))
 
 
 def _head(data: object) -> memoryview:
