@@ -15,13 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import json
 import os
-import queue
-import select
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,22 +26,25 @@ import zmq
 from pdserve.engine import loader
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
+from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
 from pdserve.workers import messages as m
-from pdserve.workers.worker import READY_PREFIX, Worker
 
 STARTUP_TIMEOUT_S = 180.0
 
 
 @dataclass
 class WorkerHandle:
-    worker_id: str
-    role: str
-    control: str
-    kv: str
+    launched: Launched
     sock: zmq.Socket | None = None
-    proc: subprocess.Popen | None = None
-    thread: threading.Thread | None = None
     info: m.WorkerInfo | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.launched.spec.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.launched.spec.role
 
 
 @dataclass
@@ -136,7 +133,7 @@ class LocalCluster:
                 self.workers.append(self._spawn(role, f"{role[0].upper()}{i}"))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for w in self.workers:
-            self._await_ready(w, deadline)
+            await_ready(w.launched, deadline)
             self._connect(w, deadline)
         for role in self.counts:
             pool = self.pool(role)
@@ -155,96 +152,15 @@ class LocalCluster:
         }
 
     def _spawn(self, role: str, worker_id: str) -> WorkerHandle:
-        if self.transport == "inproc":
-            return self._spawn_thread(role, worker_id)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "worker",
-            "--role",
-            role,
-            "--worker-id",
-            worker_id,
-            "--transport",
-            self.transport,
-            "--kv-codec",
-            self.kv_codec,
-            "--deadline",
-            str(self.deadline_s),
-            "--lease",
-            str(self.lease_s),
-            "--shm-mb",
-            str(self.shm_mb),
-            "--stream-kv" if self.stream_kv else "--no-stream-kv",
-        ]
-        for key, value in self._engine_args(role).items():
-            if value is None:
-                continue
-            flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                cmd.append(flag if value else "--no-" + key.replace("_", "-"))
-            else:
-                cmd += [flag, str(value)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        return WorkerHandle(worker_id, role, "", "", proc=proc)
-
-    def _spawn_thread(self, role: str, worker_id: str) -> WorkerHandle:
-        handle = WorkerHandle(worker_id, role, "", "")
-        ready: queue.Queue = queue.Queue()
-
-        def main() -> None:
-            try:
-                w = Worker(
-                    role,
-                    self._engine_args(role),
-                    worker_id=worker_id,
-                    transport="inproc",
-                    kv_codec=self.kv_codec,
-                    deadline_s=self.deadline_s,
-                    lease_s=self.lease_s,
-                    stream_kv=self.stream_kv,
-                    ctx=self.ctx,
-                )
-            except Exception as e:  # reported to the starting thread, which raises
-                ready.put(e)
-                return
-            ready.put({"control": w.control_endpoint, "kv": w.kv_endpoint})
-            w.serve_forever()
-
-        handle.thread = threading.Thread(target=main, name=f"worker-{worker_id}", daemon=True)
-        handle.thread.start()
-        handle.proc = None
-        handle._ready = ready  # type: ignore[attr-defined]
-        return handle
-
-    def _await_ready(self, w: WorkerHandle, deadline: float) -> None:
-        if w.thread is not None:
-            got = w._ready.get(timeout=max(0.1, deadline - time.monotonic()))  # type: ignore[attr-defined]
-            if isinstance(got, Exception):
-                raise RuntimeError(f"worker {w.worker_id} failed to start: {got}") from got
-            w.control, w.kv = got["control"], got["kv"]
-            return
-        assert w.proc is not None and w.proc.stdout is not None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or w.proc.poll() is not None:
-                raise RuntimeError(
-                    f"worker {w.worker_id} did not start (exit code "
-                    f"{w.proc.poll()}); see its stderr above"
-                )
-            readable, _, _ = select.select([w.proc.stdout], [], [], min(left, 1.0))
-            if readable:
-                line = w.proc.stdout.readline()
-                if line.startswith(READY_PREFIX):
-                    info = json.loads(line[len(READY_PREFIX) :])
-                    w.control, w.kv = info["control"], info["kv"]
-                    return
+        spec = WorkerSpec(role, worker_id, self._engine_args(role), self.transport,
+                          self.kv_codec, self.deadline_s, self.lease_s, self.shm_mb,
+                          self.stream_kv)  # fmt: skip
+        return WorkerHandle(launch(spec, self.ctx))
 
     def _connect(self, w: WorkerHandle, deadline: float) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(w.control)
+        sock.connect(w.launched.control)
         w.sock = sock
         self.poller.register(sock, zmq.POLLIN)
         sock.send(m.encode(m.Hello("local-cluster")))
@@ -265,14 +181,7 @@ class LocalCluster:
                 with contextlib.suppress(zmq.ZMQError):
                     w.sock.send(m.encode(m.Shutdown()), zmq.NOBLOCK)
         for w in self.workers:
-            if w.proc is not None:
-                try:
-                    w.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    w.proc.kill()
-                    w.proc.wait()
-            if w.thread is not None:
-                w.thread.join(timeout=10)
+            stop(w.launched)
             if w.sock is not None:
                 w.sock.close(0)
                 w.sock = None

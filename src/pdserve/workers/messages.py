@@ -118,6 +118,8 @@ class Tokens:
     # The worker hands the request to a decode worker after these tokens (prefill side).
     handoff: bool = False
     time: float = 0.0  # time.monotonic() when the worker emitted them
+    # Stage stamps (prefill_start, first_token) on the last message of this worker's part.
+    times: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

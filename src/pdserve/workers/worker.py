@@ -259,6 +259,7 @@ class Worker:
                 logprobs=c.logprobs[-len(out.new_token_ids) :] if c.logprobs else None,
                 handoff=handoff,
                 time=time.monotonic(),
+                times=_stage_times(out) if out.finished else None,
             ),
         )
         if out.finished:

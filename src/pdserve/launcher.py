@@ -1,0 +1,137 @@
+"""Start workers on this machine: as child processes (`pdserve worker ...`), or as threads of this
+process for the `inproc` transport. Used by `LocalCluster` and `pdserve serve`.
+
+A child prints one `PDSERVE_WORKER_READY {json}` line with its endpoints once its model is
+loaded; `await_ready` waits for it with a deadline and reports a child that died instead.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from pdserve.workers.worker import READY_PREFIX, Worker
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str
+    worker_id: str
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    transport: str = "tcp"
+    kv_codec: str = "none"
+    deadline_s: float = 5.0
+    lease_s: float = 10.0
+    shm_mb: int = 512
+    stream_kv: bool = True
+    host: str = "127.0.0.1"
+    cpus: str | None = None
+
+
+@dataclass
+class Launched:
+    spec: WorkerSpec
+    control: str = ""
+    kv: str = ""
+    proc: subprocess.Popen | None = None
+    thread: threading.Thread | None = None
+    ready: queue.Queue | None = None
+
+
+def worker_command(spec: WorkerSpec) -> list[str]:
+    cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", spec.role,
+           "--worker-id", spec.worker_id, "--host", spec.host, "--transport", spec.transport,
+           "--kv-codec", spec.kv_codec, "--deadline", str(spec.deadline_s),
+           "--lease", str(spec.lease_s), "--shm-mb", str(spec.shm_mb),
+           "--stream-kv" if spec.stream_kv else "--no-stream-kv"]  # fmt: skip
+    if spec.cpus:
+        cmd += ["--cpus", spec.cpus]
+    for key, value in spec.engine_args.items():
+        if value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def launch(spec: WorkerSpec, ctx: zmq.Context | None = None) -> Launched:
+    if spec.transport == "inproc":
+        return _launch_thread(spec, ctx or zmq.Context.instance())
+    proc = subprocess.Popen(worker_command(spec), stdout=subprocess.PIPE, text=True)
+    return Launched(spec, proc=proc)
+
+
+def _launch_thread(spec: WorkerSpec, ctx: zmq.Context) -> Launched:
+    ready: queue.Queue = queue.Queue()
+
+    def main() -> None:
+        try:
+            w = Worker(
+                spec.role,
+                spec.engine_args,
+                worker_id=spec.worker_id,
+                transport="inproc",
+                kv_codec=spec.kv_codec,
+                deadline_s=spec.deadline_s,
+                lease_s=spec.lease_s,
+                stream_kv=spec.stream_kv,
+                ctx=ctx,
+            )
+        except Exception as e:  # reported to the starting thread, which raises
+            ready.put(e)
+            return
+        ready.put({"control": w.control_endpoint, "kv": w.kv_endpoint})
+        w.serve_forever()
+
+    thread = threading.Thread(target=main, name=f"worker-{spec.worker_id}", daemon=True)
+    thread.start()
+    return Launched(spec, thread=thread, ready=ready)
+
+
+def await_ready(w: Launched, deadline: float) -> None:
+    """Fill in the worker's endpoints; RuntimeError if it dies or the deadline passes."""
+    if w.ready is not None:
+        got = w.ready.get(timeout=max(0.1, deadline - time.monotonic()))
+        if isinstance(got, Exception):
+            raise RuntimeError(f"worker {w.spec.worker_id} failed to start: {got}") from got
+        w.control, w.kv = got["control"], got["kv"]
+        return
+    assert w.proc is not None and w.proc.stdout is not None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or w.proc.poll() is not None:
+            raise RuntimeError(
+                f"worker {w.spec.worker_id} did not start (exit code "
+                f"{w.proc.poll()}); see its stderr above"
+            )
+        readable, _, _ = select.select([w.proc.stdout], [], [], min(left, 1.0))
+        if readable:
+            line = w.proc.stdout.readline()
+            if line.startswith(READY_PREFIX):
+                info = json.loads(line[len(READY_PREFIX) :])
+                w.control, w.kv = info["control"], info["kv"]
+                return
+
+
+def stop(w: Launched, timeout_s: float = 10.0) -> None:
+    """Wait for a worker told to shut down; kill a child that does not exit in time."""
+    if w.proc is not None:
+        try:
+            w.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+    if w.thread is not None:
+        w.thread.join(timeout=timeout_s)
