@@ -1,4 +1,4 @@
-"""`pdserve` command line: generate | demo | bench engine.
+"""`pdserve` command line: serve | router | worker | generate | demo | bench.
 
 Engine flags are generated from the config dataclasses (`pdserve.config`), so every engine
 argument of `LLM(**engine_args)` is also a flag with the same name and help.
@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--question", default=DEMO_QUESTION)
     _sampling_args(demo)
     _engine_args(demo)
+
+    from pdserve.router import serve as serve_mod
+
+    serve = sub.add_parser("serve", help="workers + OpenAI-compatible router on this machine")
+    serve_mod.add_serve_arguments(serve)
+    router = sub.add_parser("router", help="the router alone, for workers started elsewhere")
+    serve_mod.add_router_arguments(router)
 
     worker = sub.add_parser("worker", help="run one prefill/decode/colocated worker")
     from pdserve.workers.worker import add_arguments as worker_arguments
@@ -121,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command in ("serve", "router"):
+            from pdserve.router import serve as serve_mod
+
+            return (serve_mod.run_serve if args.command == "serve" else serve_mod.run_router)(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 

@@ -1,0 +1,412 @@
+"""RouterCore: the requester side of pdserve, on asyncio — dispatch, stream, retry, abort, trace.
+
+For each request: pick P and D (or one colocated worker) with the pool's policy, send ExpectKV to
+D and Prefill to P, then turn the `Tokens` events of both into one stream of `Delta`s. A failed
+hand-off is retried once, resuming after the tokens already streamed (the new attempt prefills
+prompt + those tokens), so a client never sees a token twice. A request that goes silent past
+its deadline, or whose client goes away, is aborted on every worker it touched.
+
+Workers are polled for stats every `stats_interval_s`; the replies feed /admin/workers, the
+metrics and the policies, and a worker that stops answering is taken out of routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.engine.request import SamplingParams
+from pdserve.router.policies import WorkerLoad, make_policy
+from pdserve.workers import messages as m
+
+TIMELINE_KEEP = 2000  # finished requests whose timelines stay queryable
+
+# Worker stage stamps -> the timeline's event names.
+_STAGES = {
+    "send:received": "queue",
+    "send:prefill_start": "prefill_start",
+    "send:first_token": "prefill_end",
+    "send:ready": "transfer_start",
+    "recv:done": "transfer_end",
+    "local:prefill_start": "prefill_start",
+    "local:first_token": "prefill_end",
+}
+
+
+class RequestError(Exception):
+    """A request that cannot be served; `status` is the HTTP status the router answers with."""
+
+    def __init__(self, message: str, status: int = 503, code: str = "unavailable") -> None:
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class WorkerState:
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    info: m.WorkerInfo | None = None
+    healthy: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    outstanding: int = 0
+    last_seen: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info else self.endpoint
+
+    @property
+    def role(self) -> str:
+        return self.info.role if self.info else "unknown"
+
+
+@dataclass
+class Flight:
+    """One request in flight; `attempt` changes the id the workers see on every retry."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    attempt: int = 1
+    pair: tuple[WorkerState, WorkerState | None] | None = None
+    sent: list[int] = field(default_factory=list)  # tokens already streamed to the client
+    timeline: list[tuple[str, str, float]] = field(default_factory=list)
+    last_event: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    @property
+    def wire_rid(self) -> str:
+        return f"{self.rid}.{self.attempt}"
+
+
+class RouterCore:
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        policy: str = "least_outstanding",
+        deadline_s: float = 5.0,
+        max_retries: int = 1,
+        handoff_tokens: int = 1,
+        stats_interval_s: float = 1.0,
+        metrics: Any = None,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        # In-process (inproc) workers need the context they were started with.
+        self.ctx = zmq.asyncio.Context.shadow(ctx) if ctx is not None else zmq.asyncio.Context()
+        self._owns_ctx = ctx is None
+        self.workers = [WorkerState(e, self._socket(e)) for e in endpoints]
+        self.policies = {role: make_policy(policy) for role in ("prefill", "decode", "colocated")}
+        self.deadline_s, self.max_retries = deadline_s, max_retries
+        self.handoff_tokens, self.stats_interval_s = handoff_tokens, stats_interval_s
+        self.metrics = metrics
+        self.flights: dict[str, Flight] = {}
+        self.timelines: collections.OrderedDict[str, list[dict[str, Any]]] = (
+            collections.OrderedDict()
+        )
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._tasks: list[asyncio.Task] = []
+
+    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    # ---- life cycle ------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 120.0) -> None:
+        """Say hello to every worker; raises RuntimeError naming those that never answer."""
+        for w in self.workers:
+            await w.sock.send(m.encode(m.Hello("router")))
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            while w.info is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await w.sock.poll(int(left * 1000)):
+                    raise RuntimeError(f"worker at {w.endpoint} did not answer within {timeout_s}s")
+                msg = m.decode(await w.sock.recv())
+                if isinstance(msg, m.WorkerInfo):
+                    w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
+        self._tasks = [asyncio.create_task(self._reader(w)) for w in self.workers]
+        self._tasks.append(asyncio.create_task(self._poll_stats()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for w in self.workers:
+            w.sock.close(0)
+        if self._owns_ctx:
+            self.ctx.term()
+
+    @property
+    def model(self) -> str:
+        return next((w.info.model for w in self.workers if w.info), "")
+
+    # ---- one request -----------------------------------------------------------------------
+    async def generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Delta]:
+        """Stream a request's deltas; raises RequestError; cancelling it aborts everywhere."""
+        if rid in self.flights:
+            raise RequestError(f"request id {rid!r} is in flight", 400, "invalid_request")
+        flight = Flight(rid, list(prompt_ids), params, asyncio.Queue())
+        flight.timeline.append(("arrive", "router", time.monotonic()))
+        self.flights[rid] = flight
+        outcome = "error"
+        try:
+            self._dispatch(flight)
+            async for delta in self._drain(flight):
+                yield delta
+            outcome = "ok"
+        except asyncio.CancelledError:
+            outcome = "aborted"
+            raise
+        except GeneratorExit:
+            outcome = "aborted"
+            raise
+        finally:
+            self._end(flight, outcome)
+
+    async def _drain(self, flight: Flight) -> AsyncIterator[Delta]:
+        silence = max(30.0, 6 * self.deadline_s)
+        while True:
+            try:
+                item = await asyncio.wait_for(flight.queue.get(), timeout=silence)
+            except TimeoutError:
+                raise RequestError(f"no progress for {silence:g}s", 504, "timeout") from None
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def _end(self, flight: Flight, outcome: str) -> None:
+        if not flight.finished:
+            self._abort_workers(flight)
+        self._release(flight)
+        self.flights.pop(flight.rid, None)
+        flight.timeline.append(
+            ("finish" if outcome == "ok" else outcome, "router", time.monotonic())
+        )
+        self._keep_timeline(flight)
+        self.counters[f"requests_{outcome}"] += 1
+        if self.metrics is not None:
+            self.metrics.on_request_end(flight, outcome)
+
+    # ---- dispatch --------------------------------------------------------------------------
+    def _dispatch(self, flight: Flight) -> None:
+        flight.pair = self._pick()
+        for w in flight.pair:
+            if w is not None:
+                w.outstanding += 1
+        prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
+        params = dict(flight.params.__dict__)
+        params["max_tokens"] = flight.params.max_tokens - len(flight.sent)
+        first, second = flight.pair
+        flight.timeline.append(("dispatch", f"attempt {flight.attempt}", time.monotonic()))
+        if second is None:
+            self._send(first, m.Generate(flight.wire_rid, prompt, params))
+            return
+        assert second.info is not None
+        self._send(
+            second,
+            m.ExpectKV(flight.wire_rid, prompt, params, first.worker_id, self.handoff_tokens),
+        )
+        self._send(
+            first,
+            m.Prefill(
+                flight.wire_rid,
+                prompt,
+                params,
+                second.worker_id,
+                second.info.kv_endpoint,
+                self.handoff_tokens,
+            ),
+        )
+
+    def _pick(self) -> tuple[WorkerState, WorkerState | None]:
+        pools = {
+            role: [w for w in self.workers if w.healthy and w.role == role]
+            for role in ("prefill", "decode", "colocated")
+        }
+        if pools["prefill"] and pools["decode"]:
+            return self._choose("prefill", pools["prefill"]), self._choose(
+                "decode", pools["decode"]
+            )
+        if pools["colocated"]:
+            return self._choose("colocated", pools["colocated"]), None
+        raise RequestError("no healthy workers to serve the request", 503, "unavailable")
+
+    def _choose(self, role: str, pool: list[WorkerState]) -> WorkerState:
+        loads = [
+            WorkerLoad(w.worker_id, w.outstanding, int(w.stats.get("waiting", 0))) for w in pool
+        ]
+        chosen = self.policies[role].pick(loads)
+        return next(w for w in pool if w.worker_id == chosen.worker_id)
+
+    def _send(self, w: WorkerState, msg: object) -> None:
+        w.sock.send(m.encode(msg))  # DEALER send does not block while the peer is connected
+
+    def _release(self, flight: Flight) -> None:
+        for w in flight.pair or ():
+            if w is not None:
+                w.outstanding = max(0, w.outstanding - 1)
+
+    def _abort_workers(self, flight: Flight) -> None:
+        for w in flight.pair or ():
+            if w is not None:
+                self._send(w, m.Abort(flight.wire_rid))
+
+    async def abort(self, rid: str) -> bool:
+        flight = self.flights.get(rid)
+        if flight is None:
+            return False
+        flight.queue.put_nowait(RequestError("aborted", 499, "aborted"))
+        return True
+
+    # ---- events from workers ---------------------------------------------------------------
+    async def _reader(self, w: WorkerState) -> None:
+        while True:
+            raw = await w.sock.recv()
+            w.last_seen = time.monotonic()
+            try:
+                msg = m.decode(raw)
+            except m.MessageError:
+                self.counters["bad_messages"] += 1
+                continue
+            self._on_event(w, msg)
+
+    def _on_event(self, w: WorkerState, msg: object) -> None:
+        if isinstance(msg, m.Stats):
+            w.stats, w.healthy = msg.stats, True
+            if self.metrics is not None:
+                self.metrics.on_worker_stats(w, msg.stats)
+            return
+        rid, _, attempt = str(getattr(msg, "rid", "")).rpartition(".")
+        flight = self.flights.get(rid)
+        if flight is None or attempt != str(flight.attempt):
+            return  # finished, unknown, or about an earlier attempt
+        flight.last_event = time.monotonic()
+        if isinstance(msg, m.Tokens):
+            self._on_tokens(flight, msg)
+        elif isinstance(msg, m.TransferReport):
+            self._on_transfer(flight, msg)
+        elif isinstance(msg, m.RequestFailed):
+            self._on_failed(flight, msg)
+
+    def _on_tokens(self, flight: Flight, msg: m.Tokens) -> None:
+        if msg.token_ids and not any(e[0] == "first_token" for e in flight.timeline):
+            flight.timeline.append(("first_token", msg.worker, msg.time))
+        colocated = flight.pair is not None and flight.pair[1] is None
+        for stage, t in (msg.times or {}).items() if colocated else ():
+            # A whole request on one worker: its own prefill stages (P and D report theirs in
+            # TransferReport instead).
+            flight.timeline.append((_STAGES.get(f"local:{stage}", stage), msg.worker, t))
+        flight.sent += msg.token_ids
+        finish = msg.finish_reason if msg.finished else None
+        flight.queue.put_nowait(
+            Delta(msg.token_ids, msg.text, msg.logprobs, finish, msg.stop_reason)
+        )
+        if msg.finished:
+            flight.finished = True
+            first, second = flight.pair or (None, None)
+            if second is not None and first is not None and msg.worker == first.worker_id:
+                self._send(second, m.Abort(flight.wire_rid))  # done on P: free D's reservation
+
+    def _on_transfer(self, flight: Flight, msg: m.TransferReport) -> None:
+        for stage, t in (msg.times or {}).items():
+            name = _STAGES.get(f"{msg.side}:{stage}")
+            if name is not None:
+                flight.timeline.append((name, msg.worker, t))
+        self.counters[f"kv_{msg.side}_bytes"] += msg.nbytes
+        if self.metrics is not None:
+            self.metrics.on_transfer(msg)
+
+    def _on_failed(self, flight: Flight, msg: m.RequestFailed) -> None:
+        self._abort_workers(flight)
+        self._release(flight)
+        flight.timeline.append((f"failed: {msg.reason}", msg.worker, time.monotonic()))
+        if msg.stage == "transfer" and flight.attempt <= self.max_retries:
+            self.counters["retries"] += 1
+            if self.metrics is not None:
+                self.metrics.on_retry(msg)
+            flight.attempt += 1
+            try:
+                self._dispatch(flight)
+                return
+            except RequestError as e:
+                flight.queue.put_nowait(e)
+                return
+        status = 400 if msg.stage == "admission" else 503
+        code = "invalid_request" if status == 400 else "worker_error"
+        flight.queue.put_nowait(RequestError(msg.reason, status, code))
+
+    # ---- stats, health, introspection ------------------------------------------------------
+    async def _poll_stats(self) -> None:
+        while True:
+            now = time.monotonic()
+            for w in self.workers:
+                if now - w.last_seen > 3 * self.stats_interval_s + self.deadline_s:
+                    w.healthy = False  # silent: out of routing until it answers again
+                self._send(w, m.GetStats())
+            await asyncio.sleep(self.stats_interval_s)
+
+    def worker_table(self) -> list[dict[str, Any]]:
+        rows = []
+        for w in self.workers:
+            s = w.stats
+            rows.append(
+                {
+                    "id": w.worker_id,
+                    "role": w.role,
+                    "url": w.endpoint,
+                    "pid": w.info.pid if w.info else None,
+                    "healthy": w.healthy,
+                    "queue": s.get("waiting", 0),
+                    "running": s.get("running", 0),
+                    "outstanding": w.outstanding,
+                    "kv_blocks_used": s.get("kv_blocks_used", 0),
+                    "kv_blocks_total": s.get("kv_blocks_total", 0),
+                }
+            )
+        return rows
+
+    def _keep_timeline(self, flight: Flight) -> None:
+        t0 = flight.timeline[0][2]
+        events = sorted(flight.timeline, key=lambda e: e[2])
+        self.timelines[flight.rid] = [
+            {"event": e, "worker": w, "t_ms": round((t - t0) * 1000, 3)} for e, w, t in events
+        ]
+        while len(self.timelines) > TIMELINE_KEEP:
+            self.timelines.popitem(last=False)
+
+    def timeline(self, rid: str) -> list[dict[str, Any]] | None:
+        flight = self.flights.get(rid)
+        if flight is not None:  # still running: what happened so far
+            t0 = flight.timeline[0][2]
+            return [
+                {"event": e, "worker": w, "t_ms": round((t - t0) * 1000, 3)}
+                for e, w, t in sorted(flight.timeline, key=lambda e: e[2])
+            ]
+        return self.timelines.get(rid)

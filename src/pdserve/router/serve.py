@@ -1,0 +1,230 @@
+"""`pdserve serve` (workers + router on this machine) and `pdserve router` (router alone).
+
+serve: start the workers as child processes, wait until each has loaded the model, start the
+router (FastAPI on uvicorn), print the URL. On Ctrl-C / SIGTERM uvicorn stops accepting, lets
+in-flight requests finish for up to `--drain` seconds, then the workers are shut down; exit 0.
+Internal sockets bind to 127.0.0.1; a router bound beyond loopback without --api-key warns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from pdserve.engine import loader
+from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
+from pdserve.workers import messages as m
+
+log = logging.getLogger("pdserve.serve")
+STARTUP_TIMEOUT_S = 300.0
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="router address (loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (or set PDSERVE_API_KEY)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="model id in the API")
+    parser.add_argument(
+        "--policy",
+        default="least_outstanding",
+        help="routing policy: least_outstanding | round_robin",
+    )
+    parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO, seconds")
+    parser.add_argument(
+        "--deadline", type=float, default=5.0, help="seconds of silence before a hand-off fails"
+    )
+    parser.add_argument(
+        "--handoff-tokens", type=int, default=1, help="tokens generated on P before the hand-off"
+    )
+    parser.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish at shutdown",
+    )
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF folder or .gguf file; default: SmolLM2-135M-Instruct",
+    )
+    parser.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    parser.add_argument(
+        "--colocated", type=int, default=0, help="colocated workers instead of P/D pools"
+    )
+    parser.add_argument("--transport", default="tcp", help="KV transport: tcp | ipc | shm")
+    parser.add_argument("--kv-codec", default="none", help="KV wire codec: none | int8 | int4")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker; default: cores / workers",
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size")
+    parser.add_argument(
+        "--kv-cache-memory-gb", type=float, default=None, help="KV cache memory per worker, GiB"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
+    )
+    add_common_arguments(parser)
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="*", default=[], help="prefill worker control URLs")
+    parser.add_argument("--decode", nargs="*", default=[], help="decode worker control URLs")
+    parser.add_argument("--colocated", nargs="*", default=[], help="colocated worker URLs")
+    parser.add_argument("--model", default=None, help="for the tokenizer; default: the workers'")
+    add_common_arguments(parser)
+
+
+def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
+    if args.colocated and (args.prefill or args.decode):
+        raise ValueError("give either --colocated N or --prefill N --decode M, not both")
+    counts = (
+        {"colocated": args.colocated}
+        if args.colocated
+        else {"prefill": args.prefill or 1, "decode": args.decode or 1}
+    )
+    total = sum(counts.values())
+    engine: dict[str, Any] = {
+        "model": args.model,
+        "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
+        "block_size": args.block_size,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    engine = {k: v for k, v in engine.items() if v is not None}
+    return [
+        WorkerSpec(
+            role, f"{role[0].upper()}{i}", engine, args.transport, args.kv_codec, args.deadline
+        )
+        for role, n in counts.items()
+        for i in range(n)
+    ]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _setup_logging()
+    specs = _worker_specs(args)
+    ctx = zmq.Context()
+    workers: list[Launched] = []
+    try:
+        t0 = time.monotonic()
+        workers = [launch(s, ctx) for s in specs]
+        for w in workers:
+            await_ready(w, t0 + STARTUP_TIMEOUT_S)
+        log.info("%d workers ready in %.1fs", len(workers), time.monotonic() - t0)
+        return asyncio.run(_serve_router([w.control for w in workers], args, args.model))
+    finally:
+        _shutdown(ctx, workers)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    _setup_logging()
+    endpoints = [*args.prefill, *args.decode, *args.colocated]
+    if not endpoints:
+        raise ValueError("give worker URLs: --prefill URL... --decode URL... or --colocated URL...")
+    return asyncio.run(_serve_router(endpoints, args, args.model))
+
+
+async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: str | None) -> int:
+    import uvicorn
+
+    from pdserve.metrics.prometheus import Metrics
+    from pdserve.router.app import create_app
+    from pdserve.router.core import RouterCore
+
+    metrics = Metrics(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+    core = RouterCore(
+        endpoints,
+        policy=args.policy,
+        deadline_s=args.deadline,
+        handoff_tokens=args.handoff_tokens,
+        metrics=metrics,
+    )
+    await core.start()
+    try:
+        source = loader.resolve_model(model or core.model or None)
+        tokenizer = loader.load_tokenizer(source)
+        arch = loader.load_arch(source)
+        name = args.served_model_name or Path(source.path).name.removesuffix(".gguf")
+        app = create_app(
+            core,
+            tokenizer,
+            model_name=name,
+            api_key=args.api_key,
+            max_model_len=arch.max_position_embeddings,
+            metrics=metrics,
+        )
+        _warn_if_exposed(args.host, args.api_key)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(args.drain),
+        )
+        server = uvicorn.Server(config)
+        print(
+            f"pdserve: serving {name} at http://{args.host}:{args.port}/v1 "
+            f"({len(endpoints)} workers)",
+            flush=True,
+        )
+        await server.serve()
+    finally:
+        await core.close()
+    return 0
+
+
+def _warn_if_exposed(host: str, api_key: str | None) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not api_key:
+        log.warning(
+            "the router listens on %s without --api-key: anyone who can reach it can use it", host
+        )
+
+
+def _shutdown(ctx: zmq.Context, workers: list[Launched]) -> None:
+    for w in workers:
+        if not w.control:
+            continue
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(w.control)
+        sock.send(m.encode(m.Shutdown()))
+        sock.close()
+    for w in workers:
+        if w.proc is not None and not w.control:
+            w.proc.terminate()
+        stop(w)
+    ctx.term()
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
