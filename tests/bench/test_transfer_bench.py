@@ -56,7 +56,8 @@ def test_throughput_exits_zero_and_prints_the_report(throughput_run: dict[str, A
                     "## Codec CPU cost", "## Targets", "## Notes"):  # fmt: skip
         assert heading in md
     assert "## TTFT breakdown" not in md
-    assert "bench transfer" in md and "--no-ttft" in md and "load average" in md
+    assert "python -m pdserve.bench.transfer_bench --model" in md
+    assert "--no-ttft" in md and "load average" in md and "- code: git " in md
 
 
 def test_json_has_machine_layout_and_settings(throughput_run: dict[str, Any]) -> None:
@@ -69,7 +70,7 @@ def test_json_has_machine_layout_and_settings(throughput_run: dict[str, Any]) ->
     assert (lay["layers"], lay["kv_heads"], lay["head_dim"], lay["dtype"]) == (2, 2, 16, "float32")
     assert lay["bytes_per_token"] == TINY_BYTES_PER_TOKEN
     assert data["settings"]["sizes"] == [8, 16] and data["settings"]["repeats"] == 1
-    assert data["date"] and "bench transfer" in data["command"]
+    assert data["date"] and data["command"].startswith("python -m pdserve.bench.transfer_bench")
     assert data["ttft"] == []
 
 
@@ -94,6 +95,8 @@ def test_throughput_rows(throughput_run: dict[str, Any]) -> None:
         assert all(v >= 0 for v in stages.values()), stages
         assert stages["total_s"] == pytest.approx(r["seconds"])
         assert stages["last_frame_s"] <= stages["total_s"]
+        assert stages["decoded_tensors"] == 2 * r["frames"]  # K and V of one layer per frame
+        assert 0 <= stages["in_place_tensors"] <= stages["decoded_tensors"]
 
 
 def test_baselines_codecs_and_crc(throughput_run: dict[str, Any]) -> None:

@@ -214,6 +214,10 @@ class BaselineRow:
     def gbs(self) -> float:
         return self.nbytes / self.seconds / 1e9
 
+    @property
+    def spread(self) -> float:
+        return max(self.samples_s) / min(self.samples_s)
+
 
 @dataclass
 class CodecRow:
@@ -368,7 +372,7 @@ class _Store:
         self.reset()
 
     def reset(self) -> None:
-        self.frames = self.bad = self.nbytes = 0
+        self.frames = self.bad = self.nbytes = self.tensors = self.in_place = 0
         self.first_at: float | None = None
         self.faults_at_first = 0
         self.last_at = 0.0
@@ -404,6 +408,7 @@ class _Store:
         slots = self.slots[h.token_start : h.token_end]
         layers = frame.layers()
         t_codec = t_store = 0.0
+        received = [_address_range(p) for p in parts]
         while True:
             ta = time.monotonic()
             item = next(layers, None)
@@ -415,6 +420,8 @@ class _Store:
             self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
             t_codec += tb - ta
             t_store += time.monotonic() - tb
+            self.tensors += 2
+            self.in_place += sum(_inside(t.data_ptr(), received) for t in (k, v))
         self.t_decode_frame += t1 - t0
         self.t_codec += t_codec
         self.t_store += t_store
@@ -432,8 +439,22 @@ class _Store:
             "decode_frame_s": self.t_decode_frame,
             "codec_decode_s": self.t_codec,
             "store_s": self.t_store,
+            "tensors": self.tensors,
+            "in_place": self.in_place,
             "minor_faults": _minor_faults() - self.faults_at_first if self.first_at else 0,
         }
+
+
+def _address_range(part: Any) -> tuple[int, int]:
+    import numpy as np
+
+    arr = np.frombuffer(part, dtype=np.uint8)
+    return arr.ctypes.data, arr.ctypes.data + arr.nbytes
+
+
+def _inside(ptr: int, ranges: list[tuple[int, int]]) -> bool:
+    """Whether a decoded tensor's memory lies in a received buffer (a view, not a copy)."""
+    return any(lo <= ptr < hi for lo, hi in ranges)
 
 
 def _serve_zmq(conn: Connection, transport: str, ctx: zmq.Context | None = None) -> None:
@@ -668,6 +689,8 @@ class ZmqLink:
             "total_s": t1 - t0,
             "sender_faults": faults,
             "receiver_faults": ack["minor_faults"],
+            "in_place_tensors": ack["in_place"],
+            "decoded_tensors": ack["tensors"],
         }
         return t1 - t0, stages, nbytes, inline
 
@@ -1107,6 +1130,24 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def git_head() -> str | None:
+    """The checkout's commit (read-only `git rev-parse`), or None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def machine_info() -> dict[str, Any]:
     import torch
     import zmq
@@ -1120,15 +1161,17 @@ def machine_info() -> dict[str, Any]:
         "libzmq": zmq.zmq_version(),
         "python": platform.python_version(),
         "load_average": list(os.getloadavg()),
+        "git_head": git_head(),
     }
 
 
 def command_line(args: argparse.Namespace) -> str:
+    """The invoking command if it was `pdserve bench transfer ...`, else an equivalent one with
+    every setting spelled out (`python -m pdserve.bench.transfer_bench ...` from `main`)."""
     argv = sys.argv[1:]
-    prefix = ["pdserve", "bench", "transfer"]
     if argv[:2] == ["bench", "transfer"]:
         return shlex.join(["pdserve", *argv])
-    parts = list(prefix)
+    parts = shlex.split(getattr(args, "prog", None) or "pdserve bench transfer")
     if args.model:
         parts += ["--model", str(args.model)]
     parts += ["--sizes", ",".join(map(str, args.sizes))]
@@ -1186,6 +1229,13 @@ def _header(rep: Report) -> list[str]:
         f"{m.get('load_average_end', m['load_average'])[0]:.2f}"
         + (f"; at the start of each part: {loads}" if loads else "")
         + " (a shared machine: other jobs ran alongside)",
+        f"- code: git {m.get('git_head') or 'unknown'}"
+        + (
+            f" at the start, {m['git_head_end']} at the end (the code changed during the run)"
+            if m.get("git_head_end") != m.get("git_head")
+            else ""
+        )
+        + " (plus any uncommitted changes in the checkout)",
         f"- KV layout: {lay.name}, {lay.layers} layers x {lay.kv_heads} KV heads x head_dim "
         f"{lay.head_dim}, {lay.dtype}: {lay.bytes_per_token:,} bytes/token (K and V)",
         f"- every time is a median of {rep.settings['repeats']} runs after a warm-up run"
@@ -1232,9 +1282,15 @@ def _baseline_table(rep: Report) -> list[str]:
         "|---:|" + "---:|" * len(kinds),
     ]
     for n in sizes:
-        cells = [_fmt(by_key[(k, n)].gbs if (k, n) in by_key else None, ".2f") for k in kinds]
+        cells = [_baseline_cell(by_key.get((k, n))) for k in kinds]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     return out
+
+
+def _baseline_cell(b: BaselineRow | None) -> str:
+    if b is None:
+        return "—"
+    return f"{b.gbs:.2f}" + (" (!)" if b.spread > NOISY_SPREAD else "")
 
 
 _STAGES = (
@@ -1243,13 +1299,15 @@ _STAGES = (
     ("send_s", "sender: send_multipart"),
     ("sender_done_s", "sender: last frame handed to zmq, since start"),
     ("first_frame_s", "receiver: first frame in hand, since start"),
-    ("decode_frame_s", "receiver: decode_frame (join parts + CRC-32 + checks)"),
-    ("codec_decode_s", "receiver: codec decode (copy out of the frame)"),
+    ("decode_frame_s", "receiver: decode_frame (header checks + CRC-32 of the parts)"),
+    ("codec_decode_s", "receiver: codec decode (a view of the received buffer, or a copy)"),
     ("store_s", "receiver: index_copy_ into the paged cache"),
     ("last_frame_s", "receiver: last frame stored, since start"),
     ("total_s", "total (ack received)"),
     ("sender_faults", "sender: minor page faults (4 KiB pages first touched)"),
     ("receiver_faults", "receiver: minor page faults (4 KiB pages first touched)"),
+    ("in_place_tensors", "receiver: K/V tensors decoded in place (views, no copy)"),
+    ("decoded_tensors", "receiver: K/V tensors decoded"),
 )
 
 
@@ -1273,7 +1331,7 @@ def _stage_table(rep: Report) -> list[str]:
 
 
 def _stage_cell(key: str, value: float) -> str:
-    return f"{value:,.0f}" if key.endswith("_faults") else f"{value * 1e3:.1f}"
+    return f"{value:,.0f}" if not key.endswith("_s") else f"{value * 1e3:.1f}"
 
 
 def _codec_table(rep: Report) -> list[str]:
@@ -1324,6 +1382,10 @@ def _notes(rep: Report) -> list[str]:
         f"{r.transport}/{r.codec}/{r.tokens} ({r.spread:.2f}x)"
         for r in rep.throughput
         if r.spread > NOISY_SPREAD
+    ] + [
+        f"baseline {b.kind}/{b.tokens} ({b.spread:.2f}x)"
+        for b in rep.baselines
+        if b.spread > NOISY_SPREAD
     ]
     if noisy:
         notes.append(
@@ -1337,19 +1399,12 @@ def _notes(rep: Report) -> list[str]:
             f"- Some shm frames did not fit the {SHM_MB} MiB ring and went inline (marked)."
         )
     notes += [
-        "- Copies per frame in the real code path (codec none): tcp/ipc: sender CRC-32, zmq "
-        "hands the tensor's memory to its I/O thread (no copy), kernel send + receive copies, "
-        "then the receiver's `decode_frame` joins header + K + V into one buffer (copy), "
-        "CRC-32, `RawCodec.decode` copies out of it (copy), `index_copy_` into the cache (copy). "
-        "shm: sender CRC-32 + ring copy; the receiver's `decode_frame([header, ring view])` joins "
-        "the two parts, which copies the payload out of the ring (copy), then CRC-32, codec copy "
-        "and `index_copy_` (copy): 4 copies and 2 CRC passes against the baseline's 2 copies.",
-        "- What the code measured here would need to approach the baselines: `decode_frame` "
-        "that checks the CRC over the parts instead of joining them (`_checksum` already takes "
-        "parts) and hands out per-layer views; `RawCodec.decode` returning a view, so "
-        "`index_copy_` is the only copy (for shm: straight from the ring, as the transports "
-        "docstring intends); no fresh buffer per frame (every fresh page is a page fault); and a "
-        "cheaper checksum than zlib.crc32 (a hardware CRC32C, or none for same-host shm).",
+        "- The receiver's path per frame (what `DecodeSide` does): `decode_frame` checks the "
+        "header and runs CRC-32 over the received parts; the codec decodes each layer's K and V "
+        "(for codec none a view of the received buffer when it is writable and aligned, else a "
+        "copy: the stage table counts which); `index_copy_` copies them into the paged cache. "
+        "tcp/ipc add the kernel's send and receive copies (zmq's I/O threads), shm the sender's "
+        "copy into the ring. The raw baselines do 2 copies and no checksum.",
         "- TTFT: P and D each run 1 torch thread in their own process; D is idle while it "
         "receives, so it polls its sockets (5 ms timeout) and stores each frame as it arrives; a "
         "busy D would only poll between its engine steps. Times come from time.monotonic() "
@@ -1371,7 +1426,7 @@ def _bottleneck_notes(rep: Report) -> list[str]:
         send = s["encode_s"] + s["pack_s"] + s["send_s"]
         recv = s["decode_frame_s"] + s["codec_decode_s"] + s["store_s"]
         parts = {
-            "decode_frame (join + CRC-32)": s["decode_frame_s"],
+            "decode_frame (CRC-32)": s["decode_frame_s"],
             "codec decode": s["codec_decode_s"],
             "index_copy_": s["store_s"],
         }
@@ -1381,14 +1436,58 @@ def _bottleneck_notes(rep: Report) -> list[str]:
             f"sender is busy {send * 1e3:.0f} ms (encode incl. CRC-32 {s['encode_s'] * 1e3:.0f}"
             f", ring copy {s['pack_s'] * 1e3:.0f}, send {s['send_s'] * 1e3:.0f}), the receiver "
             f"{recv * 1e3:.0f} ms ({', '.join(f'{k} {v * 1e3:.0f}' for k, v in parts.items())}"
-            f"; the largest is {top}) and first-touches "
+            f"; the largest is {top}; {s.get('in_place_tensors', 0):.0f} of "
+            f"{s.get('decoded_tensors', 0):.0f} tensors decoded in place) and first-touches "
             f"{s['receiver_faults'] * 4096 / 1e6:,.0f} MB of freshly allocated pages for "
             f"{r.raw_bytes / 1e6:,.0f} MB of KV; its last frame is stored "
             f"{(s['last_frame_s'] - s['sender_done_s']) * 1e3:.0f} ms after the sender's last "
-            "send."
+            "send." + _alone(rep, r)
         )
     out += _ceiling_notes(rep, rows)
+    out += _left_notes(rep, rows)
     return out
+
+
+def _left_notes(rep: Report, rows: list[ThroughputRow]) -> list[str]:
+    missed = [r for r in rows if r.ratio is not None and r.ratio < TARGET_RATIO]
+    copy = [b for b in rep.baselines if b.kind == "copy"]
+    if not missed or rep.crc32_gbs is None or not copy:
+        return []
+    big = max(copy, key=lambda b: b.tokens)
+    n = max(r.tokens for r in rows)
+    shares = []
+    for r in (r for r in rows if r.tokens == n):
+        st = r.stages
+        crc = st["encode_s"] + st["decode_frame_s"]  # codec none: encode is CRC-32 + headers
+        busy = crc + st["pack_s"] + st["send_s"] + st["codec_decode_s"] + st["store_s"]
+        shares.append(f"{r.transport} {crc / busy:.0%}")
+    return [
+        f"- Left between the transports and their baselines (codec none): CRC-32 on both sides "
+        f"(zlib.crc32 runs at {rep.crc32_gbs:.2f} GB/s here, one torch copy of the KV at "
+        f"{big.gbs:.2f} GB/s), per-frame Python work at small sizes, fresh pages for received "
+        "buffers (the page-fault rows), and CPU contention: sender, receiver and, for tcp/ipc, "
+        f"zmq's two I/O threads on {rep.machine['cores']} cores. At {n} tokens CRC-32 (the "
+        "sender's encode_frame and the receiver's decode_frame) is this share of the two "
+        f"processes' busy time: {', '.join(shares)}; a cheaper checksum (hardware CRC32C, or "
+        "none for same-host shm) would cut the largest single cost."
+    ]
+
+
+def _alone(rep: Report, r: ThroughputRow) -> str:
+    """The same CPU work measured alone (codec table), to show contention in the transport run."""
+    c = next((c for c in rep.codecs if c.codec == r.codec and c.tokens == r.tokens), None)
+    if c is None:
+        return ""
+    threads = (
+        "sender, receiver and zmq's two I/O threads"
+        if r.transport != "shm"
+        else "sender and receiver"
+    )
+    return (
+        f" Alone (codec table) the same encode takes {c.encode_s * 1e3:.0f} ms and the "
+        f"receiver's work {c.decode_s * 1e3:.0f} ms: in the transport run {threads} share "
+        f"{rep.machine['cores']} cores with any other jobs on this machine."
+    )
 
 
 def _ceiling_notes(rep: Report, rows: list[ThroughputRow]) -> list[str]:
@@ -1411,10 +1510,12 @@ def _ceiling_notes(rep: Report, rows: list[ThroughputRow]) -> list[str]:
             f"{codec[big].encode_gbs:.2f} GB/s."
         )
     small = min(r.tokens for r in rows)
-    if small in codec and big in codec and small != big:
-        c, b = codec[small], codec[big]
-        per_frame = (c.encode_s + c.decode_s) / rep.layout.layers * 1e3
-        gbs = [x.raw_bytes / (x.encode_s + x.decode_s) / 1e9 for x in (c, b)]
+    if small not in codec or big not in codec or small == big:
+        return out
+    c, b = codec[small], codec[big]
+    per_frame = (c.encode_s + c.decode_s) / rep.layout.layers * 1e3
+    gbs = [x.raw_bytes / (x.encode_s + x.decode_s) / 1e9 for x in (c, b)]
+    if gbs[0] < 0.8 * gbs[1]:  # a visible per-frame cost
         out.append(
             f"- At {small} tokens a frame carries {c.raw_bytes / rep.layout.layers / 1e3:,.0f} kB "
             f"and costs {per_frame:.2f} ms of encode + decode+store CPU ({gbs[0]:.2f} GB/s, "
@@ -1458,7 +1559,7 @@ def report_json(rep: Report) -> dict[str, Any]:
     for row, raw in zip(rep.throughput, data["throughput"], strict=True):
         raw["spread"] = row.spread
     for b, raw in zip(rep.baselines, data["baselines"], strict=True):
-        raw["gbs"] = b.gbs
+        raw.update(gbs=b.gbs, spread=b.spread)
     for c, raw in zip(rep.codecs, data["codecs"], strict=True):
         raw.update(encode_gbs=c.encode_gbs, decode_gbs=c.decode_gbs)
     for t, raw in zip(rep.targets, data["targets"], strict=True):
@@ -1509,6 +1610,7 @@ def run(args: argparse.Namespace) -> int:
         rep.ttft = run_ttft(args, vocab)
     machine["load_by_part"] = loads
     machine["load_average_end"] = list(os.getloadavg())
+    machine["git_head_end"] = git_head()
     rep.targets = evaluate_targets(rep)
     _write(rep, args)
     return 0
@@ -1539,6 +1641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m pdserve.bench.transfer_bench", description=__doc__.split("\n\n")[0]
     )
     add_arguments(parser)
+    parser.set_defaults(prog=parser.prog)
     try:
         return run(parser.parse_args(argv))
     except ValueError as e:
