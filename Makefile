@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve test test-fast lint format bench clean
+.PHONY: setup serve demo test test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: setup
+	$(VENV)/bin/pdserve serve
+
+demo: setup
 	$(VENV)/bin/pdserve demo
 
 test: setup

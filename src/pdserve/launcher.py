@@ -69,7 +69,10 @@ def worker_command(spec: WorkerSpec) -> list[str]:
 def launch(spec: WorkerSpec, ctx: zmq.Context | None = None) -> Launched:
     if spec.transport == "inproc":
         return _launch_thread(spec, ctx or zmq.Context.instance())
-    proc = subprocess.Popen(worker_command(spec), stdout=subprocess.PIPE, text=True)
+    # A session of its own: Ctrl-C in a terminal reaches only the parent, which drains and then
+    # shuts the workers down; a worker whose parent dies exits by itself (--exit-with-parent).
+    cmd = [*worker_command(spec), "--exit-with-parent"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     return Launched(spec, proc=proc)
 
 

@@ -179,10 +179,12 @@ class RouterCore:
             async for delta in self._drain(flight):
                 yield delta
             outcome = "ok"
-        except asyncio.CancelledError:
-            outcome = "aborted"
+        except RequestError as e:
+            # Refused before any work or token (overload, no workers): "rejected", not "error".
+            if e.status in (429, 503) and not flight.sent:
+                outcome = "rejected"
             raise
-        except GeneratorExit:
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "aborted"
             raise
         finally:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +186,7 @@ async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: s
             log_level="warning",
             timeout_graceful_shutdown=int(args.drain),
         )
-        server = uvicorn.Server(config)
+        server = _server_class()(config)
         print(
             f"pdserve: serving {name} at http://{args.host}:{args.port}/v1 "
             f"({len(endpoints)} workers)",
@@ -193,6 +196,27 @@ async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: s
     finally:
         await core.close()
     return 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after a graceful shutdown (exit status -15); a drained
+        shutdown here is a success, so the signal only starts the drain."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return Server
 
 
 def _warn_if_exposed(host: str, api_key: str | None) -> None:

@@ -93,6 +93,7 @@ class Worker:
         self.prefill = PrefillSide(self)
         self.decode = DecodeSide(self)
         self.running = True
+        self.parent_pid: int | None = None  # exit when this process is no longer our parent
         self.deferred: list[object] = []  # KV-link messages that arrived during a step
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -104,6 +105,10 @@ class Worker:
             self.close()
 
     def run_once(self) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.log.warning("parent process %d is gone; shutting down", self.parent_pid)
+            self.running = False
+            return
         busy = self.engine.has_unfinished_requests()
         ready = dict(self.poller.poll(0 if busy else 5))
         for sock in ready:
@@ -338,6 +343,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stream each layer's KV while the prompt computes (default) or send it all after",
     )
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="shut down when the process that started this worker exits",
+    )
+    parser.add_argument(
         "--shm-mb", type=int, default=512, help="shared-memory ring of the shm transport, MiB"
     )
 
@@ -364,6 +374,8 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         shm_mb=args.shm_mb,
         stream_kv=args.stream_kv,
     )
+    if args.exit_with_parent:
+        worker.parent_pid = os.getppid()
     ready = {
         "worker_id": worker.worker_id,
         "role": worker.role,

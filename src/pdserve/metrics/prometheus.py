@@ -1,0 +1,288 @@
+"""Prometheus metrics of the router, all named `pdserve_*`, in a registry of their own.
+
+Two sources feed them:
+
+- the RouterCore, which calls `on_request_end(flight, outcome)`, `on_worker_stats(worker,
+  stats)`, `on_transfer(report)` and `on_retry(failed)` when `core.metrics` is set;
+- the HTTP app, which calls `on_delta(rid, n_tokens)` for every delta it hands a client (so
+  inter-token latency is the real gap between deliveries, not an average) and
+  `on_rejected(code)` for a request it refuses before it reaches the core.
+
+Latencies use the router's own clock when the app reported deltas (workers on another host have
+another clock); the core's timeline stamps are the fallback. Worker gauges and the workers'
+cumulative counters (hand-offs, preemptions, lease reclaims, transfer failures) are mirrored from
+the last stats each worker sent, labelled by worker and role.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+OUTCOMES = ("ok", "rejected", "error", "aborted")
+# fmt: off
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+    2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+)
+TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)
+E2E_BUCKETS: tuple[float, ...] = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+TRANSFER_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+# fmt: on
+MAX_TRACKED = 10_000  # in-flight requests whose delta times are kept (a leak guard)
+
+# Worker stats -> (metric suffix, help); gauges are the current value, counters cumulative.
+WORKER_GAUGES = {
+    "waiting": ("worker_queue_length", "Requests waiting in the worker's scheduler queue."),
+    "running": ("worker_running", "Requests the worker is running."),
+    "kv_blocks_used": ("worker_kv_blocks_used", "KV cache blocks in use on the worker."),
+    "kv_blocks_total": ("worker_kv_blocks_total", "KV cache blocks the worker has."),
+    "prefix_cache_hit_rate": (
+        "worker_prefix_cache_hit_rate",
+        "Fraction of prompt tokens found in the worker's prefix cache.",
+    ),
+}
+WORKER_COUNTERS = {
+    "preemptions": ("worker_preemptions", "Requests the worker preempted."),
+    "lease_reclaims": ("worker_lease_reclaims", "KV holds a prefill worker reclaimed on expiry."),
+    "transfer_failures": ("kv_transfer_failures", "KV hand-offs that failed on the worker."),
+}
+HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
+
+
+@dataclass
+class _Stream:
+    """Router-clock times of one request's deliveries (from `on_delta`)."""
+
+    first: float | None = None  # first delta carrying tokens
+    last: float | None = None  # latest delta carrying tokens
+
+
+class _WorkerCollector(Collector):
+    """Exposes the last stats of every worker as labelled gauges and counters."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families()
+
+    def _families(self) -> list[Metric]:
+        labels = ["worker", "role"]
+        out: list[Metric] = []
+        for key, (name, doc) in WORKER_GAUGES.items():
+            g = GaugeMetricFamily(f"pdserve_{name}", doc, labels=labels)
+            for (worker, role), s in self.stats.items():
+                if _number(s.get(key)) is not None:
+                    g.add_metric([worker, role], _number(s.get(key)))  # type: ignore[arg-type]
+            out.append(g)
+        for key, (name, doc) in WORKER_COUNTERS.items():
+            c = CounterMetricFamily(f"pdserve_{name}", doc, labels=labels)
+            for (worker, role), s in self.stats.items():
+                c.add_metric([worker, role], _number(s.get(key)) or 0.0)
+            out.append(c)
+        h = CounterMetricFamily(
+            "pdserve_worker_handoffs",
+            "KV hand-offs completed: sent (prefill side, acknowledged) or received (decode side).",
+            labels=[*labels, "direction"],
+        )
+        for (worker, role), s in self.stats.items():
+            for key, direction in HANDOFF_STATS.items():
+                h.add_metric([worker, role, direction], _number(s.get(key)) or 0.0)
+        out.append(h)
+        return out
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+class Metrics:
+    """The router's metrics; `render()` gives the exposition text for GET /metrics."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, *, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> None:
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "pdserve_request_ttft_seconds",
+            "Time to first token: arrival at the router to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_request_tpot_seconds",
+            "Time per output token after the first, per finished request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_request_itl_seconds",
+            "Inter-token latency: the gap between consecutive deliveries of tokens to a client.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_request_e2e_seconds",
+            "End-to-end latency of requests that finished normally.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of requests sent to workers.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated and sent to clients.", registry=r
+        )
+        self.requests = Counter(
+            "pdserve_requests",
+            "Requests by outcome: ok, rejected (refused before dispatch), error, aborted.",
+            ["outcome"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "pdserve_request_rejections",
+            "Requests refused by the router before dispatch, by error code.",
+            ["code"],
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes moved between workers.", ["side"], registry=r
+        )
+        self.transfer_frames = Counter(
+            "pdserve_kv_transfer_frames", "KV frames moved between workers.", ["side"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Duration of one request's KV hand-off, as each side measured it.",
+            ["side"],
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_retries", "Hand-offs retried after a transfer failure.", registry=r
+        )
+        self.recomputes = Counter(
+            "pdserve_recomputes",
+            "Requests whose KV was recomputed instead of transferred.",
+            registry=r,
+        )
+        self.slo_violations = Counter(
+            "pdserve_slo_violations",
+            "Requests that missed a latency SLO, by kind (ttft, tpot).",
+            ["kind"],
+            registry=r,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        for side in ("send", "recv"):
+            self.transfer_bytes.labels(side)
+            self.transfer_frames.labels(side)
+            self.transfer_seconds.labels(side)
+        for kind in ("ttft", "tpot"):
+            self.slo_violations.labels(kind)
+        self._workers = _WorkerCollector()
+        r.register(self._workers)
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+
+    # ---- exposition ----------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- hooks the HTTP app calls --------------------------------------------------------------
+    def on_delta(self, rid: str, n_tokens: int, t: float | None = None) -> None:
+        """A delta of `n_tokens` tokens of request `rid` was handed to its client at `t`."""
+        if n_tokens <= 0:
+            return
+        t = time.monotonic() if t is None else t
+        s = self._streams.get(rid)
+        if s is None:
+            s = self._streams[rid] = _Stream()
+            while len(self._streams) > MAX_TRACKED:
+                self._streams.popitem(last=False)
+        if s.last is not None:
+            self.itl.observe(max(0.0, t - s.last))
+        if s.first is None:
+            s.first = t
+        s.last = t
+
+    def on_rejected(self, code: str | None = None) -> None:
+        """A request refused before it reached the core (bad parameters, too long, ...)."""
+        self.requests.labels("rejected").inc()
+        self.rejections.labels(code or "unknown").inc()
+
+    def on_recompute(self) -> None:
+        self.recomputes.inc()
+
+    # ---- hooks the RouterCore calls ------------------------------------------------------------
+    def on_request_end(self, flight: Any, outcome: str) -> None:
+        end = time.monotonic()
+        self.requests.labels(outcome if outcome in OUTCOMES else "error").inc()
+        n_out = len(flight.sent)
+        self.prompt_tokens.inc(len(flight.prompt_ids))
+        self.generation_tokens.inc(n_out)
+        stream = self._streams.pop(flight.rid, None)
+        events: dict[str, float] = {}
+        for event, _worker, t in flight.timeline:
+            events.setdefault(event, t)
+        arrive = events.get("arrive")
+        first: float | None
+        last: float | None
+        if stream is not None and stream.first is not None:
+            first, last = stream.first, stream.last or stream.first
+        else:  # no deltas reported by an app: the core's own stamps
+            first, last = events.get("first_token"), end
+        if arrive is None:
+            return
+        if first is not None:
+            ttft = max(0.0, first - arrive)
+            self.ttft.observe(ttft)
+            if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
+                self.slo_violations.labels("ttft").inc()
+        if outcome != "ok":
+            return
+        self.e2e.observe(max(0.0, end - arrive))
+        if first is not None and last is not None and n_out > 1:
+            tpot = max(0.0, last - first) / (n_out - 1)
+            self.tpot.observe(tpot)
+            if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
+                self.slo_violations.labels("tpot").inc()
+
+    def on_worker_stats(self, worker: Any, stats: dict[str, Any]) -> None:
+        self._workers.stats[(str(worker.worker_id), str(worker.role))] = dict(stats)
+
+    def on_transfer(self, report: Any) -> None:
+        side = str(report.side)
+        self.transfer_bytes.labels(side).inc(max(0, int(report.nbytes)))
+        self.transfer_frames.labels(side).inc(max(0, int(report.frames)))
+        self.transfer_seconds.labels(side).observe(max(0.0, float(report.seconds)))
+
+    def on_retry(self, failed: Any) -> None:
+        self.retries.inc()

@@ -1,0 +1,585 @@
+"""The OpenAI-compatible HTTP front of the router (FastAPI).
+
+    app = create_app(core, tokenizer, model_name="smollm2", api_key=None, max_model_len=2048)
+    uvicorn.run(app, port=8000)
+
+Routes: POST /v1/completions and /v1/chat/completions (SSE when `stream`), GET /v1/models,
+GET /health, GET /metrics, GET /admin/workers, GET /v1/requests/{id}/timeline. The response `id`
+is the request id the core used, so a request's timeline is reachable by it.
+
+Every error is OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+parameters (validation errors included), 401 for a missing or wrong key when `api_key` is set
+(/health and /metrics stay open), 404 for an unknown model or route, 405, 413 for a body over
+`max_body_bytes`, and the core's `RequestError` statuses (429, 503, ...). A 500 means a bug here.
+
+Streams end with `data: [DONE]`; an error after the stream started is sent as one
+`data: {"error": ...}` event before it. When a client goes away, the core's generator is closed
+(which aborts the request on the workers): between chunks (`request.is_disconnected()`), while
+waiting for the next token (Starlette cancels the stream on http.disconnect), and when a send
+fails (the response closes its body iterator in every case).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.engine.request import SamplingParams
+from pdserve.router import protocol as p
+from pdserve.router.core import Delta, RequestError
+
+log = logging.getLogger("pdserve.router")
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens and no known max_model_len
+DISCONNECT_POLL_S = 0.25  # how often a request waiting on the core checks for its client
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was waiting on the core."""
+
+
+def _error(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        p.error_body(status, message, param=param, code=code), status_code=status, headers=headers
+    )
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---- ASGI gate: API key and body size, before anything parses the request ---------------------
+class _Gate:
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Any = None
+    ) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.metrics = metrics
+
+    def _rejected(self, scope: Scope, code: str) -> None:
+        if self.metrics is not None and scope["method"] == "POST":
+            self.metrics.on_rejected(code)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
+                message = (
+                    "Incorrect API key provided"
+                    if token
+                    else "Missing API key: send it as 'Authorization: Bearer <key>'"
+                )
+                self._rejected(scope, "invalid_api_key")
+                await _error(401, message, code="invalid_api_key")(scope, receive, send)
+                return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = headers.get("content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > self.max_body_bytes
+            except ValueError:
+                await _error(400, "invalid Content-Length header", code="invalid_request")(
+                    scope, receive, send
+                )
+                return
+            if too_big:
+                await self._too_large(scope, receive, send)
+                return
+        chunks, size = [], 0
+        while True:  # read the whole body here, counting, so an undeclared size is capped too
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then disconnect notices, as usual
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._rejected(scope, "request_too_large")
+        response = _error(
+            413,
+            f"request body exceeds {self.max_body_bytes} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
+        await response(scope, receive, send)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body iterator however the stream ends (done, cancelled, or a failed send)."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def _pull(gen: AsyncIterator[Delta]) -> Delta | None:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _watching(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+class _Generation:
+    """One request on its way through the core: ids, params, its generator, usage, logprobs."""
+
+    def __init__(
+        self,
+        app_state: _AppState,
+        request: Request,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        top_n: int,
+    ) -> None:
+        self.s, self.request, self.rid = app_state, request, rid
+        self.prompt_ids, self.params, self.top_n = prompt_ids, params, top_n
+        self.gen: AsyncIterator[Delta] = app_state.core.generate(rid, prompt_ids, params)
+        self.completion_tokens = 0
+        self.text_offset = 0
+
+    def seen(self, delta: Delta) -> None:
+        self.completion_tokens += len(delta.token_ids)
+        if self.s.metrics is not None and delta.token_ids:
+            self.s.metrics.on_delta(self.rid, len(delta.token_ids), time.monotonic())
+
+    async def next(self) -> Delta | None:
+        delta = await _pull(self.gen)
+        if delta is not None:
+            self.seen(delta)
+        return delta
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.gen, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def usage(self) -> p.Usage:
+        return p.Usage.of(len(self.prompt_ids), self.completion_tokens)
+
+    def completion_logprobs(self, delta: Delta) -> p.CompletionLogprobs | None:
+        if self.params.logprobs is None or not delta.logprobs:
+            return None
+        return p.completion_logprobs(delta.logprobs, self.s.token_text, self.text_offset)
+
+    def chat_logprobs(self, delta: Delta) -> p.ChatLogprobs | None:
+        if self.params.logprobs is None or not delta.logprobs:
+            return None
+        return p.chat_logprobs(delta.logprobs, self.s.token_text, self.top_n)
+
+
+class _AppState:
+    def __init__(
+        self,
+        core: Any,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int | None,
+        metrics: Any,
+    ) -> None:
+        self.core, self.tokenizer, self.model_name = core, tokenizer, model_name
+        self.max_model_len, self.metrics = max_model_len, metrics
+        self.vocab_size = len(tokenizer)
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = text
+        return text
+
+    def reject(self, request: Request, e: p.InvalidRequest) -> JSONResponse:
+        if self.metrics is not None and request.method == "POST":
+            self.metrics.on_rejected(e.code)
+        return _error(e.status, e.message, param=e.param, code=e.code)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise p.InvalidRequest(
+                f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+                status=404,
+            )
+
+    def check_prompt(self, ids: list[int]) -> int | None:
+        """Validate prompt ids; returns the cap on max_tokens the context leaves (or None)."""
+        if not ids:
+            raise p.InvalidRequest("prompt must not be empty", "prompt", "empty_prompt")
+        if self.max_model_len is not None and len(ids) >= self.max_model_len:
+            raise p.InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {len(ids)} tokens, leaving no room to generate",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if self.max_model_len is None:
+            return None
+        return self.max_model_len - len(ids)
+
+    async def completion_ids(self, req: p.CompletionRequest) -> list[int]:
+        prompt = req.prompt_input()
+        if isinstance(prompt, str):
+            if not prompt:
+                return []
+            return list(await run_in_threadpool(self.tokenizer.encode, prompt))
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise p.InvalidRequest(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+        return list(prompt)
+
+    async def chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+        messages = req.template_messages()
+
+        def encode() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+        try:
+            return await run_in_threadpool(encode)
+        except Exception as e:  # the template refuses this conversation (roles, order, ...)
+            raise p.InvalidRequest(f"cannot apply the chat template: {e}", "messages") from None
+
+
+# ---- the app -----------------------------------------------------------------------------------
+def create_app(
+    core: Any,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 << 20,
+    max_model_len: int | None = None,
+    metrics: Any = None,
+) -> FastAPI:
+    """The HTTP app over `core` (a RouterCore or anything with its interface).
+
+    `metrics` (a `pdserve.metrics.Metrics`) is served at /metrics, fed per delta by the app, and
+    attached to the core (`core.metrics`) when the core has none yet.
+    """
+    if metrics is not None and getattr(core, "metrics", None) is None:
+        core.metrics = metrics
+    s = _AppState(core, tokenizer, model_name, max_model_len, metrics)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pdserve = s
+    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+
+    # ---- error handlers: the OpenAI envelope everywhere ------------------------------------
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+            code: str | None = "not_found"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return _error(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(p.validation_error_body(list(exc.errors())), status_code=400)
+
+    @app.exception_handler(p.InvalidRequest)
+    async def invalid_request(request: Request, exc: p.InvalidRequest) -> JSONResponse:
+        return s.reject(request, exc)
+
+    @app.exception_handler(RequestError)
+    async def core_error(request: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc.status, exc.message, code=exc.code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+    # ---- generation --------------------------------------------------------------------------
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        req = p.parse_request(p.CompletionRequest, await request.body())
+        s.check_model(req.model)
+        ids = await s.completion_ids(req)
+        cap = s.check_prompt(ids)
+        params = req.to_sampling_params(cap)
+        g = _Generation(s, request, f"cmpl-{uuid.uuid4().hex}", ids, params, req.logprobs or 0)
+        if req.stream:
+            return await _stream(g, req.include_usage, _CompletionRender(g, s.model_name))
+        return await _collect(g, _CompletionRender(g, s.model_name))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        req = p.parse_request(p.ChatCompletionRequest, await request.body())
+        s.check_model(req.model)
+        ids = await s.chat_ids(req)
+        cap = s.check_prompt(ids)
+        default = cap if cap is not None else DEFAULT_CHAT_MAX_TOKENS
+        params = req.to_sampling_params(default, cap)
+        top_n = req.top_logprobs or 0
+        g = _Generation(s, request, f"chatcmpl-{uuid.uuid4().hex}", ids, params, top_n)
+        if req.stream:
+            return await _stream(g, req.include_usage, _ChatRender(g, s.model_name))
+        return await _collect(g, _ChatRender(g, s.model_name))
+
+    # ---- models, health, metrics, admin --------------------------------------------------------
+    def model_card() -> p.ModelCard:
+        root = str(getattr(core, "model", "") or "") or None
+        return p.ModelCard(id=model_name, created=s.created, root=root, max_model_len=max_model_len)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return p.ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        s.check_model(model_id)
+        return model_card().model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
+        for row in core.worker_table():
+            if row.get("healthy") and row.get("role") in healthy:
+                healthy[row["role"]] += 1
+        serving = (healthy["prefill"] > 0 and healthy["decode"] > 0) or healthy["colocated"] > 0
+        if serving:
+            return JSONResponse({"status": "ok", "healthy_workers": healthy})
+        body = p.error_body(
+            503,
+            "no healthy workers to serve requests: need a prefill and a decode worker, "
+            "or a colocated one",
+            code="no_healthy_workers",
+        )
+        return JSONResponse(
+            {"status": "unavailable", "healthy_workers": healthy, **body}, status_code=503
+        )
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        if metrics is None:
+            return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), headers={"Content-Type": metrics.content_type})
+
+    @app.get("/admin/workers")
+    async def workers() -> list[dict[str, Any]]:
+        return list(core.worker_table())
+
+    @app.get("/v1/requests/{rid}/timeline")
+    async def timeline(rid: str) -> JSONResponse:
+        events = core.timeline(rid)
+        if events is None:
+            return _error(
+                404, f"no request {rid!r} (unknown, or too old)", param="id", code="not_found"
+            )
+        return JSONResponse({"id": rid, "object": "request.timeline", "events": events})
+
+    return app
+
+
+# ---- rendering: completions and chat, whole and streamed -------------------------------------
+class _CompletionRender:
+    def __init__(self, g: _Generation, model: str) -> None:
+        self.g, self.model = g, model
+
+    def first(self) -> list[Any]:
+        return []
+
+    def chunk(self, delta: Delta) -> Any:
+        logprobs = self.g.completion_logprobs(delta)
+        self.g.text_offset += len(delta.text)
+        choice = p.CompletionChoice(
+            text=delta.text, finish_reason=delta.finish_reason, logprobs=logprobs
+        )
+        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> Any:
+        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[], usage=self.g.usage())
+
+    def whole(self, deltas: list[Delta]) -> Any:
+        text = "".join(d.text for d in deltas)
+        finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
+        logprobs = None
+        if self.g.params.logprobs is not None:
+            steps = [lp for d in deltas for lp in d.logprobs or ()]
+            logprobs = p.completion_logprobs(steps, self.g.s.token_text)
+        choice = p.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
+        return p.CompletionResponse(
+            id=self.g.rid, model=self.model, choices=[choice], usage=self.g.usage()
+        )
+
+
+class _ChatRender:
+    def __init__(self, g: _Generation, model: str) -> None:
+        self.g, self.model = g, model
+
+    def first(self) -> list[Any]:
+        choice = p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))
+        return [p.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])]
+
+    def chunk(self, delta: Delta) -> Any:
+        choice = p.ChatChunkChoice(
+            delta=p.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
+            finish_reason=delta.finish_reason,
+            logprobs=self.g.chat_logprobs(delta),
+        )
+        return p.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> Any:
+        return p.ChatCompletionChunk(
+            id=self.g.rid, model=self.model, choices=[], usage=self.g.usage()
+        )
+
+    def whole(self, deltas: list[Delta]) -> Any:
+        text = "".join(d.text for d in deltas)
+        finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
+        logprobs = None
+        if self.g.params.logprobs is not None:
+            steps = [lp for d in deltas for lp in d.logprobs or ()]
+            logprobs = p.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
+        choice = p.ChatChoice(
+            message=p.AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs
+        )
+        return p.ChatCompletionResponse(
+            id=self.g.rid, model=self.model, choices=[choice], usage=self.g.usage()
+        )
+
+
+_Render = _CompletionRender | _ChatRender
+
+
+async def _collect(g: _Generation, render: _Render) -> Response:
+    """Run the request to its end; the client's disconnect aborts it."""
+
+    async def run() -> list[Delta]:
+        deltas = []
+        while (delta := await g.next()) is not None:
+            deltas.append(delta)
+        return deltas
+
+    try:
+        deltas = await _watching(g.request, run())
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        await g.aclose()
+    return JSONResponse(render.whole(deltas).model_dump())
+
+
+async def _stream(g: _Generation, include_usage: bool, render: _Render) -> Response:
+    """SSE stream; an error before the first delta is a plain HTTP error instead."""
+    try:
+        first = await _watching(g.request, g.next())
+    except ClientGone:
+        await g.aclose()
+        return Response(status_code=499)
+    except BaseException:
+        await g.aclose()
+        raise
+
+    exclude = None if include_usage else {"usage"}
+
+    def dump(chunk: Any) -> str:
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        delta: Delta | None = first
+        try:
+            for chunk in render.first():
+                yield dump(chunk)
+            while delta is not None:
+                yield dump(render.chunk(delta))
+                if await g.request.is_disconnected():
+                    return  # finally: closing the core's generator aborts the request
+                delta = await g.next()
+            if include_usage:
+                yield dump(render.usage_chunk())
+        except RequestError as e:
+            yield _sse(p.error_body(e.status, e.message, code=e.code))
+        except Exception as e:  # a bug: tell the client, end the stream cleanly
+            log.exception("internal error in stream %s", g.rid)
+            yield _sse(p.error_body(500, f"internal error: {type(e).__name__}"))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await g.aclose()
+        yield SSE_DONE
+
+    return _ClosingStreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

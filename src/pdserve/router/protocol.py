@@ -1,0 +1,457 @@
+"""OpenAI wire format: request, response and streaming-chunk models, the error envelope.
+
+Requests ignore unknown fields (OpenAI clients send many we do not use) and accept the handful
+of vLLM extensions pdserve supports (`top_k`, `ignore_eos`, `stop_token_ids`). What pdserve
+cannot do (several prompts or choices per request, `echo`) is refused with a 400 naming the
+parameter, never silently served differently. `to_sampling_params` turns a request into the
+engine's `SamplingParams`; its validation errors become `InvalidRequest` with the parameter name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pdserve.engine.request import SamplingParams
+
+# Below this a temperature is treated as greedy (dividing logits by ~0 would overflow).
+GREEDY_EPS = 1e-5
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+_M = TypeVar("_M", bound=BaseModel)
+
+# The error `type` for each HTTP status (OpenAI's names where it has one).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "internal_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class InvalidRequest(Exception):
+    """A client mistake found after parsing: answered with `status` (400 unless said otherwise)."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = "invalid_value",
+        status: int = 400,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+# ---- errors ------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """The OpenAI error envelope as a plain dict: {"error": {message, type, param, code}}."""
+    info = ErrorInfo(message=message, type=error_type(status), param=param, code=code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def validation_error_body(errors: list[Any]) -> dict[str, Any]:
+    """A 400 envelope from pydantic/FastAPI validation errors: the first one, its field as param."""
+    if not errors:
+        return error_body(400, "invalid request", code="invalid_request")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":
+        msg, param = f"request body is not valid JSON: {msg}", None
+    elif err.get("type") == "missing":
+        msg = f"missing required parameter {param!r}"
+    elif param and err.get("type") != "value_error":
+        msg = f"{param}: {msg}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return error_body(400, msg, param=param, code="invalid_value")
+
+
+def parse_request(cls: type[_M], body: bytes) -> _M:
+    """Parse a JSON body into `cls`; any problem is an `InvalidRequest` (400)."""
+    if not body.strip():
+        raise InvalidRequest("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as e:
+        env = validation_error_body(e.errors(include_url=False))["error"]
+        raise InvalidRequest(env["message"], env["param"], env["code"]) from None
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields completions and chat share (OpenAI names and defaults; vLLM extensions)."""
+
+    model: str
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1  # extension
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, ignored
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int:
+        if v is not None and v != 1:
+            raise ValueError("n must be 1 (pdserve returns one choice per request)")
+        return 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if 0 <= temperature < GREEDY_EPS:
+            temperature = 0.0
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise InvalidRequest(str(e), _param_of(str(e))) from None
+
+
+_PARAM_NAMES = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams' messages start with the field they are about ("top_p must be ...")."""
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAM_NAMES else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError(
+                    f"one prompt per request: send a single string or token-id list "
+                    f"(got a batch of {len(v)})"
+                )
+            return v[0]  # type: ignore[no-any-return]
+        return v  # type: ignore[no-any-return]
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool | None) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return False
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text, or token ids (a one-element batch was unwrapped)."""
+        return self.prompt  # type: ignore[return-value]
+
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if max_tokens_cap is not None and max_tokens > 0:
+            max_tokens = min(max_tokens, max_tokens_cap)
+        return self._params(max_tokens, self.logprobs)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"content parts of type {part.type!r} are not supported (only 'text')",
+                    "messages",
+                )
+            out.append(part.text)
+        return "".join(out)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template wants them (text only; 'developer' is 'system')."""
+        return [
+            {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
+            for msg in self.messages
+        ]
+
+    def to_sampling_params(
+        self, max_tokens_default: int, max_tokens_cap: int | None = None
+    ) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        requested = self.max_completion_tokens
+        if requested is None:
+            requested = self.max_tokens
+        max_tokens = max_tokens_default if requested is None else requested
+        if max_tokens_cap is not None and max_tokens > 0:
+            max_tokens = min(max_tokens, max_tokens_cap)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._params(max_tokens, logprobs)
+        except InvalidRequest as e:
+            if e.param == "max_tokens" and self.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+            raise
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "pdserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- logprobs mapping --------------------------------------------------------------------------
+def completion_logprobs(
+    steps: list[dict[int, float]], token_text: Any, offset: int = 0
+) -> CompletionLogprobs:
+    """Per-token {token_id: logprob} (sampled token first, then the top-N) -> completions shape.
+
+    `token_text(token_id) -> str`; `offset` is the text length already sent (for text_offset).
+    """
+    out = CompletionLogprobs()
+    for step in steps:
+        if not step:
+            continue
+        (tid, lp), *_ = step.items()
+        text = token_text(tid)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append({token_text(t): v for t, v in step.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(steps: list[dict[int, float]], token_text: Any, top_n: int) -> ChatLogprobs:
+    """Per-token {token_id: logprob} (sampled first) -> chat's content list, top_n alternatives."""
+    content = []
+    for step in steps:
+        if not step:
+            continue
+        (tid, lp), *_ = step.items()
+        text = token_text(tid)
+        ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=lp,
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=(t := token_text(i)), logprob=v, bytes=list(t.encode()))
+                    for i, v in ranked
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
