@@ -79,6 +79,8 @@ class LLMEngine:
         self.sampler = Sampler(mc.seed)
         self._live: dict[str, _Tracked] = {}
         self._reserved: dict[str, _Tracked] = {}  # decode side: KV on its way from P
+        self._batch = {"batch_requests": 0, "batch_tokens": 0}  # the last step's
+        self._tokens = {"prefill_tokens": 0, "decode_tokens": 0}  # computed since start
         self._ids = itertools.count()
 
     def _build_model(self) -> LlamaModel:
@@ -227,6 +229,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self._count_batch(out)
         now = time.monotonic()
         for s in out.scheduled:
             m = self._live[s.request_id].metrics
@@ -234,6 +237,12 @@ class LLMEngine:
         sampled = self._run(out)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
         return self._collect(out, sampled)
+
+    def _count_batch(self, out: SchedulerOutput) -> None:
+        decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)
+        self._batch = {"batch_requests": len(out.scheduled), "batch_tokens": out.num_batched_tokens}
+        self._tokens["decode_tokens"] += decode
+        self._tokens["prefill_tokens"] += out.num_batched_tokens - decode
 
     def _run(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
         result = self.runner.execute(out)
@@ -305,6 +314,8 @@ class LLMEngine:
             "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
             "preemptions": self.scheduler.num_preemptions,
+            **self._batch,
+            **self._tokens,
             "held_for_transfer": len(self.scheduler.held),
             "reserved_for_transfer": len(self._reserved),
         }

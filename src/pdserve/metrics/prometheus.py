@@ -55,6 +55,8 @@ MAX_TRACKED = 10_000  # in-flight requests whose delta times are kept (a leak gu
 WORKER_GAUGES = {
     "waiting": ("worker_queue_length", "Requests waiting in the worker's scheduler queue."),
     "running": ("worker_running", "Requests the worker is running."),
+    "batch_requests": ("worker_batch_requests", "Requests in the worker's last engine step."),
+    "batch_tokens": ("worker_batch_tokens", "Tokens computed in the worker's last engine step."),
     "kv_blocks_used": ("worker_kv_blocks_used", "KV cache blocks in use on the worker."),
     "kv_blocks_total": ("worker_kv_blocks_total", "KV cache blocks the worker has."),
     "prefix_cache_hit_rate": (
@@ -64,6 +66,8 @@ WORKER_GAUGES = {
 }
 WORKER_COUNTERS = {
     "preemptions": ("worker_preemptions", "Requests the worker preempted."),
+    "prefill_tokens": ("worker_prefill_tokens", "Prompt tokens computed (rate() = prefill tok/s)."),
+    "decode_tokens": ("worker_decode_tokens", "Decode tokens computed (rate() = decode tok/s)."),
     "lease_reclaims": ("worker_lease_reclaims", "KV holds a prefill worker reclaimed on expiry."),
     "transfer_failures": ("kv_transfer_failures", "KV hand-offs that failed on the worker."),
 }
