@@ -123,3 +123,19 @@ def test_bad_request_is_a_400_and_unknown_timeline_is_none(workers) -> None:  # 
     err, timeline = asyncio.run(_with_core(workers, run))
     assert err.status == 400 and "shorten" in err.message
     assert timeline is None
+
+
+def test_overload_is_refused_at_once_with_retry_after(workers) -> None:  # type: ignore[no-untyped-def]
+    async def run(core: RouterCore):  # type: ignore[no-untyped-def]
+        core.max_inflight = 1
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        first = core.generate("busy", [5] * 10, params)
+        await first.__anext__()  # in flight now
+        with pytest.raises(RequestError) as err:
+            await _collect(core, "extra", [5] * 10, GREEDY)
+        await first.aclose()
+        return err.value, core.counters["requests_rejected"], await _idle(core)
+
+    err, rejected, table = asyncio.run(_with_core(workers, run))
+    assert (err.status, err.code, err.retry_after_s) == (429, "overloaded", 1)
+    assert rejected == 1 and all(r["kv_blocks_used"] == 0 for r in table)

@@ -366,7 +366,9 @@ def create_app(
 
     @app.exception_handler(RequestError)
     async def core_error(request: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc.status, exc.message, code=exc.code)
+        retry = exc.retry_after_s
+        headers = {"Retry-After": str(retry)} if retry is not None else None
+        return _error(exc.status, exc.message, code=exc.code, headers=headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

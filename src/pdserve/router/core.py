@@ -44,9 +44,16 @@ _STAGES = {
 class RequestError(Exception):
     """A request that cannot be served; `status` is the HTTP status the router answers with."""
 
-    def __init__(self, message: str, status: int = 503, code: str = "unavailable") -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 503,
+        code: str = "unavailable",
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
+        self.retry_after_s = retry_after_s  # sent as Retry-After on 429/503
 
 
 @dataclass
@@ -109,7 +116,9 @@ class RouterCore:
         stats_interval_s: float = 1.0,
         metrics: Any = None,
         ctx: zmq.Context | None = None,
+        max_inflight: int = 256,
     ) -> None:
+        self.max_inflight = max_inflight
         # In-process (inproc) workers need the context they were started with.
         self.ctx = zmq.asyncio.Context.shadow(ctx) if ctx is not None else zmq.asyncio.Context()
         self._owns_ctx = ctx is None
@@ -170,6 +179,17 @@ class RouterCore:
         """Stream a request's deltas; raises RequestError; cancelling it aborts everywhere."""
         if rid in self.flights:
             raise RequestError(f"request id {rid!r} is in flight", 400, "invalid_request")
+        if len(self.flights) >= self.max_inflight:
+            # Overload is refused at once, before any prefill is spent (issue 6 predicts SLOs).
+            self.counters["requests_rejected"] += 1
+            if self.metrics is not None:
+                self.metrics.on_rejected("overloaded")
+            raise RequestError(
+                f"{self.max_inflight} requests are in flight; retry shortly",
+                429,
+                "overloaded",
+                retry_after_s=1,
+            )
         flight = Flight(rid, list(prompt_ids), params, asyncio.Queue())
         flight.timeline.append(("arrive", "router", time.monotonic()))
         self.flights[rid] = flight

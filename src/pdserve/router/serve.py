@@ -54,6 +54,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--handoff-tokens", type=int, default=1, help="tokens generated on P before the hand-off"
     )
     parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=256,
+        help="requests in flight before new ones get 429 with Retry-After",
+    )
+    parser.add_argument(
         "--drain",
         type=float,
         default=30.0,
@@ -163,6 +169,7 @@ async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: s
         deadline_s=args.deadline,
         handoff_tokens=args.handoff_tokens,
         metrics=metrics,
+        max_inflight=args.max_inflight,
     )
     await core.start()
     try:
