@@ -69,13 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bench_sub.add_parser("engine", help="prefill/decode throughput, MFU and MBU")
-    from pdserve.bench import codec_bench, engine_bench, transfer_bench
+    from pdserve.bench import codec_bench, engine_bench, serve_bench, transfer_bench
 
     engine_bench.add_arguments(eng)
     codec = bench_sub.add_parser("codec", help="KV codec quality (token match, KL) and speed")
     codec_bench.add_arguments(codec)
     transfer = bench_sub.add_parser("transfer", help="KV transfer throughput, TTFT breakdown")
     transfer_bench.add_arguments(transfer)
+    load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
+    serve_bench.add_arguments(load)
     return parser
 
 
@@ -139,12 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import codec_bench, engine_bench, transfer_bench
+            from pdserve.bench import codec_bench, engine_bench, serve_bench, transfer_bench
 
             runners = {
                 "engine": engine_bench.run,
                 "codec": codec_bench.run,
                 "transfer": transfer_bench.run,
+                "serve": serve_bench.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

@@ -1,6 +1,6 @@
 """Regenerate the golden KV frames: `.venv/bin/python tests/transfer/make_golden.py`.
 
-The goldens pin wire format v1 byte for byte. Regenerate them only for a deliberate format
+The goldens pin the current wire format byte for byte. Regenerate them only for a deliberate format
 change, and then bump `wire.VERSION`: frames already in flight or on disk must keep decoding.
 Inputs are exact small binary fractions, so every platform quantizes them identically.
 """
@@ -15,7 +15,9 @@ from pdserve.engine.models.arch import ModelArch
 from pdserve.transfer.wire import encode_frame, layout_fingerprint
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-GOLDENS = {"kv_frame_v1.bin": "int8", "kv_frame_v1_none.bin": "none"}
+GOLDENS = {"kv_frame_v2.bin": "int8", "kv_frame_v2_none.bin": "none"}
+# v1 goldens (zlib CRC-32) stay committed: they must keep decoding.
+V1_GOLDENS = {"kv_frame_v1.bin": "int8", "kv_frame_v1_none.bin": "none"}
 ARCH = ModelArch(
     "llama", vocab_size=32, hidden_size=12, intermediate_size=24, num_layers=2, num_heads=3,
     num_kv_heads=3, head_dim=4,

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import crc32c
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -40,6 +41,10 @@ FP = b"fp-8byte"
 GOLDEN = Path(__file__).parent / "golden"
 
 
+def _crc32c(data: bytes, value: int = 0) -> int:
+    return int(crc32c.crc32c(data, value=value))
+
+
 def _frame(codec: str = "int8", n: int = 3, layers: int = 2, rid: str = "req-1") -> bytes:
     gen = torch.Generator().manual_seed(0)
     keys = [torch.randn(n, 2, 4, generator=gen) for _ in range(layers)]
@@ -60,7 +65,8 @@ def _patch(
     values.update(fields)
     head = SPEC.pack(*values.values()) + rid
     if "checksum" not in fields:
-        crc = zlib.crc32(payload, zlib.crc32(head))
+        crc_fn = zlib.crc32 if values["version"] == 1 else _crc32c  # per the spec, not the code
+        crc = crc_fn(payload, crc_fn(head))
         head = SPEC.pack(*{**values, "checksum": crc}.values()) + rid
     return head + payload
 
@@ -130,7 +136,7 @@ def test_encode_frame_layout_header_then_k_v_per_layer() -> None:
     parts = encode_frame("abc", 7, 100, keys, values, "none", FP)
     assert len(parts[0]) == HEADER_FIXED_SIZE + 3
     header = dict(zip(FIELDS, SPEC.unpack_from(parts[0]), strict=True))
-    assert header["magic"] == b"PDKV" and header["version"] == 1 and header["flags"] == 0
+    assert header["magic"] == b"PDKV" and header["version"] == 2 and header["flags"] == 0
     assert (header["layer_start"], header["layer_end"]) == (7, 10)
     assert (header["token_start"], header["token_end"]) == (100, 102)
     assert header["payload_len"] == 3 * 2 * 2 * 2 * 4
@@ -172,15 +178,19 @@ def _make_golden() -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", ["kv_frame_v1.bin", "kv_frame_v1_none.bin"])
+@pytest.mark.parametrize(
+    "name", ["kv_frame_v2.bin", "kv_frame_v2_none.bin", "kv_frame_v1.bin", "kv_frame_v1_none.bin"]
+)
 def test_golden_frame_decodes_and_re_encodes_byte_for_byte(name: str) -> None:
     mg = _make_golden()
     data = (GOLDEN / name).read_bytes()
-    assert data[:8] == b"PDKV\x01\x00" + struct.pack("<H", HEADER_FIXED_SIZE + 12)
+    version = 1 if "_v1" in name else 2
+    assert data[:8] == b"PDKV" + struct.pack("<HH", version, HEADER_FIXED_SIZE + 12)
     fingerprint = layout_fingerprint(mg.ARCH, torch.float32)
     frame = decode_frame(data, fingerprint=fingerprint)
     h = frame.header
-    assert (frame.request_id, h.codec_name) == (mg.REQUEST_ID, mg.GOLDENS[name])
+    codec = {**mg.GOLDENS, **mg.V1_GOLDENS}[name]
+    assert (frame.request_id, h.codec_name) == (mg.REQUEST_ID, codec)
     assert h.torch_dtype == torch.float32
     assert (h.layer_start, h.layer_end, h.token_start, h.token_end) == (0, 2, 16, 21)
     assert (h.kv_heads, h.head_dim) == (3, 4)
@@ -190,11 +200,12 @@ def test_golden_frame_decodes_and_re_encodes_byte_for_byte(name: str) -> None:
         _assert_close(v, v0, h.codec_name)
         if i == 1:
             assert torch.equal(k[:, 2], torch.zeros(5, 4))  # the all-zero head, scale 0
-    assert mg.golden_frame(mg.GOLDENS[name]) == data
+    if version == 2:  # the encoder writes the current version only; v1 stays readable
+        assert mg.golden_frame(codec) == data
 
 
 def test_golden_int8_values_are_the_quantized_inputs() -> None:
-    frame = decode_frame((GOLDEN / "kv_frame_v1.bin").read_bytes())
+    frame = decode_frame((GOLDEN / "kv_frame_v2.bin").read_bytes())
     _, k0, _ = next(frame.layers())
     # Layer 0 K = (arange - 30) / 8: head 0 holds -30/8 .. -19/8 ... absmax of head 0 is 30/8.
     scale = (30 / 8) / 127
@@ -247,7 +258,7 @@ def test_max_payload_is_enforced_before_anything_is_decoded() -> None:
 
 REJECTIONS: list[tuple[dict[str, Any], str]] = [
     ({"magic": b"PDKX"}, "magic"),
-    ({"version": 2}, "version"),
+    ({"version": 3}, "version"),
     ({"flags": 1}, "flags"),
     ({"header_len": HEADER_FIXED_SIZE + 4}, "header_len"),
     ({"codec": 3}, "codec"),

@@ -22,7 +22,8 @@ Header (little-endian, `HEADER_FIXED_SIZE` = 50 bytes, then the request id):
   layer_start u16 | layer_end u16 | token_start u32 | token_end u32 | kv_heads u16 |
   head_dim u16 | fingerprint 8s | payload_len u64 | checksum u32 | request_id_len u16 |
   request id (UTF-8, <= 256 bytes)
-`header_len` = 50 + request_id_len: the payload starts there. `checksum` = zlib.crc32 of the
+`header_len` = 50 + request_id_len: the payload starts there. `checksum` = CRC-32C (v2; v1 used
+zlib's CRC-32, 3x slower here, and its frames still decode) of the
 header with the checksum field zeroed, continued over the payload.
 """
 
@@ -34,6 +35,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import crc32c
 import torch
 
 from pdserve.engine.models.arch import ModelArch
@@ -46,7 +48,8 @@ from pdserve.transfer.codecs import (
 )
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # v2: CRC-32C (hardware, ~3x zlib's CRC-32 here); v1 frames (zlib CRC-32) still decode
+READABLE_VERSIONS = (1, 2)
 MAX_REQUEST_ID_BYTES = 256
 DEFAULT_MAX_PAYLOAD = 1 << 30
 FINGERPRINT_BYTES = 8
@@ -250,13 +253,19 @@ def _check_encodable(h: FrameHeader) -> None:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
 
 
-def _checksum(header: bytes, payload: Sequence[BytesLike]) -> int:
-    crc = zlib.crc32(header[:_CRC_OFFSET])
-    crc = zlib.crc32(bytes(4), crc)  # the checksum field itself counts as zero
-    crc = zlib.crc32(header[_CRC_OFFSET + 4 :], crc)
+def _checksum(header: bytes, payload: Sequence[BytesLike], version: int = VERSION) -> int:
+    """CRC over the header (its checksum field counted as zero) and the payload, in place."""
+    crc_fn = _crc32c if version >= 2 else zlib.crc32
+    crc = crc_fn(header[:_CRC_OFFSET])
+    crc = crc_fn(bytes(4), crc)
+    crc = crc_fn(header[_CRC_OFFSET + 4 :], crc)
     for part in payload:
-        crc = zlib.crc32(part, crc)
+        crc = crc_fn(part, crc)
     return crc
+
+
+def _crc32c(data: BytesLike, value: int = 0) -> int:
+    return int(crc32c.crc32c(data, value=value))
 
 
 def frame_nbytes(parts: Sequence[BytesLike]) -> int:
@@ -293,7 +302,7 @@ def decode_frame(
             f"frame has {total} bytes, header says {header.header_len + header.payload_len}"
         )
     segments = tuple(_skip(views, header.header_len))
-    if _checksum(bytes(head[: header.header_len]), segments) != header.checksum:
+    if _checksum(bytes(head[: header.header_len]), segments, header.version) != header.checksum:
         raise WireError("checksum mismatch: the frame is corrupt")
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise WireError(
@@ -355,8 +364,10 @@ def _parse_header(buf: memoryview, max_payload: int) -> FrameHeader:
 def _check_preamble(magic: bytes, h: FrameHeader, rid_len: int) -> None:
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: not a pdserve KV frame")
-    if h.version != VERSION:
-        raise WireError(f"unknown frame version {h.version}; this build reads version {VERSION}")
+    if h.version not in READABLE_VERSIONS:
+        raise WireError(
+            f"unknown frame version {h.version}; this build reads versions {READABLE_VERSIONS}"
+        )
     if h.flags != 0:
         raise WireError(f"flags must be 0 in version {VERSION}, got {h.flags:#x}")
     if rid_len > MAX_REQUEST_ID_BYTES:

@@ -1,0 +1,468 @@
+"""`pdserve bench serve`: an async load generator for any OpenAI-compatible server.
+
+Sends `--num-requests` streamed `POST {url}/v1/completions` requests (prompt as token ids, or
+words with `--prompt-format text`; `temperature: 0`, `ignore_eos: true` unless `--no-ignore-eos`,
+`stream_options.include_usage`), either at `--rate` requests/s with gamma inter-arrival times
+(shape `--burstiness`, mean 1/rate; burstiness 1 is Poisson; `--rate inf` sends all at once) or
+with at most `--concurrency` requests in flight. Turns of one multi-turn conversation are sent in
+order, each after the previous finished (in rate mode an arrival whose next turn is not ready yet
+waits for it).
+
+Metrics, as vLLM's `bench serve` (shared/design/ANCHORS.md), per completed request:
+  * TTFT: send -> first streamed chunk with non-empty text;
+  * E2E:  send -> last chunk with non-empty text (the usage-only chunk is not a token);
+  * TPOT: (E2E - TTFT) / (output tokens - 1), for requests with >= 2 output tokens; output tokens
+          from the final chunk's `usage.completion_tokens`, else the number of content chunks;
+  * ITL:  every gap between consecutive content chunks, pooled over requests.
+  * goodput: completed requests meeting every given SLO (`--slo-ttft`, `--slo-tpot`, seconds) per
+    second of the run (with no SLO, every completed request is good); good_fraction = good /
+    (completed + failed). A failed request (HTTP error, SSE error event, exception, a stream
+    without content) counts in `failed` and never as good.
+  * duration: first send -> last response; throughputs = completed totals / duration.
+Percentiles are numpy's (linear interpolation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pdserve.bench.workloads import WORKLOADS, RequestItem, Workload, ids_to_text, make_workload
+
+MAX_ERRORS = 5  # distinct error messages kept in the JSON
+ERROR_CHARS = 300
+
+
+@dataclass
+class RequestRecord:
+    id: int
+    conversation: int
+    turn: int
+    prompt_len: int  # ids sent (or words, with --prompt-format text)
+    max_tokens: int
+    send_s: float = 0.0  # send time, from the start of the run
+    prompt_tokens: int | None = None  # from usage, when the server reports it
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    error: str | None = None
+    itl_ms: list[float] = field(default_factory=list)  # not written to the JSON (size)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+# ---------------------------------------------------------------------------- flags
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _spread(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--rate", type=_positive_float, help="requests/s (gamma arrivals); 'inf': all at once"
+    )
+    mode.add_argument("--concurrency", type=_positive_int, help="max requests in flight")
+    parser.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="gamma shape of inter-arrival times with --rate (1: Poisson, <1: burstier)",
+    )
+    parser.add_argument("--num-requests", type=_positive_int, required=True)
+    parser.add_argument("--input-len", type=_positive_int, default=1000, help="mean prompt ids")
+    parser.add_argument("--output-len", type=_positive_int, default=128, help="mean max_tokens")
+    parser.add_argument(
+        "--len-spread", type=_spread, default=0.0, help="lengths uniform in mean*(1 +- spread)"
+    )
+    parser.add_argument(
+        "--turns", type=_positive_int, default=5, help="turns per conversation (multiturn)"
+    )
+    parser.add_argument("--slo-ttft", type=_positive_float, default=None, help="TTFT SLO, s")
+    parser.add_argument("--slo-tpot", type=_positive_float, default=None, help="TPOT SLO, s")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-json", type=Path, default=None)
+    parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos (a pdserve/vLLM extension; other servers ignore it)",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="ids: prompt as a list of token ids; text: one word per id",
+    )
+    parser.add_argument(
+        "--timeout", type=_positive_float, default=600.0, help="per-request timeout, s"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---------------------------------------------------------------------------- one request
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _payload(args: argparse.Namespace, model: str, item: RequestItem) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": ids_to_text(item.prompt) if args.prompt_format == "text" else item.prompt,
+        "max_tokens": item.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+def _sse_error(obj: Any) -> str | None:
+    if not isinstance(obj, dict):
+        return f"unexpected SSE data: {str(obj)[:ERROR_CHARS]}"
+    err = obj.get("error")
+    if err is None and obj.get("object") != "error":
+        return None
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return f"SSE error: {err if err is not None else obj.get('message', obj)}"
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    rec: RequestRecord,
+    t_start: float,
+) -> None:
+    """Stream one completion into `rec` (timings, tokens or the error); never raises."""
+    t0 = time.perf_counter()
+    rec.send_s = t0 - t_start
+    first = last = None
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {body[:ERROR_CHARS]}"
+                return
+            event = ""
+            async for line in resp.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                    continue
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                obj = json.loads(data)
+                err = _sse_error(obj) if event != "error" else f"SSE error: {data[:ERROR_CHARS]}"
+                if err is not None:
+                    rec.error = err
+                    return
+                choices = obj.get("choices") or []
+                if choices and choices[0].get("text"):
+                    if first is None:
+                        first = now
+                    else:
+                        assert last is not None
+                        rec.itl_ms.append((now - last) * 1e3)
+                    last = now
+                    chunks += 1
+                usage = obj.get("usage")
+                if usage:
+                    usage_tokens = usage.get("completion_tokens", usage_tokens)
+                    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+    except Exception as e:  # any transport or parsing failure fails this request only
+        rec.error = f"{type(e).__name__}: {e}"[:ERROR_CHARS]
+        return
+    if first is None or last is None:
+        rec.error = "stream ended without content"
+        return
+    rec.output_tokens = usage_tokens if usage_tokens else chunks
+    rec.ttft_ms = (first - t0) * 1e3
+    rec.e2e_ms = (last - t0) * 1e3
+    if rec.output_tokens > 1:
+        rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (rec.output_tokens - 1)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+class _Ready:
+    """Items whose conversation has no turn in flight, in workload order, plus the waiting ones.
+
+    Conversations are queued in the order of their first item; a conversation's next turn is
+    released (to the back of the queue) when its previous turn finishes, so conversations
+    interleave."""
+
+    def __init__(self, items: list[RequestItem]) -> None:
+        self._pending: dict[int, deque[RequestItem]] = {}
+        for it in items:
+            self._pending.setdefault(it.conversation, deque()).append(it)
+        self._queue: asyncio.Queue[RequestItem] = asyncio.Queue()
+        for q in self._pending.values():
+            self._queue.put_nowait(q.popleft())
+
+    async def get(self) -> RequestItem:
+        return await self._queue.get()
+
+    def done(self, item: RequestItem) -> None:
+        q = self._pending[item.conversation]
+        if q:
+            self._queue.put_nowait(q.popleft())
+
+
+def arrival_gaps(rate: float, burstiness: float, n: int, seed: int) -> list[float]:
+    """Inter-arrival times (s): gamma(shape=burstiness, scale=1/(rate*burstiness)), mean 1/rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return [float(x) for x in rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)]
+
+
+async def fetch_model(
+    client: httpx.AsyncClient, base: str, headers: dict[str, str], timeout: float = 30.0
+) -> str:
+    resp = await client.get(f"{base}/v1/models", headers=headers, timeout=timeout)
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError(f"{base}/v1/models lists no model; pass --model")
+    return str(data[0]["id"])
+
+
+async def run_benchmark(
+    args: argparse.Namespace,
+    workload: Workload | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> dict[str, Any]:
+    """Run the load and return the result dict (see `summarize`)."""
+    from tqdm import tqdm
+
+    workload = workload if workload is not None else make_workload(args)
+    items = list(workload)
+    base = args.url.rstrip("/")
+    headers = _headers(args.api_key)
+    n_conn = args.concurrency or len(items)
+    limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
+    timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+        model = args.model or await fetch_model(client, base, headers)
+        url = f"{base}/v1/completions"
+        ready = _Ready(items)
+        records: list[RequestRecord] = []
+        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        gaps = arrival_gaps(args.rate, args.burstiness, len(items), args.seed) if args.rate else []
+        bar = tqdm(total=len(items), file=sys.stderr, disable=args.no_progress, unit="req")
+
+        async def one(item: RequestItem, rec: RequestRecord) -> None:
+            try:
+                await send_request(client, url, _payload(args, model, item), headers, rec, t_start)
+            finally:
+                ready.done(item)
+                bar.update(1)
+                if sem is not None:
+                    sem.release()
+
+        tasks: list[asyncio.Task[None]] = []
+        t_start = time.perf_counter()
+        next_send = t_start
+        for i in range(len(items)):
+            if sem is not None:
+                await sem.acquire()
+            else:
+                next_send += gaps[i] if i else 0.0  # the first request goes at t = 0
+                delay = next_send - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            item = await ready.get()
+            rec = RequestRecord(i, item.conversation, item.turn, len(item.prompt), item.max_tokens)
+            records.append(rec)
+            tasks.append(asyncio.create_task(one(item, rec)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_start
+        bar.close()
+    return summarize(args, model, workload.name, records, duration)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = (float(x) for x in np.percentile(a, [50, 90, 99]))
+    return {"mean": float(a.mean()), "p50": p50, "p90": p90, "p99": p99}
+
+
+def is_good(rec: RequestRecord, slo_ttft: float | None, slo_tpot: float | None) -> bool:
+    """Completed and within every given SLO (seconds); TPOT is vacuous for 1-token outputs."""
+    if not rec.ok or rec.ttft_ms is None:
+        return False
+    if slo_ttft is not None and rec.ttft_ms > slo_ttft * 1e3:
+        return False
+    return not (slo_tpot is not None and rec.tpot_ms is not None and rec.tpot_ms > slo_tpot * 1e3)
+
+
+def summarize(
+    args: argparse.Namespace,
+    model: str,
+    workload: str,
+    records: list[RequestRecord],
+    duration: float,
+) -> dict[str, Any]:
+    done = [r for r in records if r.ok]
+    failed = len(records) - len(done)
+    good = sum(is_good(r, args.slo_ttft, args.slo_tpot) for r in done)
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in done)
+    errors: list[str] = []
+    for r in records:
+        if r.error is not None and r.error not in errors and len(errors) < MAX_ERRORS:
+            errors.append(r.error)
+    dur = max(duration, 1e-9)
+    return {
+        "config": {
+            "url": args.url,
+            "model": model,
+            "workload": workload,
+            "rate": args.rate,  # None in concurrency mode; inf is written as null below
+            "burstiness": args.burstiness if args.rate else None,
+            "concurrency": args.concurrency,
+            "num_requests": len(records),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "len_spread": args.len_spread,
+            "turns": args.turns if workload == "multiturn" else None,
+            "seed": args.seed,
+            "slo_ttft_s": args.slo_ttft,
+            "slo_tpot_s": args.slo_tpot,
+            "prompt_format": args.prompt_format,
+            "ignore_eos": args.ignore_eos,
+        },
+        "completed": len(done),
+        "failed": failed,
+        "errors": errors,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / dur,
+        "output_throughput": out_tokens / dur,
+        "input_throughput": in_tokens / dur,
+        "good": good,
+        "goodput": good / dur,
+        "good_fraction": good / len(records) if records else 0.0,
+        "ttft_ms": _stats([r.ttft_ms for r in done if r.ttft_ms is not None]),
+        "tpot_ms": _stats([r.tpot_ms for r in done if r.tpot_ms is not None]),
+        "itl_ms": _stats([x for r in done for x in r.itl_ms]),
+        "e2e_ms": _stats([r.e2e_ms for r in done if r.e2e_ms is not None]),
+        "requests": [
+            {k: v for k, v in asdict(r).items() if k != "itl_ms"}
+            for r in sorted(records, key=lambda r: r.send_s)
+        ],
+    }
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def format_table(res: dict[str, Any]) -> str:
+    cfg = res["config"]
+    load = f"rate {cfg['rate']}/s" if cfg["rate"] else f"concurrency {cfg['concurrency']}"
+    lines = [
+        f"bench serve: {cfg['workload']}, {load}, {cfg['num_requests']} requests -> {cfg['url']}"
+        f" ({cfg['model']})",
+        f"completed {res['completed']}  failed {res['failed']}  duration {res['duration_s']:.2f} s",
+        f"requests/s {res['request_throughput']:.2f}  output tok/s {res['output_throughput']:.1f}"
+        f"  input tok/s {res['input_throughput']:.1f}",
+        f"goodput {res['goodput']:.2f} req/s  good fraction {res['good_fraction']:.3f}",
+        f"{'ms':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = res[f"{name}_ms"]
+        lines.append(f"{name.upper():<8}" + "".join(f"{_fmt(s[k]):>10}" for k in s))
+    lines += [f"error: {e}" for e in res["errors"]]
+    return "\n".join(lines)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def run(args: argparse.Namespace) -> int:
+    res = asyncio.run(run_benchmark(args))
+    print(format_table(res))
+    if args.result_json is not None:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(_json_safe(res), indent=1) + "\n")
+    return 0 if res["completed"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, httpx.HTTPError) as e:
+        print(f"pdserve bench serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""`pdserve bench serve` against a tiny fake OpenAI-compatible streaming server (FastAPI +
+uvicorn in a thread on a free port), and the workloads on their own.
+
+No timing assertions beyond sanity (TTFT < E2E, goodput <= request throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import itertools
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.bench import serve_bench as sb
+from pdserve.bench.workloads import (
+    ID_HIGH,
+    ID_LOW,
+    MultiTurnWorkload,
+    RequestItem,
+    SyntheticWorkload,
+    ids_to_text,
+)
+
+FAIL_ID = 7  # a prompt starting with this id gets HTTP 500
+SSE_ERROR_ID = 8  # ... an SSE error event mid-stream
+MODEL = "fake-model"
+
+
+def _app(seen: list[dict[str, Any]]) -> Any:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        seen.append(body)
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and prompt[0] == FAIL_ID:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        n = int(body["max_tokens"])
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+
+        async def stream() -> AsyncIterator[str]:
+            for i in range(n):
+                await asyncio.sleep(0.002)
+                if i == 1 and isinstance(prompt, list) and prompt[0] == SSE_ERROR_ID:
+                    yield "data: " + json.dumps({"error": {"message": "engine died"}}) + "\n\n"
+                    return
+                finish = "length" if i == n - 1 else None
+                choice = {"index": 0, "text": f" t{i}", "finish_reason": finish}
+                chunk = {"object": "text_completion", "model": MODEL, "choices": [choice]}
+                yield "data: " + json.dumps(chunk) + "\n\n"
+            usage = {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n,
+                "total_tokens": n_prompt + n,
+            }
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    import uvicorn
+
+    seen: list[dict[str, Any]] = []
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(_app(seen), log_level="warning", lifespan="off")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", seen
+    srv.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+def _args(url: str, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sb.add_arguments(parser)
+    return parser.parse_args(
+        ["--url", url, "--input-len", "16", "--output-len", "6", "--no-progress", *extra]
+    )
+
+
+class _WithFailures:
+    """Synthetic items, with request 3 -> HTTP 500 and request 5 -> SSE error event."""
+
+    name = "synthetic"
+
+    def __init__(self, n: int) -> None:
+        self.items = list(SyntheticWorkload(n, 16, 6, 0.5, seed=1))
+        for i, bad in ((3, FAIL_ID), (5, SSE_ERROR_ID)):
+            it = self.items[i]
+            self.items[i] = RequestItem([bad, *it.prompt[1:]], it.max_tokens, it.conversation)
+
+    def __iter__(self) -> Iterator[RequestItem]:
+        return iter(self.items)
+
+
+def _check_result(res: dict[str, Any], n: int) -> None:
+    keys = "completed failed duration_s request_throughput output_throughput input_throughput"
+    for key in [*keys.split(), "goodput", "good_fraction", "errors", "config", "requests"]:
+        assert key in res, key
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(res[key]) == {"mean", "p50", "p90", "p99"}
+        s = res[key]
+        assert 0 < s["p50"] <= s["p99"], (key, s)
+    assert res["completed"] + res["failed"] == n == len(res["requests"])
+    assert res["duration_s"] > 0
+    assert 0 <= res["goodput"] <= res["request_throughput"] + 1e-12
+    assert 0.0 <= res["good_fraction"] <= res["completed"] / n
+    assert res["output_throughput"] > 0 and res["input_throughput"] > 0
+    assert res["ttft_ms"]["mean"] < res["e2e_ms"]["mean"]
+    for r in res["requests"]:
+        assert set(r) >= {"send_s", "ttft_ms", "e2e_ms", "output_tokens", "error"}
+        if r["error"] is None:
+            assert 0 < r["ttft_ms"] < r["e2e_ms"]
+            assert r["output_tokens"] == r["max_tokens"]
+            assert r["tpot_ms"] > 0
+        else:
+            assert r["ttft_ms"] is None and r["e2e_ms"] is None
+    sends = [r["send_s"] for r in res["requests"]]
+    assert sends == sorted(sends) and sends[0] >= 0
+
+
+def test_rate_mode_counts_failures_and_fields(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, seen = server
+    n = 12
+    args = _args(url, "--rate", "200", "--burstiness", "0.5", "--num-requests", str(n))
+    before = len(seen)
+    res = asyncio.run(sb.run_benchmark(args, workload=_WithFailures(n)))
+    _check_result(res, n)
+    assert res["completed"] == n - 2 and res["failed"] == 2
+    assert len(res["errors"]) == 2
+    assert any(e.startswith("HTTP 500") and "boom" in e for e in res["errors"])
+    assert any("SSE error" in e and "engine died" in e for e in res["errors"])
+    assert res["good_fraction"] == pytest.approx((n - 2) / n)  # no SLO: every completed is good
+    assert res["goodput"] == pytest.approx(res["request_throughput"])
+    assert res["config"]["model"] == MODEL and res["config"]["rate"] == 200
+    body = seen[before]
+    assert body["model"] == MODEL and body["stream"] is True and body["temperature"] == 0
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    assert all(isinstance(t, int) for t in body["prompt"])
+
+
+def test_concurrency_mode_cli_with_slos_writes_json(
+    server: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    url, seen = server
+    out = tmp_path / "res.json"
+    before = len(seen)
+    argv = ["--url", url, "--concurrency", "3", "--num-requests", "9", "--input-len", "16",
+            "--output-len", "5", "--len-spread", "0.5", "--slo-ttft", "1e-9", "--seed", "3",
+            "--no-ignore-eos", "--prompt-format", "text", "--model", "m",
+            "--result-json", str(out), "--no-progress"]  # fmt: skip
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = sb.main(argv)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    _check_result(res, 9)
+    assert res["completed"] == 9 and res["failed"] == 0 and res["errors"] == []
+    # an impossible TTFT SLO: nothing is good
+    assert res["goodput"] == 0 and res["good_fraction"] == 0
+    cfg = res["config"]
+    assert cfg["concurrency"] == 3 and cfg["rate"] is None and cfg["slo_ttft_s"] == 1e-9
+    assert cfg["num_requests"] == 9 and cfg["seed"] == 3 and cfg["model"] == "m"
+    bodies = seen[before:]
+    assert len(bodies) == 9
+    assert all(isinstance(b["prompt"], str) and "ignore_eos" not in b for b in bodies)
+    assert all(b["model"] == "m" for b in bodies)
+    table = stdout.getvalue()
+    for word in ("completed 9", "TTFT", "TPOT", "ITL", "E2E", "goodput"):
+        assert word in table
+
+
+def test_concurrency_cap_is_respected(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, _ = server
+    args = _args(url, "--concurrency", "2", "--num-requests", "8")
+    res = asyncio.run(sb.run_benchmark(args))
+    _check_result(res, 8)
+    spans = [(r["send_s"], r["send_s"] + r["e2e_ms"] / 1e3) for r in res["requests"]]
+    # at each send, at most 1 other request may still be streaming content (cap 2)
+    for s, _ in spans:
+        assert sum(a < s < b for a, b in spans) <= 1
+
+
+def test_multiturn_turns_are_sequential(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, seen = server
+    args = _args(url, "--workload", "multiturn", "--turns", "3", "--rate", "inf",
+                 "--num-requests", "7")  # fmt: skip
+    before = len(seen)
+    res = asyncio.run(sb.run_benchmark(args))
+    _check_result(res, 7)
+    assert res["config"]["workload"] == "multiturn" and res["config"]["turns"] == 3
+    by_conv: dict[int, list[dict[str, Any]]] = {}
+    for r in res["requests"]:
+        by_conv.setdefault(r["conversation"], []).append(r)
+    assert sorted(len(v) for v in by_conv.values()) == [1, 3, 3]
+    for turns in by_conv.values():
+        assert [r["turn"] for r in turns] == list(range(len(turns)))
+        for prev, cur in itertools.pairwise(turns):
+            assert cur["send_s"] >= prev["send_s"] + prev["e2e_ms"] / 1e3
+    # the first sends are the first turn of every conversation (interleaved, not one by one)
+    assert [r["turn"] for r in res["requests"][:3]] == [0, 0, 0]
+    assert len(seen) - before == 7
+
+
+def test_unreachable_server_is_an_error() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = sb.main(["--url", f"http://127.0.0.1:{port}", "--rate", "1", "--num-requests", "1"])
+    assert rc == 2 and "error" in err.getvalue()
+
+
+def test_all_failed_returns_nonzero(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, _ = server
+    args = _args(url, "--concurrency", "2", "--num-requests", "2", "--model", "m")
+    wl = _WithFailures(6)
+    wl.items = [wl.items[3], wl.items[3]]
+    res = asyncio.run(sb.run_benchmark(args, workload=wl))
+    assert res["completed"] == 0 and res["failed"] == 2 and res["errors"] == [res["errors"][0]]
+    assert res["ttft_ms"]["mean"] is None and res["goodput"] == 0 and res["good_fraction"] == 0
+
+
+def test_synthetic_workload_is_seeded_with_spread() -> None:
+    a = list(SyntheticWorkload(50, 100, 20, 0.5, seed=4))
+    b = list(SyntheticWorkload(50, 100, 20, 0.5, seed=4))
+    c = list(SyntheticWorkload(50, 100, 20, 0.5, seed=5))
+    assert a == b and a != c
+    assert all(50 <= len(it.prompt) <= 150 and 10 <= it.max_tokens <= 30 for it in a)
+    assert len({len(it.prompt) for it in a}) > 1
+    assert all(ID_LOW <= t < ID_HIGH for it in a for t in it.prompt)
+    assert len({it.conversation for it in a}) == 50
+    fixed = list(SyntheticWorkload(5, 100, 20, 0.0, seed=0))
+    assert {len(it.prompt) for it in fixed} == {100} and {it.max_tokens for it in fixed} == {20}
+
+
+def test_multiturn_prompts_share_a_growing_prefix() -> None:
+    items = list(MultiTurnWorkload(8, 10, 4, 0.0, seed=0, turns=3))
+    assert [(it.conversation, it.turn) for it in items] == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)
+    ]  # fmt: skip
+    for prev, cur in itertools.pairwise(items):
+        if cur.turn:
+            assert cur.prompt[: len(prev.prompt)] == prev.prompt
+            assert len(cur.prompt) == len(prev.prompt) + prev.max_tokens + 10
+    assert items[3].prompt[:10] != items[0].prompt[:10]
+    text = [ids_to_text(it.prompt) for it in items[:2]]
+    assert text[1].startswith(text[0] + " ")
+
+
+def test_arrival_gaps_mean_and_inf() -> None:
+    gaps = sb.arrival_gaps(10.0, 1.0, 4000, seed=0)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    bursty = sb.arrival_gaps(10.0, 0.25, 4000, seed=0)
+    assert sum(bursty) / len(bursty) == pytest.approx(0.1, rel=0.2)
+    assert sb.arrival_gaps(float("inf"), 1.0, 3, seed=0) == [0.0, 0.0, 0.0]
