@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -47,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
+
+from pdserve.bench import common
 
 if TYPE_CHECKING:
     import torch
@@ -438,27 +438,8 @@ def _codec_speed(name: str, kv: list[torch.Tensor], repeats: int) -> CodecSpeed:
 # --------------------------------------------------------------------------- report
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(threads: int) -> dict[str, Any]:
-    import torch
-
-    return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "load_average": list(os.getloadavg()),
-    }
+    return common.machine_info(threads)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -642,13 +623,7 @@ def _model_info(engine: LLMEngine) -> dict[str, Any]:
 
 
 def _write(rep: Report, args: argparse.Namespace) -> None:
-    text = render_markdown(rep)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report_json(rep), indent=2) + "\n")
+    common.write_report(render_markdown(rep), report_json(rep), args.output, args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

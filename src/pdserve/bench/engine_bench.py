@@ -42,10 +42,8 @@ import argparse
 import datetime
 import gc
 import inspect
-import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -54,6 +52,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pdserve.bench import common
 
 if TYPE_CHECKING:
     import torch
@@ -211,17 +211,6 @@ class Row:
 
 
 @dataclass
-class Target:
-    name: str
-    measured: str
-    met: bool | None  # None: not measured in this run
-
-    @property
-    def status(self) -> str:
-        return "n/a" if self.met is None else ("met" if self.met else "missed")
-
-
-@dataclass
 class Report:
     date: str
     command: str
@@ -230,7 +219,7 @@ class Report:
     settings: dict[str, Any]
     roofline: Roofline
     rows: list[Row]
-    targets: list[Target] = field(default_factory=list)
+    targets: list[common.Target] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -523,24 +512,24 @@ def _find(rows: list[Row], phase: str, size: int) -> Row | None:
     return next((r for r in rows if r.phase == phase and r.size == size), None)
 
 
-def evaluate_targets(rows: list[Row]) -> list[Target]:
+def evaluate_targets(rows: list[Row]) -> list[common.Target]:
     prefill, d1 = _find(rows, "prefill", TARGET_PREFILL_LEN), _find(rows, "decode", 1)
     b, factor = TARGET_BATCH_SCALING
     db = _find(rows, "decode", b)
     ratios = [r.ratio for r in rows if r.ratio is not None]
     return [
-        Target(
+        common.Target(
             f"prefill MFU at {TARGET_PREFILL_LEN} tokens >= {TARGET_PREFILL_MFU:.0%}",
             f"{prefill.utilization:.1%}" if prefill else "not run",
             prefill.utilization >= TARGET_PREFILL_MFU if prefill else None,
         ),
-        Target(
+        common.Target(
             f"decode B=1 MBU >= {TARGET_DECODE_MBU:.0%}",
             f"{d1.utilization:.1%}" if d1 else "not run",
             d1.utilization >= TARGET_DECODE_MBU if d1 else None,
         ),
         _scaling_target(d1, db, b, factor),
-        Target(
+        common.Target(
             "never slower than transformers (every pdserve/HF >= 1)",
             f"min {min(ratios):.2f}x" if ratios else "not run",
             min(ratios) >= 1.0 if ratios else None,
@@ -548,45 +537,25 @@ def evaluate_targets(rows: list[Row]) -> list[Target]:
     ]
 
 
-def _scaling_target(d1: Row | None, db: Row | None, b: int, factor: float) -> Target:
+def _scaling_target(d1: Row | None, db: Row | None, b: int, factor: float) -> common.Target:
     name = f"decode B={b} tokens/s >= {factor:g}x B=1"
     if d1 is None or db is None:
-        return Target(name, "not run", None)
+        return common.Target(name, "not run", None)
     gain = db.tokens_per_s / d1.tokens_per_s
-    return Target(name, f"{gain:.2f}x", gain >= factor)
+    return common.Target(name, f"{gain:.2f}x", gain >= factor)
 
 
 # --------------------------------------------------------------------------- report
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    import torch
-
     try:
         import transformers
 
         hf_version = transformers.__version__
     except ImportError:
         hf_version = "not installed"
-    return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "transformers": hf_version,
-        "python": platform.python_version(),
-        "load_average": list(os.getloadavg()),
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return common.machine_info(threads, transformers=hf_version)
 
 
 def model_info(engine: LLMEngine, cost: ModelCost) -> dict[str, Any]:
@@ -760,11 +729,4 @@ def _warn_if_busy(machine: dict[str, Any]) -> None:
 
 
 def _write(rep: Report, args: argparse.Namespace) -> None:
-    text = render_markdown(rep)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report_json(rep), indent=2) + "\n")
+    common.write_report(render_markdown(rep), report_json(rep), args.output, args.json)

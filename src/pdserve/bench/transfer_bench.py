@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -62,6 +60,8 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pdserve.bench import common
 
 if TYPE_CHECKING:
     import torch
@@ -254,17 +254,6 @@ class TtftRow:
 
 
 @dataclass
-class Target:
-    name: str
-    measured: str
-    met: bool | None
-
-    @property
-    def status(self) -> str:
-        return "n/a" if self.met is None else ("met" if self.met else "missed")
-
-
-@dataclass
 class Report:
     date: str
     command: str
@@ -276,7 +265,7 @@ class Report:
     codecs: list[CodecRow] = field(default_factory=list)
     crc32_gbs: float | None = None
     ttft: list[TtftRow] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
+    targets: list[common.Target] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1071,7 +1060,7 @@ def _ttft_row(
 # --------------------------------------------------------------------------- targets
 
 
-def evaluate_targets(rep: Report) -> list[Target]:
+def evaluate_targets(rep: Report) -> list[common.Target]:
     targets = []
     for transport in dict.fromkeys(r.transport for r in rep.throughput):
         rows = [r for r in rep.throughput if r.transport == transport and r.ratio is not None]
@@ -1080,13 +1069,13 @@ def evaluate_targets(rep: Report) -> list[Target]:
             f"({_BASELINE_OF[transport]}), at the largest size"
         )
         if not rows:
-            targets.append(Target(name, "not run", None))
+            targets.append(common.Target(name, "not run", None))
             continue
         big = max(rows, key=lambda r: r.tokens)
         assert big.ratio is not None
         every = ", ".join(f"{r.tokens}: {r.ratio:.0%}" for r in rows)
         targets.append(
-            Target(
+            common.Target(
                 name, f"{big.ratio:.0%} at {big.tokens} (all: {every})", big.ratio >= TARGET_RATIO
             )
         )
@@ -1106,11 +1095,11 @@ def evaluate_targets(rep: Report) -> list[Target]:
             None,
         )
         if row is None or row.exposed_pct is None:
-            targets.append(Target(name, "not run", None))
+            targets.append(common.Target(name, "not run", None))
         else:
             ms = row.medians["exposed"] * 1e3
             targets.append(
-                Target(
+                common.Target(
                     name, f"{row.exposed_pct:.1%} ({ms:.1f} ms)", row.exposed_pct <= TARGET_EXPOSED
                 )
             )
@@ -1118,16 +1107,6 @@ def evaluate_targets(rep: Report) -> list[Target]:
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_head() -> str | None:
@@ -1149,20 +1128,11 @@ def git_head() -> str | None:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
     import zmq
 
-    return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "threads": 1,
-        "torch": torch.__version__,
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "python": platform.python_version(),
-        "load_average": list(os.getloadavg()),
-        "git_head": git_head(),
-    }
+    return common.machine_info(
+        1, pyzmq=zmq.__version__, libzmq=zmq.zmq_version(), git_head=git_head()
+    )
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -1625,13 +1595,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _write(rep: Report, args: argparse.Namespace) -> None:
-    text = render_markdown(rep)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report_json(rep), indent=2) + "\n")
+    common.write_report(render_markdown(rep), report_json(rep), args.output, args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
