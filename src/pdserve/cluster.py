@@ -4,21 +4,23 @@
         outs = cluster.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
 
 Workers are child processes (`pdserve worker ...`), or threads of this process for the `inproc`
-transport. The cluster is the requester: it tokenizes, picks P and D round robin, sends ExpectKV to
-D and Prefill to P, and assembles the tokens P and D send back into the same `RequestOutput`s as
-`LLM.generate`. A failed transfer is retried once (counted in `stats`); a second failure, or a
-request silent past its deadline, ends that request with an error — never a hang.
+transport. Requests go through the same `RouterCore` as the HTTP server (run on an event loop in
+a background thread), so tests and benchmarks exercise the serving path: P/D choice, hand-off,
+one retry that resumes after the tokens already produced, deadlines, timelines. The cluster also
+keeps a plain control socket per worker for stats and fault injection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import itertools
 import os
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -27,6 +29,7 @@ from pdserve.engine import loader
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
+from pdserve.router.core import RequestError, RouterCore
 from pdserve.workers import messages as m
 
 STARTUP_TIMEOUT_S = 180.0
@@ -45,30 +48,6 @@ class WorkerHandle:
     @property
     def role(self) -> str:
         return self.launched.spec.role
-
-
-@dataclass
-class _Pending:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    pair: tuple[WorkerHandle, WorkerHandle | None]
-    last_event: float
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    attempts: int = 1
-    first_token_time: float | None = None
-    done: bool = False
-    arrival: float = field(default_factory=time.monotonic)
-    timeline: list[tuple[str, str, float]] = field(default_factory=list)
-
-    @property
-    def wire_rid(self) -> str:
-        return f"{self.rid}.{self.attempts}"
 
 
 class LocalCluster:
@@ -108,11 +87,11 @@ class LocalCluster:
         }
         self.workers: list[WorkerHandle] = []
         self.ctx = zmq.Context.instance() if transport == "inproc" else zmq.Context()
-        self.poller = zmq.Poller()
-        self.stats: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count()
-        self._rr: dict[str, itertools.cycle] = {}
         self.tokenizer: Any = None
+        self.core: RouterCore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     # ---- life cycle --------------------------------------------------------------------------
     def __enter__(self) -> LocalCluster:
@@ -135,10 +114,20 @@ class LocalCluster:
         for w in self.workers:
             await_ready(w.launched, deadline)
             self._connect(w, deadline)
-        for role in self.counts:
-            pool = self.pool(role)
-            if pool:
-                self._rr[role] = itertools.cycle(pool)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="cluster-router", daemon=True
+        )
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start_core(), self._loop).result()
+
+    async def _start_core(self) -> None:
+        self.core = RouterCore(
+            [w.launched.control for w in self.workers], deadline_s=self.deadline_s,
+            max_retries=self.max_retries, handoff_tokens=self.handoff_tokens,
+            policy="round_robin", ctx=self.ctx, max_inflight=1 << 20,
+        )  # fmt: skip
+        await self.core.start(timeout_s=STARTUP_TIMEOUT_S)
 
     def pool(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers if w.role == role]
@@ -162,7 +151,6 @@ class LocalCluster:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(w.launched.control)
         w.sock = sock
-        self.poller.register(sock, zmq.POLLIN)
         sock.send(m.encode(m.Hello("local-cluster")))
         msg = self._recv_from(w, deadline)
         if not isinstance(msg, m.WorkerInfo):
@@ -176,6 +164,14 @@ class LocalCluster:
         return m.decode(w.sock.recv())
 
     def close(self) -> None:
+        if self._loop is not None:
+            if self.core is not None:
+                asyncio.run_coroutine_threadsafe(self.core.close(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._loop.close()
+            self._loop = None
         for w in self.workers:
             if w.sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
@@ -194,136 +190,66 @@ class LocalCluster:
         params: SamplingParams | None = None,
         timeout_s: float | None = None,
     ) -> list[RequestOutput]:
+        """Run prompts concurrently through the router core; a failed request comes back with
+        finish_reason "error" and `error` set, never as an exception or a hang."""
         params = params or SamplingParams()
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
-        pending: dict[str, _Pending] = {}
-        order = []
-        for prompt in batch:
-            ids = self._tokenize(prompt)
-            rid = f"c{next(self._ids)}"
-            order.append(rid)
-            pending[rid] = self._dispatch(rid, ids, params)
-        self._collect(pending, timeout_s)
-        return [self._output(pending[rid], batch[i]) for i, rid in enumerate(order)]
+        jobs = [self._one(f"c{next(self._ids)}", p, params) for p in batch]
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(_gather(jobs), self._loop)
+        return future.result(timeout=timeout_s)
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
-
-    def _dispatch(
-        self, rid: str, ids: list[int], params: SamplingParams, attempts: int = 1
-    ) -> _Pending:
-        pending = _Pending(rid, ids, params, self._pick(), time.monotonic(), attempts=attempts)
-        pending.timeline.append(("dispatch", f"attempt {attempts}", time.monotonic()))
-        # Each attempt has its own id on the workers, so a late message about an earlier,
-        # failed attempt can never be mistaken for the current one.
-        wid, p = pending.wire_rid, dict(params.__dict__)
-        first, second = pending.pair
-        if second is None:
-            self._send(first, m.Generate(wid, ids, p))
-            return pending
-        assert second.info is not None
-        self._send(second, m.ExpectKV(wid, ids, p, first.worker_id, self.handoff_tokens))
-        self._send(
-            first,
-            m.Prefill(wid, ids, p, second.worker_id, second.info.kv_endpoint, self.handoff_tokens),
-        )
-        return pending
-
-    def _pick(self) -> tuple[WorkerHandle, WorkerHandle | None]:
-        if "colocated" in self._rr:
-            return next(self._rr["colocated"]), None
-        return next(self._rr["prefill"]), next(self._rr["decode"])
-
-    def _send(self, w: WorkerHandle, msg: object) -> None:
-        assert w.sock is not None
-        w.sock.send(m.encode(msg))
-
-    def _collect(self, pending: dict[str, _Pending], timeout_s: float | None) -> None:
-        by_sock = {w.sock: w for w in self.workers}
-        silence = timeout_s or max(30.0, 6 * self.deadline_s)
-        while not all(p.done for p in pending.values()):
-            for sock, _ in self.poller.poll(100):
-                while sock.poll(0):
-                    self._on_event(pending, by_sock[sock], m.decode(sock.recv()))
-            now = time.monotonic()
-            for p in pending.values():
-                if not p.done and now - p.last_event > silence:
-                    self._abort(p)
-                    self._finish_error(p, f"no progress for {silence:g}s")
-
-    def _on_event(self, pending: dict[str, _Pending], w: WorkerHandle, msg: Any) -> None:
-        rid, _, attempt = str(getattr(msg, "rid", "")).rpartition(".")
-        p = pending.get(rid)
-        if p is None or p.done or attempt != str(p.attempts):
-            return  # unknown, finished, or about an earlier attempt
-        p.last_event = time.monotonic()
-        if isinstance(msg, m.Tokens):
-            self._on_tokens(p, msg)
-        elif isinstance(msg, m.TransferReport):
-            self.stats[f"kv_{msg.side}_bytes"] += msg.nbytes
-            self.stats[f"kv_{msg.side}_frames"] += msg.frames
-            for stage, t in (msg.times or {}).items():
-                p.timeline.append((f"{msg.side}:{stage}", msg.worker, t))
-        elif isinstance(msg, m.RequestFailed):
-            self._on_failed(pending, p, msg)
-
-    def _on_tokens(self, p: _Pending, msg: m.Tokens) -> None:
-        if not any(e[1] == msg.worker for e in p.timeline if e[0] == "first_token"):
-            p.timeline.append(("first_token", msg.worker, msg.time))
-        if msg.finished:
-            p.timeline.append(("finish", msg.worker, msg.time))
-        p.first_token_time = p.first_token_time or time.monotonic()
-        p.tokens += msg.token_ids
-        p.text += msg.text
-        if msg.logprobs:
-            p.logprobs = (p.logprobs or []) + msg.logprobs
-        if msg.finished:
-            p.finish_reason, p.stop_reason, p.done = msg.finish_reason, msg.stop_reason, True
-            if p.pair[1] is not None and msg.worker == p.pair[0].worker_id:
-                self._send(p.pair[1], m.Abort(p.wire_rid))  # finished on P: D's reservation goes
-
-    def _on_failed(self, pending: dict[str, _Pending], p: _Pending, msg: m.RequestFailed) -> None:
-        self._abort(p)
-        p.timeline.append((f"failed: {msg.reason}", msg.worker, time.monotonic()))
-        if msg.stage == "transfer" and p.attempts <= self.max_retries:
-            self.stats["retries"] += 1
-            retry = self._dispatch(p.rid, p.prompt_ids, p.params, p.attempts + 1)
-            retry.timeline[:0] = p.timeline  # the retry is part of the request's story
-            retry.arrival = p.arrival
-            pending[p.rid] = retry
-            return
-        self._finish_error(p, f"{msg.worker} ({msg.stage}): {msg.reason}")
-
-    def _abort(self, p: _Pending) -> None:
-        for w in p.pair:
-            if w is not None:
-                self._send(w, m.Abort(p.wire_rid))
-
-    def _finish_error(self, p: _Pending, reason: str) -> None:
-        self.stats["errors"] += 1
-        p.error, p.finish_reason, p.done = reason, "error", True
-
-    def _output(self, p: _Pending, prompt: str | list[int]) -> RequestOutput:
-        completion = CompletionOutput(
-            0, p.text, p.tokens, p.logprobs, p.finish_reason, p.stop_reason
-        )
-        metrics = RequestMetrics(
-            arrival_time=p.arrival,
-            first_token_time=p.first_token_time,
-            finished_time=time.monotonic(),
-        )
+    async def _one(
+        self, rid: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestOutput:
+        assert self.core is not None
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        arrival = time.monotonic()
+        tokens: list[int] = []
+        text, logprobs, error = "", None, None
+        finish: str | None = None
+        stop_reason: int | str | None = None
+        try:
+            async for d in self.core.generate(rid, ids, params):
+                tokens += d.token_ids
+                text += d.text
+                if d.logprobs:
+                    logprobs = (logprobs or []) + d.logprobs
+                finish, stop_reason = d.finish_reason or finish, d.stop_reason
+        except RequestError as e:
+            finish, error = "error", e.message
+        timeline = await self._complete_timeline(rid, error is None)
+        first = next((t for e, _, t in timeline if e == "first_token"), None)
+        completion = CompletionOutput(0, text, tokens, logprobs, finish, stop_reason)
+        metrics = RequestMetrics(arrival, first_token_time=first, finished_time=time.monotonic())
         return RequestOutput(
-            p.rid,
+            rid,
             prompt if isinstance(prompt, str) else None,
-            p.prompt_ids,
+            ids,
             [completion],
             True,
             metrics,
-            error=p.error,
-            timeline=sorted(p.timeline, key=lambda e: e[2]),
+            error=error,
+            timeline=timeline,
         )
+
+    async def _complete_timeline(self, rid: str, ok: bool) -> list[tuple[str, str, float]]:
+        """P reports its side of a hand-off after D's ack, which can trail the last token by a
+        moment: wait briefly for it so every timeline shows both sides."""
+        assert self.core is not None
+        for _ in range(50):
+            timeline = self.core.raw_timeline(rid) or []
+            handed_off = any(e.startswith("recv:") for e, _, _ in timeline)
+            if not ok or not handed_off or any(e == "send:acked" for e, _, _ in timeline):
+                return timeline
+            await asyncio.sleep(0.01)
+        return timeline
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        """The core's counters: retries, requests by outcome, KV bytes and frames per side."""
+        assert self.core is not None
+        return self.core.counters
 
     # ---- introspection and faults ------------------------------------------------------------
     def worker_stats(self) -> dict[str, dict[str, Any]]:
@@ -340,6 +266,10 @@ class LocalCluster:
             msg = self._recv_from(w, deadline)
             if isinstance(msg, kind):
                 return msg
+
+    def _send(self, w: WorkerHandle, msg: object) -> None:
+        assert w.sock is not None
+        w.sock.send(m.encode(msg))
 
     def set_fault(self, worker_id: str, mode: str, count: int = 1, delay_s: float = 0.0) -> None:
         w = next(w for w in self.workers if w.worker_id == worker_id)
@@ -363,3 +293,7 @@ class LocalCluster:
             ):
                 return stats
             time.sleep(0.1)
+
+
+async def _gather(jobs: list[Any]) -> list[RequestOutput]:
+    return list(await asyncio.gather(*jobs))

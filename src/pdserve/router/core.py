@@ -98,6 +98,8 @@ class Flight:
     timeline: list[tuple[str, str, float]] = field(default_factory=list)
     last_event: float = field(default_factory=time.monotonic)
     finished: bool = False
+    p_done: bool = False  # P's hand-off tokens delivered (D's may be delivered after them)
+    held: list[m.Tokens] = field(default_factory=list)  # D's tokens that overtook P's
 
     @property
     def wire_rid(self) -> str:
@@ -128,9 +130,10 @@ class RouterCore:
         self.handoff_tokens, self.stats_interval_s = handoff_tokens, stats_interval_s
         self.metrics = metrics
         self.flights: dict[str, Flight] = {}
-        self.timelines: collections.OrderedDict[str, list[dict[str, Any]]] = (
+        self.raw_timelines: collections.OrderedDict[str, list[tuple[str, str, float]]] = (
             collections.OrderedDict()
         )
+        self._final_attempt: dict[str, str] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._tasks: list[asyncio.Task] = []
 
@@ -238,6 +241,7 @@ class RouterCore:
 
     # ---- dispatch --------------------------------------------------------------------------
     def _dispatch(self, flight: Flight) -> None:
+        flight.p_done, flight.held = False, []  # a new attempt starts from P again
         flight.pair = self._pick()
         for w in flight.pair:
             if w is not None:
@@ -327,6 +331,9 @@ class RouterCore:
             return
         rid, _, attempt = str(getattr(msg, "rid", "")).rpartition(".")
         flight = self.flights.get(rid)
+        if flight is None and isinstance(msg, m.TransferReport):
+            self._late_transfer(rid, attempt, msg)
+            return
         if flight is None or attempt != str(flight.attempt):
             return  # finished, unknown, or about an earlier attempt
         flight.last_event = time.monotonic()
@@ -337,14 +344,43 @@ class RouterCore:
         elif isinstance(msg, m.RequestFailed):
             self._on_failed(flight, msg)
 
+    def _late_transfer(self, rid: str, attempt: str, msg: m.TransferReport) -> None:
+        """P reports its side after D's ack, which can be after the request finished: still
+        part of the request's timeline (and of the transfer counters)."""
+        events = self.raw_timelines.get(rid)
+        if events is None or self._final_attempt.get(rid) != attempt:
+            return
+        events += [(f"{msg.side}:{stage}", msg.worker, t) for stage, t in (msg.times or {}).items()]
+        events.sort(key=lambda e: e[2])
+        self.counters[f"kv_{msg.side}_bytes"] += msg.nbytes
+        self.counters[f"kv_{msg.side}_frames"] += msg.frames
+        if self.metrics is not None:
+            self.metrics.on_transfer(msg)
+
     def _on_tokens(self, flight: Flight, msg: m.Tokens) -> None:
-        if msg.token_ids and not any(e[0] == "first_token" for e in flight.timeline):
+        """Deliver tokens in generation order. P's and D's events travel on different sockets,
+        so D's can overtake P's hand-off tokens: hold them until P's have been delivered."""
+        first, second = flight.pair or (None, None)
+        from_p = first is not None and second is not None and msg.worker == first.worker_id
+        if second is not None and not from_p and not flight.p_done:
+            flight.held.append(msg)
+            return
+        self._deliver(flight, msg)
+        if from_p:
+            flight.p_done = True
+            held, flight.held = flight.held, []
+            for early in held:
+                self._deliver(flight, early)
+
+    def _deliver(self, flight: Flight, msg: m.Tokens) -> None:
+        seen = {w for e, w, _ in flight.timeline if e == "first_token"}
+        if msg.token_ids and msg.worker not in seen:  # each worker's first tokens: P's, then D's
             flight.timeline.append(("first_token", msg.worker, msg.time))
         colocated = flight.pair is not None and flight.pair[1] is None
         for stage, t in (msg.times or {}).items() if colocated else ():
             # A whole request on one worker: its own prefill stages (P and D report theirs in
             # TransferReport instead).
-            flight.timeline.append((_STAGES.get(f"local:{stage}", stage), msg.worker, t))
+            flight.timeline.append((f"local:{stage}", msg.worker, t))
         flight.sent += msg.token_ids
         finish = msg.finish_reason if msg.finished else None
         flight.queue.put_nowait(
@@ -358,10 +394,9 @@ class RouterCore:
 
     def _on_transfer(self, flight: Flight, msg: m.TransferReport) -> None:
         for stage, t in (msg.times or {}).items():
-            name = _STAGES.get(f"{msg.side}:{stage}")
-            if name is not None:
-                flight.timeline.append((name, msg.worker, t))
+            flight.timeline.append((f"{msg.side}:{stage}", msg.worker, t))
         self.counters[f"kv_{msg.side}_bytes"] += msg.nbytes
+        self.counters[f"kv_{msg.side}_frames"] += msg.frames
         if self.metrics is not None:
             self.metrics.on_transfer(msg)
 
@@ -415,20 +450,30 @@ class RouterCore:
         return rows
 
     def _keep_timeline(self, flight: Flight) -> None:
-        t0 = flight.timeline[0][2]
-        events = sorted(flight.timeline, key=lambda e: e[2])
-        self.timelines[flight.rid] = [
-            {"event": e, "worker": w, "t_ms": round((t - t0) * 1000, 3)} for e, w, t in events
-        ]
-        while len(self.timelines) > TIMELINE_KEEP:
-            self.timelines.popitem(last=False)
+        self.raw_timelines[flight.rid] = sorted(flight.timeline, key=lambda e: e[2])
+        self._final_attempt[flight.rid] = str(flight.attempt)
+        while len(self.raw_timelines) > TIMELINE_KEEP:
+            old, _ = self.raw_timelines.popitem(last=False)
+            self._final_attempt.pop(old, None)
+
+    def raw_timeline(self, rid: str) -> list[tuple[str, str, float]] | None:
+        """(event, worker, time.monotonic()) with the workers' own stage names."""
+        flight = self.flights.get(rid)
+        if flight is not None:
+            return sorted(flight.timeline, key=lambda e: e[2])
+        return self.raw_timelines.get(rid)
 
     def timeline(self, rid: str) -> list[dict[str, Any]] | None:
-        flight = self.flights.get(rid)
-        if flight is not None:  # still running: what happened so far
-            t0 = flight.timeline[0][2]
-            return [
-                {"event": e, "worker": w, "t_ms": round((t - t0) * 1000, 3)}
-                for e, w, t in sorted(flight.timeline, key=lambda e: e[2])
-            ]
-        return self.timelines.get(rid)
+        """The request's events for people: known stages under their public names (queue,
+        prefill_start/end, transfer_start/end, decode_first_token), times in ms from arrival."""
+        events = self.raw_timeline(rid)
+        if events is None:
+            return None
+        t0, out, first_by = events[0][2], [], None
+        for event, worker, t in events:
+            name = _STAGES.get(event, event)
+            if event == "first_token":
+                first_by = first_by or worker
+                name = "first_token" if worker == first_by else "decode_first_token"
+            out.append({"event": name, "worker": worker, "t_ms": round((t - t0) * 1000, 3)})
+        return out
