@@ -129,9 +129,6 @@ class LocalCluster:
         )  # fmt: skip
         await self.core.start(timeout_s=STARTUP_TIMEOUT_S)
 
-    def pool(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.role == role]
-
     def _engine_args(self, role: str) -> dict[str, Any]:
         return {
             "model": self.model,
