@@ -98,7 +98,8 @@ def test_abandoning_a_stream_aborts_it_everywhere(workers) -> None:  # type: ign
 
     table, timeline = asyncio.run(_with_core(workers, run))
     assert all(r["kv_blocks_used"] == 0 and r["running"] == 0 for r in table)
-    assert timeline[-1]["event"] == "aborted"
+    # the router ends it at once; a worker may still report a stage it finished meanwhile
+    assert "aborted" in [e["event"] for e in timeline]
 
 
 def test_retry_resumes_after_streamed_tokens_without_duplicates(workers, reference) -> None:  # type: ignore[no-untyped-def]
