@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from pdserve.bench import transfer_bench as tb
+from pdserve.bench import transfer_report as tr
 
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K,V x 2 layers x 2 KV heads x head_dim 16 x fp32
 
@@ -91,7 +92,7 @@ def test_throughput_rows(throughput_run: dict[str, Any]) -> None:
             assert r["wire_bytes"] < r["raw_bytes"] and r["ratio"] is None
         assert r["baseline"] == {"tcp": "tcp socket", "shm": "memcpy x2"}[r["transport"]]
         stages = r["stages"]
-        assert set(stages) == {key for key, _ in tb._STAGES}
+        assert set(stages) == {key for key, _ in tr._STAGES}
         assert all(v >= 0 for v in stages.values()), stages
         assert stages["total_s"] == pytest.approx(r["seconds"])
         assert stages["last_frame_s"] <= stages["total_s"]
@@ -129,7 +130,7 @@ def test_ttft_breakdown_fields(ttft_run: dict[str, Any]) -> None:
     ]
     for r in rows:
         assert r["errors"] == [] and len(r["samples"]) == 1
-        assert set(r["medians"]) == set(tb.BREAKDOWN)
+        assert set(r["medians"]) == set(tr.BREAKDOWN)
         assert all(v >= 0 for v in r["medians"].values()), r["medians"]
         assert r["exposed_pct"] is not None and r["exposed_pct"] >= 0
         assert r["transfer_s"] is not None and r["kv_bytes"] > 32 * TINY_BYTES_PER_TOKEN
