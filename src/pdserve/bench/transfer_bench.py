@@ -47,7 +47,6 @@ import datetime
 import os
 import socket
 import statistics
-import struct
 import sys
 import zlib
 from collections.abc import Callable, Sequence
@@ -68,7 +67,22 @@ from pdserve.bench.transfer_link import (
     run_throughput,
 )
 from pdserve.bench.transfer_report import (
+    _BASELINE_OF,
+    _OP_DATA,
+    _OP_SETUP,
+    _OP_STOP,
+    _SOCK_HEAD,
     BREAKDOWN,
+    CODEC_NAMES,
+    CRC_MB,
+    DEFAULT_OUTPUT,
+    SEED,
+    TARGET_EXPOSED,
+    TARGET_EXPOSED_LEN,
+    TARGET_RATIO,
+    TRANSPORT_NAMES,
+    TTFT_DEADLINE_S,
+    TTFT_MAX_TOKENS,
     BaselineRow,
     CodecRow,
     Layout,
@@ -87,26 +101,6 @@ if TYPE_CHECKING:
 
     from pdserve.cluster import LocalCluster
     from pdserve.engine.outputs import RequestOutput
-
-DEFAULT_OUTPUT = Path("docs/benchmarks/transfer.md")
-TRANSPORT_NAMES = ("tcp", "ipc", "shm", "inproc")
-CODEC_NAMES = ("none", "int8", "int4")
-BLOCK_SIZE = 16  # the receiver's paged cache: slots of shuffled 16-token blocks
-SHM_MB = 512  # the shm ring, as a worker's default --shm-mb
-SEED = 0
-ACK_TIMEOUT_S = 300.0
-CRC_MB = 64
-NOISY_SPREAD = 1.3
-TTFT_MAX_TOKENS = 4
-TTFT_DEADLINE_S = 120.0  # a non-streaming hand-off is silent for the whole prefill
-
-TARGET_RATIO = 0.70  # transport >= 70% of its raw baseline, codec none
-TARGET_EXPOSED = 0.10  # exposed transfer <= 10% of TTFT ...
-TARGET_EXPOSED_LEN = 2048  # ... at this prompt length, with streaming
-
-_OP_SETUP, _OP_DATA, _OP_STOP = 1, 2, 3
-_SOCK_HEAD = struct.Struct("<QQ")
-_BASELINE_OF = {"tcp": "tcp socket", "ipc": "unix socket", "shm": "memcpy x2", "inproc": "copy"}
 
 
 # --------------------------------------------------------------------------- arguments

@@ -8,17 +8,22 @@ import contextlib
 import os
 import socket
 import statistics
-import struct
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.transfer_report import (
+    _OP_SETUP,
+    _OP_STOP,
+    _SOCK_HEAD,
+    ACK_TIMEOUT_S,
+    BLOCK_SIZE,
+    SEED,
+    SHM_MB,
     Layout,
     ThroughputRow,
 )
@@ -26,27 +31,6 @@ from pdserve.bench.transfer_report import (
 if TYPE_CHECKING:
     import torch
     import zmq
-
-
-DEFAULT_OUTPUT = Path("docs/benchmarks/transfer.md")
-TRANSPORT_NAMES = ("tcp", "ipc", "shm", "inproc")
-CODEC_NAMES = ("none", "int8", "int4")
-BLOCK_SIZE = 16  # the receiver's paged cache: slots of shuffled 16-token blocks
-SHM_MB = 512  # the shm ring, as a worker's default --shm-mb
-SEED = 0
-ACK_TIMEOUT_S = 300.0
-CRC_MB = 64
-NOISY_SPREAD = 1.3
-TTFT_MAX_TOKENS = 4
-TTFT_DEADLINE_S = 120.0  # a non-streaming hand-off is silent for the whole prefill
-
-TARGET_RATIO = 0.70  # transport >= 70% of its raw baseline, codec none
-TARGET_EXPOSED = 0.10  # exposed transfer <= 10% of TTFT ...
-TARGET_EXPOSED_LEN = 2048  # ... at this prompt length, with streaming
-
-_OP_SETUP, _OP_DATA, _OP_STOP = 1, 2, 3
-_SOCK_HEAD = struct.Struct("<QQ")
-_BASELINE_OF = {"tcp": "tcp socket", "ipc": "unix socket", "shm": "memcpy x2", "inproc": "copy"}
 
 
 # --------------------------------------------------------------------------- helpers

@@ -9,13 +9,11 @@ import struct
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.bench import common
 
-if TYPE_CHECKING:
-    pass
-
+# Shared by transfer_bench, transfer_link and this module.
 DEFAULT_OUTPUT = Path("docs/benchmarks/transfer.md")
 TRANSPORT_NAMES = ("tcp", "ipc", "shm", "inproc")
 CODEC_NAMES = ("none", "int8", "int4")
