@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve demo test test-fast lint format bench clean
+.PHONY: setup serve demo test test-fast lint format bench bench-peers bench-compare clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,26 @@ format: setup
 
 bench: setup
 	$(VENV)/bin/pdserve bench engine --output docs/benchmarks/engine.md
+
+# The peer servers of `pdserve bench compare`, never needed by `make test`: llama.cpp's server
+# compiles llama.cpp (about 7-8 minutes on two cores); transformers serve comes with transformers.
+PEERS_STAMP := $(VENV)/.peers-stamp
+LLAMA_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512=ON)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(LLAMA_AVX512)
+bench-peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(STAMP)
+	# GGML_NATIVE would use AMX where the CPU has it, which some VMs' kernels do not enable
+	# (the first forward pass dies with SIGILL): name the instruction sets instead.
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		$(PY) -m pip install -q 'llama-cpp-python[server]==0.3.36'
+	touch $(PEERS_STAMP)
+
+# The committed knowledge-base QA comparison (docs/benchmarks/compare/): about 40 minutes here.
+bench-compare: bench-peers
+	$(VENV)/bin/pdserve bench compare --workload rag $(COMPARE_ARGS) \
+		--output-dir docs/benchmarks/compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_bench.add_arguments(transfer)
     load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
     serve_bench.add_arguments(load)
+    from pdserve.bench import compare
+
+    cmp = bench_sub.add_parser(
+        "compare",
+        help="one workload against pdserve colocated, 1P1D and peer servers: goodput, plots",
+        description=compare.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_arguments(cmp)
     return parser
 
 
@@ -141,8 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import codec_bench, engine_bench, serve_bench, transfer_bench
+            from pdserve.bench import (
+                codec_bench,
+                compare,
+                engine_bench,
+                serve_bench,
+                transfer_bench,
+            )
 
+            if args.bench_command == "compare":
+                return compare.run(args, argv if argv is not None else sys.argv[1:])
             runners = {
                 "engine": engine_bench.run,
                 "codec": codec_bench.run,

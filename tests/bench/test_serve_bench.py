@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -286,3 +287,58 @@ def test_arrival_gaps_mean_and_inf() -> None:
     bursty = sb.arrival_gaps(10.0, 0.25, 4000, seed=0)
     assert sum(bursty) / len(bursty) == pytest.approx(0.1, rel=0.2)
     assert sb.arrival_gaps(float("inf"), 1.0, 3, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_arrival_gaps_spread_follows_burstiness() -> None:
+    # gamma(shape k): coefficient of variation 1/sqrt(k): Poisson 1, k=0.25 -> 2, k=4 -> 0.5
+    for k, cv in ((1.0, 1.0), (0.25, 2.0), (4.0, 0.5)):
+        gaps = np.asarray(sb.arrival_gaps(5.0, k, 20000, seed=3))
+        assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08), k
+
+
+def _rec(i: int, ttft: float | None, tpot: float | None, out: int = 5, error: str | None = None):  # type: ignore[no-untyped-def]
+    e2e = None if ttft is None else ttft + (tpot or 0.0) * (out - 1)
+    itl = [tpot] * (out - 1) if tpot else []
+    return sb.RequestRecord(
+        i, i, 0, 10, out, send_s=0.1 * i, output_tokens=out if error is None else 0,
+        ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e, error=error, itl_ms=itl,
+    )  # fmt: skip
+
+
+def test_summarize_known_answers() -> None:
+    records = [
+        _rec(0, 100.0, 10.0),
+        _rec(1, 200.0, 20.0),
+        _rec(2, 300.0, 30.0),
+        _rec(3, 400.0, 40.0),
+        _rec(4, None, None, error="HTTP 503: busy"),
+    ]
+    args = _args("http://x", "--rate", "1", "--num-requests", "5", "--slo-ttft", "0.25",
+                 "--slo-tpot", "0.025")  # fmt: skip
+    res = sb.summarize(args, MODEL, "synthetic", records, duration=2.0)
+    assert res["completed"] == 4 and res["failed"] == 1 and res["errors"] == ["HTTP 503: busy"]
+    assert res["ttft_ms"] == {"mean": 250.0, "p50": 250.0, "p90": 370.0, "p99": 397.0}
+    assert res["tpot_ms"]["mean"] == 25.0 and res["tpot_ms"]["p50"] == 25.0
+    assert res["itl_ms"]["mean"] == pytest.approx(25.0)  # 4 gaps of each request, pooled
+    assert res["e2e_ms"]["p50"] == pytest.approx(350.0)  # e2e 140, 280, 420, 560
+    # good: ttft <= 250 ms and tpot <= 25 ms -> requests 0 and 1
+    assert res["good"] == 2 and res["goodput"] == 1.0 and res["good_fraction"] == 2 / 5
+    assert res["request_throughput"] == 2.0 and res["output_throughput"] == 10.0
+
+
+def test_backends_ask_for_exact_lengths_in_their_dialect() -> None:
+    item = RequestItem([5, 6, 7], 9, 0, text="<|im_start|>user\nhi<|im_end|>\n")
+    for backend, check in (
+        ("pdserve", lambda p: p["ignore_eos"] is True),
+        ("llama-cpp", lambda p: p["min_tokens"] == 9 and "ignore_eos" not in p),
+        ("transformers", lambda p: json.loads(p["generation_config"]) ==
+         {"max_new_tokens": 9, "min_new_tokens": 9, "do_sample": False}),
+    ):  # fmt: skip
+        args = _args("http://x", "--rate", "1", "--num-requests", "1", "--backend", backend)
+        payload = sb._payload(args, MODEL, item)
+        assert check(payload), backend
+        assert payload["prompt"] == item.text and payload["max_tokens"] == 9
+    args = _args("http://x", "--rate", "1", "--num-requests", "1", "--no-ignore-eos")
+    payload = sb._payload(args, MODEL, RequestItem([5, 6], 3, 0))
+    assert payload["prompt"] == [5, 6] and "ignore_eos" not in payload

@@ -1,7 +1,8 @@
 """`pdserve bench serve`: an async load generator for any OpenAI-compatible server.
 
 Sends `--num-requests` streamed `POST {url}/v1/completions` requests (prompt as token ids, or
-words with `--prompt-format text`; `temperature: 0`, `ignore_eos: true` unless `--no-ignore-eos`,
+words with `--prompt-format text`, or the workload's own text for `rag`; `temperature: 0`; exactly
+`max_tokens` tokens unless `--no-ignore-eos`, asked for in the dialect of `--backend`;
 `stream_options.include_usage`), either at `--rate` requests/s with gamma inter-arrival times
 (shape `--burstiness`, mean 1/rate; burstiness 1 is Poisson; `--rate inf` sends all at once) or
 with at most `--concurrency` requests in flight. Turns of one multi-turn conversation are sent in
@@ -31,7 +32,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,10 @@ class RequestRecord:
     id: int
     conversation: int
     turn: int
-    prompt_len: int  # ids sent (or words, with --prompt-format text)
+    prompt_len: int  # ids sent (words with --prompt-format text; rag: tokens of its text)
     max_tokens: int
     send_s: float = 0.0  # send time, from the start of the run
+    response_id: str | None = None  # the server's id of the completion (pdserve: its timeline)
     prompt_tokens: int | None = None  # from usage, when the server reports it
     output_tokens: int = 0
     ttft_ms: float | None = None
@@ -129,7 +131,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-format",
         choices=("ids", "text"),
         default="ids",
-        help="ids: prompt as a list of token ids; text: one word per id",
+        help="ids: prompt as a list of token ids; text: one word per id (rag always sends text)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="openai",
+        help="how --ignore-eos is asked for: openai/pdserve/vllm: ignore_eos; llama-cpp: "
+        "min_tokens; transformers: a generation_config with min_new_tokens",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF folder or .gguf whose tokenizer sizes rag prompts (default: the default model)",
     )
     parser.add_argument(
         "--timeout", type=_positive_float, default=600.0, help="per-request timeout, s"
@@ -144,17 +158,49 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _exact_length_ignore_eos(payload: dict[str, Any], n: int) -> None:
+    payload["ignore_eos"] = True
+
+
+def _exact_length_min_tokens(payload: dict[str, Any], n: int) -> None:
+    payload["min_tokens"] = n  # llama-cpp-python: EOS is masked until n tokens
+
+
+def _exact_length_generation_config(payload: dict[str, Any], n: int) -> None:
+    # `transformers serve` answers 422 to unknown fields; its own knob is a GenerationConfig
+    # (which replaces the model's defaults: so greedy and the length are spelled out here)
+    cfg = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    payload["generation_config"] = json.dumps(cfg)
+
+
+# --backend -> how a request asks for exactly max_tokens tokens (EOS ignored), so every server
+# generates the same number of tokens for the same item
+BACKENDS: dict[str, Callable[[dict[str, Any], int], None]] = {
+    "openai": _exact_length_ignore_eos,
+    "pdserve": _exact_length_ignore_eos,
+    "vllm": _exact_length_ignore_eos,
+    "llama-cpp": _exact_length_min_tokens,
+    "transformers": _exact_length_generation_config,
+}
+
+
+def _prompt(args: argparse.Namespace, item: RequestItem) -> str | list[int]:
+    if item.text is not None:
+        return item.text
+    return ids_to_text(item.prompt) if args.prompt_format == "text" else item.prompt
+
+
 def _payload(args: argparse.Namespace, model: str, item: RequestItem) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model,
-        "prompt": ids_to_text(item.prompt) if args.prompt_format == "text" else item.prompt,
+        "prompt": _prompt(args, item),
         "max_tokens": item.max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if args.ignore_eos:
-        payload["ignore_eos"] = True
+        BACKENDS[getattr(args, "backend", "openai")](payload, item.max_tokens)
     return payload
 
 
@@ -205,6 +251,8 @@ async def send_request(
                 if err is not None:
                     rec.error = err
                     return
+                if rec.response_id is None and isinstance(obj.get("id"), str):
+                    rec.response_id = obj["id"]
                 choices = obj.get("choices") or []
                 if choices and choices[0].get("text"):
                     if first is None:
@@ -383,6 +431,7 @@ def summarize(
             "slo_tpot_s": args.slo_tpot,
             "prompt_format": args.prompt_format,
             "ignore_eos": args.ignore_eos,
+            "backend": getattr(args, "backend", "openai"),
         },
         "completed": len(done),
         "failed": failed,

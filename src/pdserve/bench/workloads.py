@@ -3,13 +3,16 @@
 A workload is an iterable of `RequestItem`s: a prompt (token ids) and the number of tokens to
 generate, plus the conversation it belongs to and its turn. The load generator sends the turns of
 one conversation in order (turn t waits for turn t-1 to finish) and interleaves conversations;
-items of different conversations are independent. Every workload is seeded and needs no
-tokenizer: prompts are random token ids in [`ID_LOW`, `ID_HIGH`), sent as ids or, for servers
-that reject token-id prompts, as one word per id (`ids_to_text`).
+items of different conversations are independent. Every workload is seeded. `synthetic` and
+`multiturn` need no tokenizer: prompts are random token ids in [`ID_LOW`, `ID_HIGH`), sent as ids
+or, for servers that reject token-id prompts, as one word per id (`ids_to_text`). `rag`
+(`pdserve.bench.rag`: questions about Python, each with BM25-retrieved passages of the language
+reference filling the prompt to its target length) has real text, rendered with a tokenizer's
+chat template and sent as `RequestItem.text`.
 
-Adding a workload (e.g. a later `rag`: a few long shared documents + short questions): write a
-class with `name` and `__iter__` yielding `RequestItem`s, and register a factory in `WORKLOADS`
-(its `add_arguments`, if any, goes into `serve_bench.add_arguments`).
+Adding a workload: write a class with `name` and `__iter__` yielding `RequestItem`s, and register
+a factory in `WORKLOADS` (its `add_arguments`, if any, goes into `serve_bench.add_arguments`);
+import anything heavy inside the factory, so that importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class RequestItem:
     max_tokens: int
     conversation: int  # items of one conversation are sent in order, one at a time
     turn: int = 0
+    # the prompt as text, when the workload has real text (rag): sent instead of `prompt`, which
+    # then holds its token ids under the workload's tokenizer (for lengths and reports)
+    text: str | None = None
 
 
 @runtime_checkable
@@ -140,10 +146,29 @@ def _multiturn(args: argparse.Namespace) -> Workload:
     )
 
 
-# name -> factory from the parsed `bench serve` flags. Extension point: "rag": _rag, ...
+def _rag(args: argparse.Namespace) -> Workload:
+    # lazy: the tokenizer, bm25s and the knowledge base are only needed for this workload
+    from pdserve.bench.rag import RagWorkload
+    from pdserve.engine.loader import load_tokenizer, resolve_model
+
+    # the tokenizer whose chat template renders the prompts and whose ids measure them: the
+    # served model's (`--tokenizer`), else the default model's
+    tokenizer = load_tokenizer(resolve_model(getattr(args, "tokenizer", None)))
+    return RagWorkload(
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        args.len_spread,
+        args.seed,
+        tokenizer,
+    )
+
+
+# name -> factory from the parsed `bench serve` flags
 WORKLOADS: dict[str, Callable[[argparse.Namespace], Workload]] = {
     "synthetic": _synthetic,
     "multiturn": _multiturn,
+    "rag": _rag,
 }
 
 

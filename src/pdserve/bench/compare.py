@@ -1,0 +1,503 @@
+"""`pdserve bench compare`: one workload against several deployments on one machine, side by side.
+
+Systems (`--systems`, comma-separated, in this order):
+  * pdserve-colocated: `pdserve serve --colocated 1`, all `--cores` threads in its one worker;
+  * pdserve-1p1d:      `pdserve serve --prefill 1 --decode 1`, `--cores / 2` threads each;
+  * transformers:      `transformers serve --continuous-batching` on the same weights, saved as a
+                       HF folder (it cannot serve the GGUF file itself: made once, `--hf-model`);
+  * llama-cpp:         llama-cpp-python's server on the same GGUF file, `--cores` threads,
+                       `--interrupt_requests False` (else each new request cancels the running one).
+                       Built by `make bench-peers`; reported as skipped when not installed.
+
+Every phase runs on a freshly started server, one server at a time (each gets the whole machine,
+and no phase profits from a prefix cache warmed by another): first the unloaded phase (requests
+one at a time), then one phase per `--rates` point. Each server gets one short warm-up request
+before it is measured. pdserve's per-request timelines (GET /v1/requests/{id}/timeline) are
+fetched after each phase, for the queue/prefill/transfer/decode breakdown.
+
+SLOs are `--slo-ttft`/`--slo-tpot` when given; otherwise derived after all phases from the
+unloaded phases of `--slo-reference` (default: both pdserve forms): TTFT SLO =
+`--slo-ttft-factor` (3) x the slower median unloaded TTFT, TPOT SLO = `--slo-tpot-factor` (1.5)
+x the slower median unloaded TPOT. So every reference system meets the SLOs when idle, and
+what they measure is how each system holds up under load. Goodput is then recomputed for every
+phase from the per-request records, so all systems are judged by the same SLOs.
+
+Writes `results.json` (every phase, every request), `report.md` (table, SLOs, ratios, command)
+and three PNG plots under `--output-dir` (see `compare_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pdserve.bench import serve_bench
+
+DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers", "llama-cpp")
+DEFAULT_HF_EXPORT = Path(".cache/pdserve/smollm2-135m-instruct-hf")
+WARMUP_TOKENS = 4
+WORKLOAD_KEYS = ("workload", "input_len", "output_len", "len_spread", "seed", "num_requests")
+
+
+# ---------------------------------------------------------------------------- systems
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    backend: str  # `bench serve --backend`: how the server is asked for an exact length
+    command: Callable[[argparse.Namespace, int], list[str]]
+    missing: Callable[[argparse.Namespace], str | None]  # why it can't run here, or None
+    timelines: bool = False  # serves GET /v1/requests/{id}/timeline (pdserve)
+    env: Callable[[argparse.Namespace], dict[str, str]] | None = None
+
+
+def _pdserve_bin() -> str:
+    return str(Path(sys.executable).with_name("pdserve"))
+
+
+def _model_args(args: argparse.Namespace) -> list[str]:
+    return [str(args.model)] if args.model else []
+
+
+def _pdserve_colocated(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        _pdserve_bin(), "serve", *_model_args(args), "--colocated", "1",
+        "--threads", str(args.cores), "--host", "127.0.0.1", "--port", str(port),
+        *shlex.split(args.pdserve_args),
+    ]  # fmt: skip
+
+
+def _pdserve_1p1d(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        _pdserve_bin(), "serve", *_model_args(args), "--prefill", "1", "--decode", "1",
+        "--threads", str(max(1, args.cores // 2)), "--host", "127.0.0.1", "--port", str(port),
+        *shlex.split(args.pdserve_args),
+    ]  # fmt: skip
+
+
+def _transformers(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        str(Path(sys.executable).with_name("transformers")), "serve", str(args.hf_model.resolve()),
+        "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+
+
+def _threads_env(args: argparse.Namespace) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
+
+
+def _llama_cpp(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(_gguf_path(args)),
+        "--n_threads", str(args.cores), "--n_threads_batch", str(args.cores),
+        "--n_ctx", str(args.n_ctx), "--interrupt_requests", "False",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+
+
+def _gguf_path(args: argparse.Namespace) -> Path:
+    from pdserve.engine.loader import resolve_model
+
+    src = resolve_model(args.model)
+    if src.kind != "gguf":
+        raise ValueError("llama-cpp needs a .gguf model; pass --model FILE.gguf")
+    return src.path
+
+
+def _missing_module(module: str, hint: str) -> Callable[[argparse.Namespace], str | None]:
+    def check(args: argparse.Namespace) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed ({hint})"
+        return None
+
+    return check
+
+
+def _nothing_missing(args: argparse.Namespace) -> str | None:
+    return None
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("pdserve-colocated", "pdserve", _pdserve_colocated, _nothing_missing, True),
+        System("pdserve-1p1d", "pdserve", _pdserve_1p1d, _nothing_missing, True),
+        System(
+            "transformers",
+            "transformers",
+            _transformers,
+            _missing_module("openai", "transformers serve needs it: pip install openai"),
+            env=_threads_env,
+        ),
+        System(
+            "llama-cpp",
+            "llama-cpp",
+            _llama_cpp,
+            _missing_module("llama_cpp", "run `make bench-peers`"),
+        ),
+    )
+}
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _log_tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def running_server(system: System, args: argparse.Namespace, log_path: Path) -> Iterator[str]:
+    """Start `system` on a free port, yield its base URL once /v1/models answers, stop it."""
+    port = free_port()
+    cmd = system.command(args, port)
+    env = dict(os.environ, **(system.env(args) if system.env else {}))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _await_ready(proc, url, args.startup_timeout, log_path)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _await_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{_log_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout:g}s:\n{_log_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def export_hf_folder(dest: Path, model: str | None) -> Path:
+    """Save the (dequantized) GGUF model as a HF folder for `transformers serve`; once."""
+    if (dest / "config.json").is_file():
+        return dest
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.engine.loader import resolve_model
+
+    src = resolve_model(model)
+    if src.kind != "gguf":
+        return src.path  # already a HF folder
+    folder, name = str(src.path.parent), src.path.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    # transformers refuses to save a model it loaded from GGUF; the weights are plain float32
+    # after dequantization, so a fresh model from the same config takes them unchanged
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def bench_args(args: argparse.Namespace, system: System, url: str, **load: Any) -> Any:
+    """`bench serve` flags for one phase, through its own parser (same defaults and checks)."""
+    parser = argparse.ArgumentParser()
+    serve_bench.add_arguments(parser)
+    argv = [
+        "--url", url, "--workload", args.workload, "--num-requests", str(load["num_requests"]),
+        "--input-len", str(args.input_len), "--output-len", str(load.get("output_len",
+        args.output_len)), "--len-spread", str(args.len_spread), "--seed", str(load["seed"]),
+        "--backend", system.backend, "--timeout", str(args.timeout), "--no-progress",
+    ]  # fmt: skip
+    argv += ["--rate", str(load["rate"])] if "rate" in load else ["--concurrency", "1"]
+    # text prompts for every system: the peers take no token-id prompts, and the same text
+    # becomes the same tokens on every server (one tokenizer)
+    argv += ["--prompt-format", "text"]
+    if args.tokenizer:
+        argv += ["--tokenizer", args.tokenizer]
+    return parser.parse_args(argv)
+
+
+async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> None:
+    """Attach pdserve's timeline events to each completed record (by the response id)."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for rec in records:
+            rid = rec.get("response_id")
+            if rec.get("error") is not None or not rid:
+                continue
+            resp = await client.get(f"{url}/v1/requests/{rid}/timeline")
+            if resp.status_code == 200:
+                rec["timeline"] = resp.json()["events"]
+
+
+def warm_up(system: System, args: argparse.Namespace, url: str) -> None:
+    ns = bench_args(
+        args, system, url, num_requests=1, seed=args.seed + 999, output_len=WARMUP_TOKENS
+    )
+    res = asyncio.run(serve_bench.run_benchmark(ns))
+    if not res["completed"]:
+        raise RuntimeError(f"{system.name}: warm-up request failed: {res['errors']}")
+
+
+def run_phase(system: System, args: argparse.Namespace, label: str, **load: Any) -> dict[str, Any]:
+    log = args.output_dir / "logs" / f"{system.name}.log"
+    with running_server(system, args, log) as url:
+        warm_up(system, args, url)
+        ns = bench_args(args, system, url, **load)
+        res = asyncio.run(serve_bench.run_benchmark(ns))
+        if system.timelines:
+            asyncio.run(fetch_timelines(url, res["requests"]))
+    res["phase"] = label
+    _print_phase(system.name, res)
+    return res
+
+
+def _print_phase(name: str, res: dict[str, Any]) -> None:
+    ttft, tpot = res["ttft_ms"], res["tpot_ms"]
+    print(
+        f"  {name:<18} {res['phase']:<10} done {res['completed']}/{res['config']['num_requests']}"
+        f"  TTFT p50 {serve_bench._fmt(ttft['p50'])} ms  TPOT p50 {serve_bench._fmt(tpot['p50'])}"
+        f" ms  {res['duration_s']:.1f} s",
+        flush=True,
+    )
+
+
+def run_system(system: System, args: argparse.Namespace) -> dict[str, Any]:
+    why = system.missing(args)
+    if why is not None:
+        print(f"  {system.name}: skipped: {why}", flush=True)
+        return {"name": system.name, "skipped": why}
+    out: dict[str, Any] = {"name": system.name, "command": system.command(args, 0)}
+    try:
+        out["unloaded"] = run_phase(
+            system, args, "unloaded", num_requests=args.unloaded_requests, seed=args.seed + 1
+        )
+        out["rates"] = [
+            run_phase(
+                system, args, f"rate {r:g}", num_requests=args.num_requests, seed=args.seed, rate=r
+            )
+            for r in args.rates
+        ]
+    except RuntimeError as e:  # a server that cannot start or serve is reported, not fatal
+        print(f"  {system.name}: failed: {e}", flush=True)
+        out["failed"] = str(e)
+    return out
+
+
+# ---------------------------------------------------------------------------- SLOs, goodput
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def _unloaded_medians(system: dict[str, Any]) -> tuple[float, float] | None:
+    reqs = system.get("unloaded", {}).get("requests", [])
+    ttft = _median([r["ttft_ms"] for r in reqs])
+    tpot = _median([r["tpot_ms"] for r in reqs])
+    return None if ttft is None or tpot is None else (ttft, tpot)
+
+
+def derive_slos(
+    args: argparse.Namespace, systems: list[dict[str, Any]]
+) -> tuple[float, float, str]:
+    """(TTFT SLO s, TPOT SLO s, how they were chosen).
+
+    Derived SLOs take, per metric, the slowest median unloaded latency among the reference
+    systems, times its factor: each reference system meets them when idle, so what they
+    measure is how a system holds up under load, not which one is fastest alone."""
+    if args.slo_ttft is not None and args.slo_tpot is not None:
+        return args.slo_ttft, args.slo_tpot, "given on the command line"
+    names = [n.strip() for n in args.slo_reference.split(",") if n.strip()]
+    medians = {s["name"]: _unloaded_medians(s) for s in systems if s["name"] in names}
+    missing = [n for n in names if medians.get(n) is None]
+    if missing or not names:
+        raise ValueError(f"--slo-reference: no unloaded latencies for {missing or names}")
+    ttft_ref = max(names, key=lambda n: medians[n][0])  # type: ignore[index]
+    tpot_ref = max(names, key=lambda n: medians[n][1])  # type: ignore[index]
+    ttft, tpot = medians[ttft_ref][0], medians[tpot_ref][1]  # type: ignore[index]
+    how = (
+        f"{args.slo_ttft_factor:g} x the median unloaded TTFT of {ttft_ref} ({ttft:.0f} ms) and "
+        f"{args.slo_tpot_factor:g} x the median unloaded TPOT of {tpot_ref} ({tpot:.1f} ms), "
+        f"the slower of {', '.join(names)} in each"
+    )
+    slo_ttft = args.slo_ttft or args.slo_ttft_factor * ttft / 1e3
+    slo_tpot = args.slo_tpot or args.slo_tpot_factor * tpot / 1e3
+    return slo_ttft, slo_tpot, how
+
+
+def apply_slos(res: dict[str, Any], slo_ttft: float, slo_tpot: float) -> None:
+    """Recompute `good`, `goodput` and `good_fraction` of a phase under the given SLOs."""
+    good = 0
+    for r in res["requests"]:
+        ok = r.get("error") is None and r.get("ttft_ms") is not None
+        ok = ok and r["ttft_ms"] <= slo_ttft * 1e3
+        ok = ok and (r.get("tpot_ms") is None or r["tpot_ms"] <= slo_tpot * 1e3)
+        good += ok
+    n = len(res["requests"])
+    res["good"] = good
+    res["goodput"] = good / max(res["duration_s"], 1e-9)
+    res["good_fraction"] = good / n if n else 0.0
+    res["config"]["slo_ttft_s"], res["config"]["slo_tpot_s"] = slo_ttft, slo_tpot
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates must be numbers, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return rates
+
+
+def _systems(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; known: {sorted(SYSTEMS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pos_int, pos_float = serve_bench._positive_int, serve_bench._positive_float
+    parser.add_argument("--systems", type=_systems, default=list(DEFAULT_SYSTEMS))
+    parser.add_argument("--workload", choices=sorted(serve_bench.WORKLOADS), default="rag")
+    parser.add_argument("--rates", type=_rates, required=True, help="requests/s, e.g. 0.1,0.2")
+    parser.add_argument("--num-requests", type=pos_int, required=True, help="per rate")
+    parser.add_argument("--unloaded-requests", type=pos_int, default=3)
+    parser.add_argument("--input-len", type=pos_int, default=1000)
+    parser.add_argument("--output-len", type=pos_int, default=128)
+    parser.add_argument("--len-spread", type=serve_bench._spread, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft", type=pos_float, default=None, help="s; default: derived")
+    parser.add_argument("--slo-tpot", type=pos_float, default=None, help="s; default: derived")
+    parser.add_argument(
+        "--slo-reference",
+        default="pdserve-colocated,pdserve-1p1d",
+        help="systems whose unloaded latencies set derived SLOs (the slower, per metric)",
+    )
+    parser.add_argument("--slo-ttft-factor", type=pos_float, default=3.0)
+    parser.add_argument("--slo-tpot-factor", type=pos_float, default=1.5)
+    parser.add_argument("--cores", type=pos_int, default=os.cpu_count() or 1)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2")
+    parser.add_argument("--tokenizer", default=None, help="for rag prompts; default: the model's")
+    parser.add_argument(
+        "--hf-model",
+        type=Path,
+        default=DEFAULT_HF_EXPORT,
+        help="HF folder for transformers serve; exported from --model if absent",
+    )
+    parser.add_argument("--pdserve-args", default="", help="extra flags for `pdserve serve`")
+    parser.add_argument("--n-ctx", type=pos_int, default=4096, help="llama.cpp context size")
+    parser.add_argument("--startup-timeout", type=pos_float, default=300.0)
+    parser.add_argument("--timeout", type=pos_float, default=600.0, help="per request, s")
+    parser.add_argument("--output-dir", type=Path, required=True)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    from pdserve.bench import compare_report
+
+    if args.tokenizer is None and args.model is not None:
+        args.tokenizer = str(args.model)
+    if "transformers" in args.systems:
+        args.hf_model = export_hf_folder(args.hf_model, args.model)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    systems = []
+    for name in args.systems:
+        print(f"{name}:", flush=True)
+        systems.append(run_system(SYSTEMS[name], args))
+    slo_ttft, slo_tpot, how = derive_slos(args, systems)
+    for s in systems:
+        for res in [s.get("unloaded"), *s.get("rates", [])]:
+            if res is not None:
+                apply_slos(res, slo_ttft, slo_tpot)
+    command = "pdserve " + shlex.join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "command": command,
+        "machine": machine(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t0)),
+        "wall_s": time.time() - t0,
+        "workload": {
+            k: getattr(args, k)
+            for k in ("workload", "input_len", "output_len", "len_spread", "seed", "num_requests")
+        },
+        "rates": args.rates,
+        "cores": args.cores,
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "how": how},
+        "systems": systems,
+    }
+    (args.output_dir / "results.json").write_text(
+        json.dumps(serve_bench._json_safe(result), indent=1) + "\n"
+    )
+    report = compare_report.write_report(result, args.output_dir)
+    print(report)
+    return 0 if any("rates" in s for s in systems) else 1
