@@ -61,6 +61,7 @@ $(PEERS_STAMP): $(STAMP)
 	touch $(PEERS_STAMP)
 
 # The committed knowledge-base QA comparison (docs/benchmarks/compare/): about 40 minutes here.
+COMPARE_ARGS ?= --rates 0.1,0.2,0.3,0.4 --num-requests 16 --input-len 1000 --output-len 128
 bench-compare: bench-peers
 	$(VENV)/bin/pdserve bench compare --workload rag $(COMPARE_ARGS) \
 		--output-dir docs/benchmarks/compare

@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | router | worker | generate | demo | bench.
+"""`pdserve` command line: serve | router | worker | generate | demo | chaos | bench.
 
 Engine flags are generated from the config dataclasses (`pdserve.config`), so every engine
 argument of `LLM(**engine_args)` is also a flag with the same name and help.
@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker_arguments(worker)
     _engine_args(worker)
+
+    from pdserve import chaos
+
+    chaos_p = sub.add_parser(
+        "chaos",
+        help="load a local cluster while killing/stalling/restarting workers; count losses",
+        description=chaos.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chaos.add_arguments(chaos_p)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -145,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.router import serve as serve_mod
 
             return (serve_mod.run_serve if args.command == "serve" else serve_mod.run_router)(args)
+        if args.command == "chaos":
+            from pdserve import chaos
+
+            return chaos.run(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +33,7 @@ from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from pdserve.engine.request import SamplingParams
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
 from pdserve.router.core import RequestError, RouterCore
+from pdserve.workers import auth
 from pdserve.workers import messages as m
 
 STARTUP_TIMEOUT_S = 180.0
@@ -40,6 +44,7 @@ class WorkerHandle:
     launched: Launched
     sock: zmq.Socket | None = None
     info: m.WorkerInfo | None = None
+    state: str = "up"  # "up" | "killed" | "stalled" (fault injection)
 
     @property
     def worker_id(self) -> str:
@@ -70,6 +75,7 @@ class LocalCluster:
         engine_args: dict[str, Any] | None = None,
         prefill_args: dict[str, Any] | None = None,
         decode_args: dict[str, Any] | None = None,
+        core_args: dict[str, Any] | None = None,
     ) -> None:
         if colocated == 0 and (prefill < 1 or decode < 1):
             raise ValueError("give at least one prefill and one decode worker, or colocated > 0")
@@ -80,6 +86,7 @@ class LocalCluster:
         self.handoff_tokens, self.deadline_s, self.lease_s = handoff_tokens, deadline_s, lease_s
         self.max_retries, self.shm_mb, self.stream_kv = max_retries, shm_mb, stream_kv
         self.engine_args = dict(engine_args or {})
+        self.core_args = dict(core_args or {})  # RouterCore options (liveness timeouts, ...)
         self.role_args = {
             "prefill": prefill_args or {},
             "decode": decode_args or {},
@@ -106,6 +113,8 @@ class LocalCluster:
         self.close()
 
     def start(self) -> None:
+        # the workers inherit $PDSERVE_SECRET; this process (the router core) tags with it too
+        m.set_key(auth.load_secret())
         self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.model))
         for role, count in self.counts.items():
             for i in range(count):
@@ -125,7 +134,7 @@ class LocalCluster:
         self.core = RouterCore(
             [w.launched.control for w in self.workers], deadline_s=self.deadline_s,
             max_retries=self.max_retries, handoff_tokens=self.handoff_tokens,
-            policy="round_robin", ctx=self.ctx, max_inflight=1 << 20,
+            policy="round_robin", ctx=self.ctx, max_inflight=1 << 20, **self.core_args,
         )  # fmt: skip
         await self.core.start(timeout_s=STARTUP_TIMEOUT_S)
 
@@ -170,6 +179,8 @@ class LocalCluster:
             self._loop.close()
             self._loop = None
         for w in self.workers:
+            if w.state == "stalled":
+                self.resume(w.worker_id)  # a stopped process would not hear Shutdown
             if w.sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     w.sock.send(m.encode(m.Shutdown()), zmq.NOBLOCK)
@@ -189,12 +200,29 @@ class LocalCluster:
     ) -> list[RequestOutput]:
         """Run prompts concurrently through the router core; a failed request comes back with
         finish_reason "error" and `error` set, never as an exception or a hang."""
+        return self.submit(prompts, params)[1].result(timeout=timeout_s)
+
+    def submit(
+        self,
+        prompts: Sequence[str | list[int]] | str,
+        params: SamplingParams | None = None,
+    ) -> tuple[list[str], concurrent.futures.Future[list[RequestOutput]]]:
+        """`generate` without waiting: the request ids and a future of the outputs."""
         params = params or SamplingParams()
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
-        jobs = [self._one(f"c{next(self._ids)}", p, params) for p in batch]
+        rids = [f"c{next(self._ids)}" for _ in batch]
+        jobs = [self._one(rid, p, params) for rid, p in zip(rids, batch, strict=True)]
         assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(_gather(jobs), self._loop)
-        return future.result(timeout=timeout_s)
+        return rids, asyncio.run_coroutine_threadsafe(_gather(jobs), self._loop)
+
+    def pair_of(self, rid: str) -> tuple[str, str | None] | None:
+        """Ids of the workers serving request `rid` now (P and D, or one worker and None)."""
+        assert self.core is not None
+        flight = self.core.flights.get(rid)
+        if flight is None or flight.pair is None:
+            return None
+        first, second = flight.pair
+        return first.worker_id, second.worker_id if second is not None else None
 
     async def _one(
         self, rid: str, prompt: str | list[int], params: SamplingParams
@@ -250,8 +278,11 @@ class LocalCluster:
 
     # ---- introspection and faults ------------------------------------------------------------
     def worker_stats(self) -> dict[str, dict[str, Any]]:
+        """Stats of every worker that is up (killed and stalled ones cannot answer)."""
         out = {}
         for w in self.workers:
+            if w.state != "up":
+                continue
             self._send(w, m.GetStats())
             msg = self._recv_until(w, m.Stats)
             out[w.worker_id] = msg.stats
@@ -269,8 +300,48 @@ class LocalCluster:
         w.sock.send(m.encode(msg))
 
     def set_fault(self, worker_id: str, mode: str, count: int = 1, delay_s: float = 0.0) -> None:
-        w = next(w for w in self.workers if w.worker_id == worker_id)
-        self._send(w, m.SetFault(mode, count, delay_s))
+        self._send(self._worker(worker_id), m.SetFault(mode, count, delay_s))
+
+    def _worker(self, worker_id: str) -> WorkerHandle:
+        for w in self.workers:
+            if w.worker_id == worker_id:
+                return w
+        raise ValueError(f"no worker {worker_id!r}; have {[w.worker_id for w in self.workers]}")
+
+    def _signal(self, worker_id: str, sig: signal.Signals, state: str) -> None:
+        w = self._worker(worker_id)
+        if w.launched.proc is None:
+            raise ValueError("kill/stall/resume need worker processes, not the inproc transport")
+        os.kill(w.launched.proc.pid, sig)
+        w.state = state
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL a worker: no goodbye, no cleanup, as when a host dies."""
+        self._signal(worker_id, signal.SIGKILL, "killed")
+
+    def stall(self, worker_id: str) -> None:
+        """SIGSTOP a worker: alive to the OS, silent to everyone (a hung host or process)."""
+        self._signal(worker_id, signal.SIGSTOP, "stalled")
+
+    def resume(self, worker_id: str) -> None:
+        self._signal(worker_id, signal.SIGCONT, "up")
+
+    def restart(self, worker_id: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Start a killed worker again on the same addresses; the router sees it rejoin."""
+        w = self._worker(worker_id)
+        if w.state != "killed":
+            raise ValueError(f"worker {worker_id} is {w.state}; only a killed one restarts")
+        if not w.launched.control.startswith("tcp://"):
+            raise ValueError("restart keeps a worker's tcp addresses: needs the tcp transport")
+        port = int(w.launched.control.rsplit(":", 1)[1])
+        kv_port = int(w.launched.kv.rsplit(":", 1)[1])
+        spec = dataclasses.replace(w.launched.spec, port=port, kv_port=kv_port)
+        if w.sock is not None:
+            w.sock.close(0)
+        launched = launch(spec, self.ctx)
+        await_ready(launched, time.monotonic() + timeout_s)
+        w.launched, w.state = launched, "up"
+        self._connect(w, time.monotonic() + timeout_s)
 
     def wait_idle(self, timeout_s: float = 15.0) -> dict[str, dict[str, Any]]:
         """Poll until every worker holds no KV and no transfer; returns the last stats."""

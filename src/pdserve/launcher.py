@@ -35,6 +35,8 @@ class WorkerSpec:
     stream_kv: bool = True
     host: str = "127.0.0.1"
     cpus: str | None = None
+    port: int = 0  # control port; 0 picks a free one (fixed: a restart keeps its address)
+    kv_port: int = 0
 
 
 @dataclass
@@ -55,6 +57,10 @@ def worker_command(spec: WorkerSpec) -> list[str]:
            "--stream-kv" if spec.stream_kv else "--no-stream-kv"]  # fmt: skip
     if spec.cpus:
         cmd += ["--cpus", spec.cpus]
+    if spec.port:
+        cmd += ["--port", str(spec.port)]
+    if spec.kv_port:
+        cmd += ["--kv-port", str(spec.kv_port)]
     for key, value in spec.engine_args.items():
         if value is None:
             continue

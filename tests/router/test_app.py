@@ -306,7 +306,10 @@ def test_models(client: TestClient) -> None:
 def test_health(client: TestClient, core: FakeCore) -> None:
     r = client.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    core.rows[1]["healthy"] = False  # no healthy decode worker
+    core.rows[1]["healthy"] = False  # no healthy decode worker: P serves whole requests
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "degraded"
+    core.rows[0]["healthy"] = False  # none at all
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_workers"
     core.rows = [dict(core.rows[0], role="colocated", healthy=True)]

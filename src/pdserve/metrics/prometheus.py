@@ -198,6 +198,18 @@ class Metrics:
             "Requests whose KV was recomputed instead of transferred.",
             registry=r,
         )
+        self.worker_down = Counter(
+            "pdserve_worker_down",
+            "Workers taken out of routing, by reason (no_heartbeat, stuck).",
+            ["reason"],
+            registry=r,
+        )
+        self.recoveries = Counter(
+            "pdserve_recoveries",
+            "Requests moved to other workers after a worker went down, by how (pair, local).",
+            ["how"],
+            registry=r,
+        )
         self.slo_violations = Counter(
             "pdserve_slo_violations",
             "Requests that missed a latency SLO, by kind (ttft, tpot).",
@@ -212,6 +224,10 @@ class Metrics:
             self.transfer_seconds.labels(side)
         for kind in ("ttft", "tpot"):
             self.slo_violations.labels(kind)
+        for reason in ("no_heartbeat", "stuck"):
+            self.worker_down.labels(reason)
+        for how in ("pair", "colocated", "local"):
+            self.recoveries.labels(how)
         self._workers = _WorkerCollector()
         r.register(self._workers)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
@@ -290,3 +306,9 @@ class Metrics:
 
     def on_retry(self, failed: Any) -> None:
         self.retries.inc()
+
+    def on_worker_down(self, worker: Any, reason: str) -> None:
+        self.worker_down.labels(reason).inc()
+
+    def on_recovery(self, how: str) -> None:
+        self.recoveries.labels(how).inc()

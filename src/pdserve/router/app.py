@@ -425,12 +425,10 @@ def create_app(
         serving = (healthy["prefill"] > 0 and healthy["decode"] > 0) or healthy["colocated"] > 0
         if serving:
             return JSONResponse({"status": "ok", "healthy_workers": healthy})
-        body = p.error_body(
-            503,
-            "no healthy workers to serve requests: need a prefill and a decode worker, "
-            "or a colocated one",
-            code="no_healthy_workers",
-        )
+        if any(healthy.values()):
+            # one role's pool is empty: the rest runs whole requests (counted as local_fallbacks)
+            return JSONResponse({"status": "degraded", "healthy_workers": healthy})
+        body = p.error_body(503, "no healthy workers to serve requests", code="no_healthy_workers")
         return JSONResponse(
             {"status": "unavailable", "healthy_workers": healthy, **body}, status_code=503
         )

@@ -7,7 +7,16 @@ prompt + those tokens), so a client never sees a token twice. A request that goe
 its deadline, or whose client goes away, is aborted on every worker it touched.
 
 Workers are polled for stats every `stats_interval_s`; the replies feed /admin/workers, the
-metrics and the policies, and a worker that stops answering is taken out of routing.
+metrics and the policies.
+
+Liveness: every `heartbeat_interval_s` the core pings each worker's heartbeat socket (answered by
+a thread of the worker, so a long engine step does not look like death). A worker silent for
+`liveness_timeout_s`, or whose main loop has not turned for `stuck_timeout_s`, is taken out of
+routing, and every request it was part of is recovered: the other worker of the pair is told to
+abort, and the request is dispatched again (a new attempt id), resuming after the tokens already
+streamed — at most `max_recoveries` times, then a clear 503. With no healthy worker of a needed
+role, a request runs whole on any healthy worker (counted, and in its timeline); with none at
+all it fails at once. A worker that answers again rejoins routing.
 """
 
 from __future__ import annotations
@@ -74,6 +83,10 @@ class WorkerState:
     stats: dict[str, Any] = field(default_factory=dict)
     outstanding: int = 0
     last_seen: float = 0.0
+    hb: zmq.asyncio.Socket | None = None  # heartbeat socket (Ping -> Pong)
+    last_pong: float = 0.0
+    loop_age: float = 0.0  # the worker's own report: since its main loop last turned
+    down_reason: str | None = None  # why it was taken out of routing
 
     @property
     def worker_id(self) -> str:
@@ -100,6 +113,7 @@ class Flight:
     finished: bool = False
     p_done: bool = False  # P's hand-off tokens delivered (D's may be delivered after them)
     held: list[m.Tokens] = field(default_factory=list)  # D's tokens that overtook P's
+    recoveries: int = 0  # re-dispatches after a worker of this request went down
 
     @property
     def wire_rid(self) -> str:
@@ -119,8 +133,19 @@ class RouterCore:
         metrics: Any = None,
         ctx: zmq.Context | None = None,
         max_inflight: int = 256,
+        heartbeat_interval_s: float = 0.5,
+        liveness_timeout_s: float = 2.0,
+        stuck_timeout_s: float = 30.0,
+        max_recoveries: int = 2,
+        request_timeout_s: float = 600.0,
     ) -> None:
         self.max_inflight = max_inflight
+        self.heartbeat_interval_s, self.liveness_timeout_s = (
+            heartbeat_interval_s,
+            liveness_timeout_s,
+        )
+        self.stuck_timeout_s, self.max_recoveries = stuck_timeout_s, max_recoveries
+        self.request_timeout_s = request_timeout_s
         # In-process (inproc) workers need the context they were started with.
         self.ctx = zmq.asyncio.Context.shadow(ctx) if ctx is not None else zmq.asyncio.Context()
         self._owns_ctx = ctx is None
@@ -136,6 +161,7 @@ class RouterCore:
         self._final_attempt: dict[str, str] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._tasks: list[asyncio.Task] = []
+        self._hb_tasks: dict[str, asyncio.Task] = {}  # worker endpoint -> its heartbeat reader
 
     def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -159,15 +185,23 @@ class RouterCore:
                     w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
         self._tasks = [asyncio.create_task(self._reader(w)) for w in self.workers]
         self._tasks.append(asyncio.create_task(self._poll_stats()))
+        for w in self.workers:
+            assert w.info is not None
+            if w.info.hb_endpoint:
+                self._connect_hb(w, w.info.hb_endpoint)
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._hb_tasks.values()]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for w in self.workers:
             w.sock.close(0)
+            if w.hb is not None:
+                w.hb.close(0)
         if self._owns_ctx:
             self.ctx.term()
 
@@ -215,10 +249,17 @@ class RouterCore:
 
     async def _drain(self, flight: Flight) -> AsyncIterator[Delta]:
         silence = max(30.0, 6 * self.deadline_s)
+        ends = flight.timeline[0][2] + self.request_timeout_s  # no request outlives this
         while True:
+            left = ends - time.monotonic()
             try:
-                item = await asyncio.wait_for(flight.queue.get(), timeout=silence)
+                item = await asyncio.wait_for(
+                    flight.queue.get(), timeout=max(0, min(silence, left))
+                )
             except TimeoutError:
+                if time.monotonic() >= ends:
+                    msg = f"request timed out after {self.request_timeout_s:g}s"
+                    raise RequestError(msg, 504, "timeout") from None
                 raise RequestError(f"no progress for {silence:g}s", 504, "timeout") from None
             if isinstance(item, Exception):
                 raise item
@@ -240,9 +281,10 @@ class RouterCore:
             self.metrics.on_request_end(flight, outcome)
 
     # ---- dispatch --------------------------------------------------------------------------
-    def _dispatch(self, flight: Flight) -> None:
+    def _dispatch(self, flight: Flight, only: WorkerState | None = None) -> None:
+        """Send the request's current attempt to a P/D pair from the pools, or whole to `only`."""
         flight.p_done, flight.held = False, []  # a new attempt starts from P again
-        flight.pair = self._pick()
+        flight.pair = (only, None) if only is not None else self._pick()
         for w in flight.pair:
             if w is not None:
                 w.outstanding += 1
@@ -252,6 +294,10 @@ class RouterCore:
         first, second = flight.pair
         flight.timeline.append(("dispatch", f"attempt {flight.attempt}", time.monotonic()))
         if second is None:
+            if first.role != "colocated" and only is None:
+                # no healthy worker of the other role: this one runs the whole request
+                self.counters["local_fallbacks"] += 1
+                flight.timeline.append(("local_fallback", first.worker_id, time.monotonic()))
             self._send(first, m.Generate(flight.wire_rid, prompt, params))
             return
         assert second.info is not None
@@ -282,6 +328,9 @@ class RouterCore:
             )
         if pools["colocated"]:
             return self._choose("colocated", pools["colocated"]), None
+        for role in ("decode", "prefill"):  # a pool is empty: degrade to whole requests
+            if pools[role]:
+                return self._choose(role, pools[role]), None
         raise RequestError("no healthy workers to serve the request", 503, "unavailable")
 
     def _choose(self, role: str, pool: list[WorkerState]) -> WorkerState:
@@ -292,7 +341,11 @@ class RouterCore:
         return next(w for w in pool if w.worker_id == chosen.worker_id)
 
     def _send(self, w: WorkerState, msg: object) -> None:
-        w.sock.send(m.encode(msg))  # DEALER send does not block while the peer is connected
+        # never block the event loop on a dead peer: its queue fills, the message is dropped
+        try:
+            w.sock.send(m.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters["send_dropped"] += 1
 
     def _release(self, flight: Flight) -> None:
         for w in flight.pair or ():
@@ -324,8 +377,16 @@ class RouterCore:
             self._on_event(w, msg)
 
     def _on_event(self, w: WorkerState, msg: object) -> None:
+        if isinstance(msg, m.WorkerInfo):  # a rejoining worker's (maybe restarted) identity
+            old = w.info.hb_endpoint if w.info else ""
+            w.info = msg
+            if msg.hb_endpoint and msg.hb_endpoint != old:  # restarted: a new heartbeat port
+                self._connect_hb(w, msg.hb_endpoint)
+            return
         if isinstance(msg, m.Stats):
-            w.stats, w.healthy = msg.stats, True
+            w.stats = msg.stats
+            if w.hb is None:  # with a heartbeat socket, health is the heartbeat's call
+                w.healthy = True
             if self.metrics is not None:
                 self.metrics.on_worker_stats(w, msg.stats)
             return
@@ -415,6 +476,16 @@ class RouterCore:
             except RequestError as e:
                 flight.queue.put_nowait(e)
                 return
+        decode = flight.pair[1] if flight.pair else None
+        if msg.stage == "transfer" and decode is not None and decode.healthy:
+            # the link keeps failing: D computes the KV itself rather than receive it
+            self.counters["recomputes"] += 1
+            if self.metrics is not None:
+                self.metrics.on_recompute()
+            flight.attempt += 1
+            flight.timeline.append(("recompute", decode.worker_id, time.monotonic()))
+            self._dispatch(flight, only=decode)
+            return
         status = 400 if msg.stage == "admission" else 503
         code = "invalid_request" if status == 400 else "worker_error"
         flight.queue.put_nowait(RequestError(msg.reason, status, code))
@@ -424,10 +495,95 @@ class RouterCore:
         while True:
             now = time.monotonic()
             for w in self.workers:
-                if now - w.last_seen > 3 * self.stats_interval_s + self.deadline_s:
-                    w.healthy = False  # silent: out of routing until it answers again
+                silent = now - w.last_seen > 3 * self.stats_interval_s + self.deadline_s
+                if w.hb is None and silent:
+                    w.healthy = False  # no heartbeat socket: judged by its stats replies
                 self._send(w, m.GetStats())
             await asyncio.sleep(self.stats_interval_s)
+
+    # ---- liveness and recovery -------------------------------------------------------------
+    def _connect_hb(self, w: WorkerState, endpoint: str) -> None:
+        old = self._hb_tasks.pop(w.endpoint, None)
+        if old is not None:
+            old.cancel()
+        if w.hb is not None:
+            w.hb.close(0)
+        w.hb, w.last_pong = self._socket(endpoint), time.monotonic()
+        self._hb_tasks[w.endpoint] = asyncio.create_task(self._hb_reader(w))
+
+    async def _heartbeat(self) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            now = time.monotonic()
+            for w in self.workers:
+                if not w.healthy and seq % 2 == 0:
+                    # a restarted worker answers Hello with its new heartbeat address
+                    self._send(w, m.Hello("router"))
+                if w.hb is None:
+                    continue
+                with contextlib.suppress(zmq.Again):
+                    w.hb.send(m.encode(m.Ping(seq)), zmq.NOBLOCK)
+                if not w.healthy:
+                    continue
+                if now - w.last_pong > self.liveness_timeout_s:
+                    self.worker_down(w, "no_heartbeat")
+                elif w.loop_age > self.stuck_timeout_s:
+                    self.worker_down(w, "stuck")
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _hb_reader(self, w: WorkerState) -> None:
+        assert w.hb is not None
+        while True:
+            raw = await w.hb.recv()
+            try:
+                pong = m.decode(raw)
+            except m.MessageError:
+                self.counters["bad_messages"] += 1
+                continue
+            if not isinstance(pong, m.Pong):
+                continue
+            w.last_pong, w.loop_age = time.monotonic(), pong.loop_age_s
+            if w.down_reason is not None and pong.loop_age_s <= self.stuck_timeout_s:
+                self._worker_up(w)
+
+    def _worker_up(self, w: WorkerState) -> None:
+        self.counters["workers_up"] += 1
+        w.down_reason, w.healthy, w.last_seen = None, True, time.monotonic()
+        w.outstanding = 0  # its requests were all recovered elsewhere
+        self._send(w, m.Hello("router"))  # learn its identity again: it may have restarted
+
+    def worker_down(self, w: WorkerState, reason: str) -> None:
+        """Take `w` out of routing and recover every request it was part of."""
+        w.healthy, w.down_reason = False, reason
+        self.counters["workers_down"] += 1
+        if self.metrics is not None:
+            self.metrics.on_worker_down(w, reason)
+        for flight in list(self.flights.values()):
+            if flight.pair is not None and w in flight.pair and not flight.finished:
+                self._recover(flight, w, reason)
+
+    def _recover(self, flight: Flight, dead: WorkerState, reason: str) -> None:
+        flight.timeline.append((f"worker_down: {reason}", dead.worker_id, time.monotonic()))
+        self._abort_workers(flight)  # the survivor frees its part; the dead one's is moot
+        self._release(flight)
+        if flight.recoveries >= self.max_recoveries:
+            msg = f"worker {dead.worker_id} went down ({reason}); no recoveries left"
+            flight.queue.put_nowait(RequestError(msg, 503, "worker_error"))
+            return
+        flight.recoveries += 1
+        flight.attempt += 1
+        self.counters["recoveries"] += 1
+        try:
+            self._dispatch(flight)
+        except RequestError as e:
+            flight.queue.put_nowait(e)
+            return
+        first, second = flight.pair or (dead, None)
+        how = "pair" if second is not None else first.role
+        how = "local" if how in ("prefill", "decode") else how
+        if self.metrics is not None:
+            self.metrics.on_recovery(how)
 
     def worker_table(self) -> list[dict[str, Any]]:
         rows = []
@@ -440,6 +596,8 @@ class RouterCore:
                     "url": w.endpoint,
                     "pid": w.info.pid if w.info else None,
                     "healthy": w.healthy,
+                    "down_reason": w.down_reason,
+                    "loop_age_s": round(w.loop_age, 3),
                     "queue": s.get("waiting", 0),
                     "running": s.get("running", 0),
                     "outstanding": w.outstanding,

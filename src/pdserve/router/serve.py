@@ -25,6 +25,7 @@ import zmq
 
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
+from pdserve.workers import auth
 from pdserve.workers import messages as m
 
 log = logging.getLogger("pdserve.serve")
@@ -32,6 +33,12 @@ STARTUP_TIMEOUT_S = 300.0
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="shared secret authenticating control messages (else $PDSERVE_SECRET); required "
+        "when workers are not on loopback",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="router address (loopback)")
     parser.add_argument("--port", type=int, default=8000, help="router port")
     parser.add_argument(
@@ -58,6 +65,31 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="requests in flight before new ones get 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take in all before it ends with 504",
+    )
+    parser.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=2.0,
+        help="seconds without a heartbeat before a worker is taken out of routing",
+    )
+    parser.add_argument(
+        "--stuck-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a worker's main loop may not turn (heartbeat still alive) before it "
+        "counts as stuck",
+    )
+    parser.add_argument(
+        "--max-recoveries",
+        type=int,
+        default=2,
+        help="times one request may move to other workers after a worker goes down",
     )
     parser.add_argument(
         "--drain",
@@ -131,9 +163,20 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     ]
 
 
+def _use_secret(args: argparse.Namespace, endpoints: list[str]) -> None:
+    """Load the shared secret, refuse to run without one off loopback, tag our messages, and
+    hand it to the workers we start (through their environment, never their command line)."""
+    secret = auth.load_secret(args.secret_file)
+    auth.require_secret(endpoints, secret)
+    m.set_key(secret)
+    if secret is not None:
+        os.environb[auth.ENV.encode()] = secret
+
+
 def run_serve(args: argparse.Namespace) -> int:
     _setup_logging()
     specs = _worker_specs(args)
+    _use_secret(args, [s.host for s in specs])
     ctx = zmq.Context()
     workers: list[Launched] = []
     try:
@@ -152,6 +195,7 @@ def run_router(args: argparse.Namespace) -> int:
     endpoints = [*args.prefill, *args.decode, *args.colocated]
     if not endpoints:
         raise ValueError("give worker URLs: --prefill URL... --decode URL... or --colocated URL...")
+    _use_secret(args, endpoints)
     return asyncio.run(_serve_router(endpoints, args, args.model))
 
 
@@ -170,6 +214,10 @@ async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: s
         handoff_tokens=args.handoff_tokens,
         metrics=metrics,
         max_inflight=args.max_inflight,
+        liveness_timeout_s=args.liveness_timeout,
+        stuck_timeout_s=args.stuck_timeout,
+        max_recoveries=args.max_recoveries,
+        request_timeout_s=args.request_timeout,
     )
     await core.start()
     try:

@@ -6,11 +6,17 @@ missing fields and wrongly typed values with `MessageError` (a ValueError) — a
 attacker gets an error, never a crash or an object of the wrong shape.
 
 Sampling parameters travel as a plain dict and are rebuilt (and validated) by `SamplingParams`.
+
+Authentication: once `set_key(secret)` has been called (once per process, at start-up, from the
+deployment's shared secret: see auth.py), every encoded message ends with an HMAC-SHA256 tag of
+the msgpack body, and `decode` rejects a message whose tag is missing or wrong before parsing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import types
 import typing
 from dataclasses import dataclass
@@ -25,7 +31,21 @@ MAX_MESSAGE_BYTES = 32 << 20  # a 1M-token prompt as msgpack ints fits; KV never
 
 
 class MessageError(ValueError):
-    """A control message that is malformed, too large, or of an unknown type."""
+    """A control message that is malformed, too large, of an unknown type, or unauthenticated."""
+
+
+TAG_BYTES = 32  # HMAC-SHA256
+_KEY: bytes | None = None  # the deployment's shared secret; None: messages carry no tag
+
+
+def set_key(secret: bytes | None) -> None:
+    """Tag every message this process encodes, and require tags on all it decodes."""
+    global _KEY
+    _KEY = secret
+
+
+def _tag(body: bytes, key: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
 
 
 # ---- router/client -> worker ------------------------------------------------------------------
@@ -78,11 +98,21 @@ class GetStats:
 
 @dataclass(frozen=True)
 class SetFault:
-    """Fault injection on this worker's outgoing KV frames (tests and chaos runs only)."""
+    """Fault injection (tests and chaos runs only): on this worker's outgoing KV frames, its
+    acks, or its engine steps."""
 
-    mode: str  # "none" | "drop" | "delay" | "corrupt" (P's frames) | "drop_ack" (D's acks)
-    count: int = 1  # frames affected, -1 for all
+    # "none" | "drop" | "delay" | "corrupt" (P's frames) | "drop_ack" (D's acks) |
+    # "slow" (sleep delay_s before each engine step)
+    mode: str
+    count: int = 1  # frames (steps, for "slow") affected, -1 for all
     delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Liveness probe, sent to a worker's heartbeat socket (answered by its own thread)."""
+
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -101,6 +131,7 @@ class WorkerInfo:
     num_blocks: int
     fingerprint: bytes
     model: str
+    hb_endpoint: str = ""  # heartbeat socket: Ping -> Pong, answered even mid engine step
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,13 @@ class RequestFailed:
     worker: str
     reason: str
     stage: str  # "prefill" | "transfer" | "decode" | "admission"
+
+
+@dataclass(frozen=True)
+class Pong:
+    seq: int
+    worker_id: str
+    loop_age_s: float  # since the worker's main loop last turned: tells stuck from busy
 
 
 @dataclass(frozen=True)
@@ -190,6 +228,8 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     GetStats,
     SetFault,
     Shutdown,
+    Ping,
+    Pong,
     WorkerInfo,
     Tokens,
     TransferReport,
@@ -221,12 +261,21 @@ def encode(msg: Any) -> bytes:
     if REGISTRY.get(name) is not type(msg):
         raise MessageError(f"not a control message: {type(msg)!r}")
     body = {"v": VERSION, "t": name, **{f.name: getattr(msg, f.name) for f in _fields(name)}}
-    return msgpack.packb(body, use_bin_type=True)
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed if _KEY is None else packed + _tag(packed, _KEY)
 
 
 def decode(data: bytes | memoryview) -> Any:
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    key = _KEY
+    if key is not None:
+        # authenticate before parsing: an unauthenticated peer's bytes reach no parser
+        data = bytes(data)
+        body_bytes, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+        if len(data) <= TAG_BYTES or not hmac.compare_digest(tag, _tag(body_bytes, key)):
+            raise MessageError("unauthenticated control message (missing or wrong HMAC tag)")
+        data = body_bytes
     try:
         # Bounded before parsing (MAX_MESSAGE_BYTES); msgpack sizes every container from the
         # buffer it already holds, so a lying length cannot allocate beyond it.

@@ -233,7 +233,13 @@ class PrefillSide:
         if any(d[1] is sock for d in self.delayed):  # a slow link delays what follows, in order
             self.delayed.append((0.0, sock, parts))
             return
-        sock.send_multipart(parts, copy=False)
+        try:
+            # never block the main loop on a dead or wedged D: its queue (SNDHWM messages)
+            # fills and the frame is dropped; D's completeness check then fails the hand-off,
+            # and the router retries or recovers the request
+            sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.w.counters["kv_sends_dropped"] += 1
 
     def _send_msg(self, sock: zmq.Socket, msg: object) -> None:
         self._send_parts(sock, [MSG, m.encode(msg)])

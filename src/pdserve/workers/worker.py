@@ -35,8 +35,10 @@ from pdserve.transfer.transports import (
     bind_receiver,
     get_transport,
 )
+from pdserve.workers import auth
 from pdserve.workers import messages as m
 from pdserve.workers.decode import DecodeSide
+from pdserve.workers.heartbeat import Heartbeat
 from pdserve.workers.prefill import PrefillSide
 
 ROLES = ("prefill", "decode", "colocated")
@@ -95,6 +97,12 @@ class Worker:
         self.running = True
         self.parent_pid: int | None = None  # exit when this process is no longer our parent
         self.deferred: list[object] = []  # KV-link messages that arrived during a step
+        self.loop_at = time.monotonic()  # when the main loop last turned (heartbeats report it)
+        self.slow_steps, self.slow_s = 0, 0.0  # fault injection: sleep before engine steps
+        hb_endpoint = (
+            f"inproc://hb-{self.worker_id}" if transport == "inproc" else f"tcp://{host}:*"
+        )
+        self.heartbeat = Heartbeat(self.ctx, hb_endpoint, self.worker_id, lambda: self.loop_at)
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -105,6 +113,7 @@ class Worker:
             self.close()
 
     def run_once(self) -> None:
+        self.loop_at = time.monotonic()
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             self.log.warning("parent process %d is gone; shutting down", self.parent_pid)
             self.running = False
@@ -114,6 +123,7 @@ class Worker:
         for sock in ready:
             self._drain(sock)
         if self.engine.has_unfinished_requests():
+            self._maybe_slow()
             for out in self.engine.step():
                 self._on_output(out)
         deferred, self.deferred = self.deferred, []
@@ -180,17 +190,28 @@ class Worker:
         else:
             raise m.MessageError(f"{type(msg).__name__} is not a request to a worker")
 
+    def _maybe_slow(self) -> None:
+        if self.slow_steps:
+            self.slow_steps -= 1 if self.slow_steps > 0 else 0  # -1: every step
+            time.sleep(self.slow_s)
+
     def set_fault(self, msg: m.SetFault) -> None:
-        """Frame faults (drop, delay, corrupt) on what this worker sends as P; lost acks as D."""
-        if msg.mode not in ("none", "drop", "delay", "corrupt", "drop_ack"):
+        """Frame faults (drop, delay, corrupt) on what this worker sends as P; lost acks as D;
+        slow engine steps (a worker that is alive but slow)."""
+        if msg.mode not in ("none", "drop", "delay", "corrupt", "drop_ack", "slow"):
             raise ValueError(f"unknown fault mode {msg.mode!r}")
         if msg.mode == "drop_ack":
             self.decode.drop_acks = msg.count
             return
+        if msg.mode == "slow":
+            if msg.delay_s < 0:
+                raise ValueError("slow needs delay_s >= 0")
+            self.slow_steps, self.slow_s = msg.count, msg.delay_s
+            return
+        if msg.mode == "none":
+            self.slow_steps, self.decode.drop_acks = 0, 0
         self.prefill.fault.mode, self.prefill.fault.remaining = msg.mode, msg.count
         self.prefill.fault.delay_s = msg.delay_s
-        if msg.mode == "none":
-            self.decode.drop_acks = 0
 
     def info(self) -> m.WorkerInfo:
         e = self.engine
@@ -203,6 +224,7 @@ class Worker:
             e.kv_manager.num_blocks,
             self.fingerprint,
             str(e.source.path),
+            self.heartbeat.endpoint,
         )
 
     def abort(self, rid: str) -> None:
@@ -303,6 +325,7 @@ class Worker:
         }
 
     def close(self) -> None:
+        self.heartbeat.close()
         self.prefill.close()
         self.decode.shm.close()
         self.control.close(0)
@@ -350,6 +373,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shm-mb", type=int, default=512, help="shared-memory ring of the shm transport, MiB"
     )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="shared secret authenticating control messages (else $PDSERVE_SECRET); required "
+        "off loopback",
+    )
 
 
 def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -360,6 +389,9 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     )
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    secret = auth.load_secret(args.secret_file)
+    auth.require_secret([args.host], secret)  # before loading a model: fail fast
+    m.set_key(secret)
     worker = Worker(
         args.role,
         engine_args,

@@ -1,0 +1,70 @@
+"""A worker's heartbeat: a thread with its own socket that answers `Ping` with `Pong`.
+
+Why a thread: the main loop answers its control socket only between engine steps, and one
+prefill step of a long prompt takes seconds on a CPU, so a router judging liveness by control
+replies would call a busy worker dead. torch releases the GIL inside its kernels, so this thread
+answers within milliseconds while a step runs. A process that is gone or stopped (SIGSTOP, a
+frozen VM) answers nothing. A process whose main loop hangs still answers, but its `loop_age_s`
+(time since the loop last turned) grows, so the router can tell "stuck" from "busy".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from pdserve.workers import messages as m
+
+log = logging.getLogger("pdserve.worker.heartbeat")
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        worker_id: str,
+        loop_tick: Callable[[], float],
+    ) -> None:
+        self.worker_id, self.loop_tick = worker_id, loop_tick
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self.paused = False  # fault injection: a worker whose heartbeat is silent
+        # the socket was made here, but only the thread uses it from now on (zmq sockets are
+        # not thread-safe; handing one over before first use is allowed)
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(100):
+                    self._answer()
+        finally:
+            self.sock.close(0)
+
+    def _answer(self) -> None:
+        parts = self.sock.recv_multipart()
+        if len(parts) != 2 or self.paused:
+            return
+        try:
+            ping = m.decode(parts[1])
+        except m.MessageError:
+            return  # not ours to argue with: liveness only
+        if isinstance(ping, m.Ping):
+            age = max(0.0, time.monotonic() - self.loop_tick())
+            pong = m.Pong(ping.seq, self.worker_id, age)
+            self.sock.send_multipart([parts[0], m.encode(pong)], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)

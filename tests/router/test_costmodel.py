@@ -1,0 +1,70 @@
+"""The cost model's arithmetic: a fit recovers known coefficients, predictions are never
+negative, errors are reported, and the JSON round-trips (bad files are a clear ValueError)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.router.costmodel import CostModel
+
+TRUE = CostModel((0.02, 0.0018, 0.0004), (0.035, 0.004, 0.0009), (0.0005, 2e9))
+
+
+def _samples(noise: float, seed: int = 0):  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(seed)
+    jitter = lambda: 1 + noise * rng.standard_normal()  # noqa: E731
+    pre = [(n, c, TRUE.prefill_s(n, c) * jitter()) for n in (16, 128, 512, 1024, 2048)
+           for c in (0, 256, 1024)]  # fmt: skip
+    dec = [(b, x, TRUE.decode_step_s(b, x) * jitter()) for b in (1, 2, 4, 8, 16, 32)
+           for x in (b * 200, b * 1500)]  # fmt: skip
+    xfer = [(n, TRUE.transfer_s(n) * jitter()) for n in (1 << 16, 1 << 20, 1 << 24, 1 << 26)]
+    return pre, dec, xfer
+
+
+def test_exact_samples_give_back_the_coefficients() -> None:
+    pre, dec, xfer = _samples(noise=0.0)
+    fit = CostModel.fit(pre, dec, xfer)
+    np.testing.assert_allclose(fit.prefill, TRUE.prefill, rtol=1e-6)
+    np.testing.assert_allclose(fit.decode, TRUE.decode, rtol=1e-6)
+    np.testing.assert_allclose(fit.transfer, TRUE.transfer, rtol=1e-6)
+    assert fit.errors(pre, dec)["prefill_p90"] < 1e-6
+
+
+def test_noisy_samples_predict_within_a_few_percent() -> None:
+    pre, dec, xfer = _samples(noise=0.03, seed=1)
+    fit = CostModel.fit(pre, dec, xfer)
+    err = fit.errors(*_samples(noise=0.0)[:2])  # against the true times
+    assert err["prefill_p50"] < 0.05 and err["decode_p50"] < 0.05, err
+    assert fit.prefill_s(1000) == pytest.approx(TRUE.prefill_s(1000), rel=0.05)
+    # cached tokens make a prefill cheaper than computing them
+    assert fit.prefill_s(100, cached=900) < fit.prefill_s(1000)
+
+
+def test_no_negative_coefficients_or_times() -> None:
+    # times that fall with size would need a negative slope: the fit clamps it at zero
+    pre = [(n, 0, 1.0 - n / 4096) for n in (16, 256, 1024, 2048, 4000)]
+    dec = [(b, 100 * b, 0.05) for b in (1, 2, 4, 8)]
+    fit = CostModel.fit(pre, dec)
+    assert min(fit.prefill) >= 0 and min(fit.decode) >= 0
+    assert fit.prefill_s(4096) >= 0 and fit.decode_step_s(1, 0) > 0
+
+
+def test_too_few_samples_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least 3 samples"):
+        CostModel.fit([(16, 0, 0.1)], [(1, 10, 0.01)] * 3)
+
+
+def test_json_round_trip_and_bad_files(tmp_path: Path) -> None:
+    path = tmp_path / "cm.json"
+    TRUE.save(path, host="test", model="tiny")
+    assert CostModel.load(path) == TRUE
+    for bad in ("{", '{"version": 9}', '{"version": 1, "prefill": [1], "decode": [1, 2, 3], '
+                '"transfer": [0, 1]}'):  # fmt: skip
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            CostModel.load(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        CostModel.load(tmp_path / "missing.json")
