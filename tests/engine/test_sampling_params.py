@@ -85,3 +85,11 @@ def test_stop_string_becomes_a_list() -> None:
 )
 def test_greedy(kwargs: dict, greedy: bool) -> None:
     assert SamplingParams(**kwargs).greedy is greedy
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_floats_are_refused(field: str, value: float) -> None:
+    # a NaN temperature used to pass and then make the sampler raise inside an engine step
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -537,3 +537,49 @@ def test_disconnect_between_chunks(server: Server) -> None:
     rid = core.last_rid()
     assert core.ended[rid].wait(1.0)
     assert core.outcomes[rid] == "aborted" and len(core.calls) > 0
+
+
+# ---- fuzzing (issue 7): values the workers' wire or sampler cannot take are 400s, not 500s --
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ('"temperature": NaN', "temperature"),  # passed SamplingParams, then killed the sampler
+        ('"temperature": Infinity', "temperature"),
+        ('"temperature": 1e999', "temperature"),  # JSON's overflow is infinity too
+        ('"top_p": -Infinity', "top_p"),
+    ],
+)
+def test_non_finite_sampling_floats_are_400(
+    client: TestClient, core: FakeCore, raw: str, param: str
+) -> None:
+    body = f'{{"model": "{MODEL}", "prompt": "Hello", {raw}}}'
+    r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not core.calls
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"top_k": 2**64}, "top_k"),  # msgpack's range: the router's send raised OverflowError
+        ({"stop_token_ids": [1, 2**64]}, "stop_token_ids.1"),
+        ({"stop_token_ids": [-(2**63) - 1]}, "stop_token_ids.0"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+    ],
+)
+def test_ints_beyond_the_worker_wire_are_400(
+    client: TestClient, core: FakeCore, body: dict, param: str
+) -> None:
+    r = completion(client, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert chat(client, **body).status_code == 400
+    assert chat(client, max_completion_tokens=2**64).json()["error"]["param"] == (
+        "max_completion_tokens"
+    )
+    assert not core.calls
+    ok = completion(client, top_k=2**64 - 1, stop_token_ids=[-(2**63), 2**64 - 1], max_tokens=2)
+    assert ok.status_code == 200, ok.text
+    (_, _, params) = core.calls[-1]
+    assert params.top_k == 2**64 - 1  # the edges still fit a control message

@@ -9,6 +9,7 @@ tokens, a decode step is one. A decode worker that receives a prompt's KV admits
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,9 +37,10 @@ class SamplingParams:
         """Raise ValueError naming the field and the accepted range."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            # NaN passes `< 0`, then makes the sampler raise mid engine step
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # False for NaN too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")

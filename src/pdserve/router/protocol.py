@@ -10,9 +10,9 @@ engine's `SamplingParams`; its validation errors become `InvalidRequest` with th
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator
 
 from pdserve.engine.request import SamplingParams
 
@@ -21,6 +21,9 @@ GREEDY_EPS = 1e-5
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# The ints of a request travel to the workers as msgpack, 64-bit: a larger one (e.g. {"top_k":
+# 18446744073709551616}) made the router's send fail with OverflowError, a 500. Refused here: 400.
+WireInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -123,12 +126,14 @@ class _SamplingFields(_Lenient):
     """Fields completions and chat share (OpenAI names and defaults; vLLM extensions)."""
 
     model: str
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = -1  # extension
+    # Finite only: pydantic's JSON parser takes NaN and Infinity, and a NaN temperature passed
+    # SamplingParams to make the worker's sampler raise mid engine step, killing the worker.
+    temperature: FiniteFloat | None = 1.0
+    top_p: FiniteFloat | None = 1.0
+    top_k: WireInt | None = -1  # extension
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[WireInt] | None = None  # extension
     ignore_eos: bool = False  # extension
     n: int | None = 1
     stream: bool | None = False
@@ -187,7 +192,7 @@ def _param_of(message: str) -> str | None:
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: WireInt | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
 
@@ -249,8 +254,8 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: WireInt | None = None
+    max_completion_tokens: WireInt | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 

@@ -48,7 +48,10 @@ class Heartbeat:
         try:
             while not self._stop.is_set():
                 if poller.poll(100):
-                    self._answer()
+                    try:
+                        self._answer()
+                    except Exception:  # never let one bad ping end liveness for good
+                        log.exception("heartbeat: could not answer a ping")
         finally:
             self.sock.close(0)
 

@@ -284,7 +284,8 @@ def decode(data: bytes | memoryview) -> Any:
         raise MessageError(f"undecodable message: {e}") from None
     if not isinstance(body, dict) or body.get("v") != VERSION:
         raise MessageError("not a version-1 control message")
-    cls = REGISTRY.get(body.get("t"))  # type: ignore[arg-type]
+    t = body.get("t")
+    cls = REGISTRY.get(t) if isinstance(t, str) else None  # a list tag is unhashable: TypeError
     if cls is None:
         raise MessageError(f"unknown message type {body.get('t')!r}")
     return _build(cls, {k: v for k, v in body.items() if k not in ("v", "t")})
