@@ -294,3 +294,27 @@ def test_router_alone_in_front_of_separately_started_workers(tiny_llama_path) ->
             assert w.proc is not None
             w.proc.terminate()
             stop(w)
+
+
+def test_a_killed_worker_is_restarted_and_rejoins(server, llm) -> None:  # type: ignore[no-untyped-def]
+    client = server.client()
+    before = {w["role"]: w for w in httpx.get(server.url + "/admin/workers", timeout=10).json()}
+    os.kill(before["decode"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:  # taken out within the liveness timeout, then restarted with a new pid
+        rows = {w["role"]: w for w in httpx.get(server.url + "/admin/workers", timeout=10).json()}
+        d = rows["decode"]
+        if d["healthy"] and d["pid"] not in (None, before["decode"]["pid"]):
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = llm.generate("Hello again", params)[0].outputs[0].text
+    out = client.completions.create(
+        model=_model(client), prompt="Hello again", max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.choices[0].text == want
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'pdserve_worker_down_total{reason="no_heartbeat"} 1.0' in metrics
+    _wait_idle(server.url, timeout_s=5)

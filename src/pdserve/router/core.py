@@ -512,10 +512,14 @@ class RouterCore:
         self._hb_tasks[w.endpoint] = asyncio.create_task(self._hb_reader(w))
 
     async def _heartbeat(self) -> None:
-        seq = 0
+        seq, last_round = 0, time.monotonic()
         while True:
             seq += 1
             now = time.monotonic()
+            # If this loop itself was held up (a blocking call on the event loop), the pongs
+            # could not be read either: judge no one this round.
+            stalled = now - last_round > self.liveness_timeout_s / 2
+            last_round = now
             for w in self.workers:
                 if not w.healthy and seq % 2 == 0:
                     # a restarted worker answers Hello with its new heartbeat address
@@ -524,7 +528,9 @@ class RouterCore:
                     continue
                 with contextlib.suppress(zmq.Again):
                     w.hb.send(m.encode(m.Ping(seq)), zmq.NOBLOCK)
-                if not w.healthy:
+                if not w.healthy or stalled:
+                    if stalled:
+                        w.last_pong = max(w.last_pong, now - self.heartbeat_interval_s)
                     continue
                 if now - w.last_pong > self.liveness_timeout_s:
                     self.worker_down(w, "no_heartbeat")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -126,6 +127,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
     )
+    parser.add_argument(
+        "--restart-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a worker process that exits, on the same addresses",
+    )
     add_common_arguments(parser)
 
 
@@ -185,7 +192,10 @@ def run_serve(args: argparse.Namespace) -> int:
         for w in workers:
             await_ready(w, t0 + STARTUP_TIMEOUT_S)
         log.info("%d workers ready in %.1fs", len(workers), time.monotonic() - t0)
-        return asyncio.run(_serve_router([w.control for w in workers], args, args.model))
+        supervised = workers if args.restart_workers else None
+        return asyncio.run(
+            _serve_router([w.control for w in workers], args, args.model, supervised, ctx)
+        )
     finally:
         _shutdown(ctx, workers)
 
@@ -199,7 +209,36 @@ def run_router(args: argparse.Namespace) -> int:
     return asyncio.run(_serve_router(endpoints, args, args.model))
 
 
-async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: str | None) -> int:
+async def _supervise(workers: list[Launched], ctx: zmq.Context, core: Any) -> None:
+    """Restart a worker process that exited, on its old addresses, so the router's sockets
+    reconnect and the heartbeats bring it back into routing (issue 7: recovery)."""
+    while True:
+        await asyncio.sleep(1.0)
+        for i, w in enumerate(workers):
+            if w.proc is None or w.proc.poll() is None or not w.control.startswith("tcp://"):
+                continue
+            log.warning("worker %s exited (%s); restarting it", w.spec.worker_id, w.proc.returncode)
+            core.counters["workers_restarted"] += 1
+            spec = dataclasses.replace(
+                w.spec,
+                port=int(w.control.rsplit(":", 1)[1]),
+                kv_port=int(w.kv.rsplit(":", 1)[1]),
+            )
+            fresh = launch(spec, ctx)
+            try:
+                await asyncio.to_thread(await_ready, fresh, time.monotonic() + STARTUP_TIMEOUT_S)
+            except Exception as e:  # keep supervising the others; try this one again later
+                log.error("worker %s did not come back: %s", spec.worker_id, e)
+            workers[i] = fresh
+
+
+async def _serve_router(
+    endpoints: list[str],
+    args: argparse.Namespace,
+    model: str | None,
+    supervised: list[Launched] | None = None,
+    ctx: zmq.Context | None = None,
+) -> int:
     import uvicorn
 
     from pdserve.metrics.prometheus import Metrics
@@ -220,10 +259,15 @@ async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: s
         request_timeout_s=args.request_timeout,
     )
     await core.start()
+    supervisor = None
+    if supervised is not None and ctx is not None:
+        supervisor = asyncio.create_task(_supervise(supervised, ctx, core))
     try:
         source = loader.resolve_model(model or core.model or None)
-        tokenizer = loader.load_tokenizer(source)
-        arch = loader.load_arch(source)
+        # off the event loop: a GGUF tokenizer takes seconds to build, and the heartbeats that
+        # keep the workers in routing are answered on this loop
+        tokenizer = await asyncio.to_thread(loader.load_tokenizer, source)
+        arch = await asyncio.to_thread(loader.load_arch, source)
         name = args.served_model_name or Path(source.path).name.removesuffix(".gguf")
         app = create_app(
             core,
@@ -249,6 +293,8 @@ async def _serve_router(endpoints: list[str], args: argparse.Namespace, model: s
         )
         await server.serve()
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         await core.close()
     return 0
 
