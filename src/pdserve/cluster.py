@@ -16,7 +16,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import os
 import signal
@@ -31,7 +30,7 @@ import zmq
 from pdserve.engine import loader
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
-from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
+from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
 from pdserve.router.core import RequestError, RouterCore
 from pdserve.workers import auth
 from pdserve.workers import messages as m
@@ -331,14 +330,9 @@ class LocalCluster:
         w = self._worker(worker_id)
         if w.state != "killed":
             raise ValueError(f"worker {worker_id} is {w.state}; only a killed one restarts")
-        if not w.launched.control.startswith("tcp://"):
-            raise ValueError("restart keeps a worker's tcp addresses: needs the tcp transport")
-        port = int(w.launched.control.rsplit(":", 1)[1])
-        kv_port = int(w.launched.kv.rsplit(":", 1)[1])
-        spec = dataclasses.replace(w.launched.spec, port=port, kv_port=kv_port)
+        launched = relaunch(w.launched, self.ctx)
         if w.sock is not None:
             w.sock.close(0)
-        launched = launch(spec, self.ctx)
         await_ready(launched, time.monotonic() + timeout_s)
         w.launched, w.state = launched, "up"
         self._connect(w, time.monotonic() + timeout_s)

@@ -7,6 +7,7 @@ loaded; `await_ready` waits for it with a deadline and reports a child that died
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import select
@@ -70,6 +71,15 @@ def worker_command(spec: WorkerSpec) -> list[str]:
         else:
             cmd += [flag, str(value)]
     return cmd
+
+
+def relaunch(w: Launched, ctx: zmq.Context | None = None) -> Launched:
+    """Start an exited worker again on the tcp addresses it had, so the sockets connected to
+    it (router, peers) reconnect by themselves; the caller awaits readiness."""
+    if not w.control.startswith("tcp://"):
+        raise ValueError("a restart keeps a worker's tcp addresses: needs the tcp transport")
+    port, kv_port = (int(e.rsplit(":", 1)[1]) for e in (w.control, w.kv))
+    return launch(dataclasses.replace(w.spec, port=port, kv_port=kv_port), ctx)
 
 
 def launch(spec: WorkerSpec, ctx: zmq.Context | None = None) -> Launched:

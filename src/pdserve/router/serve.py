@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import Any
 import zmq
 
 from pdserve.engine import loader
-from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, stop
+from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 
@@ -219,16 +218,11 @@ async def _supervise(workers: list[Launched], ctx: zmq.Context, core: Any) -> No
                 continue
             log.warning("worker %s exited (%s); restarting it", w.spec.worker_id, w.proc.returncode)
             core.counters["workers_restarted"] += 1
-            spec = dataclasses.replace(
-                w.spec,
-                port=int(w.control.rsplit(":", 1)[1]),
-                kv_port=int(w.kv.rsplit(":", 1)[1]),
-            )
-            fresh = launch(spec, ctx)
+            fresh = relaunch(w, ctx)
             try:
                 await asyncio.to_thread(await_ready, fresh, time.monotonic() + STARTUP_TIMEOUT_S)
             except Exception as e:  # keep supervising the others; try this one again later
-                log.error("worker %s did not come back: %s", spec.worker_id, e)
+                log.error("worker %s did not come back: %s", w.spec.worker_id, e)
             workers[i] = fresh
 
 
