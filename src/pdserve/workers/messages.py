@@ -120,6 +120,14 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class SetRole:
+    """Change the role this worker advertises (the router drains it first); answered with
+    WorkerInfo. Every worker can run every message, so a role is what a router sends it."""
+
+    role: str
+
+
 # ---- worker -> router/client ------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -188,6 +196,21 @@ class Stats:
     stats: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class KVEvents:
+    """Prefix-cache changes since the last KVEvents, pushed to every router that said Hello:
+    block hashes (sha256 of parent hash + token ids, the same in every process) that became
+    reusable here, and those evicted. `cleared`: the worker's whole cache was dropped first
+    (a restart, a reset); `seq` numbers the messages so a gap tells the router to resync."""
+
+    worker_id: str
+    seq: int
+    block_size: int
+    stored: list[bytes]
+    removed: list[bytes]
+    cleared: bool = False
+
+
 # ---- prefill worker <-> decode worker (beside the KV frames) ----------------------------------
 @dataclass(frozen=True)
 class KVWant:
@@ -198,6 +221,8 @@ class KVWant:
 @dataclass(frozen=True)
 class KVReady:
     rid: str
+    # D already holds the KV of the first `have_tokens` tokens (its prefix cache): P sends the rest
+    have_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -228,6 +253,7 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     GetStats,
     SetFault,
     Shutdown,
+    SetRole,
     Ping,
     Pong,
     WorkerInfo,
@@ -235,6 +261,7 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     TransferReport,
     RequestFailed,
     Stats,
+    KVEvents,
     KVWant,
     KVReady,
     KVDone,

@@ -185,6 +185,13 @@ class Worker:
             self._send(client, m.Stats(self.stats()))
         elif isinstance(msg, m.SetFault):
             self.set_fault(msg)
+        elif isinstance(msg, m.SetRole):
+            if msg.role not in ROLES:
+                raise ValueError(f"role must be one of {', '.join(ROLES)}, got {msg.role!r}")
+            self.log.info("role %s -> %s", self.role, msg.role)
+            self.role = msg.role
+            self.counters["role_switches"] += 1
+            self._send(client, self.info())
         elif isinstance(msg, m.Shutdown):
             self.running = False
         else:
