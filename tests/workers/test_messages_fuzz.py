@@ -285,7 +285,9 @@ def _small_fields(name: str) -> dict[str, Any]:
             hint = HINTS[name][f.name]
             fields[f.name] = {str: "ab", int: 7, float: 0.5, bytes: b"\x01\x02"}.get(hint)
             if fields[f.name] is None:
-                fields[f.name] = [3] if typing.get_origin(hint) is list else {"k": 1}
+                args = typing.get_args(hint)
+                item = b"\x03" if args and args[0] is bytes else 3
+                fields[f.name] = [item] if typing.get_origin(hint) is list else {"k": 1}
     return fields
 
 
