@@ -8,6 +8,12 @@ front of the free queue (least recently freed first, i.e. LRU).
 Block hashes chain: hash(block i) = sha256(hash(block i-1) || tokens of block i), so equal hashes
 mean equal whole prefixes. sha256 (not Python's salted `hash()`) keeps them identical across
 processes, which prefill and decode workers rely on to agree on what is cached.
+
+Prefix-cache events: every hash that enters the hash map (`cache_block`) or leaves it (eviction
+on reuse, `reset_prefix_cache`) is recorded, so a worker can tell routers what it holds
+(`take_events`). Only the net change since the last drain is kept (the latest of stored/removed
+per hash), and the buffer is bounded: past `max_pending_events` it is dropped and the next drain
+reports the whole current set with `cleared=True` instead.
 """
 
 from __future__ import annotations
@@ -34,11 +40,18 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def hash_full_blocks(
     token_ids: Sequence[int], block_size: int, root: BlockHash = ROOT_HASH
 ) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids`, in order."""
+    """Hashes of every full block of `token_ids`, in order (equal to chaining
+    `hash_block_tokens`, but the tokens are converted to bytes once, not per block)."""
+    num_full = len(token_ids) // block_size
+    if num_full == 0:
+        return []
+    payload = np.asarray(token_ids[: num_full * block_size], dtype="<i8").tobytes()
+    step = block_size * 8
     hashes: list[BlockHash] = []
     parent = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+    sha256 = hashlib.sha256
+    for start in range(0, num_full * step, step):
+        parent = sha256(parent + payload[start : start + step]).digest()
         hashes.append(parent)
     return hashes
 
@@ -50,10 +63,19 @@ class Block:
     block_hash: BlockHash | None = None
 
 
+# Pending prefix-cache events kept between drains before falling back to a full snapshot.
+MAX_PENDING_EVENTS = 100_000
+
+
 class BlockPool:
     """Free queue (LRU order), reference counts and the hash -> block map of the prefix cache."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        max_pending_events: int = MAX_PENDING_EVENTS,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -63,6 +85,10 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
+        # hash -> True (stored) / False (removed): the net change since the last take_events
+        self._events: dict[BlockHash, bool] = {}
+        self._events_overflowed = False
+        self.max_pending_events = max_pending_events
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +141,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self._record(block_hash, True)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of free blocks; returns how many were dropped."""
@@ -131,4 +158,40 @@ class BlockPool:
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
             self.num_evictions += 1
+            self._record(block.block_hash, False)
         block.block_hash = None
+
+    # ---- prefix-cache events ------------------------------------------------------------------
+    def _record(self, block_hash: BlockHash, stored: bool) -> None:
+        if self._events_overflowed:
+            return  # the next drain sends the whole set anyway
+        # Latest wins: stored-then-removed reports a removal (harmless if the consumer never saw
+        # it), removed-then-stored a store; either way the consumer ends in the pool's state.
+        self._events[block_hash] = stored
+        if len(self._events) > self.max_pending_events:
+            self._events.clear()
+            self._events_overflowed = True
+
+    @property
+    def has_events(self) -> bool:
+        """Whether `take_events` has anything to report (a cheap per-loop check)."""
+        return bool(self._events) or self._events_overflowed
+
+    def take_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """Drain the changes since the last call: (stored, removed, cleared).
+
+        `cleared=True` means the pending buffer overflowed: `stored` is then every hash in the
+        map and the consumer must replace what it knew (removed is empty).
+        """
+        if self._events_overflowed:
+            self._events_overflowed = False
+            self._events.clear()
+            return self.cached_hashes(), [], True
+        stored = [h for h, s in self._events.items() if s]
+        removed = [h for h, s in self._events.items() if not s]
+        self._events.clear()
+        return stored, removed, False
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the map now (a snapshot for a new subscriber)."""
+        return list(self._cached)

@@ -45,6 +45,15 @@ class _Tracked:
         self.sent_tokens = 0
 
 
+class ReservedKV(list[int]):
+    """`reserve_kv`'s answer: the block ids (a plain list to callers that want only them) and
+    `cached_tokens`, the leading tokens whose KV is already in those blocks (prefix cache)."""
+
+    def __init__(self, block_ids: list[int], cached_tokens: int) -> None:
+        super().__init__(block_ids)
+        self.cached_tokens = cached_tokens
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -137,19 +146,25 @@ class LLMEngine:
     # ---- KV hand-off (used by prefill and decode workers) ------------------------------------
     def reserve_kv(
         self, prompt: Prompt, params: SamplingParams, request_id: str, num_kv_tokens: int
-    ) -> list[int] | None:
+    ) -> ReservedKV | None:
         """Decode side: blocks for `num_kv_tokens` tokens of KV that will arrive from P.
 
-        Returns the block ids, or None when memory is short (nothing is reserved then).
+        The prompt's cached prefix (whole blocks, at most `num_kv_tokens - 1` tokens) is reused:
+        its KV is here already, so only tokens from `cached_tokens` on need to arrive. Returns
+        the block ids (a list, with `.cached_tokens`), or None when memory is short (nothing is
+        reserved then).
         """
         tracked = self._new_request(prompt, params, request_id)
         if not 0 < num_kv_tokens < self.max_model_len:
             raise ValueError(f"num_kv_tokens must be in [1, {self.max_model_len})")
         self.scheduler.check_fits(tracked.request)  # never wait for memory that cannot exist
-        block_ids = self.kv_manager.reserve(request_id, num_kv_tokens + 1)
-        if block_ids is not None:
-            self._reserved[request_id] = tracked
-        return block_ids
+        got = self.kv_manager.reserve_with_prefix(
+            tracked.request, num_kv_tokens + 1, num_kv_tokens - 1
+        )
+        if got is None:
+            return None
+        self._reserved[request_id] = tracked
+        return ReservedKV(got[0], got[1])
 
     def admit_prefilled(
         self, request_id: str, output_token_ids: list[int], num_kv_tokens: int
@@ -304,6 +319,19 @@ class LLMEngine:
         self._live.pop(rid, None)
         self.sampler.forget(rid)
 
+    # ---- prefix-cache events (pushed to routers by the worker) -------------------------------
+    @property
+    def has_kv_events(self) -> bool:
+        return self.kv_manager.has_events
+
+    def take_kv_events(self) -> tuple[list[bytes], list[bytes], bool]:
+        """(stored, removed, cleared) block hashes since the last call; `cleared`: `stored` is
+        the whole current set (the pending buffer overflowed)."""
+        return self.kv_manager.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.kv_manager.cached_hashes()
+
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         kv = self.kv_manager
@@ -313,6 +341,8 @@ class LLMEngine:
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "prefix_cache_hit_tokens": kv.stats.hits,
+            "prefix_cached_blocks": kv.pool.num_cached_blocks,
             "preemptions": self.scheduler.num_preemptions,
             **self._batch,
             **self._tokens,

@@ -88,17 +88,25 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
+        hit = self._lookup(request, request.num_tokens - 1)
+        self._count(request.num_tokens, hit)
+        return hit
+
+    def _lookup(self, request: Request, max_tokens: int) -> PrefixHit:
+        """Cached leading full blocks covering at most `max_tokens` tokens (no stats)."""
         hashes = self._request_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max(0, max_tokens) // self.block_size
         hit: list[Block] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hit.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hit) * self.block_size
         return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _count(self, num_tokens: int, hit: PrefixHit) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += hit.num_tokens
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
@@ -148,10 +156,41 @@ class KVCacheManager:
         """
         if request_id in self._blocks:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        need = self.blocks_needed(num_tokens)
-        if need > self.pool.num_free_blocks:
+        return self._reserve(request_id, num_tokens, PrefixHit([], 0))
+
+    def reserve_with_prefix(
+        self, request: Request, num_tokens: int, max_cached_tokens: int
+    ) -> tuple[list[int], int] | None:
+        """`reserve`, reusing the request's cached prefix (at most `max_cached_tokens` tokens,
+        whole blocks): only the rest has to arrive. Returns (block ids, cached tokens), or None
+        (nothing changed, nothing counted) when memory is short.
+
+        The hit blocks are already registered, so they count as registered (`_num_cached`);
+        the blocks after them are registered once the request is admitted and scheduled.
+        """
+        rid = request.request_id
+        if rid in self._blocks:
+            raise ValueError(f"request {rid!r} already holds blocks")
+        hit = PrefixHit([], 0)
+        if self.enable_prefix_caching:
+            hit = self._lookup(request, min(max_cached_tokens, request.num_tokens - 1))
+        block_ids = self._reserve(rid, num_tokens, hit)
+        if block_ids is None:
+            self._hashes.pop(rid, None)  # a caller that gives up must not leave them behind
             return None
-        self._blocks[request_id] = self.pool.get_new_blocks(need)
+        if self.enable_prefix_caching:
+            self._count(request.num_tokens, hit)
+        self._num_cached[rid] = len(hit.blocks)
+        return block_ids, hit.num_tokens
+
+    def _reserve(self, request_id: str, num_tokens: int, hit: PrefixHit) -> list[int] | None:
+        need = self.blocks_needed(num_tokens) - len(hit.blocks)
+        # Hit blocks that are free count as free now but stop being free once touched.
+        reclaimable = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimable:
+            return None
+        self.pool.touch(hit.blocks)  # taken before new blocks, so eviction cannot pick them
+        self._blocks[request_id] = [*hit.blocks, *self.pool.get_new_blocks(max(0, need))]
         return self.get_block_ids(request_id)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -179,3 +218,16 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    # ---- prefix-cache events (what a worker tells routers) --------------------------------
+    @property
+    def has_events(self) -> bool:
+        return self.pool.has_events
+
+    def take_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """(stored, removed, cleared) since the last call; see `BlockPool.take_events`."""
+        return self.pool.take_events()
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix cache now."""
+        return self.pool.cached_hashes()

@@ -2,9 +2,11 @@
 
 Life cycle of a request here, by the names used below (`Incoming.stage`):
   1. `reserving`  — ExpectKV arrived; blocks for the prompt's KV are reserved (retried each loop
-                    while memory is short, until the deadline);
-  2. `receiving`  — reserved and P's KVWant seen: KVReady went to P; frames are checked (checksum,
-                    layout fingerprint, ranges in order per layer) and written into the blocks;
+                    while memory is short, until the deadline); the prompt's cached prefix here
+                    is reused (`have_tokens`, whole blocks), so only the rest must arrive;
+  2. `receiving`  — reserved and P's KVWant seen: KVReady(have_tokens) went to P; frames are
+                    checked (checksum, layout fingerprint, ranges in order per layer, nothing
+                    before have_tokens) and written into the blocks;
   3. admitted     — KVDone arrived and every layer holds every token: the engine admits the
                     request with num_computed_tokens = KV tokens; KVAck releases P's blocks.
 Any bad frame, silence longer than the deadline, or KVFail from P cancels the reservation and tells
@@ -41,6 +43,7 @@ class Incoming:
     peer: bytes | None = None  # P's identity on the KV socket, once KVWant arrived
     slots: torch.Tensor | None = None
     next_token: list[int] = field(default_factory=list)
+    have_tokens: int = 0  # leading tokens whose KV was already cached here: P skips them
     frames: int = 0
     nbytes: int = 0
     started: float = 0.0
@@ -91,12 +94,14 @@ class DecodeSide:
         if blocks is None:
             return  # memory short: retried each loop until the deadline
         inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
+        inc.have_tokens = blocks.cached_tokens
+        inc.next_token = [blocks.cached_tokens] * len(inc.next_token)
         inc.stage, inc.times["reserved"] = "receiving", time.monotonic()
         self._maybe_ready(inc)
 
     def _maybe_ready(self, inc: Incoming) -> None:
         if inc.stage == "receiving" and inc.peer is not None:
-            self._send(inc.peer, m.KVReady(inc.rid))
+            self._send(inc.peer, m.KVReady(inc.rid, inc.have_tokens))
 
     # ---- the KV socket -------------------------------------------------------------------
     def on_message(self, peer: bytes, msg: object) -> None:
@@ -154,6 +159,11 @@ class DecodeSide:
             raise ValueError(
                 f"frame range beyond the request ({h.token_end} tokens, layer {h.layer_end})"
             )
+        if h.token_start < inc.have_tokens:
+            raise ValueError(
+                f"frame from token {h.token_start}, but the first {inc.have_tokens} are cached "
+                "here (KVReady.have_tokens)"
+            )
         assert inc.slots is not None
         for layer, k, v in frame.layers():
             if inc.next_token[layer] != h.token_start:
@@ -191,6 +201,7 @@ class DecodeSide:
         assert inc.peer is not None
         self._send(inc.peer, m.KVAck(inc.rid))
         self.w.counters["handoffs_received"] += 1
+        self.w.counters["kv_tokens_reused"] += inc.have_tokens
         self.w.emit(
             inc.rid,
             m.TransferReport(

@@ -52,6 +52,7 @@ def _tag(body: bytes, key: bytes) -> bytes:
 @dataclass(frozen=True)
 class Hello:
     client: str
+    subscribe: bool = True  # receive KVEvents (routers do; a test harness's side socket does not)
 
 
 @dataclass(frozen=True)

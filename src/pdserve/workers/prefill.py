@@ -5,6 +5,7 @@ Life cycle of a request here, by the names used below (`Outgoing.stage`):
                         not sent until D answers KVReady (its blocks are reserved).
   2. `streaming`      — D is ready: the backlog (layers already computed) is sent from the cache,
                         then every layer's KV is sent from the layer hook as soon as it exists.
+                        Tokens before KVReady.have_tokens (D's own cached prefix) are never sent.
   3. `done_sent`      — the hand-off tokens are sampled, all frames and KVDone are out; the blocks
                         stay held (lease) until KVAck, KVFail, or the lease runs out (reclaimed,
                         counted, reported).
@@ -106,7 +107,7 @@ class PrefillSide:
     # ---- messages from D -----------------------------------------------------------------
     def on_message(self, msg: object) -> None:
         if isinstance(msg, m.KVReady):
-            self._on_ready(msg.rid)
+            self._on_ready(msg.rid, msg.have_tokens)
         elif isinstance(msg, m.KVAck):
             self._on_ack(msg.rid)
         elif isinstance(msg, m.KVFail):
@@ -114,15 +115,28 @@ class PrefillSide:
             if o is not None:
                 self.fail(o, f"decode worker {o.dest_worker}: {msg.reason}", tell_dest=False)
 
-    def _on_ready(self, rid: str) -> None:
+    def _on_ready(self, rid: str, have_tokens: int = 0) -> None:
         o = self.out.get(rid)
         if o is None or o.stage != "waiting_ready":
             return
+        self._skip_cached(o, have_tokens)
         o.stage, o.times["ready"] = "streaming", time.monotonic()
         if o.finished_local:
             self._send_done(o)
         elif self.w.stream_kv:
             self._send_backlog(o)
+
+    def _skip_cached(self, o: Outgoing, have_tokens: int) -> None:
+        """D already holds the KV of the first `have_tokens` tokens: start every layer there.
+
+        D leaves at least the last prompt token to us; a larger claim is capped, so what we send
+        then starts before D's claim and D's own checks fail the hand-off (never failed from
+        here: this may run inside an engine step, from the layer hook)."""
+        request = self.w.engine.scheduler.requests.get(o.rid) or self.w.engine.held_request(o.rid)
+        limit = request.num_prompt_tokens - 1 if request is not None else 0
+        skip = max(0, min(have_tokens, limit))
+        o.next_token = [max(n, skip) for n in o.next_token]
+        self.w.counters["kv_tokens_skipped"] += skip
 
     def _send_backlog(self, o: Outgoing) -> None:
         """Send from the cache every layer's KV computed (in finished steps) before D was ready."""
@@ -175,9 +189,12 @@ class PrefillSide:
             for earlier in range(layer):
                 if o.next_token[earlier] < end:
                     self._send_from_cache(o, earlier, end)
-            if o.next_token[layer] == span.start_pos:
-                rows = slice(span.row, span.row + span.num_tokens)
-                self._send_frame(o, layer, span.start_pos, k[rows], v[rows])
+            # Only rows at or after next_token: D may hold the start (its cached prefix). A gap
+            # before the span (not sent yet) is caught up from the cache by the next hook.
+            first = o.next_token[layer]
+            if span.start_pos <= first < end:
+                rows = slice(span.row + first - span.start_pos, span.row + span.num_tokens)
+                self._send_frame(o, layer, first, k[rows], v[rows])
 
     def poll_ready(self) -> None:
         """Mid-step: act on KVReady at once; anything else waits until the step is over."""

@@ -8,6 +8,11 @@ whoever asked, and checks every deadline.
 
 Sockets: control = ROUTER (clients connect DEALERs, typed msgpack messages both ways);
 kv_in = ROUTER for frames pushed by prefill workers; one DEALER per decode worker we push to.
+
+Prefix-cache events: every client that says Hello subscribes. It gets WorkerInfo, then a
+snapshot (KVEvents with `cleared=True`: every block hash cached here), then after each loop turn
+that changed the cache one KVEvents with the hashes stored and removed. `seq` counts the messages
+sent to that subscriber from 0 (the snapshot), so a gap tells it to resync: Hello again.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from pdserve.workers.prefill import PrefillSide
 
 ROLES = ("prefill", "decode", "colocated")
 READY_PREFIX = "PDSERVE_WORKER_READY "
+MAX_SUBSCRIBERS = 32  # clients getting KVEvents; the longest-subscribed is dropped past this
+EVENT_CHUNK = 50_000  # block hashes per KVEvents (~1.7 MB), far below MAX_MESSAGE_BYTES
 
 
 class Worker:
@@ -91,6 +98,7 @@ class Worker:
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
         self.clients: dict[str, bytes] = {}  # request id -> identity of who asked
+        self.subscribers: dict[bytes, int] = {}  # KVEvents subscriber -> next seq it gets
         self.counters: collections.Counter[str] = collections.Counter()
         self.prefill = PrefillSide(self)
         self.decode = DecodeSide(self)
@@ -133,6 +141,8 @@ class Worker:
         self.prefill.flush_delayed()
         self.prefill.check_deadlines(now)
         self.decode.check_deadlines(now)
+        if self.engine.has_kv_events:  # one attribute check per turn when nothing changed
+            self.publish_kv_events()
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:
@@ -172,6 +182,8 @@ class Worker:
     def _handle(self, client: bytes, msg: object) -> None:
         if isinstance(msg, m.Hello):
             self._send(client, self.info())
+            if msg.subscribe:
+                self.subscribe(client)
         elif isinstance(msg, m.Generate):
             self.engine.add_request(msg.prompt_ids, m.sampling_params(msg.params), msg.rid)
             self.clients[msg.rid] = client
@@ -233,6 +245,45 @@ class Worker:
             str(e.source.path),
             self.heartbeat.endpoint,
         )
+
+    # ---- prefix-cache events -----------------------------------------------------------------
+    def subscribe(self, client: bytes) -> None:
+        """(Re)subscribe `client`: a snapshot of the cache with seq 0, then the changes."""
+        self.subscribers.pop(client, None)
+        if self.engine.has_kv_events:
+            self.publish_kv_events()  # others get what changed; the snapshot already holds it
+        if len(self.subscribers) >= MAX_SUBSCRIBERS:
+            del self.subscribers[next(iter(self.subscribers))]
+        self.subscribers[client] = 0
+        self._send_kv_events(client, self.engine.cached_block_hashes(), [], cleared=True)
+
+    def publish_kv_events(self) -> None:
+        """Send what the prefix cache stored and removed since the last call to every
+        subscriber (never blocking: a subscriber that is gone just misses them)."""
+        stored, removed, cleared = self.engine.take_kv_events()
+        for client in list(self.subscribers):
+            self._send_kv_events(client, stored, removed, cleared)
+
+    def _send_kv_events(
+        self, client: bytes, stored: list[bytes], removed: list[bytes], cleared: bool
+    ) -> None:
+        """One KVEvents, or several of at most EVENT_CHUNK hashes (only the first `cleared`)."""
+        n = EVENT_CHUNK
+        chunks: list[tuple[list[bytes], list[bytes]]]
+        chunks = [(stored[i : i + n], []) for i in range(0, len(stored), n)]
+        chunks += [([], removed[i : i + n]) for i in range(0, len(removed), n)]
+        for i, (part_s, part_r) in enumerate(chunks or [([], [])]):
+            seq = self.subscribers[client]
+            self.subscribers[client] = seq + 1
+            msg = m.KVEvents(
+                self.worker_id,
+                seq,
+                self.engine.cache.block_size,
+                part_s,
+                part_r,
+                cleared and i == 0,
+            )
+            self._send(client, msg)
 
     def abort(self, rid: str) -> None:
         self.prefill.abort(rid)
@@ -329,6 +380,7 @@ class Worker:
             "role": self.role,
             "transfers_out": len(self.prefill.out),
             "transfers_in": len(self.decode.inc),
+            "kv_event_subscribers": len(self.subscribers),
         }
 
     def close(self) -> None:
