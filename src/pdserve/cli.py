@@ -97,6 +97,33 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     compare.add_arguments(cmp)
+    from pdserve.bench import profile
+
+    prof = bench_sub.add_parser(
+        "profile",
+        help="measure this machine's engine and fit its cost model (router, plan)",
+        description=profile.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_arguments(prof)
+    from pdserve.bench import sched
+
+    sch = bench_sub.add_parser(
+        "sched",
+        help="scheduling features (admission, conditional, prefix, autobalance): A vs B",
+        description=sched.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sched.add_arguments(sch)
+    from pdserve import plan
+
+    plan_p = sub.add_parser(
+        "plan",
+        help="recommend a P:D split and threads per worker from the cost model",
+        description=plan.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_arguments(plan_p)
     return parser
 
 
@@ -159,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve import chaos
 
             return chaos.run(args)
+        if args.command == "plan":
+            from pdserve import plan
+
+            return plan.run(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 
@@ -168,17 +199,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 codec_bench,
                 compare,
                 engine_bench,
+                profile,
+                sched,
                 serve_bench,
                 transfer_bench,
             )
 
             if args.bench_command == "compare":
                 return compare.run(args, argv if argv is not None else sys.argv[1:])
+            if args.bench_command == "sched":
+                return sched.run(args, argv if argv is not None else sys.argv[1:])
             runners = {
                 "engine": engine_bench.run,
                 "codec": codec_bench.run,
                 "transfer": transfer_bench.run,
                 "serve": serve_bench.run,
+                "profile": profile.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

@@ -22,20 +22,26 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from pdserve.bench import serve_bench as sb
+from pdserve.bench import workloads as wl
 from pdserve.bench.workloads import (
     ID_HIGH,
     ID_LOW,
+    MixedWorkload,
     MultiTurnWorkload,
     RequestItem,
+    ShiftingWorkload,
     SyntheticWorkload,
     ids_to_text,
+    make_workload,
 )
 
 FAIL_ID = 7  # a prompt starting with this id gets HTTP 500
 SSE_ERROR_ID = 8  # ... an SSE error event mid-stream
+REJECT_ID = 9  # ... HTTP 429, an OpenAI error envelope with code "slo_ttft", Retry-After: 2
+OVERLOAD_ID = 10  # ... HTTP 503, a plain-text body, no Retry-After
 MODEL = "fake-model"
 
 
@@ -53,6 +59,12 @@ def _app(seen: list[dict[str, Any]]) -> Any:
         prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and prompt[0] == FAIL_ID:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if isinstance(prompt, list) and prompt and prompt[0] == REJECT_ID:
+            err = {"message": "predicted TTFT misses the SLO", "type": "rate_limit_exceeded",
+                   "param": None, "code": "slo_ttft"}  # fmt: skip
+            return JSONResponse({"error": err}, status_code=429, headers={"Retry-After": "2"})
+        if isinstance(prompt, list) and prompt and prompt[0] == OVERLOAD_ID:
+            return PlainTextResponse("overloaded", status_code=503)
         n = int(body["max_tokens"])
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
 
@@ -215,7 +227,7 @@ def test_concurrency_cap_is_respected(server: tuple[str, list[dict[str, Any]]]) 
 def test_multiturn_turns_are_sequential(server: tuple[str, list[dict[str, Any]]]) -> None:
     url, seen = server
     args = _args(url, "--workload", "multiturn", "--turns", "3", "--rate", "inf",
-                 "--num-requests", "7")  # fmt: skip
+                 "--num-requests", "7", "--multiturn-answers", "placeholder")  # fmt: skip
     before = len(seen)
     res = asyncio.run(sb.run_benchmark(args))
     _check_result(res, 7)
@@ -342,3 +354,281 @@ def test_backends_ask_for_exact_lengths_in_their_dialect() -> None:
     args = _args("http://x", "--rate", "1", "--num-requests", "1", "--no-ignore-eos")
     payload = sb._payload(args, MODEL, RequestItem([5, 6], 3, 0))
     assert payload["prompt"] == [5, 6] and "ignore_eos" not in payload
+
+
+# ---------------------------------------------------------------------------- rejections
+
+
+class _Marked:
+    """Synthetic items whose prompts start with a sentinel id at the given indexes."""
+
+    name = "synthetic"
+
+    def __init__(self, n: int, marks: dict[int, int]) -> None:
+        self.items = list(SyntheticWorkload(n, 16, 6, 0.0, seed=2))
+        for i, mark in marks.items():
+            it = self.items[i]
+            self.items[i] = RequestItem([mark, *it.prompt[1:]], it.max_tokens, it.conversation)
+
+    def __iter__(self) -> Iterator[RequestItem]:
+        return iter(self.items)
+
+
+def test_rejections_are_results_not_errors(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, seen = server
+    n = 10
+    marks = {1: REJECT_ID, 4: REJECT_ID, 6: OVERLOAD_ID, 8: FAIL_ID}
+    args = _args(url, "--rate", "inf", "--num-requests", str(n), "--slo-ttft", "60",
+                 "--slo-tpot", "60")  # fmt: skip
+    before = len(seen)
+    res = asyncio.run(sb.run_benchmark(args, workload=_Marked(n, marks)))
+    # each request was sent exactly once: a 429/503 is never retried by the client
+    assert len(seen) - before == n
+    assert res["sent"] == n and res["rejected"] == 3 and res["admitted"] == 7
+    assert res["rejected_by_code"] == {"http_503": 1, "slo_ttft": 2}
+    assert res["failed"] == 1 and res["completed"] == 6  # the HTTP 500 is the only error
+    assert len(res["errors"]) == 1 and res["errors"][0].startswith("HTTP 500")
+    assert res["good"] == 6  # loose SLOs: every completed request is good
+    assert res["slo_attainment"] == pytest.approx(6 / 10)
+    assert res["good_fraction"] == pytest.approx(6 / 10)
+    assert res["slo_attainment_admitted"] == pytest.approx(6 / 7)
+    rl = res["rejection_latency_ms"]
+    assert rl["p50"] is not None and 0 < rl["p50"] <= rl["p99"] < 5000
+    assert res["retry_after_s"]["p50"] == 2.0
+    by_index = {r["id"]: r for r in res["requests"]}
+    for i, code, retry in ((1, "slo_ttft", 2.0), (6, "http_503", None)):
+        r = by_index[i]
+        assert r["rejected"] and r["reject_code"] == code and r["retry_after_s"] == retry
+        assert r["error"] is None and r["ttft_ms"] is None and r["reject_ms"] > 0
+    assert not by_index[0]["rejected"] and by_index[0]["reject_ms"] is None
+    table = sb.format_table(res)
+    assert "rejected 3 (http_503 1, slo_ttft 2)" in table and "rejection latency" in table
+
+
+def test_user_field_names_the_conversation(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, seen = server
+    args = _args(url, "--rate", "inf", "--num-requests", "3")
+    before = len(seen)
+    res = asyncio.run(sb.run_benchmark(args))
+    assert sorted(b["user"] for b in seen[before:]) == ["conv-0", "conv-1", "conv-2"]
+    assert sorted(r["user"] for r in res["requests"]) == ["conv-0", "conv-1", "conv-2"]
+    args = _args(url, "--rate", "inf", "--num-requests", "2", "--no-send-user")
+    before = len(seen)
+    asyncio.run(sb.run_benchmark(args))
+    assert all("user" not in b for b in seen[before:])
+
+
+def _row(i: int, **kw: Any) -> dict[str, Any]:
+    base = {"id": i, "send_s": float(i), "error": None, "rejected": False, "ttft_ms": 100.0,
+            "tpot_ms": 10.0, "e2e_ms": 500.0, "reject_ms": None, "phase": None}  # fmt: skip
+    return {**base, **kw}
+
+
+def test_outcome_summary_known_answers() -> None:
+    rows = [
+        _row(0),
+        _row(1, ttft_ms=900.0),  # misses TTFT
+        _row(2, rejected=True, reject_code="slo_tpot", reject_ms=2.0, retry_after_s=1.0,
+             ttft_ms=None, tpot_ms=None, e2e_ms=None),
+        _row(3, rejected=True, reject_code="slo_ttft", reject_ms=4.0, ttft_ms=None,
+             tpot_ms=None, e2e_ms=None),
+        _row(4, error="HTTP 500", ttft_ms=None, tpot_ms=None, e2e_ms=None),
+    ]  # fmt: skip
+    out = sb.outcome_summary(rows, slo_ttft=0.5, slo_tpot=0.02, duration=2.0)
+    assert (out["sent"], out["admitted"], out["rejected"], out["failed"]) == (5, 3, 2, 1)
+    assert out["completed"] == 2 and out["good"] == 1 and out["goodput"] == 0.5
+    assert out["slo_attainment"] == pytest.approx(1 / 5)
+    assert out["slo_attainment_admitted"] == pytest.approx(1 / 3)
+    assert out["rejected_by_code"] == {"slo_ttft": 1, "slo_tpot": 1}
+    assert out["rejection_latency_ms"]["p50"] == 3.0
+    assert out["retry_after_s"]["p50"] == 1.0
+    # default span: first send (0) -> last answer (request 1: 1 s + 0.5 s)
+    assert sb.outcome_summary(rows, None, None)["span_s"] == pytest.approx(4.0)
+    # nothing admitted: attainment of admitted is undefined, not 0
+    assert sb.outcome_summary(rows[2:4], 0.5, 0.02)["slo_attainment_admitted"] is None
+    # older records without the new fields still work
+    old = [{"error": None, "ttft_ms": 1.0, "tpot_ms": 1.0, "send_s": 0.0, "e2e_ms": 5.0}]
+    assert sb.outcome_summary(old, 1.0, 1.0)["good"] == 1
+
+
+def test_by_phase_splits_and_spans() -> None:
+    rows = [
+        _row(0, phase="prefill-heavy"),
+        _row(1, phase="prefill-heavy", ttft_ms=5000.0),
+        _row(2, phase="decode-heavy"),
+        _row(3, phase="decode-heavy"),
+    ]
+    out = sb.by_phase(rows, slo_ttft=1.0, slo_tpot=None)
+    assert list(out) == ["prefill-heavy", "decode-heavy"]
+    pre, dec = out["prefill-heavy"], out["decode-heavy"]
+    assert pre["good"] == 1 and dec["good"] == 2
+    assert pre["span_s"] == pytest.approx(1.0 + 0.5)  # send 0 -> request 1 ends at 1.5
+    assert dec["span_s"] == pytest.approx(1.5) and dec["goodput"] == pytest.approx(2 / 1.5)
+    assert sb.by_phase([_row(0)], None, None) == {}
+
+
+# ---------------------------------------------------------------------------- multiturn answers
+
+
+def _by_conv(bodies: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for b in bodies:
+        out.setdefault(b["user"], []).append(b)
+    return out
+
+
+def test_multiturn_text_prompt_carries_the_actual_answer(
+    server: tuple[str, list[dict[str, Any]]],
+) -> None:
+    url, seen = server
+    args = _args(url, "--workload", "multiturn", "--turns", "3", "--rate", "inf",
+                 "--num-requests", "5", "--prompt-format", "text", "--output-len", "3",
+                 "--seed", "5")  # fmt: skip
+    before = len(seen)
+    res = asyncio.run(sb.run_benchmark(args))
+    assert res["completed"] == 5 and res["config"]["multiturn_answers"] == "actual"
+    items = list(MultiTurnWorkload(5, 16, 3, 0.0, seed=5, turns=3, answers="actual"))
+    convs = _by_conv(seen[before:])
+    for conv, bodies in convs.items():
+        questions = [it.question for it in items if f"conv-{it.conversation}" == conv]
+        assert bodies[0]["prompt"] == ids_to_text(questions[0] or [])
+        for t in range(1, len(bodies)):
+            prev = bodies[t - 1]
+            answer = "".join(f" t{i}" for i in range(prev["max_tokens"]))  # the fake's text
+            assert (
+                bodies[t]["prompt"] == f"{prev['prompt']}{answer} {ids_to_text(questions[t] or [])}"
+            )
+    # the record's prompt length is the length actually sent (words)
+    for r in res["requests"]:
+        assert r["prompt_len"] == len(convs[r["user"]][r["turn"]]["prompt"].split())
+
+
+class _Encoder:
+    """A fake tokenizer: one id per word, 500 + its length."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert add_special_tokens is False
+        return [500 + len(w) for w in text.split()]
+
+
+def test_multiturn_ids_prompt_carries_the_reencoded_answer(
+    server: tuple[str, list[dict[str, Any]]],
+) -> None:
+    url, seen = server
+    args = _args(url, "--workload", "multiturn", "--turns", "2", "--rate", "inf",
+                 "--num-requests", "4", "--output-len", "3")  # fmt: skip
+    before = len(seen)
+    res = asyncio.run(sb.run_benchmark(args, encoder=_Encoder()))
+    assert res["completed"] == 4
+    items = list(MultiTurnWorkload(4, 16, 3, 0.0, seed=0, turns=2, answers="actual"))
+    for conv, bodies in _by_conv(seen[before:]).items():
+        first, second = bodies
+        c = int(conv.removeprefix("conv-"))
+        q0, q1 = (it.question for it in items if it.conversation == c)
+        assert first["prompt"] == q0
+        # " t0 t1 t2" -> three words of length 2
+        assert second["prompt"] == [*first["prompt"], 502, 502, 502, *(q1 or [])]
+
+
+def test_multiturn_after_a_rejected_turn_carries_no_answer() -> None:
+    convs = sb._Conversations(text=False, encoder=_Encoder())
+    first = RequestItem([1, 2], 3, conversation=0, turn=0, question=[1, 2])
+    second = RequestItem([1, 2, 0, 0, 0, 3], 3, conversation=0, turn=1, question=[3])
+    p0 = convs.prompt(first)
+    convs.finished(first, p0, "")  # rejected: no answer
+    assert convs.prompt(second) == [1, 2, 3]
+    text = sb._Conversations(text=True, encoder=None)
+    p0 = text.prompt(first)
+    text.finished(first, p0, " hello")
+    assert text.prompt(second) == f"{ids_to_text([1, 2])} hello {ids_to_text([3])}"
+
+
+def test_multiturn_workload_actual_mode_keeps_the_placeholder_prompts() -> None:
+    placeholder = list(MultiTurnWorkload(6, 10, 4, 0.2, seed=1, turns=3))
+    actual = list(MultiTurnWorkload(6, 10, 4, 0.2, seed=1, turns=3, answers="actual"))
+    assert [it.prompt for it in placeholder] == [it.prompt for it in actual]
+    assert all(it.question is None for it in placeholder)
+    for it in actual:
+        assert it.question is not None and it.prompt[-len(it.question) :] == it.question
+        if it.turn == 0:
+            assert it.prompt == it.question
+    with pytest.raises(ValueError, match="answers"):
+        MultiTurnWorkload(2, 4, 4, 0.0, seed=0, turns=2, answers="maybe")
+
+
+# ---------------------------------------------------------------------------- mixed, shifting
+
+
+def test_mixed_workload_is_seeded_within_bounds() -> None:
+    a = list(MixedWorkload(200, seed=3, long_fraction=0.3))
+    assert a == list(MixedWorkload(200, seed=3, long_fraction=0.3))
+    assert a != list(MixedWorkload(200, seed=4, long_fraction=0.3))
+    longs = [it for it in a if it.phase == "long"]
+    shorts = [it for it in a if it.phase == "short"]
+    assert len(longs) + len(shorts) == 200 and 40 <= len(longs) <= 80
+    assert all(1500 <= len(it.prompt) <= 2000 for it in longs)
+    assert all(64 <= len(it.prompt) <= 200 for it in shorts)
+    assert all(16 <= it.max_tokens <= 64 for it in a)
+    assert len({it.conversation for it in a}) == 200
+    assert all(ID_LOW <= t < ID_HIGH for it in a[:5] for t in it.prompt)
+    none = list(MixedWorkload(20, seed=0, long_fraction=0.0, short_len=(5, 5), output_len=(2, 3)))
+    assert {len(it.prompt) for it in none} == {5} and {it.phase for it in none} == {"short"}
+    with pytest.raises(ValueError):
+        MixedWorkload(3, seed=0, long_fraction=1.5)
+
+
+def test_shifting_workload_phases_by_index_and_time() -> None:
+    kw = {"phase1_input": (50, 60), "phase1_output": (2, 3), "phase2_input": (4, 8),
+          "phase2_output": (20, 30)}  # fmt: skip
+    items = list(ShiftingWorkload(10, seed=1, shift_at=4, **kw))  # type: ignore[arg-type]
+    assert [it.phase for it in items] == ["prefill-heavy"] * 4 + ["decode-heavy"] * 6
+    for it in items:
+        if it.phase == "prefill-heavy":
+            assert 50 <= len(it.prompt) <= 60 and 2 <= it.max_tokens <= 3
+        else:
+            assert 4 <= len(it.prompt) <= 8 and 20 <= it.max_tokens <= 30
+    assert [it.conversation for it in items] == list(range(10))
+    assert items == list(ShiftingWorkload(10, seed=1, shift_at=4, **kw))  # type: ignore[arg-type]
+    default = ShiftingWorkload(10, seed=1, **kw)  # type: ignore[arg-type]
+    assert default.item_at is None and default.shift_at == 5
+    timed = ShiftingWorkload(10, seed=1, shift_at_s=2.0, **kw)  # type: ignore[arg-type]
+    assert timed.item_at is not None
+    # the same items whatever the boundary: index 6 before 2 s is phase 1's, after it phase 2's
+    assert timed.item_at(6, 1.9) == list(ShiftingWorkload(10, seed=1, shift_at=10, **kw))[6]  # type: ignore[arg-type]
+    assert timed.item_at(6, 2.0) == items[6]
+    with pytest.raises(ValueError):
+        ShiftingWorkload(3, seed=0, shift_at=4)
+
+
+def test_new_workloads_are_registered_with_their_flags() -> None:
+    args = _args("http://x", "--rate", "1", "--num-requests", "12", "--workload", "mixed",
+                 "--short-len", "10,12", "--long-len", "30", "--long-fraction", "0.5",
+                 "--mixed-output-len", "1,2")  # fmt: skip
+    items = list(make_workload(args))
+    assert {len(it.prompt) for it in items} <= {10, 11, 12, 30}
+    args = _args("http://x", "--rate", "1", "--num-requests", "6", "--workload", "shifting",
+                 "--phase1-input-len", "40,41", "--phase2-output-len", "9",
+                 "--shift-at", "2")  # fmt: skip
+    items = list(make_workload(args))
+    assert [it.phase for it in items] == ["prefill-heavy"] * 2 + ["decode-heavy"] * 4
+    assert all(it.max_tokens == 9 for it in items[2:])
+    assert {"mixed", "shifting"} <= set(wl.WORKLOADS) and "shifting" in wl.WORKLOAD_ARGUMENTS
+    for bad in (["--short-len", "5,3"], ["--long-len", "a,b"], ["--long-fraction", "2"],
+                ["--shift-at", "1", "--shift-at-s", "1"], ["--long-len", "0,4"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            _args("http://x", "--rate", "1", "--num-requests", "1", *bad)
+    assert wl.length_range("7") == (7, 7) and wl.length_range(" 3, 9") == (3, 9)
+
+
+def test_shifting_by_time_through_the_generator(server: tuple[str, list[dict[str, Any]]]) -> None:
+    url, _ = server
+    base = ["--workload", "shifting", "--rate", "inf", "--num-requests", "4",
+            "--phase1-input-len", "8", "--phase1-output-len", "2", "--phase2-input-len", "4",
+            "--phase2-output-len", "3"]  # fmt: skip
+    res = asyncio.run(sb.run_benchmark(_args(url, *base, "--shift-at-s", "0")))
+    assert {r["phase"] for r in res["requests"]} == {"decode-heavy"}
+    assert all(r["max_tokens"] == 3 and r["prompt_len"] == 4 for r in res["requests"])
+    res = asyncio.run(sb.run_benchmark(_args(url, *base, "--shift-at-s", "3600")))
+    assert {r["phase"] for r in res["requests"]} == {"prefill-heavy"}
+    assert list(res["by_phase"]) == ["prefill-heavy"]
+    assert res["by_phase"]["prefill-heavy"]["sent"] == 4

@@ -68,3 +68,48 @@ def test_json_round_trip_and_bad_files(tmp_path: Path) -> None:
             CostModel.load(path)
     with pytest.raises(ValueError, match="cannot read"):
         CostModel.load(tmp_path / "missing.json")
+
+
+def test_relative_fit_evens_out_short_and_long_samples() -> None:
+    pre, dec, xfer = _samples(noise=0.0)
+    exact = CostModel.fit_relative(pre, dec, xfer)
+    np.testing.assert_allclose(exact.prefill, TRUE.prefill, rtol=1e-6)
+    np.testing.assert_allclose(exact.decode, TRUE.decode, rtol=1e-6)
+    # one long sample 50% slow (a busy machine): the plain fit bends the short end for it
+    pre = [*pre, (2048, 2048, TRUE.prefill_s(2048, 2048) * 1.5)]
+    err_abs = CostModel.fit(pre, dec).errors(pre, dec)["prefill_p50"]
+    err_rel = CostModel.fit_relative(pre, dec).errors(pre, dec)["prefill_p50"]
+    assert err_rel < err_abs
+    with pytest.raises(ValueError, match="> 0"):
+        CostModel.fit_relative([(16, 0, 0.0), *pre], dec)
+
+
+def test_scaled_multiplies_compute_and_keeps_transfer() -> None:
+    half = TRUE.scaled(0.5)
+    assert half.prefill_s(1000, 200) == pytest.approx(TRUE.prefill_s(1000, 200) / 2)
+    assert half.decode_step_s(8, 4000) == pytest.approx(TRUE.decode_step_s(8, 4000) / 2)
+    assert half.transfer == TRUE.transfer
+    with pytest.raises(ValueError, match="> 0"):
+        TRUE.scaled(0)
+
+
+def test_default_path_is_per_host_model_and_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.router.costmodel import default_path, model_stem
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    path = default_path("/m/SmolLM2-135M-Instruct.Q4_1.gguf", 2, host="box 1")
+    assert path == tmp_path / "costmodel" / "box_1-SmolLM2-135M-Instruct.Q4_1-t2.json"
+    assert model_stem("/models/tiny-llama/") == "tiny-llama"
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    assert default_path("x.gguf", 1).is_relative_to(Path.home() / ".cache" / "pdserve")
+    with pytest.raises(ValueError, match="threads"):
+        default_path("x.gguf", 0)
+
+
+def test_load_about_returns_what_save_recorded(tmp_path: Path) -> None:
+    path = tmp_path / "cm.json"
+    TRUE.save(path, threads=2, host="h")
+    assert CostModel.load_about(path) == {"threads": 2, "host": "h"}
+    assert CostModel.load_about(tmp_path / "missing.json") == {}

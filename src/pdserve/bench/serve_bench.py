@@ -7,7 +7,16 @@ words with `--prompt-format text`, or the workload's own text for `rag`; `temper
 (shape `--burstiness`, mean 1/rate; burstiness 1 is Poisson; `--rate inf` sends all at once) or
 with at most `--concurrency` requests in flight. Turns of one multi-turn conversation are sent in
 order, each after the previous finished (in rate mode an arrival whose next turn is not ready yet
-waits for it).
+waits for it); with `--multiturn-answers actual` (the default) a turn's prompt is the previous
+turn's prompt + the answer the server returned + the new question (ids prompts: the answer text
+re-tokenized with `--tokenizer`). Each request names its conversation in the OpenAI `user` field
+("conv-<n>"; `--no-send-user` leaves it out), so a server can keep a conversation on one worker.
+
+Rejections are results, not errors: an HTTP 429 or 503 answer (admission control, overload, no
+workers) is recorded as `rejected`, with its latency (send -> status received), the error code of
+its OpenAI error envelope (`error.code`, else `error.type`, else `http_<status>`) and its
+Retry-After. The client never retries (httpx retries nothing on a status; no transport retries
+are configured).
 
 Metrics, as vLLM's `bench serve` (shared/design/ANCHORS.md), per completed request:
   * TTFT: send -> first streamed chunk with non-empty text;
@@ -16,9 +25,13 @@ Metrics, as vLLM's `bench serve` (shared/design/ANCHORS.md), per completed reque
           from the final chunk's `usage.completion_tokens`, else the number of content chunks;
   * ITL:  every gap between consecutive content chunks, pooled over requests.
   * goodput: completed requests meeting every given SLO (`--slo-ttft`, `--slo-tpot`, seconds) per
-    second of the run (with no SLO, every completed request is good); good_fraction = good /
-    (completed + failed). A failed request (HTTP error, SSE error event, exception, a stream
-    without content) counts in `failed` and never as good.
+    second of the run (with no SLO, every completed request is good); good_fraction =
+    slo_attainment = good / sent; slo_attainment_admitted = good / admitted (sent - rejected).
+    A failed request (other HTTP error, SSE error event, exception, a stream without content)
+    counts in `failed` and never as good; a rejected one counts in `rejected` (by code), never
+    as good, and not as failed.
+  * rejection latency: p50/p99 of send -> 429/503 status; Retry-After values as sent.
+  * by_phase: the same counts per item `phase` (shifting, mixed), goodput over each phase's span.
   * duration: first send -> last response; throughputs = completed totals / duration.
 Percentiles are numpy's (linear interpolation).
 """
@@ -35,15 +48,24 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
+from pdserve.bench import workloads as wl
 from pdserve.bench.workloads import WORKLOADS, RequestItem, Workload, ids_to_text, make_workload
 
 MAX_ERRORS = 5  # distinct error messages kept in the JSON
 ERROR_CHARS = 300
+REJECT_STATUSES = frozenset({429, 503})  # answers that are a refusal, recorded as `rejected`
+NOT_JSON = ("itl_ms", "answer")  # record fields left out of the JSON (size)
+
+
+class Encoder(Protocol):
+    """What turns an answer's text back into ids (a HF tokenizer)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass
@@ -61,11 +83,19 @@ class RequestRecord:
     tpot_ms: float | None = None
     e2e_ms: float | None = None
     error: str | None = None
+    phase: str | None = None  # the item's phase label (shifting, mixed)
+    user: str | None = None  # the OpenAI `user` field sent ("conv-<n>")
+    rejected: bool = False  # answered 429/503: refused, not failed
+    reject_code: str | None = None  # error.code of the refusal, else "http_<status>"
+    reject_ms: float | None = None  # send -> the refusal's status line
+    retry_after_s: float | None = None  # its Retry-After header, when numeric
     itl_ms: list[float] = field(default_factory=list)  # not written to the JSON (size)
+    answer: str = ""  # the streamed text, for the next turn's prompt; not in the JSON
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        """Completed: admitted and streamed to the end without an error."""
+        return self.error is None and not self.rejected
 
 
 # ---------------------------------------------------------------------------- flags
@@ -149,6 +179,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=_positive_float, default=600.0, help="per-request timeout, s"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--send-user",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send the conversation as the OpenAI `user` field (conv-<n>), for session affinity",
+    )
+    wl.add_arguments(parser)
 
 
 # ---------------------------------------------------------------------------- one request
@@ -190,18 +227,51 @@ def _prompt(args: argparse.Namespace, item: RequestItem) -> str | list[int]:
     return ids_to_text(item.prompt) if args.prompt_format == "text" else item.prompt
 
 
-def _payload(args: argparse.Namespace, model: str, item: RequestItem) -> dict[str, Any]:
+def user_of(item: RequestItem) -> str:
+    return f"conv-{item.conversation}"
+
+
+def _payload(
+    args: argparse.Namespace,
+    model: str,
+    item: RequestItem,
+    prompt: str | list[int] | None = None,
+) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model,
-        "prompt": _prompt(args, item),
+        "prompt": _prompt(args, item) if prompt is None else prompt,
         "max_tokens": item.max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if getattr(args, "send_user", True):
+        payload["user"] = user_of(item)
     if args.ignore_eos:
         BACKENDS[getattr(args, "backend", "openai")](payload, item.max_tokens)
     return payload
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        v = float(value) if value is not None else None
+    except ValueError:  # an HTTP date: not used by the servers benchmarked here
+        return None
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _reject_code(status: int, body: bytes) -> str:
+    """`error.code` of an OpenAI error envelope (else its `type`), or "http_<status>"."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        for key in ("code", "type"):
+            if err.get(key) not in (None, ""):
+                return str(err[key])
+    return f"http_{status}"
 
 
 def _sse_error(obj: Any) -> str | None:
@@ -231,6 +301,12 @@ async def send_request(
     usage_tokens: int | None = None
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code in REJECT_STATUSES:
+                rec.reject_ms = (time.perf_counter() - t0) * 1e3
+                rec.rejected = True
+                rec.retry_after_s = _retry_after(resp.headers.get("retry-after"))
+                rec.reject_code = _reject_code(resp.status_code, await resp.aread())
+                return
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {body[:ERROR_CHARS]}"
@@ -255,6 +331,7 @@ async def send_request(
                     rec.response_id = obj["id"]
                 choices = obj.get("choices") or []
                 if choices and choices[0].get("text"):
+                    rec.answer += choices[0]["text"]
                     if first is None:
                         first = now
                     else:
@@ -325,16 +402,70 @@ async def fetch_model(
     return str(data[0]["id"])
 
 
+class _Conversations:
+    """Prompts of multi-turn conversations that carry their actual answers.
+
+    An item with a `question` is sent as (the previous turn's prompt + the answer it got) + the
+    question; the first turn as the question alone. Text prompts append the answer's text as it
+    was streamed; ids prompts append the answer re-tokenized by `encoder` (the served model's
+    tokenizer, so the prompt extends what the server computed). A turn that was rejected or
+    failed adds no answer. Deterministic given the server's answers (greedy)."""
+
+    def __init__(self, text: bool, encoder: Encoder | None) -> None:
+        self.text, self.encoder = text, encoder
+        self.history: dict[int, str | list[int]] = {}
+
+    def prompt(self, item: RequestItem) -> str | list[int]:
+        assert item.question is not None
+        prev = self.history.get(item.conversation) if item.turn else None
+        if self.text:
+            question = ids_to_text(item.question)
+            return question if prev is None else f"{prev} {question}"
+        assert prev is None or isinstance(prev, list)
+        return list(item.question) if prev is None else [*prev, *item.question]
+
+    def finished(self, item: RequestItem, prompt: str | list[int], answer: str) -> None:
+        if isinstance(prompt, str):
+            self.history[item.conversation] = prompt + answer
+            return
+        ids: list[int] = []
+        if answer:
+            assert self.encoder is not None
+            ids = [int(t) for t in self.encoder.encode(answer, add_special_tokens=False)]
+        self.history[item.conversation] = [*prompt, *ids]
+
+
+def _prompt_len(prompt: str | list[int]) -> int:
+    return len(prompt.split()) if isinstance(prompt, str) else len(prompt)
+
+
+def _default_encoder(args: argparse.Namespace) -> Encoder:
+    from pdserve.engine.loader import load_tokenizer, resolve_model
+
+    tokenizer: Encoder = load_tokenizer(resolve_model(getattr(args, "tokenizer", None)))
+    return tokenizer
+
+
 async def run_benchmark(
     args: argparse.Namespace,
     workload: Workload | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    encoder: Encoder | None = None,
 ) -> dict[str, Any]:
-    """Run the load and return the result dict (see `summarize`)."""
+    """Run the load and return the result dict (see `summarize`).
+
+    `encoder` turns answers back into ids for multi-turn ids prompts (default: `--tokenizer`'s,
+    loaded only when needed); `transport` replaces the HTTP transport (tests)."""
     from tqdm import tqdm
 
     workload = workload if workload is not None else make_workload(args)
     items = list(workload)
+    item_at = getattr(workload, "item_at", None)  # a workload choosing items by time
+    text_prompts = args.prompt_format == "text"
+    carries = any(it.question is not None and it.turn > 0 for it in items)
+    if carries and not text_prompts and encoder is None:
+        encoder = await asyncio.to_thread(_default_encoder, args)
+    convs = _Conversations(text_prompts, encoder)
     base = args.url.rstrip("/")
     headers = _headers(args.api_key)
     n_conn = args.concurrency or len(items)
@@ -351,7 +482,15 @@ async def run_benchmark(
 
         async def one(item: RequestItem, rec: RequestRecord) -> None:
             try:
-                await send_request(client, url, _payload(args, model, item), headers, rec, t_start)
+                prompt = convs.prompt(item) if item.question is not None else None
+                if prompt is not None:
+                    rec.prompt_len = _prompt_len(prompt)
+                payload = _payload(args, model, item, prompt)
+                await send_request(client, url, payload, headers, rec, t_start)
+                if prompt is not None:
+                    convs.finished(item, prompt, rec.answer if rec.ok else "")
+            except Exception as e:  # building the prompt (tokenizer) fails this request only
+                rec.error = rec.error or f"{type(e).__name__}: {e}"[:ERROR_CHARS]
             finally:
                 ready.done(item)
                 bar.update(1)
@@ -369,8 +508,19 @@ async def run_benchmark(
                 delay = next_send - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            item = await ready.get()
-            rec = RequestRecord(i, item.conversation, item.turn, len(item.prompt), item.max_tokens)
+            if item_at is not None:
+                item = item_at(i, time.perf_counter() - t_start)
+            else:
+                item = await ready.get()
+            rec = RequestRecord(
+                i,
+                item.conversation,
+                item.turn,
+                len(item.prompt),
+                item.max_tokens,
+                phase=item.phase,
+                user=user_of(item) if getattr(args, "send_user", True) else None,
+            )
             records.append(rec)
             tasks.append(asyncio.create_task(one(item, rec)))
         await asyncio.gather(*tasks)
@@ -396,6 +546,78 @@ def is_good(rec: RequestRecord, slo_ttft: float | None, slo_tpot: float | None) 
     return not (slo_tpot is not None and rec.tpot_ms is not None and rec.tpot_ms > slo_tpot * 1e3)
 
 
+def is_good_dict(r: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) -> bool:
+    """`is_good` on a record as written to the JSON (missing fields: not good)."""
+    if r.get("error") is not None or r.get("rejected") or r.get("ttft_ms") is None:
+        return False
+    if slo_ttft is not None and r["ttft_ms"] > slo_ttft * 1e3:
+        return False
+    tpot = r.get("tpot_ms")
+    return not (slo_tpot is not None and tpot is not None and tpot > slo_tpot * 1e3)
+
+
+def _end_s(r: dict[str, Any]) -> float:
+    """When a record's answer ended, from the start of the run (its send time if unknown)."""
+    ms = r.get("e2e_ms") if r.get("e2e_ms") is not None else r.get("reject_ms")
+    return float(r.get("send_s") or 0.0) + (float(ms) / 1e3 if ms is not None else 0.0)
+
+
+def outcome_summary(
+    requests: Sequence[dict[str, Any]],
+    slo_ttft: float | None,
+    slo_tpot: float | None,
+    duration: float | None = None,
+) -> dict[str, Any]:
+    """Admission and SLO counts of JSON records: sent, admitted, rejected (by code), failed,
+    completed, good; goodput (good / `duration`, default: first send -> last answer);
+    slo_attainment (good / sent) and slo_attainment_admitted (good / admitted; None when nothing
+    was admitted); rejection latency and Retry-After statistics. Works on older records too
+    (no `rejected` field: nothing rejected)."""
+    sent = len(requests)
+    rejected = [r for r in requests if r.get("rejected")]
+    admitted = sent - len(rejected)
+    failed = sum(1 for r in requests if not r.get("rejected") and r.get("error") is not None)
+    good = sum(is_good_dict(r, slo_ttft, slo_tpot) for r in requests)
+    if duration is None:
+        t0 = min((float(r.get("send_s") or 0.0) for r in requests), default=0.0)
+        duration = max((_end_s(r) for r in requests), default=0.0) - t0
+    by_code: dict[str, int] = {}
+    for r in rejected:
+        code = str(r.get("reject_code") or "unknown")
+        by_code[code] = by_code.get(code, 0) + 1
+    return {
+        "sent": sent,
+        "admitted": admitted,
+        "rejected": len(rejected),
+        "rejected_by_code": dict(sorted(by_code.items())),
+        "failed": failed,
+        "completed": admitted - failed,
+        "good": good,
+        "span_s": duration,
+        "goodput": good / duration if duration > 0 else 0.0,
+        "slo_attainment": good / sent if sent else None,
+        "slo_attainment_admitted": good / admitted if admitted else None,
+        "rejection_latency_ms": _stats(
+            [r["reject_ms"] for r in rejected if r.get("reject_ms") is not None]
+        ),
+        "retry_after_s": _stats(
+            [r["retry_after_s"] for r in rejected if r.get("retry_after_s") is not None]
+        ),
+    }
+
+
+def by_phase(
+    requests: Sequence[dict[str, Any]], slo_ttft: float | None, slo_tpot: float | None
+) -> dict[str, dict[str, Any]]:
+    """`outcome_summary` per `phase` label (in order of first appearance), goodput over each
+    phase's own span (its first send -> its last answer); {} when no record has a phase."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(requests, key=lambda r: float(r.get("send_s") or 0.0)):
+        if r.get("phase") is not None:
+            groups.setdefault(str(r["phase"]), []).append(r)
+    return {name: outcome_summary(rs, slo_ttft, slo_tpot) for name, rs in groups.items()}
+
+
 def summarize(
     args: argparse.Namespace,
     model: str,
@@ -404,8 +626,11 @@ def summarize(
     duration: float,
 ) -> dict[str, Any]:
     done = [r for r in records if r.ok]
-    failed = len(records) - len(done)
-    good = sum(is_good(r, args.slo_ttft, args.slo_tpot) for r in done)
+    rows = [
+        {k: v for k, v in asdict(r).items() if k not in NOT_JSON}
+        for r in sorted(records, key=lambda r: r.send_s)
+    ]
+    outcome = outcome_summary(rows, args.slo_ttft, args.slo_tpot, max(duration, 1e-9))
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in done)
     errors: list[str] = []
@@ -426,15 +651,19 @@ def summarize(
             "output_len": args.output_len,
             "len_spread": args.len_spread,
             "turns": args.turns if workload == "multiturn" else None,
+            "multiturn_answers": (
+                getattr(args, "multiturn_answers", None) if workload == "multiturn" else None
+            ),
             "seed": args.seed,
             "slo_ttft_s": args.slo_ttft,
             "slo_tpot_s": args.slo_tpot,
             "prompt_format": args.prompt_format,
             "ignore_eos": args.ignore_eos,
             "backend": getattr(args, "backend", "openai"),
+            "send_user": getattr(args, "send_user", True),
         },
         "completed": len(done),
-        "failed": failed,
+        "failed": outcome["failed"],
         "errors": errors,
         "duration_s": duration,
         "total_input_tokens": in_tokens,
@@ -442,17 +671,23 @@ def summarize(
         "request_throughput": len(done) / dur,
         "output_throughput": out_tokens / dur,
         "input_throughput": in_tokens / dur,
-        "good": good,
-        "goodput": good / dur,
-        "good_fraction": good / len(records) if records else 0.0,
+        "good": outcome["good"],
+        "goodput": outcome["goodput"],
+        "good_fraction": outcome["good"] / len(records) if records else 0.0,
+        "sent": outcome["sent"],
+        "admitted": outcome["admitted"],
+        "rejected": outcome["rejected"],
+        "rejected_by_code": outcome["rejected_by_code"],
+        "rejection_latency_ms": outcome["rejection_latency_ms"],
+        "retry_after_s": outcome["retry_after_s"],
+        "slo_attainment": outcome["slo_attainment"],
+        "slo_attainment_admitted": outcome["slo_attainment_admitted"],
+        "by_phase": by_phase(rows, args.slo_ttft, args.slo_tpot),
         "ttft_ms": _stats([r.ttft_ms for r in done if r.ttft_ms is not None]),
         "tpot_ms": _stats([r.tpot_ms for r in done if r.tpot_ms is not None]),
         "itl_ms": _stats([x for r in done for x in r.itl_ms]),
         "e2e_ms": _stats([r.e2e_ms for r in done if r.e2e_ms is not None]),
-        "requests": [
-            {k: v for k, v in asdict(r).items() if k != "itl_ms"}
-            for r in sorted(records, key=lambda r: r.send_s)
-        ],
+        "requests": rows,
     }
 
 
@@ -470,8 +705,23 @@ def format_table(res: dict[str, Any]) -> str:
         f"requests/s {res['request_throughput']:.2f}  output tok/s {res['output_throughput']:.1f}"
         f"  input tok/s {res['input_throughput']:.1f}",
         f"goodput {res['goodput']:.2f} req/s  good fraction {res['good_fraction']:.3f}",
-        f"{'ms':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
+    if res.get("rejected"):
+        rl = res["rejection_latency_ms"]
+        codes = ", ".join(f"{c} {n}" for c, n in res["rejected_by_code"].items())
+        adm = res["slo_attainment_admitted"]
+        lines += [
+            f"sent {res['sent']}  admitted {res['admitted']}  rejected {res['rejected']} ({codes})",
+            f"rejection latency p50 {_fmt(rl['p50'])} ms  p99 {_fmt(rl['p99'])} ms  "
+            f"SLO attainment of admitted {'-' if adm is None else f'{adm:.3f}'}",
+        ]
+    for phase, ph in (res.get("by_phase") or {}).items():
+        att = ph["slo_attainment"]
+        lines.append(
+            f"phase {phase}: sent {ph['sent']}  rejected {ph['rejected']}  good {ph['good']}  "
+            f"goodput {ph['goodput']:.2f} req/s  attainment {'-' if att is None else f'{att:.3f}'}"
+        )
+    lines.append(f"{'ms':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = res[f"{name}_ms"]
         lines.append(f"{name.upper():<8}" + "".join(f"{_fmt(s[k]):>10}" for k in s))
@@ -495,7 +745,7 @@ def run(args: argparse.Namespace) -> int:
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(_json_safe(res), indent=1) + "\n")
-    return 0 if res["completed"] else 1
+    return 0 if res["completed"] or res["rejected"] else 1  # refusals are results too
 
 
 def main(argv: Sequence[str] | None = None) -> int:

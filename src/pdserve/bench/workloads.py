@@ -10,9 +10,24 @@ or, for servers that reject token-id prompts, as one word per id (`ids_to_text`)
 reference filling the prompt to its target length) has real text, rendered with a tokenizer's
 chat template and sent as `RequestItem.text`.
 
-Adding a workload: write a class with `name` and `__iter__` yielding `RequestItem`s, and register
-a factory in `WORKLOADS` (its `add_arguments`, if any, goes into `serve_bench.add_arguments`);
-import anything heavy inside the factory, so that importing this module stays cheap.
+`mixed` interleaves short and long prompts (seeded, a configurable long fraction) with short
+answers: the case for deciding per request where to prefill. `shifting` changes shape half-way:
+phase 1 sends long prompts with short answers (prefill-bound), phase 2 short prompts with long
+answers (decode-bound); the boundary is a request index (`--shift-at`) or a time into the run
+(`--shift-at-s`: then the load generator asks the workload's `item_at(index, seconds since the
+start)` which item to send). Items carry a `phase` label (shifting: its phase; mixed: short or
+long) that reports split by.
+
+`multiturn` carries each turn's *actual* answer into the next prompt by default
+(`--multiturn-answers actual`): an item then holds only its new user message (`question`), and the
+load generator sends previous prompt + the answer the server returned + that message; with
+`placeholder` the answer is `max_tokens` random ids fixed in advance (prompts known up front).
+
+Adding a workload: write a class with `name` and `__iter__` yielding `RequestItem`s, register a
+factory in `WORKLOADS` and, for its own flags, an `add_arguments` in `WORKLOAD_ARGUMENTS`
+(`add_arguments` here adds them all to `bench serve`; factories read them with `getattr` and a
+default, so a namespace without them still works); import anything heavy inside the factory, so
+that importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -47,6 +62,12 @@ class RequestItem:
     # the prompt as text, when the workload has real text (rag): sent instead of `prompt`, which
     # then holds its token ids under the workload's tokenizer (for lengths and reports)
     text: str | None = None
+    # multiturn with actual answers: this turn's new user message; the load generator sends the
+    # previous turn's prompt + its actual answer + this (turn 0: this alone). `prompt` then holds
+    # the placeholder form (same lengths, answer unknown in advance), for reports only
+    question: list[int] | None = None
+    # a label reports split by (shifting: "prefill-heavy" / "decode-heavy"; mixed: short / long)
+    phase: str | None = None
 
 
 @runtime_checkable
@@ -101,6 +122,11 @@ class MultiTurnWorkload:
     answer (`max_tokens` random ids, as the real answer isn't known in advance) + a new question.
     So consecutive turns share a growing prefix, which a prefix cache can reuse. Question lengths
     follow `input_len`/`spread`, answer lengths `output_len`/`spread`.
+
+    `answers="actual"`: each item also carries its new question (`RequestItem.question`), and the
+    load generator replaces the placeholder by the answer the server actually returned (known
+    once the previous turn finished; turns are sent in order), so the prompt extends exactly what
+    the server computed before. The random ids drawn are the same in both modes.
     """
 
     name = "multiturn"
@@ -113,9 +139,12 @@ class MultiTurnWorkload:
         spread: float,
         seed: int,
         turns: int,
+        answers: str = "placeholder",
     ) -> None:
         if turns < 1:
             raise ValueError(f"turns must be >= 1, got {turns}")
+        if answers not in MULTITURN_ANSWERS:
+            raise ValueError(f"answers must be one of {MULTITURN_ANSWERS}, got {answers!r}")
         self.num_requests, self.turns = num_requests, turns
         rng = np.random.default_rng(seed)
         q_lens = sample_lengths(rng, input_len, spread, num_requests)
@@ -126,12 +155,128 @@ class MultiTurnWorkload:
             conv, turn = divmod(i, turns)
             # a new conversation, or the previous prompt + its answer's placeholder
             prompt = [] if turn == 0 else prompt + _random_ids(rng, self._items[-1].max_tokens)
-            prompt = prompt + _random_ids(rng, q_lens[i])
-            self._items.append(RequestItem(prompt, a_lens[i], conversation=conv, turn=turn))
+            question = _random_ids(rng, q_lens[i])
+            prompt = prompt + question
+            self._items.append(
+                RequestItem(
+                    prompt,
+                    a_lens[i],
+                    conversation=conv,
+                    turn=turn,
+                    question=question if answers == "actual" else None,
+                )
+            )
 
     def __iter__(self) -> Iterator[RequestItem]:
         # conversation by conversation; the load generator interleaves them
         return iter(self._items)
+
+
+MULTITURN_ANSWERS = ("actual", "placeholder")
+
+
+def sample_range(rng: np.random.Generator, lo_hi: tuple[int, int], n: int) -> list[int]:
+    """`n` integers uniform in [lo, hi] (both included)."""
+    lo, hi = lo_hi
+    if not 1 <= lo <= hi:
+        raise ValueError(f"a length range needs 1 <= LO <= HI, got {lo},{hi}")
+    return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
+
+
+class MixedWorkload:
+    """Independent requests, each short (prompt in `short_len`) or, with probability
+    `long_fraction`, long (prompt in `long_len`); answers in `output_len` (short by default).
+    Items carry `phase` "short" or "long"."""
+
+    name = "mixed"
+
+    def __init__(
+        self,
+        num_requests: int,
+        seed: int,
+        short_len: tuple[int, int] = (64, 200),
+        long_len: tuple[int, int] = (1500, 2000),
+        long_fraction: float = 0.25,
+        output_len: tuple[int, int] = (16, 64),
+    ) -> None:
+        if not 0.0 <= long_fraction <= 1.0:
+            raise ValueError(f"long fraction must be in [0, 1], got {long_fraction}")
+        rng = np.random.default_rng(seed)
+        is_long = rng.random(num_requests) < long_fraction
+        shorts = sample_range(rng, short_len, num_requests)
+        longs = sample_range(rng, long_len, num_requests)
+        outs = sample_range(rng, output_len, num_requests)
+        self._items = [
+            RequestItem(
+                _random_ids(rng, longs[i] if is_long[i] else shorts[i]),
+                outs[i],
+                conversation=i,
+                phase="long" if is_long[i] else "short",
+            )
+            for i in range(num_requests)
+        ]
+
+    def __iter__(self) -> Iterator[RequestItem]:
+        return iter(self._items)
+
+
+PHASES = ("prefill-heavy", "decode-heavy")
+
+
+class ShiftingWorkload:
+    """Phase 1 ("prefill-heavy"): prompts in `phase1_input`, answers in `phase1_output` (long
+    prompts, short answers); phase 2 ("decode-heavy"): `phase2_input`, `phase2_output` (short
+    prompts, long answers). The boundary: request index `shift_at` (default: half-way), or, with
+    `shift_at_s`, the time into the run (requests sent before it are phase 1, `item_at`).
+
+    Both variants of every index are drawn up front from one seeded generator, so the items are
+    the same whatever the boundary; request i is conversation i in either phase."""
+
+    name = "shifting"
+
+    def __init__(
+        self,
+        num_requests: int,
+        seed: int,
+        phase1_input: tuple[int, int] = (1500, 2000),
+        phase1_output: tuple[int, int] = (8, 16),
+        phase2_input: tuple[int, int] = (64, 128),
+        phase2_output: tuple[int, int] = (128, 192),
+        shift_at: int | None = None,
+        shift_at_s: float | None = None,
+    ) -> None:
+        if shift_at is not None and not 0 <= shift_at <= num_requests:
+            raise ValueError(f"shift-at must be in [0, {num_requests}], got {shift_at}")
+        if shift_at_s is not None and not shift_at_s >= 0:
+            raise ValueError(f"shift-at-s must be >= 0, got {shift_at_s}")
+        self.num_requests = num_requests
+        self.shift_at = num_requests // 2 if shift_at is None else shift_at
+        self.shift_at_s = shift_at_s
+        rng = np.random.default_rng(seed)
+        lens = [
+            sample_range(rng, r, num_requests)
+            for r in (phase1_input, phase1_output, phase2_input, phase2_output)
+        ]
+        self._variants = [
+            tuple(
+                RequestItem(_random_ids(rng, lens[2 * p][i]), lens[2 * p + 1][i], i, phase=name)
+                for p, name in enumerate(PHASES)
+            )
+            for i in range(num_requests)
+        ]
+        # with a time boundary the load generator asks which item to send (else it iterates)
+        self.item_at: Callable[[int, float], RequestItem] | None = (
+            self._item_at_time if shift_at_s is not None else None
+        )
+
+    def _item_at_time(self, index: int, elapsed_s: float) -> RequestItem:
+        assert self.shift_at_s is not None
+        return self._variants[index][0 if elapsed_s < self.shift_at_s else 1]
+
+    def __iter__(self) -> Iterator[RequestItem]:
+        # by index (with a time boundary: what an instant run would send, for counting only)
+        for i, variants in enumerate(self._variants):
+            yield variants[0 if i < self.shift_at else 1]
 
 
 def _synthetic(args: argparse.Namespace) -> Workload:
@@ -142,7 +287,37 @@ def _synthetic(args: argparse.Namespace) -> Workload:
 
 def _multiturn(args: argparse.Namespace) -> Workload:
     return MultiTurnWorkload(
-        args.num_requests, args.input_len, args.output_len, args.len_spread, args.seed, args.turns
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        args.len_spread,
+        args.seed,
+        args.turns,
+        answers=getattr(args, "multiturn_answers", "actual"),
+    )
+
+
+def _mixed(args: argparse.Namespace) -> Workload:
+    return MixedWorkload(
+        args.num_requests,
+        args.seed,
+        short_len=getattr(args, "short_len", (64, 200)),
+        long_len=getattr(args, "long_len", (1500, 2000)),
+        long_fraction=getattr(args, "long_fraction", 0.25),
+        output_len=getattr(args, "mixed_output_len", (16, 64)),
+    )
+
+
+def _shifting(args: argparse.Namespace) -> Workload:
+    return ShiftingWorkload(
+        args.num_requests,
+        args.seed,
+        phase1_input=getattr(args, "phase1_input_len", (1500, 2000)),
+        phase1_output=getattr(args, "phase1_output_len", (8, 16)),
+        phase2_input=getattr(args, "phase2_input_len", (64, 128)),
+        phase2_output=getattr(args, "phase2_output_len", (128, 192)),
+        shift_at=getattr(args, "shift_at", None),
+        shift_at_s=getattr(args, "shift_at_s", None),
     )
 
 
@@ -169,7 +344,111 @@ WORKLOADS: dict[str, Callable[[argparse.Namespace], Workload]] = {
     "synthetic": _synthetic,
     "multiturn": _multiturn,
     "rag": _rag,
+    "mixed": _mixed,
+    "shifting": _shifting,
 }
+
+
+# ---------------------------------------------------------------------------- workload flags
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """argparse type of a length range 'LO,HI' (tokens, 1 <= LO <= HI); 'N' means N,N."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (integers), got {text!r}") from None
+    if len(parts) > 2 or not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _multiturn_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multiturn workload")
+    group.add_argument(
+        "--multiturn-answers",
+        choices=MULTITURN_ANSWERS,
+        default="actual",
+        help="what a turn's prompt carries of the previous answer: the text the server returned "
+        "(ids prompts: re-tokenized with --tokenizer) or max_tokens random ids fixed in advance",
+    )
+
+
+def _mixed_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mixed workload")
+    group.add_argument("--short-len", type=length_range, default=(64, 200), help="LO,HI tokens")
+    group.add_argument("--long-len", type=length_range, default=(1500, 2000), help="LO,HI tokens")
+    group.add_argument(
+        "--long-fraction", type=_fraction, default=0.25, help="share of long prompts"
+    )
+    group.add_argument(
+        "--mixed-output-len", type=length_range, default=(16, 64), help="LO,HI max_tokens"
+    )
+
+
+def _shifting_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("shifting workload")
+    for phase, what, default in (
+        (1, "input", (1500, 2000)),
+        (1, "output", (8, 16)),
+        (2, "input", (64, 128)),
+        (2, "output", (128, 192)),
+    ):
+        group.add_argument(
+            f"--phase{phase}-{what}-len",
+            type=length_range,
+            default=default,
+            help=f"LO,HI {'prompt tokens' if what == 'input' else 'max_tokens'} in phase {phase}",
+        )
+    boundary = group.add_mutually_exclusive_group()
+    boundary.add_argument(
+        "--shift-at",
+        type=_non_negative_int,
+        default=None,
+        help="first phase-2 request index (default: num_requests // 2)",
+    )
+    boundary.add_argument(
+        "--shift-at-s",
+        type=_non_negative_float,
+        default=None,
+        help="seconds into the run from which requests are phase 2 (instead of --shift-at)",
+    )
+
+
+# name -> the flags of that workload (added to `bench serve` by `add_arguments`)
+WORKLOAD_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "multiturn": _multiturn_arguments,
+    "mixed": _mixed_arguments,
+    "shifting": _shifting_arguments,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every registered workload's own flags."""
+    for add in WORKLOAD_ARGUMENTS.values():
+        add(parser)
 
 
 def make_workload(args: argparse.Namespace) -> Workload:

@@ -18,7 +18,10 @@ module only knows arithmetic: no sockets, no engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+import platform
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +50,13 @@ def _nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [float(c) for c in coef / scale]
 
 
+def _nnls_relative(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Non-negative least squares of sum(((row . coef) - y) / y)^2: rows and targets over y."""
+    if any(not y > 0 for y in ys):
+        raise ValueError("a relative fit needs every measured time > 0")
+    return _nnls([[x / y for x in row] for row, y in zip(rows, ys, strict=True)], [1.0] * len(ys))
+
+
 @dataclass(frozen=True)
 class CostModel:
     prefill: tuple[float, float, float]
@@ -63,6 +73,19 @@ class CostModel:
         fixed, bandwidth = self.transfer
         return fixed + nbytes / bandwidth
 
+    def scaled(self, factor: float) -> CostModel:
+        """The same worker `factor` times slower at compute (prefill and decode times times
+        `factor`; < 1 is faster). The transfer is left alone: it is bound by the link and
+        memory copies, not by the worker's compute threads."""
+        if not factor > 0:
+            raise ValueError(f"a scale factor must be > 0, got {factor}")
+        p, d = self.prefill, self.decode
+        return CostModel(
+            (p[0] * factor, p[1] * factor, p[2] * factor),
+            (d[0] * factor, d[1] * factor, d[2] * factor),
+            self.transfer,
+        )
+
     # ---- fitting --------------------------------------------------------------------------
     @classmethod
     def fit(
@@ -72,13 +95,38 @@ class CostModel:
         transfer_samples: Sequence[tuple[int, float]] = (),
     ) -> CostModel:
         """From (new, cached, s), (batch, context, s) and (bytes, s) measurements."""
-        p = _nnls([_prefill_row(n, c) for n, c, _ in prefill_samples],
+        return cls._fit(_nnls, prefill_samples, decode_samples, transfer_samples)
+
+    @classmethod
+    def fit_relative(
+        cls,
+        prefill_samples: Sequence[tuple[int, int, float]],
+        decode_samples: Sequence[tuple[int, int, float]],
+        transfer_samples: Sequence[tuple[int, float]] = (),
+    ) -> CostModel:
+        """As `fit`, but minimizing squared relative errors: every sample weighs 1 / its time.
+
+        `fit` minimizes absolute errors, so samples spanning 50 ms to 5 s are fitted for the
+        5 s ones and the short ones can be off by 2x; `errors` (and a router deciding between a
+        short and a long prompt) judge relative errors, which this fit makes even.
+        """
+        return cls._fit(_nnls_relative, prefill_samples, decode_samples, transfer_samples)
+
+    @classmethod
+    def _fit(
+        cls,
+        solve: Callable[[list[list[float]], list[float]], list[float]],
+        prefill_samples: Sequence[tuple[int, int, float]],
+        decode_samples: Sequence[tuple[int, int, float]],
+        transfer_samples: Sequence[tuple[int, float]],
+    ) -> CostModel:
+        p = solve([_prefill_row(n, c) for n, c, _ in prefill_samples],
                   [s for *_, s in prefill_samples])  # fmt: skip
-        d = _nnls([_decode_row(b, ctx) for b, ctx, _ in decode_samples],
+        d = solve([_decode_row(b, ctx) for b, ctx, _ in decode_samples],
                   [s for *_, s in decode_samples])  # fmt: skip
         transfer: tuple[float, float] = (0.0, 1e12)
         if transfer_samples:
-            t0, per_byte = _nnls([[1.0, float(n)] for n, _ in transfer_samples],
+            t0, per_byte = solve([[1.0, float(n)] for n, _ in transfer_samples],
                                  [s for _, s in transfer_samples])  # fmt: skip
             transfer = (t0, 1.0 / per_byte if per_byte > 0 else 1e12)
         return cls((p[0], p[1], p[2]), (d[0], d[1], d[2]), transfer)
@@ -105,6 +153,15 @@ class CostModel:
         body = {"version": VERSION, **asdict(self), "about": about}
         path.write_text(json.dumps(body, indent=1) + "\n")
 
+    @staticmethod
+    def load_about(path: Path) -> dict[str, object]:
+        """The `about` dict a file was saved with ({} when it has none or is unreadable)."""
+        try:
+            about = json.loads(path.read_text()).get("about", {})
+        except (OSError, json.JSONDecodeError, AttributeError):
+            return {}
+        return about if isinstance(about, dict) else {}
+
     @classmethod
     def load(cls, path: Path) -> CostModel:
         try:
@@ -122,3 +179,32 @@ class CostModel:
         if len(prefill) != 3 or len(decode) != 3 or len(transfer) != 2:
             raise ValueError(f"{path}: malformed cost model")
         return cls(prefill, decode, transfer)  # type: ignore[arg-type]
+
+
+# ---- where cost models live --------------------------------------------------------------------
+def cache_dir() -> Path:
+    """$PDSERVE_CACHE_DIR if set, else ~/.cache/pdserve."""
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdserve"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "unknown"
+
+
+def model_stem(model_name: str) -> str:
+    """A model file's or folder's name without `.gguf`: `SmolLM2-135M-Instruct.Q4_1`."""
+    name = Path(model_name).name
+    return _slug(name[: -len(".gguf")] if name.lower().endswith(".gguf") else name)
+
+
+def default_path(model_name: str, threads: int, host: str | None = None) -> Path:
+    """`<cache>/costmodel/<host>-<model stem>-t<threads>.json`.
+
+    One file per host, model and thread count, because a cost model is a measurement of exactly
+    that combination: another CPU, model or thread count has other coefficients.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    host = _slug(host if host is not None else platform.node())
+    return cache_dir() / "costmodel" / f"{host}-{model_stem(model_name)}-t{threads}.json"

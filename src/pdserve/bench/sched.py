@@ -1,0 +1,824 @@
+"""`pdserve bench sched`: pdserve's scheduling features (issue 6), each against its baseline.
+
+Every experiment starts `pdserve serve` twice as a subprocess, a fresh server each time (arm A with
+the feature, arm B without), waits for /v1/models and /health, sends one warm-up request, then
+runs the same seeded workload against it with `bench serve` (`serve_bench`) while polling
+GET /admin/workers every `--poll-interval` seconds; after the load it fetches /metrics (counters
+are reported as the difference across the load, so the warm-up is not counted), /admin/workers and
+every request's GET /v1/requests/{id}/timeline (its events and, when the server has one, its
+cost-model "prediction").
+
+  admission    synthetic, 1P+1D: `--slo-ttft X --slo-tpot Y` (admission on) vs the same plus
+               `--no-admission`; Poisson load at `--load-factor` (2) x the measured capacity.
+               Attainment of admitted requests, goodput, rejections by code, rejection latency.
+  conditional  mixed (short and long prompts, short answers), 1P+1D: `--disaggregation
+               conditional` vs `always`: goodput (all, short, long), TTFT/TPOT medians, route
+               decisions (pdserve_route_decisions / _disagg_decisions, else the timelines' routes).
+  prefix       multiturn (actual answers carried, text prompts, `user` = conversation), 2P+2D:
+               `--prefix-routing` vs `--no-prefix-routing`: prefix-cache hit rate (worker stats,
+               router counters), TTFT p50/p90 of turns > 0 (and per turn), KV bytes sent.
+  autobalance  shifting (long prompts + short answers, then short prompts + long answers),
+               1P+1D: `--autobalance` vs not: goodput per phase and overall, role switches seen
+               in the polled worker table (who, when, from -> to).
+All experiments report the cost model's prediction error from the timelines: p50/p90 of
+|predicted - actual| / actual for TTFT and TPOT (the server's actual values when the prediction
+carries them, else the client's measurements).
+
+SLOs and load. `--slo-ttft`/`--slo-tpot` when given; else derived like `bench compare`: a
+calibration server (the plain `pdserve serve` of that topology: no arm flags, no SLOs) answers
+`--calibration-requests` requests one at a time (spread over the workload's prompt lengths: the
+shortest, the longest and evenly between), and each SLO is its factor (`--slo-ttft-factor` 3,
+`--slo-tpot-factor` 1.5) x the slowest of them, so every kind of request meets the SLOs when the
+server is idle. The same server then measures capacity: a closed-loop run (`--capacity-requests`
+requests of the workload, another seed, at most `--capacity-concurrency` in flight, default
+2 x the workers) whose completed requests/s is the capacity; the load is `--load-factor` x that
+(`--rate` skips the measurement). Requests: `--num-requests`, else `--duration` x the rate, else
+the experiment's default. The SLOs go to every server (`--no-server-slos`: only admission's);
+experiments other than admission also get `--no-admission`, so that both arms serve everything
+and differ only in the feature measured.
+
+Everything degrades gracefully: a server that does not start (say, a flag not landed yet) is
+reported as failed, and any number whose field the server does not provide is "n/a". Writes
+`results.json` (after each experiment) and `report.md` under `--output-dir`, server logs under
+`logs/`. `sched_report.rebuild(results.json)` re-makes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pdserve.bench import compare, serve_bench
+from pdserve.bench import workloads as wl
+from pdserve.bench.workloads import RequestItem
+
+WARMUP_TOKENS = 4
+HEALTH_WAIT_S = 60.0
+
+
+# ---------------------------------------------------------------------------- experiments
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    workload: str
+    prefill: int
+    decode: int
+    arms: tuple[Arm, Arm]  # A: the feature, B: the baseline
+    load_factor: float  # x the measured capacity
+    num_requests: int
+    # bench serve settings of the workload (input_len, output_len, ...), unless given as flags
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (
+        Experiment(
+            "admission",
+            "synthetic",
+            1,
+            1,
+            (Arm("admission", ()), Arm("no-admission", ("--no-admission",))),
+            load_factor=2.0,
+            num_requests=40,
+            settings={"input_len": 512, "output_len": 64, "len_spread": 0.25},
+        ),
+        Experiment(
+            "conditional",
+            "mixed",
+            1,
+            1,
+            (
+                Arm("conditional", ("--disaggregation", "conditional")),
+                Arm("always", ("--disaggregation", "always")),
+            ),
+            load_factor=1.0,
+            num_requests=40,
+        ),
+        Experiment(
+            "prefix",
+            "multiturn",
+            2,
+            2,
+            (
+                Arm("prefix-routing", ("--prefix-routing",)),
+                Arm("no-prefix", ("--no-prefix-routing",)),
+            ),
+            load_factor=1.0,
+            num_requests=32,
+            settings={
+                "input_len": 256,
+                "output_len": 32,
+                "len_spread": 0.25,
+                "turns": 4,
+                "prompt_format": "text",
+            },
+        ),
+        Experiment(
+            "autobalance",
+            "shifting",
+            1,
+            1,
+            (Arm("autobalance", ("--autobalance",)), Arm("static", ())),
+            load_factor=1.0,
+            num_requests=40,
+        ),
+    )
+}
+# the bench serve settings each workload reads (generic flags and its own, WORKLOAD_ARGUMENTS)
+_LENGTHS = ("input_len", "output_len", "len_spread")
+WORKLOAD_KEYS: dict[str, tuple[str, ...]] = {
+    "synthetic": (*_LENGTHS, "prompt_format"),
+    "multiturn": (*_LENGTHS, "turns", "prompt_format", "multiturn_answers"),
+    "mixed": ("short_len", "long_len", "long_fraction", "mixed_output_len", "prompt_format"),
+    "shifting": (
+        "phase1_input_len",
+        "phase1_output_len",
+        "phase2_input_len",
+        "phase2_output_len",
+        "shift_at",
+        "shift_at_s",
+        "prompt_format",
+    ),
+}
+
+
+def topology(exp: Experiment, args: argparse.Namespace) -> tuple[int, int]:
+    return (args.prefill or exp.prefill, args.decode or exp.decode)
+
+
+def server_command(
+    args: argparse.Namespace,
+    exp: Experiment,
+    port: int | str,
+    arm: Arm | None,
+    slo: tuple[float, float] | None,
+) -> list[str]:
+    """`pdserve serve` of one arm (`arm=None`, `slo=None`: the plain calibration server)."""
+    p, d = topology(exp, args)
+    cmd = [
+        compare._pdserve_bin(), "serve", *([str(args.model)] if args.model else []),
+        "--prefill", str(p), "--decode", str(d), "--threads", str(args.threads),
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    if slo is not None and (args.server_slos or exp.name == "admission"):
+        cmd += ["--slo-ttft", f"{slo[0]:.6g}", "--slo-tpot", f"{slo[1]:.6g}"]
+        if exp.name != "admission":
+            cmd.append("--no-admission")
+    if arm is not None:
+        cmd += list(arm.flags)
+    return cmd + shlex.split(args.pdserve_args)
+
+
+def _system(
+    args: argparse.Namespace,
+    exp: Experiment,
+    label: str,
+    arm: Arm | None,
+    slo: tuple[float, float] | None,
+) -> compare.System:
+    def command(_: argparse.Namespace, port: int) -> list[str]:
+        return server_command(args, exp, port, arm, slo)
+
+    def missing(_: argparse.Namespace) -> str | None:
+        return None
+
+    return compare.System(f"{exp.name}-{label}", "pdserve", command, missing, timelines=True)
+
+
+@contextlib.contextmanager
+def server(system: compare.System, args: argparse.Namespace) -> Iterator[str]:
+    """compare.running_server (free port, /v1/models, stop), then /health "ok"."""
+    log = args.output_dir / "logs" / f"{system.name}.log"
+    with compare.running_server(system, args, log) as url:
+        wait_healthy(url, HEALTH_WAIT_S)
+        yield url
+
+
+def wait_healthy(url: str, timeout: float) -> bool:
+    """Until GET /health says "ok" (True), or `timeout` passed (False: run anyway)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            resp = httpx.get(f"{url}/health", timeout=2.0)
+            if resp.status_code == 200 and resp.json().get("status") == "ok":
+                return True
+        time.sleep(0.5)
+    return False
+
+
+# ---------------------------------------------------------------------------- bench serve runs
+
+
+class _Items:
+    def __init__(self, name: str, items: list[RequestItem]) -> None:
+        self.name, self.items = name, items
+
+    def __iter__(self) -> Iterator[RequestItem]:
+        return iter(self.items)
+
+
+def settings(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
+    """The workload's bench serve settings: flags given here, else the experiment's defaults
+    (else bench serve's); only those its workload reads."""
+    out: dict[str, Any] = {"workload": exp.workload}
+    for key in WORKLOAD_KEYS[exp.workload]:
+        given = getattr(args, key, None)
+        out[key] = given if given is not None else exp.settings.get(key)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def bench_ns(
+    args: argparse.Namespace,
+    exp: Experiment,
+    url: str,
+    *,
+    num_requests: int,
+    seed: int,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    slo: tuple[float, float] | None = None,
+) -> argparse.Namespace:
+    """`bench serve` flags through its own parser, with the experiment's workload settings."""
+    parser = argparse.ArgumentParser()
+    serve_bench.add_arguments(parser)
+    argv = [
+        "--url", url, "--workload", exp.workload, "--num-requests", str(num_requests),
+        "--seed", str(seed), "--backend", "pdserve", "--timeout", str(args.timeout),
+        "--no-progress",
+    ]  # fmt: skip
+    if rate is not None:
+        argv += ["--rate", repr(rate), "--burstiness", str(args.burstiness)]
+    else:
+        argv += ["--concurrency", str(concurrency or 1)]
+    ns = parser.parse_args(argv)
+    for key, value in settings(args, exp).items():
+        setattr(ns, key, value)
+    ns.tokenizer = str(args.model) if args.model else None
+    ns.slo_ttft, ns.slo_tpot = slo if slo is not None else (None, None)
+    return ns
+
+
+def calibration_items(workload: Any, k: int) -> list[RequestItem]:
+    """`k` independent requests spanning the workload's prompt lengths (shortest, longest, evenly
+    between by rank): multi-turn items become single requests of their placeholder prompt."""
+    items = sorted(workload, key=lambda it: (len(it.prompt), it.max_tokens))
+    if not items:
+        return []
+    picks = sorted({round(x) for x in np.linspace(0, len(items) - 1, num=min(k, len(items)))})
+    return [
+        RequestItem(items[i].prompt, items[i].max_tokens, conversation=j, phase=items[i].phase)
+        for j, i in enumerate(picks)
+    ]
+
+
+def warm_up(args: argparse.Namespace, exp: Experiment, url: str) -> None:
+    """One short request (rejected or failed is fine: the run will show it)."""
+    ns = bench_ns(args, exp, url, num_requests=1, seed=args.seed + 999)
+    ns.workload, ns.input_len, ns.output_len, ns.len_spread = "synthetic", 16, WARMUP_TOKENS, 0.0
+    ns.prompt_format = "text"
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        asyncio.run(serve_bench.run_benchmark(ns))
+
+
+def calibrate(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
+    """SLOs and the load rate: given, or measured on a plain server (see the module doc)."""
+    out: dict[str, Any] = {}
+    need_slo = args.slo_ttft is None or args.slo_tpot is None
+    need_rate = args.rate is None
+    p, d = topology(exp, args)
+    conc = args.capacity_concurrency or 2 * (p + d)
+    if need_slo or need_rate:
+        out["command"] = shlex.join(server_command(args, exp, "PORT", None, None))
+        with server(_system(args, exp, "calibration", None, None), args) as url:
+            warm_up(args, exp, url)
+            if need_slo:
+                ns = bench_ns(args, exp, url, num_requests=args.calibration_requests, seed=0)
+                ns.seed = args.seed + 1
+                items = calibration_items(serve_bench.make_workload(_wider(ns)), ns.num_requests)
+                ns.num_requests = len(items)
+                res = asyncio.run(serve_bench.run_benchmark(ns, _Items(exp.workload, items)))
+                out["unloaded"] = res
+            if need_rate:
+                n = args.capacity_requests or 3 * conc
+                ns = bench_ns(args, exp, url, num_requests=n, seed=args.seed + 2, concurrency=conc)
+                res = asyncio.run(serve_bench.run_benchmark(ns))
+                out["capacity_run"] = res
+    ttft_s = tpot_s = None
+    how: list[str] = []
+    if need_slo:
+        reqs = [r for r in out["unloaded"]["requests"] if r.get("error") is None]
+        ttfts = [r["ttft_ms"] for r in reqs if r.get("ttft_ms") is not None]
+        tpots = [r["tpot_ms"] for r in reqs if r.get("tpot_ms") is not None]
+        if not ttfts or not tpots:
+            raise RuntimeError(f"calibration: no unloaded latencies ({out['unloaded']['errors']})")
+        ttft_s, tpot_s = (
+            args.slo_ttft_factor * max(ttfts) / 1e3,
+            args.slo_tpot_factor * max(tpots) / 1e3,
+        )
+        how.append(
+            f"{args.slo_ttft_factor:g} x the slowest unloaded TTFT ({max(ttfts):.0f} ms) and "
+            f"{args.slo_tpot_factor:g} x the slowest unloaded TPOT ({max(tpots):.1f} ms) of "
+            f"{len(reqs)} requests spanning the prompt lengths, one at a time"
+        )
+    slo_ttft = args.slo_ttft if args.slo_ttft is not None else ttft_s
+    slo_tpot = args.slo_tpot if args.slo_tpot is not None else tpot_s
+    if not need_slo:
+        how.append("given on the command line")
+    assert slo_ttft is not None and slo_tpot is not None
+    out["slo"] = {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "how": "; ".join(how)}
+    if need_rate:
+        cap = out["capacity_run"]
+        capacity = cap["completed"] / max(cap["duration_s"], 1e-9)
+        if not capacity > 0:
+            raise RuntimeError(f"calibration: nothing completed at capacity ({cap['errors']})")
+        factor = load_factor(args, exp)
+        rate = factor * capacity
+        out["capacity_rps"] = capacity
+        out["rate_how"] = (
+            f"{factor:g} x capacity {capacity:.3f} req/s (closed loop, "
+            f"concurrency {conc}, {cap['config']['num_requests']} requests)"
+        )
+    else:
+        rate = args.rate
+        out["rate_how"] = "given on the command line"
+    out["rate"] = rate
+    return out
+
+
+def _wider(ns: argparse.Namespace) -> argparse.Namespace:
+    """The calibration pool: enough items of the workload to span its lengths."""
+    wide = argparse.Namespace(**vars(ns))
+    wide.num_requests = max(20, 5 * ns.num_requests)
+    wide.shift_at_s = None  # by index: both phases in the pool
+    wide.shift_at = None
+    return wide
+
+
+def load_factor(args: argparse.Namespace, exp: Experiment) -> float:
+    return float(args.load_factor) if args.load_factor is not None else exp.load_factor
+
+
+# ---------------------------------------------------------------------------- observing
+
+
+class WorkerPoller:
+    """GET /admin/workers every `interval` s in a thread, and once more at the end: samples of
+    {t_s: seconds since the poller started (just before the load), workers: compact rows}."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        self.url, self.interval = url, interval
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def __enter__(self) -> WorkerPoller:
+        """Starts polling; returns once the first poll (the state before the load) is done."""
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        self._first.wait(timeout=max(1.0, self.interval) + 1.0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=max(1.0, self.interval)) as client:
+            while True:
+                self._poll(client)
+                self._first.set()
+                if self._stop.wait(self.interval):
+                    self._poll(client)  # the state at the end of the load
+                    return
+
+    def _poll(self, client: httpx.Client) -> None:
+        t = time.perf_counter() - self._t0
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            rows = client.get(f"{self.url}/admin/workers").json()
+            if isinstance(rows, list):
+                self.samples.append({"t_s": round(t, 3), "workers": _compact(rows)})
+
+
+def _compact(rows: list[Any]) -> list[dict[str, Any]]:
+    keys = ("id", "role", "healthy", "queue", "running", "outstanding")
+    return [{k: r.get(k) for k in keys if k in r} for r in rows if isinstance(r, dict)]
+
+
+def role_switches(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Changes of a worker's role between consecutive polls: {t_s, worker, from, to}."""
+    last: dict[str, Any] = {}
+    out = []
+    for s in samples:
+        for row in s.get("workers", []):
+            wid, role = row.get("id"), row.get("role")
+            if wid is None or role is None:
+                continue
+            if wid in last and last[wid] != role:
+                out.append({"t_s": s.get("t_s"), "worker": wid, "from": last[wid], "to": role})
+            last[wid] = role
+    return out
+
+
+def parse_metrics(text: str) -> list[dict[str, Any]]:
+    """pdserve_* samples of a Prometheus exposition, histogram buckets left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("pdserve_") and not s.name.endswith("_bucket"):
+                out.append({"name": s.name, "labels": dict(s.labels), "value": float(s.value)})
+    return out
+
+
+def metrics_delta(
+    before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """after - before per (name, labels) (a sample missing before counts from 0)."""
+
+    def key(s: dict[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return s["name"], tuple(sorted(s["labels"].items()))
+
+    base = {key(s): s["value"] for s in before}
+    return [{**s, "value": s["value"] - base.get(key(s), 0.0)} for s in after]
+
+
+def _get(url: str, path: str) -> httpx.Response | None:
+    try:
+        return httpx.get(f"{url}{path}", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+
+
+def scrape_metrics(url: str) -> list[dict[str, Any]] | None:
+    resp = _get(url, "/metrics")
+    if resp is None or resp.status_code != 200:
+        return None
+    try:
+        return parse_metrics(resp.text)
+    except ValueError:
+        return None
+
+
+async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> int:
+    """Attach each request's timeline events and prediction (when served); returns how many."""
+    n = 0
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for rec in records:
+            rid = rec.get("response_id")
+            if not rid:
+                continue
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                resp = await client.get(f"{url}/v1/requests/{rid}/timeline")
+                if resp.status_code == 200:
+                    body = resp.json()
+                    rec["timeline"] = body.get("events")
+                    rec["prediction"] = body.get("prediction")
+                    n += 1
+    return n
+
+
+def run_arm(
+    args: argparse.Namespace,
+    exp: Experiment,
+    arm: Arm,
+    slo: tuple[float, float],
+    rate: float,
+    num_requests: int,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "arm": arm.name,
+        "command": shlex.join(server_command(args, exp, "PORT", arm, slo)),
+    }
+    print(f"  {exp.name}/{arm.name}: {out['command']}", flush=True)
+    try:
+        with server(_system(args, exp, arm.name, arm, slo), args) as url:
+            warm_up(args, exp, url)
+            before = scrape_metrics(url)
+            ns = bench_ns(args, exp, url, num_requests=num_requests, seed=args.seed, rate=rate)
+            ns.slo_ttft, ns.slo_tpot = slo
+            with WorkerPoller(url, args.poll_interval) as poller:
+                res = asyncio.run(serve_bench.run_benchmark(ns))
+            after = scrape_metrics(url)
+            resp = _get(url, "/admin/workers")
+            workers = resp.json() if resp is not None and resp.status_code == 200 else None
+            res["timelines_fetched"] = asyncio.run(fetch_timelines(url, res["requests"]))
+    except (RuntimeError, httpx.HTTPError, ValueError, OSError) as e:
+        print(f"  {exp.name}/{arm.name}: failed: {e}", flush=True)
+        out["failed"] = str(e)
+        return out
+    out["bench"] = res
+    out["metrics"] = after
+    out["metrics_delta"] = metrics_delta(before, after) if before and after else None
+    out["workers"] = workers
+    out["worker_polls"] = poller.samples
+    out["summary"] = summarize_arm(out, slo)
+    print(f"  {exp.name}/{arm.name}: {_one_line(out['summary'])}", flush=True)
+    return out
+
+
+def _one_line(s: dict[str, Any]) -> str:
+    def f(v: Any, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    return (
+        f"sent {s['sent']} rejected {s['rejected']} good {s['good']} goodput "
+        f"{f(s['goodput'], '.3f')} req/s TTFT p50 {f(s['ttft_ms']['p50'], '.0f')} ms "
+        f"TPOT p50 {f(s['tpot_ms']['p50'], '.1f')} ms"
+    )
+
+
+# ---------------------------------------------------------------------------- per-arm numbers
+
+
+def _pct(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+    if not values:
+        return {f"p{q}": None for q in qs}
+    got = np.percentile(np.asarray(values, dtype=np.float64), list(qs))
+    return {f"p{q}": float(v) for q, v in zip(qs, got, strict=True)}
+
+
+def by_label(
+    samples: Sequence[dict[str, Any]] | None, names: Sequence[str], label: str
+) -> dict[str, float] | None:
+    """Sum of the samples of the first family in `names` that has any (counter samples may end in
+    _total), per value of `label`; None when no family is there."""
+    if not samples:
+        return None
+    for name in names:
+        rows = [s for s in samples if s["name"] in (name, f"{name}_total")]
+        if rows:
+            out: dict[str, float] = {}
+            for s in rows:
+                k = str(s["labels"].get(label, ""))
+                out[k] = out.get(k, 0.0) + float(s["value"])
+            return out
+    return None
+
+
+def prediction_error(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """|predicted - actual| / actual over requests with a prediction: TTFT and TPOT p50/p90, n;
+    actual: the server's (prediction.actual_*) when given, else the client's measurement."""
+    out: dict[str, Any] = {"with_prediction": 0}
+    errs: dict[str, list[float]] = {"ttft": [], "tpot": []}
+    for r in requests:
+        pred = r.get("prediction")
+        if not isinstance(pred, dict):
+            continue
+        out["with_prediction"] += 1
+        for kind in ("ttft", "tpot"):
+            p = pred.get(f"{kind}_s")
+            a = pred.get(f"actual_{kind}_s")
+            if a is None and r.get(f"{kind}_ms") is not None:
+                a = r[f"{kind}_ms"] / 1e3
+            if isinstance(p, int | float) and isinstance(a, int | float) and a > 0:
+                errs[kind].append(abs(p - a) / a)
+    for kind, values in errs.items():
+        out[kind] = {**_pct(values, (50, 90)), "n": len(values)}
+    return out
+
+
+def _routes_from_timelines(requests: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    routes: dict[str, float] = {}
+    for r in requests:
+        pred = r.get("prediction")
+        if isinstance(pred, dict) and pred.get("route"):
+            routes[str(pred["route"])] = routes.get(str(pred["route"]), 0.0) + 1
+    return routes or None
+
+
+def prefix_stats(arm: dict[str, Any]) -> dict[str, Any]:
+    """Prefix-cache hit rate: the workers' `prefix_cache_hit_rate` (admin rows, or their stats,
+    else /metrics gauges named *prefix_cache_hit_rate), mean over workers; router counters whose
+    name mentions "prefix" (differences over the load); the share of prompt tokens the router's
+    predictions expected cached where it sent the prefill (`cached_prefill_tokens`)."""
+    rates: dict[str, float] = {}
+    for row in arm.get("workers") or []:
+        if not isinstance(row, dict):
+            continue
+        v = row.get("prefix_cache_hit_rate")
+        if v is None and isinstance(row.get("stats"), dict):
+            v = row["stats"].get("prefix_cache_hit_rate")
+        if isinstance(v, int | float):
+            rates[str(row.get("id"))] = float(v)
+    if not rates:
+        for s in arm.get("metrics") or []:
+            if s["name"].endswith("prefix_cache_hit_rate"):
+                rates[str(s["labels"].get("worker", len(rates)))] = s["value"]
+    counters = {
+        s["name"] + _labels(s["labels"]): s["value"]
+        for s in arm.get("metrics_delta") or []
+        if "prefix" in s["name"] and not s["name"].endswith(("_created", "hit_rate"))
+    }
+    cached = prompt = 0
+    for r in (arm.get("bench") or {}).get("requests") or []:
+        pred = r.get("prediction")
+        n = r.get("prompt_tokens")
+        if isinstance(pred, dict) and isinstance(pred.get("cached_prefill_tokens"), int) and n:
+            cached += pred["cached_prefill_tokens"]
+            prompt += n
+    return {
+        "hit_rate_mean": float(np.mean(list(rates.values()))) if rates else None,
+        "hit_rate_by_worker": rates or None,
+        "counters": counters or None,
+        # prompt tokens the router expected cached where it sent the prefill (its predictions)
+        "cached_share_predicted": cached / prompt if prompt else None,
+    }
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
+
+
+def turn_ttfts(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT p50/p90 of completed turns > 0, pooled and per turn."""
+    ok = [r for r in requests if r.get("ttft_ms") is not None and not r.get("rejected")]
+    later = [r["ttft_ms"] for r in ok if (r.get("turn") or 0) > 0]
+    per_turn: dict[str, dict[str, float | None]] = {}
+    for t in sorted({int(r.get("turn") or 0) for r in ok}):
+        per_turn[str(t)] = _pct(
+            [r["ttft_ms"] for r in ok if int(r.get("turn") or 0) == t], (50, 90)
+        )
+    return {"later_turns": {**_pct(later, (50, 90)), "n": len(later)}, "per_turn": per_turn}
+
+
+def summarize_arm(arm: dict[str, Any], slo: tuple[float, float]) -> dict[str, Any]:
+    """Every number the report shows for one arm, from the arm's raw results alone."""
+    res = arm["bench"]
+    reqs = res["requests"]
+    outcome = serve_bench.outcome_summary(reqs, slo[0], slo[1], res.get("duration_s"))
+    done = [r for r in reqs if r.get("error") is None and not r.get("rejected")]
+    delta = arm.get("metrics_delta")
+    kv = by_label(delta, ["pdserve_kv_transfer_bytes"], "side")
+    routes = by_label(delta, ["pdserve_disagg_decisions", "pdserve_route_decisions"], "route")
+    switches = role_switches(arm.get("worker_polls") or [])
+    return {
+        **outcome,
+        "ttft_ms": _pct([r["ttft_ms"] for r in done if r.get("ttft_ms") is not None]),
+        "tpot_ms": _pct([r["tpot_ms"] for r in done if r.get("tpot_ms") is not None]),
+        "by_phase": serve_bench.by_phase(reqs, slo[0], slo[1]),
+        "server_rejections": by_label(delta, ["pdserve_rejected"], "reason")
+        or by_label(delta, ["pdserve_request_rejections"], "code"),
+        "routes": routes,
+        "routes_source": "metrics" if routes else "timelines",
+        "routes_from_timelines": _routes_from_timelines(reqs),
+        "kv_bytes_sent": kv.get("send") if kv else None,
+        "prefix": prefix_stats(arm),
+        "turns": turn_ttfts(reqs),
+        "role_switches": switches,
+        "role_switches_server": by_label(delta, ["pdserve_role_switches"], "by"),
+        "roles_final": {
+            str(r.get("id")): r.get("role") for r in arm.get("workers") or [] if isinstance(r, dict)
+        }
+        or None,
+        "prediction_error": prediction_error(reqs),
+        "timelines_fetched": res.get("timelines_fetched"),
+    }
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def run_experiment(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
+    p, d = topology(exp, args)
+    out: dict[str, Any] = {
+        "name": exp.name,
+        "workload": settings(args, exp),
+        "topology": {"prefill": p, "decode": d, "threads": args.threads},
+        "arms": [],
+    }
+    print(f"{exp.name}: {p}P+{d}D, workload {exp.workload}", flush=True)
+    try:
+        cal = calibrate(args, exp)
+    except (RuntimeError, httpx.HTTPError, ValueError, OSError) as e:
+        print(f"  {exp.name}: calibration failed: {e}", flush=True)
+        out["failed"] = f"calibration: {e}"
+        return out
+    out["calibration"] = cal
+    slo = (cal["slo"]["ttft_s"], cal["slo"]["tpot_s"])
+    rate = float(cal["rate"])
+    n = args.num_requests or (math.ceil(rate * args.duration) if args.duration else None)
+    n = max(1, n or exp.num_requests)
+    out["slo"], out["rate"], out["num_requests"] = cal["slo"], rate, n
+    out["burstiness"] = args.burstiness
+    print(f"  SLO TTFT {slo[0]:.3f} s TPOT {slo[1]:.4f} s, rate {rate:.3f}/s, {n} requests")
+    out["arms"] = [run_arm(args, exp, arm, slo, rate, n) for arm in exp.arms]
+    return out
+
+
+def _experiments(text: str) -> list[str]:
+    if text == "all":
+        return list(EXPERIMENTS)
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown experiments {unknown}; known: {', '.join(EXPERIMENTS)}, all"
+        )
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pos_int, pos_float = serve_bench._positive_int, serve_bench._positive_float
+    parser.add_argument(
+        "--experiment",
+        type=_experiments,
+        default=list(EXPERIMENTS),
+        help=f"{' | '.join(EXPERIMENTS)} | all (or a comma-separated list); default all",
+    )
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2")
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-requests", type=pos_int, default=None, help="per arm")
+    load.add_argument(
+        "--duration", type=pos_float, default=None, help="s of load per arm: rate x this requests"
+    )
+    load.add_argument("--rate", type=pos_float, default=None, help="req/s; default: calibrated")
+    load.add_argument(
+        "--load-factor", type=pos_float, default=None, help="x capacity (admission 2, others 1)"
+    )
+    load.add_argument("--burstiness", type=pos_float, default=1.0, help="1: Poisson")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--capacity-requests", type=pos_int, default=None, help="default 3 x conc.")
+    load.add_argument(
+        "--capacity-concurrency", type=pos_int, default=None, help="default 2 x workers"
+    )
+    load.add_argument("--calibration-requests", type=pos_int, default=4)
+    slo = parser.add_argument_group("SLOs")
+    slo.add_argument("--slo-ttft", type=pos_float, default=None, help="s; default: calibrated")
+    slo.add_argument("--slo-tpot", type=pos_float, default=None, help="s; default: calibrated")
+    slo.add_argument("--slo-ttft-factor", type=pos_float, default=3.0)
+    slo.add_argument("--slo-tpot-factor", type=pos_float, default=1.5)
+    slo.add_argument(
+        "--server-slos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pass the SLOs to every server (with --no-admission outside the admission "
+        "experiment); else only to admission's",
+    )
+    srv = parser.add_argument_group("servers")
+    srv.add_argument("--prefill", type=pos_int, default=None, help="default: the experiment's")
+    srv.add_argument("--decode", type=pos_int, default=None, help="default: the experiment's")
+    srv.add_argument("--threads", type=pos_int, default=1, help="torch threads per worker")
+    srv.add_argument("--pdserve-args", default="", help="extra flags for every `pdserve serve`")
+    srv.add_argument("--startup-timeout", type=pos_float, default=600.0)
+    srv.add_argument("--timeout", type=pos_float, default=300.0, help="per request, s")
+    srv.add_argument("--poll-interval", type=pos_float, default=1.0, help="/admin/workers, s")
+    work = parser.add_argument_group("workload (default: the experiment's)")
+    work.add_argument("--input-len", type=pos_int, default=None)
+    work.add_argument("--output-len", type=pos_int, default=None)
+    work.add_argument("--len-spread", type=serve_bench._spread, default=None)
+    work.add_argument("--turns", type=pos_int, default=None)
+    work.add_argument("--prompt-format", choices=("ids", "text"), default=None)
+    wl.add_arguments(parser)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    from pdserve.bench import sched_report
+
+    ns = args
+    ns.output_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    command = "pdserve " + shlex.join(argv if argv is not None else sys.argv[1:])
+    result: dict[str, Any] = {
+        "command": command,
+        "machine": {**compare.machine(), "load_average": list(os.getloadavg())},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t0)),
+        "experiments": [],
+    }
+    path = ns.output_dir / "results.json"
+    for name in ns.experiment:
+        result["experiments"].append(run_experiment(ns, EXPERIMENTS[name]))
+        result["wall_s"] = time.time() - t0
+        path.write_text(json.dumps(serve_bench._json_safe(result), indent=1) + "\n")
+    report = sched_report.build_report(result)
+    (ns.output_dir / "report.md").write_text(report)
+    print(report)
+    ok = any("summary" in a for e in result["experiments"] for a in e.get("arms", []))
+    return 0 if ok else 1

@@ -1,0 +1,102 @@
+"""`pdserve bench profile` on a tiny random Llama with the quick grid: the samples are real and
+positive, the fitted model predicts them loosely (a tiny model's millisecond steps on a shared
+machine are noisy, so no tight bound), and `load_or_profile` profiles once, then reuses the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve import cli
+from pdserve.bench import profile
+from pdserve.router.costmodel import CostModel, default_path
+
+LOOSE = 1.0  # median relative error: a fit that is off by 2x on its own samples is broken
+
+
+@pytest.fixture(scope="module")
+def quick(tiny_llama_path: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return profile.profile_engine(str(tiny_llama_path), 1, quick=True)
+
+
+def test_samples_are_positive_and_cover_the_grid(quick: dict[str, Any]) -> None:
+    pre, dec, xfer = quick["prefill"], quick["decode"], quick["transfer"]
+    assert len(pre) >= 4 and len(dec) >= 4 and len(xfer) >= 2
+    assert all(n > 0 and c >= 0 and s > 0 for n, c, s in pre)
+    assert any(c > 0 for _, c, _ in pre), "no cached-prefix sample"
+    assert all(c % profile.BLOCK_SIZE == 0 for _, c, _ in pre)
+    assert all(b > 0 and ctx >= b and s > 0 for b, ctx, s in dec)
+    assert {b for b, _, _ in dec} == set(profile.QUICK.batches)
+    assert all(n > 0 and s > 0 for n, s in xfer)
+    assert 0 < quick["seconds"] < 120
+
+
+def test_the_fit_predicts_its_own_samples(quick: dict[str, Any]) -> None:
+    model, err = quick["model"], quick["errors"]
+    assert isinstance(model, CostModel)
+    assert err["prefill_p50"] < LOOSE and err["decode_p50"] < LOOSE, err
+    assert model.prefill_s(128) > 0 and model.decode_step_s(4, 256) > 0
+    about = quick["about"]
+    assert about["threads"] == 1 and about["samples"]["prefill"] == len(quick["prefill"])
+    assert about["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # layers, kv heads, head dim, fp32
+
+
+def test_grid_points_respect_max_prompt() -> None:
+    assert max(profile.prefill_points(profile.FULL, 1000)) == 1000
+    for cached, new in profile.cached_points(profile.FULL, 2048):
+        assert cached % profile.BLOCK_SIZE == 0 and cached + new <= 2048 and new >= 1
+
+
+def test_bad_arguments_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="threads"):
+        profile.profile_engine(None, 0)
+    with pytest.raises(ValueError, match="max_prompt"):
+        profile.profile_engine(None, 1, max_prompt=8)
+
+
+def test_load_or_profile_profiles_once(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    calls: list[int] = []
+    real = profile.profile_engine
+
+    def counting(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile, "profile_engine", counting)
+    first = profile.load_or_profile(str(tiny_llama_path), 1, quick=True)
+    path = default_path(str(tiny_llama_path), 1)
+    assert path.is_file() and path.is_relative_to(tmp_path) and calls == [1]
+    about = CostModel.load_about(path)
+    assert about["threads"] == 1 and about["model"] == str(tiny_llama_path.resolve())
+    assert profile.load_or_profile(str(tiny_llama_path), 1, quick=True) == first
+    assert calls == [1], "the second call profiled again"
+    # a corrupt file is profiled again and overwritten
+    path.write_text("{")
+    profile.load_or_profile(str(tiny_llama_path), 1, quick=True)
+    assert calls == [1, 1] and CostModel.load(path)
+
+
+def test_cli_writes_the_model_and_samples(tiny_llama_path: Path, tmp_path: Path) -> None:
+    out, raw = tmp_path / "cm.json", tmp_path / "samples.json"
+    argv = ["bench", "profile", "--model", str(tiny_llama_path), "--threads", "1", "--quick",
+            "--out", str(out), "--samples-out", str(raw)]  # fmt: skip
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(argv)
+    assert rc == 0
+    text = buf.getvalue()
+    assert "prefill p1" in text and "decode d2" in text and str(out) in text
+    assert CostModel.load(out).prefill_s(100) > 0
+    samples = json.loads(raw.read_text())
+    assert samples["prefill"] and samples["decode"] and samples["transfer"]
