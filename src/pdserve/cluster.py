@@ -156,7 +156,7 @@ class LocalCluster:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(w.launched.control)
         w.sock = sock
-        sock.send(m.encode(m.Hello("local-cluster")))
+        sock.send(m.encode(m.Hello("local-cluster", subscribe=False)))  # the core subscribes
         msg = self._recv_from(w, deadline)
         if not isinstance(msg, m.WorkerInfo):
             raise RuntimeError(f"worker {w.worker_id} answered Hello with {msg!r}")
@@ -336,6 +336,12 @@ class LocalCluster:
         await_ready(launched, time.monotonic() + timeout_s)
         w.launched, w.state = launched, "up"
         self._connect(w, time.monotonic() + timeout_s)
+
+    def set_role(self, worker_id: str, role: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Drain a worker, switch its role and let it rejoin (RouterCore.set_role)."""
+        assert self.core is not None and self._loop is not None
+        job = self.core.set_role(worker_id, role, timeout_s=timeout_s)
+        return asyncio.run_coroutine_threadsafe(job, self._loop).result(timeout_s + 10)
 
     def wait_idle(self, timeout_s: float = 15.0) -> dict[str, dict[str, Any]]:
         """Poll until every worker holds no KV and no transfer; returns the last stats."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from pdserve.engine.request import SamplingParams
-from pdserve.router.core import Delta
+from pdserve.router.core import Delta, RequestError
 from pdserve.workers import messages as m
 
 Step: TypeAlias = Delta | BaseException | float
@@ -76,6 +76,7 @@ class FakeCore:
         self.model = model
         self.metrics: Any = None
         self.rows = default_rows()
+        self.role_switches: list[tuple[str, str, str]] = []
         self.scripts: collections.deque[list[Step]] = collections.deque()
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
         self.outcomes: dict[str, str] = {}
@@ -94,7 +95,11 @@ class FakeCore:
         return self.calls[-1][0]
 
     async def generate(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: str | None = None,
     ) -> AsyncIterator[Delta]:
         self.calls.append((rid, list(prompt_ids), params))
         steps = self.scripts.popleft() if self.scripts else default_script(params)
@@ -132,6 +137,14 @@ class FakeCore:
             if self.metrics is not None:
                 self.metrics.on_request_end(flight, outcome)
             self.ended[rid].set()
+
+    async def set_role(self, worker_id: str, role: str, by: str = "admin") -> dict[str, Any]:
+        row = next((r for r in self.rows if r["id"] == worker_id), None)
+        if row is None:
+            raise RequestError(f"no worker {worker_id!r}", 404, "not_found")
+        row["role"] = role
+        self.role_switches.append((worker_id, role, by))
+        return dict(row)
 
     def worker_table(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.rows]

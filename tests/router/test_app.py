@@ -583,3 +583,14 @@ def test_ints_beyond_the_worker_wire_are_400(
     assert ok.status_code == 200, ok.text
     (_, _, params) = core.calls[-1]
     assert params.top_k == 2**64 - 1  # the edges still fit a control message
+
+
+def test_role_endpoint_switches_and_refuses_bad_input(client: TestClient, core: FakeCore) -> None:
+    worker = core.rows[0]["id"]
+    r = client.post(f"/admin/workers/{worker}/role", json={"role": "decode"})
+    assert r.status_code == 200 and r.json()["role"] == "decode"
+    assert core.role_switches == [(worker, "decode", "admin")]
+    bad = client.post(f"/admin/workers/{worker}/role", json={"role": "boss"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
+    missing = client.post("/admin/workers/nope/role", json={"role": "prefill"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -74,7 +74,11 @@ class WireCheckingCore(FakeCore):
     the logits by the temperature."""
 
     async def generate(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: str | None = None,
     ) -> AsyncIterator[Delta]:
         m.encode(m.Generate(rid, list(prompt_ids), dict(params.__dict__)))  # OverflowError?
         if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):

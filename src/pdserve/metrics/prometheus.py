@@ -216,6 +216,26 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.routes = Counter(
+            "pdserve_route_decisions",
+            "Dispatches by route: remote (P then D), local (whole on a decode worker), "
+            "colocated, fallback (a role's pool empty), recompute (D recomputes the KV).",
+            ["route"],
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "pdserve_prediction_error_ratio",
+            "|predicted - actual| / actual of the planner's TTFT and TPOT, per finished request.",
+            ["kind"],
+            buckets=(0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0),
+            registry=r,
+        )
+        self.role_switches = Counter(
+            "pdserve_role_switches",
+            "Workers switched between prefill and decode, by who asked (admin, autobalance).",
+            ["by"],
+            registry=r,
+        )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         for side in ("send", "recv"):
@@ -257,6 +277,19 @@ class Metrics:
         """A request refused before it reached the core (bad parameters, too long, ...)."""
         self.requests.labels("rejected").inc()
         self.rejections.labels(code or "unknown").inc()
+
+    def on_refused(self, code: str) -> None:
+        """A request the core refused (counted as an outcome when it ends): by reason only."""
+        self.rejections.labels(code).inc()
+
+    def on_route(self, route: str) -> None:
+        self.routes.labels(route).inc()
+
+    def on_prediction(self, kind: str, rel_error: float) -> None:
+        self.prediction_error.labels(kind).observe(rel_error)
+
+    def on_role_switch(self, by: str) -> None:
+        self.role_switches.labels(by).inc()
 
     def on_recompute(self) -> None:
         self.recomputes.inc()

@@ -203,10 +203,14 @@ class _Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         top_n: int,
+        session: str | None = None,
     ) -> None:
         self.s, self.request, self.rid = app_state, request, rid
         self.prompt_ids, self.params, self.top_n = prompt_ids, params, top_n
-        self.gen: AsyncIterator[Delta] = app_state.core.generate(rid, prompt_ids, params)
+        # the OpenAI `user` field names the conversation: the core keeps it where its KV is
+        self.gen: AsyncIterator[Delta] = app_state.core.generate(
+            rid, prompt_ids, params, session=session
+        )
         self.completion_tokens = 0
         self.text_offset = 0
 
@@ -383,7 +387,8 @@ def create_app(
         ids = await s.completion_ids(req)
         cap = s.check_prompt(ids)
         params = req.to_sampling_params(cap)
-        g = _Generation(s, request, f"cmpl-{uuid.uuid4().hex}", ids, params, req.logprobs or 0)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
             return await _stream(g, req.include_usage, _CompletionRender(g, s.model_name))
         return await _collect(g, _CompletionRender(g, s.model_name))
@@ -397,7 +402,8 @@ def create_app(
         default = cap if cap is not None else DEFAULT_CHAT_MAX_TOKENS
         params = req.to_sampling_params(default, cap)
         top_n = req.top_logprobs or 0
-        g = _Generation(s, request, f"chatcmpl-{uuid.uuid4().hex}", ids, params, top_n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        g = _Generation(s, request, rid, ids, params, top_n, req.user)
         if req.stream:
             return await _stream(g, req.include_usage, _ChatRender(g, s.model_name))
         return await _collect(g, _ChatRender(g, s.model_name))
@@ -450,7 +456,17 @@ def create_app(
             return _error(
                 404, f"no request {rid!r} (unknown, or too old)", param="id", code="not_found"
             )
-        return JSONResponse({"id": rid, "object": "request.timeline", "events": events})
+        predicted = getattr(core, "prediction", None)
+        body = {"id": rid, "object": "request.timeline", "events": events}
+        body["prediction"] = predicted(rid) if predicted is not None else None
+        return JSONResponse(body)
+
+    @app.post("/admin/workers/{worker_id}/role")
+    async def set_role(worker_id: str, request: Request) -> JSONResponse:
+        """Drain the worker, switch its role, let it rejoin (no request is lost)."""
+        req = p.parse_request(p.RoleRequest, await request.body())
+        row = await core.set_role(worker_id, req.role, by="admin")
+        return JSONResponse(row)
 
     return app
 

@@ -33,10 +33,14 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.request import SamplingParams
+from pdserve.router import balancer, slo
 from pdserve.router.policies import WorkerLoad, make_policy
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.workers import messages as m
 
 TIMELINE_KEEP = 2000  # finished requests whose timelines stay queryable
+# Without SLOs, the autobalancer measures pressure against these budgets.
+DEFAULT_TTFT_REF_S, DEFAULT_TPOT_REF_S = 2.0, 0.1
 
 # Worker stage stamps -> the timeline's event names.
 _STAGES = {
@@ -87,6 +91,8 @@ class WorkerState:
     last_pong: float = 0.0
     loop_age: float = 0.0  # the worker's own report: since its main loop last turned
     down_reason: str | None = None  # why it was taken out of routing
+    draining: bool = False  # out of routing until its requests finish (a role switch)
+    load: slo.WorkerLoad = field(default_factory=lambda: slo.WorkerLoad(""))
 
     @property
     def worker_id(self) -> str:
@@ -114,6 +120,12 @@ class Flight:
     p_done: bool = False  # P's hand-off tokens delivered (D's may be delivered after them)
     held: list[m.Tokens] = field(default_factory=list)  # D's tokens that overtook P's
     recoveries: int = 0  # re-dispatches after a worker of this request went down
+    session: str | None = None  # the client's conversation (OpenAI `user`): affinity
+    route: str = ""  # remote | local | colocated | fallback
+    prediction: slo.Prediction | None = None  # the planner's, for the first dispatch
+    raw_pred: tuple[float, float] = (0.0, 0.0)  # the same before online calibration
+    first_at: float | None = None  # router time of the first and last tokens delivered
+    last_at: float | None = None
 
     @property
     def wire_rid(self) -> str:
@@ -138,7 +150,23 @@ class RouterCore:
         stuck_timeout_s: float = 30.0,
         max_recoveries: int = 2,
         request_timeout_s: float = 600.0,
+        planner: slo.SloPlanner | None = None,
+        prefix_routing: bool = True,
+        autobalancer: balancer.Autobalancer | None = None,
+        autobalance_interval_s: float = 1.0,
     ) -> None:
+        if autobalancer is not None and planner is None:
+            raise ValueError("autobalance needs a cost model (a planner)")
+        self.autobalancer, self.autobalance_interval_s = autobalancer, autobalance_interval_s
+        # With a planner (a cost model), routes are chosen and requests admitted by predicted
+        # TTFT/TPOT (router/slo.py); without one, by the pools' policies.
+        self.planner = planner
+        self.prefix_routing = prefix_routing
+        self.prefix = PrefixIndex()
+        self.sessions: collections.OrderedDict[str, tuple[str, list[int]]] = (
+            collections.OrderedDict()
+        )
+        self.predictions: dict[str, dict[str, Any]] = {}  # kept beside raw_timelines
         self.max_inflight = max_inflight
         self.heartbeat_interval_s, self.liveness_timeout_s = (
             heartbeat_interval_s,
@@ -190,6 +218,8 @@ class RouterCore:
             if w.info.hb_endpoint:
                 self._connect_hb(w, w.info.hb_endpoint)
         self._tasks.append(asyncio.create_task(self._heartbeat()))
+        if self.autobalancer is not None:
+            self._tasks.append(asyncio.create_task(self._autobalance()))
 
     async def close(self) -> None:
         tasks = [*self._tasks, *self._hb_tasks.values()]
@@ -211,9 +241,14 @@ class RouterCore:
 
     # ---- one request -----------------------------------------------------------------------
     async def generate(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: str | None = None,
     ) -> AsyncIterator[Delta]:
-        """Stream a request's deltas; raises RequestError; cancelling it aborts everywhere."""
+        """Stream a request's deltas; raises RequestError; cancelling it aborts everywhere.
+        `session` (the client's conversation id) keeps a conversation where its KV is."""
         if rid in self.flights:
             raise RequestError(f"request id {rid!r} is in flight", 400, "invalid_request")
         if len(self.flights) >= self.max_inflight:
@@ -227,12 +262,12 @@ class RouterCore:
                 "overloaded",
                 retry_after_s=1,
             )
-        flight = Flight(rid, list(prompt_ids), params, asyncio.Queue())
+        flight = Flight(rid, list(prompt_ids), params, asyncio.Queue(), session=session)
         flight.timeline.append(("arrive", "router", time.monotonic()))
         self.flights[rid] = flight
         outcome = "error"
         try:
-            self._dispatch(flight)
+            self._dispatch(flight, admit=True)
             async for delta in self._drain(flight):
                 yield delta
             outcome = "ok"
@@ -276,28 +311,47 @@ class RouterCore:
             ("finish" if outcome == "ok" else outcome, "router", time.monotonic())
         )
         self._keep_timeline(flight)
+        self._score_prediction(flight, outcome)
+        if outcome == "ok" and flight.session and flight.pair is not None:
+            keeper = flight.pair[1] or flight.pair[0]
+            self.sessions[flight.session] = (keeper.worker_id, flight.prompt_ids + flight.sent)
+            self.sessions.move_to_end(flight.session)
+            while len(self.sessions) > TIMELINE_KEEP:
+                self.sessions.popitem(last=False)
         self.counters[f"requests_{outcome}"] += 1
         if self.metrics is not None:
             self.metrics.on_request_end(flight, outcome)
 
     # ---- dispatch --------------------------------------------------------------------------
-    def _dispatch(self, flight: Flight, only: WorkerState | None = None) -> None:
-        """Send the request's current attempt to a P/D pair from the pools, or whole to `only`."""
+    def _dispatch(
+        self, flight: Flight, only: WorkerState | None = None, admit: bool = False
+    ) -> None:
+        """Send the request's current attempt to a P/D pair from the pools, or whole to `only`.
+        `admit`: the first dispatch, which the planner may refuse (RequestError 429)."""
         flight.p_done, flight.held = False, []  # a new attempt starts from P again
-        flight.pair = (only, None) if only is not None else self._pick()
+        prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
+        planned = None
+        if only is not None:
+            flight.pair = (only, None)
+        elif self.planner is not None:
+            planned = self._plan(flight, prompt, admit)
+            flight.pair = planned[0]
+        else:
+            flight.pair = self._pick()
         for w in flight.pair:
             if w is not None:
                 w.outstanding += 1
-        prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
         params = dict(flight.params.__dict__)
         params["max_tokens"] = flight.params.max_tokens - len(flight.sent)
         first, second = flight.pair
-        flight.timeline.append(("dispatch", f"attempt {flight.attempt}", time.monotonic()))
+        now = time.monotonic()
+        flight.timeline.append(("dispatch", f"attempt {flight.attempt}", now))
+        self._note_route(flight, planned[1] if planned else None, only is not None, now)
         if second is None:
-            if first.role != "colocated" and only is None:
+            if first.role != "colocated" and only is None and flight.route == "fallback":
                 # no healthy worker of the other role: this one runs the whole request
                 self.counters["local_fallbacks"] += 1
-                flight.timeline.append(("local_fallback", first.worker_id, time.monotonic()))
+                flight.timeline.append(("local_fallback", first.worker_id, now))
             self._send(first, m.Generate(flight.wire_rid, prompt, params))
             return
         assert second.info is not None
@@ -317,11 +371,121 @@ class RouterCore:
             ),
         )
 
-    def _pick(self) -> tuple[WorkerState, WorkerState | None]:
-        pools = {
-            role: [w for w in self.workers if w.healthy and w.role == role]
+    def _pools(self) -> dict[str, list[WorkerState]]:
+        return {
+            role: [w for w in self.workers if w.healthy and not w.draining and w.role == role]
             for role in ("prefill", "decode", "colocated")
         }
+
+    def _plan(
+        self, flight: Flight, prompt: list[int], admit: bool
+    ) -> tuple[tuple[WorkerState, WorkerState | None], slo.Prediction]:
+        """The planner's route for this attempt; refuses (429) a first attempt that would miss."""
+        assert self.planner is not None
+        pools = self._pools()
+        routes = self.planner.routes(
+            *([w.worker_id for w in pools[r]] for r in ("prefill", "decode", "colocated"))
+        )
+        if not routes:
+            raise RequestError("no healthy workers to serve the request", 503, "unavailable")
+        byid = {w.worker_id: w for pool in pools.values() for w in pool}
+        for w in byid.values():
+            w.load.worker_id = w.worker_id
+        cached = self._cached(prompt, flight.session, byid) if self.prefix_routing else {}
+        max_tokens = flight.params.max_tokens - len(flight.sent)
+        now = time.monotonic()
+        loads = {wid: w.load for wid, w in byid.items()}
+        decision = self.planner.decide(
+            len(prompt), max_tokens, routes, loads, cached, now, admit_all=not admit
+        )
+        if decision.chosen is None:
+            raise self._reject(flight, decision)
+        chosen = decision.chosen
+        second = byid[chosen.route.decode] if chosen.route.decode is not None else None
+        return (byid[chosen.route.first], second), chosen
+
+    def _reject(self, flight: Flight, decision: slo.Decision) -> RequestError:
+        reason = decision.reject or "unavailable"
+        self.counters[f"rejected_{reason}"] += 1
+        if self.metrics is not None:
+            self.metrics.on_refused(reason)
+        flight.timeline.append((f"rejected: {reason}", "router", time.monotonic()))
+        what = {"slo_ttft": "TTFT", "slo_tpot": "TPOT"}.get(reason)
+        msg = (
+            f"predicted to miss the {what} SLO on every route"
+            if what
+            else "admitting it would push running requests past the TPOT SLO"
+        )
+        return RequestError(
+            f"{msg}; retry after {decision.retry_after_s}s",
+            429,
+            reason,
+            retry_after_s=decision.retry_after_s,
+        )
+
+    def _cached(
+        self, prompt: list[int], session: str | None, byid: dict[str, WorkerState]
+    ) -> dict[str, int]:
+        """Prompt tokens each worker already caches: the index of its published block hashes;
+        for the worker that served this conversation's last turn, at least what that turn left
+        there when the index has not heard from it (affinity survives a lagging index)."""
+        infos = [w.info for w in byid.values() if w.info is not None]
+        if not infos:
+            return {}
+        bs = infos[0].block_size
+        cached = self.prefix.match(prompt, bs, list(byid))
+        last = self.sessions.get(session) if session else None
+        if last is not None and last[0] in byid and self.prefix.needs_resync(last[0]):
+            common = 0
+            for a, b in zip(last[1], prompt, strict=False):
+                if a != b:
+                    break
+                common += 1
+            cached[last[0]] = max(cached.get(last[0], 0), common // bs * bs)
+        return cached
+
+    def _note_route(
+        self, flight: Flight, pred: slo.Prediction | None, forced: bool, now: float
+    ) -> None:
+        """Name the attempt's route (timeline, counters) and book its work on the loads."""
+        assert flight.pair is not None
+        first, second = flight.pair
+        if pred is not None:
+            kind = pred.route.kind
+        elif second is not None:
+            kind = "remote"
+        elif forced:
+            kind = "recompute" if first.role == "decode" else "local"
+        else:
+            kind = "colocated" if first.role == "colocated" else "fallback"
+        flight.route = kind
+        self.counters[f"route_{kind}"] += 1
+        if self.metrics is not None:
+            self.metrics.on_route(kind)
+        where = first.worker_id + (f"->{second.worker_id}" if second is not None else "")
+        flight.timeline.append((f"route: {kind}", where, now))
+        if pred is not None and flight.prediction is None:
+            cal = self.planner.calibration if self.planner else slo.Calibration()
+            flight.prediction = pred
+            flight.raw_pred = (pred.ttft_s / cal.ttft, pred.tpot_s / cal.tpot)
+        if self.planner is not None:
+            self._book(flight, pred, now)
+
+    def _book(self, flight: Flight, pred: slo.Prediction | None, now: float) -> None:
+        assert self.planner is not None and flight.pair is not None
+        first, second = flight.pair
+        n = len(flight.prompt_ids) + len(flight.sent)
+        out = max(1, min(flight.params.max_tokens - len(flight.sent), self.planner.expected_output))
+        cached = pred.cached_first if pred is not None else 0
+        prefill = self.planner.prefill_time(n, cached, first.load)
+        if second is None:
+            first.load.add(slo.Job(flight.rid, prefill, n, out, True, now))
+            return
+        first.load.add(slo.Job(flight.rid, prefill, 0, 0, False, now))
+        second.load.add(slo.Job(flight.rid, 0.0, n, out, True, now))
+
+    def _pick(self) -> tuple[WorkerState, WorkerState | None]:
+        pools = self._pools()
         if pools["prefill"] and pools["decode"]:
             return self._choose("prefill", pools["prefill"]), self._choose(
                 "decode", pools["decode"]
@@ -351,6 +515,7 @@ class RouterCore:
         for w in flight.pair or ():
             if w is not None:
                 w.outstanding = max(0, w.outstanding - 1)
+                w.load.remove(flight.rid)
 
     def _abort_workers(self, flight: Flight) -> None:
         for w in flight.pair or ():
@@ -382,6 +547,12 @@ class RouterCore:
             w.info = msg
             if msg.hb_endpoint and msg.hb_endpoint != old:  # restarted: a new heartbeat port
                 self._connect_hb(w, msg.hb_endpoint)
+            return
+        if isinstance(msg, m.KVEvents):
+            self.prefix.apply(msg)
+            if self.prefix.needs_resync(msg.worker_id):  # a lost message: ask for a snapshot
+                self.counters["prefix_resyncs"] += 1
+                self._send(w, m.Hello("router"))
             return
         if isinstance(msg, m.Stats):
             w.stats = msg.stats
@@ -434,6 +605,14 @@ class RouterCore:
                 self._deliver(flight, early)
 
     def _deliver(self, flight: Flight, msg: m.Tokens) -> None:
+        now = time.monotonic()
+        if msg.token_ids:
+            flight.first_at = flight.first_at or now
+            flight.last_at = now
+            for w in flight.pair or ():
+                if w is not None:
+                    w.load.first_token(flight.rid, now)
+                    w.load.tokens(flight.rid, len(msg.token_ids), now)
         seen = {w for e, w, _ in flight.timeline if e == "first_token"}
         if msg.token_ids and msg.worker not in seen:  # each worker's first tokens: P's, then D's
             flight.timeline.append(("first_token", msg.worker, msg.time))
@@ -454,6 +633,13 @@ class RouterCore:
                 self._send(second, m.Abort(flight.wire_rid))  # done on P: free D's reservation
 
     def _on_transfer(self, flight: Flight, msg: m.TransferReport) -> None:
+        if self.planner is not None and msg.side == "recv" and msg.nbytes > 0:
+            # learn KV bytes per token (codec, dtype) for the planner's transfer times
+            cached = flight.prediction.cached_decode if flight.prediction else 0
+            tokens = max(1, len(flight.prompt_ids) - cached)
+            per = msg.nbytes / tokens
+            old = self.planner.kv_bytes_per_token
+            self.planner.kv_bytes_per_token = per if old <= 0 else 0.8 * old + 0.2 * per
         for stage, t in (msg.times or {}).items():
             flight.timeline.append((f"{msg.side}:{stage}", msg.worker, t))
         self.counters[f"kv_{msg.side}_bytes"] += msg.nbytes
@@ -562,6 +748,7 @@ class RouterCore:
     def worker_down(self, w: WorkerState, reason: str) -> None:
         """Take `w` out of routing and recover every request it was part of."""
         w.healthy, w.down_reason = False, reason
+        self.prefix.drop(w.worker_id)  # a restarted worker's cache is empty; it re-sends
         self.counters["workers_down"] += 1
         if self.metrics is not None:
             self.metrics.on_worker_down(w, reason)
@@ -591,6 +778,94 @@ class RouterCore:
         if self.metrics is not None:
             self.metrics.on_recovery(how)
 
+    # ---- role switching -------------------------------------------------------------------
+    async def set_role(
+        self, worker_id: str, role: str, by: str = "admin", timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Drain `worker_id` (no new requests; those it holds finish), switch its role, and let
+        it rejoin routing. Raises RequestError: 404 unknown, 409 busy/unhealthy/not drained."""
+        w = next((x for x in self.workers if x.worker_id == worker_id), None)
+        if w is None:
+            raise RequestError(f"no worker {worker_id!r}", 404, "not_found")
+        if role not in ("prefill", "decode", "colocated"):
+            raise RequestError(f"unknown role {role!r}", 400, "invalid_value")
+        if w.role != role:
+            if w.draining or not w.healthy:
+                why = "is already switching" if w.draining else "is not healthy"
+                raise RequestError(f"worker {worker_id} {why}", 409, "conflict")
+            w.draining = True
+            try:
+                await self._drain_worker(w, timeout_s or self.request_timeout_s)
+                await self._switch(w, role)
+            finally:
+                w.draining = False
+            self.counters[f"role_switches_{by}"] += 1
+            if self.metrics is not None:
+                self.metrics.on_role_switch(by)
+        return next(r for r in self.worker_table() if r["id"] == worker_id)
+
+    async def _drain_worker(self, w: WorkerState, timeout_s: float) -> None:
+        ends = time.monotonic() + timeout_s
+        while any(f.pair is not None and w in f.pair for f in self.flights.values()) or (
+            w.stats.get("transfers_out", 0) or w.stats.get("transfers_in", 0)
+        ):
+            if time.monotonic() > ends:
+                msg = f"worker {w.worker_id} did not drain within {timeout_s:g}s"
+                raise RequestError(msg, 409, "conflict")
+            if not w.healthy:
+                raise RequestError(
+                    f"worker {w.worker_id} went down while draining", 409, "conflict"
+                )
+            await asyncio.sleep(0.05)
+
+    async def _switch(self, w: WorkerState, role: str) -> None:
+        self._send(w, m.SetRole(role))  # answered with WorkerInfo, which _on_event stores
+        ends = time.monotonic() + max(5.0, self.deadline_s)
+        while w.role != role:
+            if time.monotonic() > ends:
+                raise RequestError(f"worker {w.worker_id} did not switch roles", 409, "conflict")
+            await asyncio.sleep(0.02)
+
+    def pool_sample(self, now: float) -> balancer.PoolSample:
+        """Pressures for the autobalancer, from the loads and the cost model."""
+        assert self.planner is not None
+        pools = self._pools()
+        ttft_ref = self.planner.slo_ttft_s or DEFAULT_TTFT_REF_S
+        tpot_ref = self.planner.slo_tpot_s or DEFAULT_TPOT_REF_S
+        everyone = pools["prefill"] + pools["decode"]
+        p_pool = pools["prefill"] or everyone
+        d_pool = pools["decode"] or everyone
+        prefill = max((w.load.prefill_backlog(now) for w in p_pool), default=0.0) / ttft_ref
+        decode = max((self._step_s(w) for w in d_pool), default=0.0) / tpot_ref
+        return balancer.PoolSample(prefill, decode, len(pools["prefill"]), len(pools["decode"]))
+
+    def _step_s(self, w: WorkerState) -> float:
+        assert self.planner is not None
+        batch = len(w.load.decoding())
+        if batch == 0:
+            return 0.0
+        step = self.planner.model.decode_step_s(batch, w.load.context_sum())
+        return step * self.planner.calibration.tpot
+
+    async def _autobalance(self) -> None:
+        assert self.autobalancer is not None
+        while True:
+            await asyncio.sleep(self.autobalance_interval_s)
+            now = time.monotonic()
+            if any(w.draining for w in self.workers):
+                continue
+            move = self.autobalancer.observe(now, self.pool_sample(now))
+            if move is None:
+                continue
+            src, dst = ("decode", "prefill") if move == "to_prefill" else ("prefill", "decode")
+            pool = self._pools()[src]
+            if not pool:
+                continue
+            w = min(pool, key=lambda x: (x.outstanding, x.worker_id))  # the quickest to drain
+            self.counters[f"autobalance_{move}"] += 1
+            with contextlib.suppress(RequestError):
+                await self.set_role(w.worker_id, dst, by="autobalance")
+
     def worker_table(self) -> list[dict[str, Any]]:
         rows = []
         for w in self.workers:
@@ -602,6 +877,7 @@ class RouterCore:
                     "url": w.endpoint,
                     "pid": w.info.pid if w.info else None,
                     "healthy": w.healthy,
+                    "draining": w.draining,
                     "down_reason": w.down_reason,
                     "loop_age_s": round(w.loop_age, 3),
                     "queue": s.get("waiting", 0),
@@ -613,12 +889,49 @@ class RouterCore:
             )
         return rows
 
+    def _score_prediction(self, flight: Flight, outcome: str) -> None:
+        """Predicted vs actual TTFT/TPOT: kept for the timeline, fed to the metric of
+        prediction error and to the planner's online calibration."""
+        pred = flight.prediction
+        if pred is None:
+            return
+        arrive = flight.timeline[0][2]
+        ttft = flight.first_at - arrive if flight.first_at is not None else None
+        n = len(flight.sent)
+        tpot = None
+        if outcome == "ok" and n > 1 and flight.first_at is not None and flight.last_at:
+            tpot = (flight.last_at - flight.first_at) / (n - 1)
+        self.predictions[flight.rid] = {
+            "route": pred.route.kind,
+            "workers": [w for w in (pred.route.first, pred.route.decode) if w],
+            "ttft_s": round(pred.ttft_s, 6),
+            "tpot_s": round(pred.tpot_s, 6),
+            "cached_prefill_tokens": pred.cached_first,
+            "cached_decode_tokens": pred.cached_decode,
+            "actual_ttft_s": None if ttft is None else round(ttft, 6),
+            "actual_tpot_s": None if tpot is None else round(tpot, 6),
+        }
+        for kind, predicted, actual, raw in (
+            ("ttft", pred.ttft_s, ttft, flight.raw_pred[0]),
+            ("tpot", pred.tpot_s, tpot, flight.raw_pred[1]),
+        ):
+            if actual is None or actual <= 0:
+                continue
+            if self.metrics is not None:
+                self.metrics.on_prediction(kind, abs(predicted - actual) / actual)
+            if self.planner is not None and flight.attempt == 1:
+                self.planner.calibration.observe(kind, raw, actual)
+
+    def prediction(self, rid: str) -> dict[str, Any] | None:
+        return self.predictions.get(rid)
+
     def _keep_timeline(self, flight: Flight) -> None:
         self.raw_timelines[flight.rid] = sorted(flight.timeline, key=lambda e: e[2])
         self._final_attempt[flight.rid] = str(flight.attempt)
         while len(self.raw_timelines) > TIMELINE_KEEP:
             old, _ = self.raw_timelines.popitem(last=False)
             self._final_attempt.pop(old, None)
+            self.predictions.pop(old, None)
 
     def raw_timeline(self, rid: str) -> list[tuple[str, str, float]] | None:
         """(event, worker, time.monotonic()) with the workers' own stage names."""

@@ -138,7 +138,7 @@ class _SamplingFields(_Lenient):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, ignored
+    user: str | None = None  # the conversation: the router keeps it where its KV is
 
     @field_validator("n")
     @classmethod
@@ -401,6 +401,13 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class RoleRequest(BaseModel):
+    """POST /admin/workers/{id}/role"""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
 
 
 class ModelCard(BaseModel):

@@ -25,6 +25,8 @@ import zmq
 
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
+from pdserve.router.costmodel import CostModel, default_path
+from pdserve.router.slo import SloPlanner
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 
@@ -54,6 +56,44 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds")
     parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO, seconds")
+    parser.add_argument(
+        "--admission",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with an SLO set, reject (429 + Retry-After) requests predicted to miss it",
+    )
+    parser.add_argument(
+        "--cost-model",
+        default="auto",
+        help="cost model JSON (pdserve bench profile); 'auto': this host's saved one, profiled "
+        "at start-up when SLOs, --autobalance or --disaggregation conditional need it; 'none'",
+    )
+    parser.add_argument(
+        "--disaggregation",
+        choices=("auto", "conditional", "always"),
+        default="auto",
+        help="conditional: per request, prefill on P or locally on D, whichever the cost model "
+        "predicts better; always: every request through P; auto: conditional with a cost model",
+    )
+    parser.add_argument(
+        "--prefix-routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="route to workers holding the prompt's cached prefix (and keep conversations, "
+        "by the OpenAI `user` field, where their KV is)",
+    )
+    parser.add_argument(
+        "--autobalance",
+        action="store_true",
+        help="move workers between the prefill and decode pools when one stays saturated "
+        "while the other idles",
+    )
+    parser.add_argument(
+        "--expected-output",
+        type=int,
+        default=256,
+        help="tokens the planner assumes a request generates when max_tokens is larger",
+    )
     parser.add_argument(
         "--deadline", type=float, default=5.0, help="seconds of silence before a hand-off fails"
     )
@@ -169,6 +209,49 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     ]
 
 
+def _needs_cost_model(args: argparse.Namespace) -> bool:
+    slo = args.slo_ttft is not None or args.slo_tpot is not None
+    return (slo and args.admission) or args.autobalance or args.disaggregation == "conditional"
+
+
+def _cost_model(
+    args: argparse.Namespace, model: str | None, threads: int, may_profile: bool = True
+) -> CostModel | None:
+    """The cost model the planner predicts with: a file, this host's saved one, a profile
+    run now (only when a feature needs it and none is saved), or none."""
+    from pdserve.bench import profile
+
+    if args.cost_model == "none":
+        if _needs_cost_model(args):
+            raise ValueError("SLO admission, --autobalance and conditional disaggregation need "
+                             "a cost model; drop --cost-model none")  # fmt: skip
+        return None
+    if args.cost_model != "auto":
+        return CostModel.load(Path(args.cost_model))
+    path = default_path(profile.model_path(model), threads)
+    if path.is_file() or (may_profile and _needs_cost_model(args)):
+        return profile.load_or_profile(model, threads, path)
+    if _needs_cost_model(args):
+        raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
+                         "--cost-model PATH")  # fmt: skip
+    return None
+
+
+def _planner(args: argparse.Namespace, cost: CostModel | None) -> SloPlanner | None:
+    if cost is None:
+        return None
+    mode = "always" if args.disaggregation == "always" else "conditional"
+    return SloPlanner(
+        cost,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        admission=args.admission,
+        mode=mode,
+        token_budget=getattr(args, "max_num_batched_tokens", None) or 2048,
+        expected_output=args.expected_output,
+    )
+
+
 def _use_secret(args: argparse.Namespace, endpoints: list[str]) -> None:
     """Load the shared secret, refuse to run without one off loopback, tag our messages, and
     hand it to the workers we start (through their environment, never their command line)."""
@@ -183,6 +266,8 @@ def run_serve(args: argparse.Namespace) -> int:
     _setup_logging()
     specs = _worker_specs(args)
     _use_secret(args, [s.host for s in specs])
+    # before the workers start: profiling (when needed) measures a quiet machine
+    cost = _cost_model(args, args.model, int(specs[0].engine_args["threads"]))
     ctx = zmq.Context()
     workers: list[Launched] = []
     try:
@@ -192,9 +277,8 @@ def run_serve(args: argparse.Namespace) -> int:
             await_ready(w, t0 + STARTUP_TIMEOUT_S)
         log.info("%d workers ready in %.1fs", len(workers), time.monotonic() - t0)
         supervised = workers if args.restart_workers else None
-        return asyncio.run(
-            _serve_router([w.control for w in workers], args, args.model, supervised, ctx)
-        )
+        endpoints = [w.control for w in workers]
+        return asyncio.run(_serve_router(endpoints, args, args.model, supervised, ctx, cost))
     finally:
         _shutdown(ctx, workers)
 
@@ -205,7 +289,8 @@ def run_router(args: argparse.Namespace) -> int:
     if not endpoints:
         raise ValueError("give worker URLs: --prefill URL... --decode URL... or --colocated URL...")
     _use_secret(args, endpoints)
-    return asyncio.run(_serve_router(endpoints, args, args.model))
+    cost = _cost_model(args, args.model, 1, may_profile=False)
+    return asyncio.run(_serve_router(endpoints, args, args.model, cost_model=cost))
 
 
 async def _supervise(workers: list[Launched], ctx: zmq.Context, core: Any) -> None:
@@ -232,14 +317,17 @@ async def _serve_router(
     model: str | None,
     supervised: list[Launched] | None = None,
     ctx: zmq.Context | None = None,
+    cost_model: CostModel | None = None,
 ) -> int:
     import uvicorn
 
     from pdserve.metrics.prometheus import Metrics
     from pdserve.router.app import create_app
+    from pdserve.router.balancer import Autobalancer
     from pdserve.router.core import RouterCore
 
     metrics = Metrics(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+    planner = _planner(args, cost_model)
     core = RouterCore(
         endpoints,
         policy=args.policy,
@@ -251,6 +339,9 @@ async def _serve_router(
         stuck_timeout_s=args.stuck_timeout,
         max_recoveries=args.max_recoveries,
         request_timeout_s=args.request_timeout,
+        planner=planner,
+        prefix_routing=args.prefix_routing,
+        autobalancer=Autobalancer() if args.autobalance else None,
     )
     await core.start()
     supervisor = None

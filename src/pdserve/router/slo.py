@@ -1,0 +1,289 @@
+"""SLO-aware routing: predict each request's TTFT and TPOT on every route, admit, choose.
+
+Pure policy (no sockets, no asyncio): the RouterCore keeps a `WorkerLoad` per worker (what it
+has sent there and not seen finish), asks `SloPlanner.decide` where a new request should go, and
+tells the loads about dispatches, first tokens, deliveries and ends.
+
+Routes: `remote` (prefill on P, KV to D, decode on D), `local` (the whole request on a decode
+worker: prefill there, no transfer) and `colocated` (a colocated worker). For each candidate the
+cost model predicts
+
+    TTFT = the worker's queued prefill work + this prompt's prefill (new tokens after what the
+           worker already caches), stretched by the decode steps it shares while it computes
+    TPOT = D's decode step with one more request and its context, plus, spread over the answer,
+           the prefills queued on D (they stall every step) and the KV transfer (remote)
+
+and checks the running requests on D: a local prefill stalls each of them, a bigger batch slows
+each step; a running request predicted to end within its TPOT SLO must stay within it
+("slo_tpot_running"). A request whose every route misses an SLO is rejected before any prefill
+is spent (when admission is on); otherwise the feasible route with the least predicted latency
+(the new request's end-to-end plus the delay it adds to running ones) wins. Cached prefixes enter
+as fewer new tokens, so "longest cached prefix, weighed against load" falls out of the same sum.
+
+Predictions are corrected online: the ratio actual/predicted of finished requests (an
+exponential average, per TTFT and TPOT) scales the raw model, which is fitted offline on one
+process and misses the serving loop's own overheads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdserve.router.costmodel import CostModel
+
+ROUTES = ("remote", "local", "colocated")
+MODES = ("conditional", "always")
+
+
+@dataclass
+class Job:
+    """One request as seen on one worker: prefill owed, then decoding (or neither)."""
+
+    rid: str
+    prefill_s: float  # predicted seconds of prefill still owed here (0 once the first token came)
+    context: int  # tokens in KV when decoding here
+    remaining: int  # tokens still expected from this worker's decode steps
+    decodes: bool  # does this worker decode it (D, local, colocated) or only prefill (P)
+    queued_at: float
+    first_at: float | None = None  # first token seen (decode starts)
+    generated: int = 0
+
+
+@dataclass
+class WorkerLoad:
+    """The router's picture of one worker's queue and batch."""
+
+    worker_id: str
+    jobs: dict[str, Job] = field(default_factory=dict)
+    prefill_free_at: float = 0.0  # when the prefill head-of-line started (approximation)
+
+    def prefill_backlog(self, now: float) -> float:
+        """Seconds of prefill queued here, minus what the head has already run."""
+        owed = [j for j in self.jobs.values() if j.prefill_s > 0]
+        if not owed:
+            return 0.0
+        head = min(owed, key=lambda j: j.queued_at)
+        ran = max(0.0, now - max(head.queued_at, self.prefill_free_at))
+        return sum(j.prefill_s for j in owed) - min(ran, head.prefill_s)
+
+    def decoding(self) -> list[Job]:
+        return [j for j in self.jobs.values() if j.decodes]
+
+    def context_sum(self) -> int:
+        return sum(j.context for j in self.decoding())
+
+    # ---- events from the core ------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        if not any(j.prefill_s > 0 for j in self.jobs.values()):
+            self.prefill_free_at = job.queued_at
+        self.jobs[job.rid] = job
+
+    def first_token(self, rid: str, now: float) -> None:
+        job = self.jobs.get(rid)
+        if job is None or job.prefill_s == 0:
+            return
+        job.prefill_s, job.first_at = 0.0, now
+        self.prefill_free_at = now  # the next queued prefill starts now
+        if not job.decodes:
+            del self.jobs[rid]
+
+    def tokens(self, rid: str, n: int, now: float) -> None:
+        job = self.jobs.get(rid)
+        if job is not None and job.decodes:
+            job.first_at = job.first_at or now
+            job.generated += n
+            job.context += n
+            job.remaining = max(1, job.remaining - n)
+
+    def remove(self, rid: str) -> None:
+        self.jobs.pop(rid, None)
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str  # remote | local | colocated
+    first: str  # the worker that prefills
+    decode: str | None = None  # the decode worker of a remote route
+
+
+@dataclass(frozen=True)
+class Prediction:
+    route: Route
+    ttft_s: float
+    tpot_s: float
+    running_worst_s: float  # worst predicted TPOT of a protected running request (0: none)
+    cost_s: float  # what the choice minimizes
+    cached_first: int  # prompt tokens the prefilling worker already caches
+    cached_decode: int  # ... and the decode worker (KV it need not receive)
+    miss: str | None = None  # first SLO this route misses: slo_ttft | slo_tpot | slo_tpot_running
+
+
+@dataclass(frozen=True)
+class Decision:
+    chosen: Prediction | None  # None: rejected
+    reject: str | None = None
+    retry_after_s: int = 1
+    considered: int = 0
+
+
+@dataclass
+class Calibration:
+    """actual / predicted, averaged exponentially; starts at 1 (trust the fitted model)."""
+
+    ttft: float = 1.0
+    tpot: float = 1.0
+    alpha: float = 0.2
+    samples: int = 0
+
+    def observe(self, kind: str, predicted: float, actual: float) -> None:
+        if predicted <= 0 or actual <= 0:
+            return
+        ratio = min(4.0, max(0.25, actual / predicted))
+        setattr(self, kind, (1 - self.alpha) * getattr(self, kind) + self.alpha * ratio)
+        self.samples += 1
+
+
+class SloPlanner:
+    def __init__(
+        self,
+        model: CostModel,
+        *,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+        admission: bool = True,
+        mode: str = "conditional",
+        token_budget: int = 2048,
+        expected_output: int = 256,
+        kv_bytes_per_token: float = 0.0,
+        handoff_overhead_s: float = 0.002,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {mode!r}")
+        for name, v in (("slo_ttft", slo_ttft_s), ("slo_tpot", slo_tpot_s)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {v}")
+        self.model, self.mode = model, mode
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.admission = admission and (slo_ttft_s is not None or slo_tpot_s is not None)
+        self.token_budget, self.expected_output = token_budget, expected_output
+        self.kv_bytes_per_token = kv_bytes_per_token
+        # messages of a hand-off (ExpectKV, KVWant/Ready/Done/Ack) beyond the bytes: on a tie,
+        # the route that uses one worker wins
+        self.handoff_overhead_s = handoff_overhead_s
+        self.calibration = Calibration()
+
+    # ---- the decision --------------------------------------------------------------------
+    def routes(self, prefill: list[str], decode: list[str], colocated: list[str]) -> list[Route]:
+        """Every candidate route over the healthy pools."""
+        routes = [Route("remote", p, d) for p in prefill for d in decode]
+        if self.mode == "conditional" or not routes:
+            routes += [Route("local", d) for d in decode]
+        routes += [Route("colocated", c) for c in colocated]
+        if not routes:  # only prefill workers left: they run whole requests
+            routes = [Route("local", p) for p in prefill]
+        return routes
+
+    def decide(
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        routes: list[Route],
+        loads: dict[str, WorkerLoad],
+        cached: dict[str, int],
+        now: float,
+        *,
+        admit_all: bool = False,
+    ) -> Decision:
+        """Predict every route; choose the cheapest feasible one, or reject."""
+        if not routes:
+            return Decision(None, "unavailable", 1)
+        preds = [self.predict(prompt_len, max_tokens, r, loads, cached, now) for r in routes]
+        feasible = [p for p in preds if p.miss is None]
+        if feasible:
+            return Decision(min(feasible, key=lambda p: p.cost_s), considered=len(preds))
+        best = min(preds, key=lambda p: p.cost_s)
+        if admit_all or not self.admission:
+            return Decision(best, considered=len(preds))
+        return Decision(None, best.miss, self._retry_after(best), len(preds))
+
+    def _retry_after(self, p: Prediction) -> int:
+        over = p.ttft_s - (self.slo_ttft_s or p.ttft_s)
+        return max(1, math.ceil(over))
+
+    def predict(
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        route: Route,
+        loads: dict[str, WorkerLoad],
+        cached: dict[str, int],
+        now: float,
+    ) -> Prediction:
+        first = loads[route.first]
+        dec = loads[route.decode] if route.decode is not None else first
+        c_first = min(cached.get(route.first, 0), prompt_len - 1)
+        c_dec = min(cached.get(dec.worker_id, 0), prompt_len - 1)
+        out = max(1, min(max_tokens, self.expected_output))
+        prefill = self.prefill_time(prompt_len, c_first, first)
+        ttft = (first.prefill_backlog(now) + prefill) * self.calibration.ttft
+        # D's view: its queued prefills stall every decode step; a local prefill is one more
+        local = route.kind != "remote"
+        d_backlog = dec.prefill_backlog(now) + (prefill if local else 0.0)
+        batch, ctx = len(dec.decoding()), dec.context_sum()
+        step_new = self.model.decode_step_s(batch + 1, ctx + prompt_len + out // 2)
+        spread = d_backlog - (prefill if local else 0.0)  # our own prefill is not in our TPOT
+        transfer = 0.0
+        if not local:
+            nbytes = int((prompt_len - c_dec) * self.kv_bytes_per_token)
+            transfer = self.model.transfer_s(nbytes) + self.handoff_overhead_s
+        tpot = (step_new + (spread + transfer) / max(1, out - 1)) * self.calibration.tpot
+        stall = prefill if local else 0.0
+        worst, added = self._running(dec, batch, ctx, prompt_len + out // 2, stall, now)
+        miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
+        cost = ttft + out * tpot + added
+        return Prediction(route, ttft, tpot, worst, cost, c_first, c_dec, miss)
+
+    def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad) -> float:
+        """This prompt's prefill on `w`, in chunks beside w's decodes (one step each)."""
+        new = prompt_len - cached
+        batch = len(w.decoding())
+        if batch == 0:
+            return self.model.prefill_s(new, cached)
+        chunks = math.ceil(new / max(1, self.token_budget - batch))
+        return self.model.prefill_s(new, cached) + chunks * self.model.decode_step_s(
+            batch, w.context_sum()
+        )
+
+    def _running(
+        self, dec: WorkerLoad, batch: int, ctx: int, new_ctx: int, stall: float, now: float
+    ) -> tuple[float, float]:
+        """(worst protected TPOT, total added delay) of the requests decoding on `dec` if this
+        request joins: `stall` seconds of prefill in their steps, then one more in the batch."""
+        if batch == 0:
+            return 0.0, 0.0
+        k = self.calibration.tpot
+        step_old = self.model.decode_step_s(batch, ctx) * k
+        step_new = self.model.decode_step_s(batch + 1, ctx + new_ctx) * k
+        stall *= k
+        worst, added = 0.0, 0.0
+        for j in dec.decoding():
+            tokens = j.generated + j.remaining
+            added += stall + j.remaining * (step_new - step_old)
+            if self.slo_tpot_s is None or tokens < 2 or j.first_at is None:
+                continue
+            ran = max(0.0, now - j.first_at)
+            old = (ran + j.remaining * step_old) / (tokens - 1)
+            new = (ran + stall + j.remaining * step_new) / (tokens - 1)
+            if old <= self.slo_tpot_s < new:
+                worst = max(worst, new)
+        return worst, added
+
+    def _miss(self, ttft: float, tpot: float, running_worst: float) -> str | None:
+        if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
+            return "slo_ttft"
+        if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
+            return "slo_tpot"
+        if running_worst > 0:
+            return "slo_tpot_running"
+        return None

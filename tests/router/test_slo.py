@@ -1,0 +1,165 @@
+"""The SLO planner (pure): predictions, admission, conditional disaggregation, prefix weighing,
+calibration; and the autobalancer's hysteresis. Loads are scripted, times are given."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.balancer import Autobalancer, PoolSample
+from pdserve.router.costmodel import CostModel
+from pdserve.router.slo import Calibration, Job, Route, SloPlanner, WorkerLoad
+
+# 1 ms per prompt token (+ attention), a 20 ms decode step + 2 ms per request in the batch
+MODEL = CostModel((0.01, 1e-3, 1e-4), (0.02, 0.002, 0.001), (0.001, 1e9))
+
+
+def planner(**kw) -> SloPlanner:  # type: ignore[no-untyped-def]
+    return SloPlanner(MODEL, kv_bytes_per_token=1000, **kw)
+
+
+def loads(*ids: str) -> dict[str, WorkerLoad]:
+    return {i: WorkerLoad(i) for i in ids}
+
+
+def decoding(
+    load: WorkerLoad, n: int, now: float = 0.0, context: int = 500, remaining: int = 200
+) -> None:
+    for i in range(n):
+        load.add(Job(f"run{i}", 0.0, context, remaining, True, now, first_at=now, generated=1))
+
+
+def test_prediction_adds_the_queue_ahead_and_the_prompt() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    ls["P0"].add(Job("a", 2.0, 0, 0, False, queued_at=10.0))
+    pred = p.predict(1000, 100, Route("remote", "P0", "D0"), ls, {}, now=10.5)
+    assert pred.ttft_s == pytest.approx(1.5 + MODEL.prefill_s(1000))
+    step = MODEL.decode_step_s(1, 1000 + 50)
+    assert pred.tpot_s == pytest.approx(step + (MODEL.transfer_s(1000 * 1000) + 0.002) / 99)
+
+
+def test_idle_short_prompt_runs_locally_and_a_busy_decoder_sends_long_ones_to_p() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    routes = p.routes(["P0"], ["D0"], [])
+    assert {r.kind for r in routes} == {"remote", "local"}
+    idle = p.decide(100, 50, routes, ls, {}, now=0.0)
+    assert idle.chosen is not None and idle.chosen.route.kind == "local"  # no transfer to pay
+    decoding(ls["D0"], 8)
+    busy = p.decide(2000, 50, routes, ls, {}, now=0.0)
+    # 2000 tokens of prefill on D would stall 8 running decodes: P takes it
+    assert busy.chosen is not None and busy.chosen.route.kind == "remote"
+
+
+def test_always_mode_never_prefills_on_d_while_both_pools_exist() -> None:
+    p = planner(mode="always")
+    assert {r.kind for r in p.routes(["P0"], ["D0"], [])} == {"remote"}
+    assert {r.kind for r in p.routes([], ["D0"], [])} == {"local"}  # P pool gone: D runs it
+    with pytest.raises(ValueError, match="disaggregation"):
+        planner(mode="sometimes")
+
+
+def test_admission_rejects_predicted_ttft_misses_with_a_retry_after() -> None:
+    p = planner(slo_ttft_s=1.0, slo_tpot_s=0.2)
+    ls = loads("P0", "D0")
+    ls["P0"].add(Job("a", 3.0, 0, 0, False, queued_at=0.0))
+    ls["D0"].add(Job("b", 3.0, 600, 50, True, queued_at=0.0))
+    d = p.decide(500, 50, p.routes(["P0"], ["D0"], []), ls, {}, now=0.0)
+    assert d.chosen is None and d.reject == "slo_ttft" and d.retry_after_s >= 2
+    # the same request is admitted (best effort) when asked not to reject, e.g. a recovery
+    forced = p.decide(500, 50, p.routes(["P0"], ["D0"], []), ls, {}, now=0.0, admit_all=True)
+    assert forced.chosen is not None
+
+
+def test_admission_rejects_tpot_misses_and_protects_running_requests() -> None:
+    p = planner(slo_ttft_s=10.0, slo_tpot_s=0.05)
+    ls = loads("D0")
+    decoding(ls["D0"], 20)  # a step of 20 ms + 42 ms (batch) + 10 ms (context): over 50 ms
+    d = p.decide(100, 50, [Route("local", "D0")], ls, {}, now=0.0)
+    assert d.chosen is None and d.reject == "slo_tpot"
+    # running requests just inside their SLO; a long local prefill would stall them past it
+    p2 = planner(slo_ttft_s=10.0, slo_tpot_s=0.1)
+    ls2 = loads("D0")
+    decoding(ls2["D0"], 2, context=100, remaining=10)  # 3.5 s of stall over 10 tokens
+    pred = p2.predict(3000, 2, Route("local", "D0"), ls2, {}, now=0.0)
+    assert pred.miss == "slo_tpot_running" and pred.running_worst_s > 0.1
+
+
+def test_a_cached_prefix_wins_unless_its_holder_is_far_busier() -> None:
+    p = planner()
+    ls = loads("P0", "P1", "D0")
+    routes = [Route("remote", "P0", "D0"), Route("remote", "P1", "D0")]
+    cached = {"P0": 1600}
+    d = p.decide(2000, 20, routes, ls, cached, now=0.0)
+    assert d.chosen is not None and d.chosen.route.first == "P0" and d.chosen.cached_first == 1600
+    ls["P0"].add(Job("q", 5.0, 0, 0, False, queued_at=0.0))  # 5 s of queued prefill on P0
+    d = p.decide(2000, 20, routes, ls, cached, now=0.0)
+    assert d.chosen is not None and d.chosen.route.first == "P1"
+
+
+def test_cached_tokens_never_reach_the_whole_prompt() -> None:
+    p = planner()
+    pred = p.predict(64, 4, Route("local", "D0"), loads("D0"), {"D0": 64}, now=0.0)
+    assert pred.cached_first == 63  # the last token is always computed
+
+
+def test_load_bookkeeping_follows_first_tokens_and_deliveries() -> None:
+    w = WorkerLoad("D0")
+    w.add(Job("a", 1.0, 100, 10, True, queued_at=0.0))
+    w.add(Job("b", 0.5, 100, 10, True, queued_at=0.0))
+    assert w.prefill_backlog(0.2) == pytest.approx(1.3)
+    w.first_token("a", 1.0)
+    assert w.prefill_backlog(1.0) == pytest.approx(0.5)
+    w.tokens("a", 3, 1.1)
+    job = w.jobs["a"]
+    assert (job.generated, job.context, job.remaining) == (3, 103, 7)
+    w.remove("a")
+    w.remove("b")
+    assert w.jobs == {} and w.prefill_backlog(2.0) == 0.0
+
+
+def test_calibration_moves_predictions_toward_what_was_measured() -> None:
+    p = planner()
+    base = p.predict(1000, 10, Route("local", "D0"), loads("D0"), {}, now=0.0).ttft_s
+    for _ in range(30):
+        p.calibration.observe("ttft", base, 2 * base)
+    again = p.predict(1000, 10, Route("local", "D0"), loads("D0"), {}, now=0.0).ttft_s
+    assert again == pytest.approx(2 * base, rel=0.05)
+    c = Calibration()
+    c.observe("tpot", 1.0, 100.0)  # one wild sample is clamped
+    assert c.tpot <= 1 + c.alpha * 3
+
+
+def test_bad_slos_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="slo_ttft"):
+        planner(slo_ttft_s=0.0)
+
+
+# ---- the autobalancer -------------------------------------------------------------------------
+def test_autobalancer_moves_only_after_sustained_imbalance_then_cools_down() -> None:
+    b = Autobalancer(high=0.7, low=0.3, sustain_s=3.0, cooldown_s=10.0)
+    hot_p = PoolSample(prefill_pressure=2.0, decode_pressure=0.1, n_prefill=1, n_decode=2)
+    assert b.observe(0.0, hot_p) is None
+    assert b.observe(2.0, hot_p) is None
+    assert b.observe(3.5, hot_p) == "to_prefill"
+    assert b.observe(5.0, hot_p) is None  # cooling down
+    assert b.observe(14.0, hot_p) == "to_prefill"
+
+
+def test_autobalancer_resets_when_the_imbalance_flickers() -> None:
+    b = Autobalancer(sustain_s=3.0, cooldown_s=0.0)
+    hot_d = PoolSample(0.1, 2.0, 2, 1)
+    calm = PoolSample(0.5, 0.5, 2, 1)
+    assert b.observe(0.0, hot_d) is None
+    assert b.observe(2.0, calm) is None
+    assert b.observe(4.0, hot_d) is None  # the clock restarted at 4.0
+    assert b.observe(7.5, hot_d) == "to_decode"
+
+
+def test_autobalancer_keeps_min_pool_and_ignores_single_workers() -> None:
+    b = Autobalancer(sustain_s=0.0, cooldown_s=0.0, min_pool=1)
+    assert b.observe(0.0, PoolSample(2.0, 0.0, 1, 1)) is None  # would empty the decode pool
+    assert b.observe(1.0, PoolSample(2.0, 0.0, 1, 2)) == "to_prefill"
+    assert Autobalancer(sustain_s=0.0).observe(0.0, PoolSample(2.0, 0.0, 1, 0)) is None
+    with pytest.raises(ValueError):
+        Autobalancer(high=0.2, low=0.5)
