@@ -163,3 +163,19 @@ def test_autobalancer_keeps_min_pool_and_ignores_single_workers() -> None:
     assert Autobalancer(sustain_s=0.0).observe(0.0, PoolSample(2.0, 0.0, 1, 0)) is None
     with pytest.raises(ValueError):
         Autobalancer(high=0.2, low=0.5)
+
+
+def test_when_no_route_meets_the_slos_the_one_breaking_fewest_wins() -> None:
+    # P is far behind (TTFT will miss either way); prefilling locally would also push the
+    # requests running on D past their TPOT SLO: the remote route breaks one SLO, local four
+    p = planner(slo_ttft_s=1.0, slo_tpot_s=0.1, admission=False)
+    ls = loads("P0", "D0")
+    ls["P0"].add(Job("q", 20.0, 0, 0, False, queued_at=0.0))
+    ls["D0"].add(Job("q2", 1.5, 0, 50, True, queued_at=0.0))
+    decoding(ls["D0"], 3, context=100, remaining=10)
+    routes = p.routes(["P0"], ["D0"], [])
+    local = p.predict(2000, 20, Route("local", "D0"), ls, {}, now=0.0)
+    remote = p.predict(2000, 20, Route("remote", "P0", "D0"), ls, {}, now=0.0)
+    assert local.misses > remote.misses >= 1
+    d = p.decide(2000, 20, routes, ls, {}, now=0.0)
+    assert d.chosen is not None and d.chosen.route.kind == "remote"

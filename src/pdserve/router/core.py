@@ -283,9 +283,9 @@ class RouterCore:
             self._end(flight, outcome)
 
     async def _drain(self, flight: Flight) -> AsyncIterator[Delta]:
-        silence = max(30.0, 6 * self.deadline_s)
         ends = flight.timeline[0][2] + self.request_timeout_s  # no request outlives this
         while True:
+            silence = self._silence_limit(flight)
             left = ends - time.monotonic()
             try:
                 item = await asyncio.wait_for(
@@ -301,6 +301,15 @@ class RouterCore:
             yield item
             if item.finish_reason is not None:
                 return
+
+    def _silence_limit(self, flight: Flight) -> float:
+        """How long a request may go without an event before it fails with 504. A request
+        queued behind others legitimately waits its predicted TTFT (heartbeats, not silence,
+        tell a dead worker), so before its first token the limit stretches to 3x that."""
+        base = max(30.0, 6 * self.deadline_s)
+        if flight.first_at is None and flight.prediction is not None:
+            return max(base, 3 * flight.prediction.ttft_s)
+        return base
 
     def _end(self, flight: Flight, outcome: str) -> None:
         if not flight.finished:

@@ -113,10 +113,11 @@ class Prediction:
     ttft_s: float
     tpot_s: float
     running_worst_s: float  # worst predicted TPOT of a protected running request (0: none)
-    cost_s: float  # what the choice minimizes
+    cost_s: float  # what the choice minimizes (after `misses`)
     cached_first: int  # prompt tokens the prefilling worker already caches
     cached_decode: int  # ... and the decode worker (KV it need not receive)
     miss: str | None = None  # first SLO this route misses: slo_ttft | slo_tpot | slo_tpot_running
+    misses: int = 0  # SLOs missed: this request's (TTFT, TPOT) + running requests pushed over
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,9 @@ class SloPlanner:
         feasible = [p for p in preds if p.miss is None]
         if feasible:
             return Decision(min(feasible, key=lambda p: p.cost_s), considered=len(preds))
-        best = min(preds, key=lambda p: p.cost_s)
+        # nothing meets every SLO: the route that breaks the fewest (a request that misses
+        # anyway should not drag running ones down with it), then the cheapest
+        best = min(preds, key=lambda p: (p.misses, p.cost_s))
         if admit_all or not self.admission:
             return Decision(best, considered=len(preds))
         return Decision(None, best.miss, self._retry_after(best), len(preds))
@@ -239,10 +242,13 @@ class SloPlanner:
             transfer = self.model.transfer_s(nbytes) + self.handoff_overhead_s
         tpot = (step_new + (spread + transfer) / max(1, out - 1)) * self.calibration.tpot
         stall = prefill if local else 0.0
-        worst, added = self._running(dec, batch, ctx, prompt_len + out // 2, stall, now)
+        worst, added, pushed = self._running(dec, batch, ctx, prompt_len + out // 2, stall, now)
         miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
+        own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
+            self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
+        )
         cost = ttft + out * tpot + added
-        return Prediction(route, ttft, tpot, worst, cost, c_first, c_dec, miss)
+        return Prediction(route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed)
 
     def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad) -> float:
         """This prompt's prefill on `w`, in chunks beside w's decodes (one step each)."""
@@ -257,16 +263,17 @@ class SloPlanner:
 
     def _running(
         self, dec: WorkerLoad, batch: int, ctx: int, new_ctx: int, stall: float, now: float
-    ) -> tuple[float, float]:
-        """(worst protected TPOT, total added delay) of the requests decoding on `dec` if this
-        request joins: `stall` seconds of prefill in their steps, then one more in the batch."""
+    ) -> tuple[float, float, int]:
+        """(worst protected TPOT, total added delay, how many pushed past the SLO) of the
+        requests decoding on `dec` if this request joins: `stall` seconds of prefill in their
+        steps, then one more in the batch."""
         if batch == 0:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0
         k = self.calibration.tpot
         step_old = self.model.decode_step_s(batch, ctx) * k
         step_new = self.model.decode_step_s(batch + 1, ctx + new_ctx) * k
         stall *= k
-        worst, added = 0.0, 0.0
+        worst, added, pushed = 0.0, 0.0, 0
         for j in dec.decoding():
             tokens = j.generated + j.remaining
             added += stall + j.remaining * (step_new - step_old)
@@ -276,8 +283,8 @@ class SloPlanner:
             old = (ran + j.remaining * step_old) / (tokens - 1)
             new = (ran + stall + j.remaining * step_new) / (tokens - 1)
             if old <= self.slo_tpot_s < new:
-                worst = max(worst, new)
-        return worst, added
+                worst, pushed = max(worst, new), pushed + 1
+        return worst, added, pushed
 
     def _miss(self, ttft: float, tpot: float, running_worst: float) -> str | None:
         if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
