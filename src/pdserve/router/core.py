@@ -845,16 +845,21 @@ class RouterCore:
         p_pool = pools["prefill"] or everyone
         d_pool = pools["decode"] or everyone
         prefill = max((w.load.prefill_backlog(now) for w in p_pool), default=0.0) / ttft_ref
-        decode = max((self._step_s(w) for w in d_pool), default=0.0) / tpot_ref
+        decode = max((self._sharing(w, tpot_ref) for w in d_pool), default=0.0)
         return balancer.PoolSample(prefill, decode, len(pools["prefill"]), len(pools["decode"]))
 
-    def _step_s(self, w: WorkerState) -> float:
+    def _sharing(self, w: WorkerState, tpot_ref: float) -> float:
+        """How much of the TPOT headroom (SLO minus a lone request's step) sharing this
+        worker's decode steps uses. A lone long-context request can be slow on its own; more
+        decode workers would not help it, so it does not count as decode pressure."""
         assert self.planner is not None
         batch = len(w.load.decoding())
-        if batch == 0:
+        if batch <= 1:
             return 0.0
-        step = self.planner.model.decode_step_s(batch, w.load.context_sum())
-        return step * self.planner.calibration.tpot
+        k, ctx = self.planner.calibration.tpot, w.load.context_sum()
+        alone = self.planner.model.decode_step_s(1, ctx // batch) * k
+        shared = self.planner.model.decode_step_s(batch, ctx) * k
+        return (shared - alone) / max(tpot_ref - alone, 1e-3)
 
     async def _autobalance(self) -> None:
         assert self.autobalancer is not None
