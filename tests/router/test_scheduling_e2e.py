@@ -118,3 +118,32 @@ def test_role_switch_under_load_loses_no_request_and_leaks_no_block(tiny_llama_p
         assert c.stats["role_switches_admin"] == 1
         assert [w.role for w in c.core.workers] == ["prefill", "decode", "prefill"]  # type: ignore[union-attr]
         assert_no_leaks(c)
+
+
+def test_autobalance_moves_a_decode_worker_to_prefill_and_loses_nothing(
+    tiny_llama_path, llm
+) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.router.balancer import Autobalancer
+
+    # P's engine steps are made slow (1 s each, injected), so prompts pile up on P while the
+    # D's idle: the controller must move one D to the prefill pool, and nothing may be lost
+    planner = SloPlanner(TINY, slo_ttft_s=0.2, admission=False, mode="always")
+    auto = Autobalancer(sustain_s=0.3, cooldown_s=60.0)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    batch = prompts(12, 120, seed=13)
+    core_args = {"planner": planner, "autobalancer": auto, "autobalance_interval_s": 0.1}
+    with LocalCluster(
+        str(tiny_llama_path), 1, 2, threads=1, engine_args=ENGINE, core_args=core_args
+    ) as c:
+        c.set_fault("P0", "slow", count=3, delay_s=1.0)
+        outs = c.generate(batch, params, timeout_s=120)
+        assert c.stats["autobalance_to_prefill"] == 1  # decided while the prompts queued
+        deadline = time.monotonic() + 20  # done once the chosen D's requests have finished
+        while c.stats["role_switches_autobalance"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.stats["role_switches_autobalance"] == 1
+        assert c.core is not None
+        assert sorted(w.role for w in c.core.workers) == ["decode", "prefill", "prefill"]
+        assert all(o.error is None for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == reference(llm, batch, params)
+        assert_no_leaks(c)

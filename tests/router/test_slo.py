@@ -179,3 +179,13 @@ def test_when_no_route_meets_the_slos_the_one_breaking_fewest_wins() -> None:
     assert local.misses > remote.misses >= 1
     d = p.decide(2000, 20, routes, ls, {}, now=0.0)
     assert d.chosen is not None and d.chosen.route.kind == "remote"
+
+
+def test_oldest_wait_shows_a_queue_the_model_thinks_is_done() -> None:
+    w = WorkerLoad("P0")
+    w.add(Job("a", 0.1, 0, 0, False, queued_at=0.0))
+    w.add(Job("b", 0.1, 0, 0, False, queued_at=0.5))
+    assert w.prefill_backlog(3.0) == pytest.approx(0.1)  # the model says: nearly done
+    assert w.oldest_wait(3.0) == pytest.approx(3.0)  # yet "a" has waited 3 s
+    w.first_token("a", 3.0)
+    assert w.oldest_wait(3.0) == pytest.approx(2.5)

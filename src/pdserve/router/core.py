@@ -836,7 +836,9 @@ class RouterCore:
             await asyncio.sleep(0.02)
 
     def pool_sample(self, now: float) -> balancer.PoolSample:
-        """Pressures for the autobalancer, from the loads and the cost model."""
+        """Pressures for the autobalancer, from the loads and the cost model: prefill = the
+        worst P's queue (predicted seconds, or the measured wait of its oldest prompt if
+        longer) over the TTFT SLO; decode = the worst D's batching cost (see _sharing)."""
         assert self.planner is not None
         pools = self._pools()
         ttft_ref = self.planner.slo_ttft_s or DEFAULT_TTFT_REF_S
@@ -844,7 +846,8 @@ class RouterCore:
         everyone = pools["prefill"] + pools["decode"]
         p_pool = pools["prefill"] or everyone
         d_pool = pools["decode"] or everyone
-        prefill = max((w.load.prefill_backlog(now) for w in p_pool), default=0.0) / ttft_ref
+        queued = (max(w.load.prefill_backlog(now), w.load.oldest_wait(now)) for w in p_pool)
+        prefill = max(queued, default=0.0) / ttft_ref
         decode = max((self._sharing(w, tpot_ref) for w in d_pool), default=0.0)
         return balancer.PoolSample(prefill, decode, len(pools["prefill"]), len(pools["decode"]))
 

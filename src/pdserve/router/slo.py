@@ -67,6 +67,13 @@ class WorkerLoad:
         ran = max(0.0, now - max(head.queued_at, self.prefill_free_at))
         return sum(j.prefill_s for j in owed) - min(ran, head.prefill_s)
 
+    def oldest_wait(self, now: float) -> float:
+        """How long the longest-queued prompt here has waited for its first token: the
+        measured side of the queue, which a worker slower than its model shows (the
+        predicted backlog would not)."""
+        owed = [j.queued_at for j in self.jobs.values() if j.prefill_s > 0]
+        return now - min(owed) if owed else 0.0
+
     def decoding(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.decodes]
 
