@@ -189,3 +189,16 @@ def test_oldest_wait_shows_a_queue_the_model_thinks_is_done() -> None:
     assert w.oldest_wait(3.0) == pytest.approx(3.0)  # yet "a" has waited 3 s
     w.first_token("a", 3.0)
     assert w.oldest_wait(3.0) == pytest.approx(2.5)
+
+
+def test_pressures_ignore_a_lone_slow_decode_and_see_a_stuck_queue() -> None:
+    from pdserve.router.balancer import pressures
+
+    p = planner(slo_ttft_s=1.0, slo_tpot_s=0.05)
+    lone, shared, queue = WorkerLoad("D0"), WorkerLoad("D1"), WorkerLoad("P0")
+    decoding(lone, 1, context=20000)  # slow alone (> the SLO), yet more D's would not help
+    decoding(shared, 4, context=100)
+    queue.add(Job("q", 0.01, 0, 0, False, queued_at=0.0))
+    assert pressures([queue], [lone], p, 3.0, 1, 1).decode_pressure == 0.0
+    sample = pressures([queue], [shared], p, 3.0, 1, 1)
+    assert sample.decode_pressure > 0 and sample.prefill_pressure == pytest.approx(3.0)

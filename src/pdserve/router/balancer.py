@@ -1,13 +1,13 @@
 """Autobalance: move a worker between the prefill and decode pools when the mix shifts.
 
-Pure policy: `Autobalancer.observe(now, sample)` returns which way to move one worker, or None.
-The RouterCore samples the pools every second from its own picture of the queues
-(`slo.WorkerLoad`) and the cost model, and performs a move with `set_role` (drain, switch,
-rejoin), the same path as the admin endpoint.
+Pure policy: `pressures` turns the router's picture of the queues (`slo.WorkerLoad`) and the
+cost model into a `PoolSample`; `Autobalancer.observe(now, sample)` returns which way to move
+one worker, or None. The RouterCore samples the pools every second and performs a move with
+`set_role` (drain, switch, rejoin), the same path as the admin endpoint.
 
-Pressures are fractions of the SLO budget: prefill = the worst P's queued prefill seconds over
-the TTFT SLO; decode = the worst D's predicted decode step over the TPOT SLO. With no worker in a
-pool, that pool's work runs on the other (whole requests), and its pressure is measured there.
+Pressures are fractions of the SLO budgets: prefill = the worst P's queue over the TTFT SLO;
+decode = the share of the TPOT headroom the worst D's batching uses. With no worker in a pool,
+that pool's work runs on the other (whole requests), and its pressure is measured there.
 
 Hysteresis, so it does not flap: a move needs one pool above `high` while the other is below
 `low` for `sustain_s` in a row; after a move nothing moves for `cooldown_s` (the drained
@@ -16,7 +16,13 @@ worker's requests must finish and the queues settle); and a pool never drops bel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pdserve.router.slo import SloPlanner, WorkerLoad
+
+# Without SLOs, pressure is measured against these budgets.
+DEFAULT_TTFT_REF_S, DEFAULT_TPOT_REF_S = 2.0, 0.1
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,38 @@ class PoolSample:
     decode_pressure: float
     n_prefill: int
     n_decode: int
+
+
+def pressures(
+    prefill: Sequence[WorkerLoad],
+    decode: Sequence[WorkerLoad],
+    planner: SloPlanner,
+    now: float,
+    n_prefill: int,
+    n_decode: int,
+) -> PoolSample:
+    """Prefill: the worst queue among `prefill` (predicted seconds, or the measured wait of its
+    oldest prompt if longer) over the TTFT SLO; decode: the worst batching cost among `decode`
+    (see `sharing`)."""
+    ttft_ref = planner.slo_ttft_s or DEFAULT_TTFT_REF_S
+    tpot_ref = planner.slo_tpot_s or DEFAULT_TPOT_REF_S
+    queued = (max(w.prefill_backlog(now), w.oldest_wait(now)) for w in prefill)
+    p = max(queued, default=0.0) / ttft_ref
+    d = max((sharing(w, planner, tpot_ref) for w in decode), default=0.0)
+    return PoolSample(p, d, n_prefill, n_decode)
+
+
+def sharing(w: WorkerLoad, planner: SloPlanner, tpot_ref: float) -> float:
+    """How much of the TPOT headroom (SLO minus a lone request's step) sharing this worker's
+    decode steps uses. A lone long-context request can be slow on its own; more decode
+    workers would not help it, so it does not count as decode pressure."""
+    batch = len(w.decoding())
+    if batch <= 1:
+        return 0.0
+    k, ctx = planner.calibration.tpot, w.context_sum()
+    alone = planner.model.decode_step_s(1, ctx // batch) * k
+    shared = planner.model.decode_step_s(batch, ctx) * k
+    return (shared - alone) / max(tpot_ref - alone, 1e-3)
 
 
 @dataclass

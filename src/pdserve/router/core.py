@@ -39,8 +39,6 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.workers import messages as m
 
 TIMELINE_KEEP = 2000  # finished requests whose timelines stay queryable
-# Without SLOs, the autobalancer measures pressure against these budgets.
-DEFAULT_TTFT_REF_S, DEFAULT_TPOT_REF_S = 2.0, 0.1
 
 # Worker stage stamps -> the timeline's event names.
 _STAGES = {
@@ -836,33 +834,18 @@ class RouterCore:
             await asyncio.sleep(0.02)
 
     def pool_sample(self, now: float) -> balancer.PoolSample:
-        """Pressures for the autobalancer, from the loads and the cost model: prefill = the
-        worst P's queue (predicted seconds, or the measured wait of its oldest prompt if
-        longer) over the TTFT SLO; decode = the worst D's batching cost (see _sharing)."""
+        """The autobalancer's view of the pools (an empty pool's work runs on the other)."""
         assert self.planner is not None
         pools = self._pools()
-        ttft_ref = self.planner.slo_ttft_s or DEFAULT_TTFT_REF_S
-        tpot_ref = self.planner.slo_tpot_s or DEFAULT_TPOT_REF_S
         everyone = pools["prefill"] + pools["decode"]
-        p_pool = pools["prefill"] or everyone
-        d_pool = pools["decode"] or everyone
-        queued = (max(w.load.prefill_backlog(now), w.load.oldest_wait(now)) for w in p_pool)
-        prefill = max(queued, default=0.0) / ttft_ref
-        decode = max((self._sharing(w, tpot_ref) for w in d_pool), default=0.0)
-        return balancer.PoolSample(prefill, decode, len(pools["prefill"]), len(pools["decode"]))
-
-    def _sharing(self, w: WorkerState, tpot_ref: float) -> float:
-        """How much of the TPOT headroom (SLO minus a lone request's step) sharing this
-        worker's decode steps uses. A lone long-context request can be slow on its own; more
-        decode workers would not help it, so it does not count as decode pressure."""
-        assert self.planner is not None
-        batch = len(w.load.decoding())
-        if batch <= 1:
-            return 0.0
-        k, ctx = self.planner.calibration.tpot, w.load.context_sum()
-        alone = self.planner.model.decode_step_s(1, ctx // batch) * k
-        shared = self.planner.model.decode_step_s(batch, ctx) * k
-        return (shared - alone) / max(tpot_ref - alone, 1e-3)
+        return balancer.pressures(
+            [w.load for w in pools["prefill"] or everyone],
+            [w.load for w in pools["decode"] or everyone],
+            self.planner,
+            now,
+            len(pools["prefill"]),
+            len(pools["decode"]),
+        )
 
     async def _autobalance(self) -> None:
         assert self.autobalancer is not None
