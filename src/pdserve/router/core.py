@@ -889,6 +889,18 @@ class RouterCore:
             )
         return rows
 
+    # ---- dashboard (issue 17): the one read-only view router/dashboard.py needs besides
+    # worker_table(); keep it public and side-effect free when moving it.
+    def worker_vitals(self) -> dict[str, dict[str, Any]]:
+        """Per worker id: seconds since its last heartbeat reply (since its last message when
+        it has no heartbeat socket) and a copy of the last stats it sent."""
+        now = time.monotonic()
+        out = {}
+        for w in self.workers:
+            heard = w.last_pong if w.hb is not None else w.last_seen
+            out[w.worker_id] = {"heartbeat_age_s": round(now - heard, 3), "stats": dict(w.stats)}
+        return out
+
     def _score_prediction(self, flight: Flight, outcome: str) -> None:
         """Predicted vs actual TTFT/TPOT: kept for the timeline, fed to the metric of
         prediction error and to the planner's online calibration."""
