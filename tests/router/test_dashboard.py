@@ -136,7 +136,7 @@ def test_role_switch_restart_and_outage_are_events(core: FakeCore, metrics: Metr
     core.rows[0]["role"] = "decode"
     core.counters["role_switches_autobalance"] += 1
     core.rows[1]["pid"] = 4242
-    board.sample(now=10.5)  # within SAMPLE_S: not sampled
+    board.sample(now=10.1)  # within WATCH_S: no look
     assert not board.events
     board.sample(now=11.0)
     kinds = {(e["worker"], e["kind"]): e["detail"] for e in board.events}
@@ -153,6 +153,22 @@ def test_role_switch_restart_and_outage_are_events(core: FakeCore, metrics: Metr
     ]
     snap = d.Snapshot.model_validate(board.snapshot(now=14.0))
     assert len(snap.events) == 4 and len(snap.series) == 5
+
+
+def test_a_change_undone_between_two_looks_still_shows(core: FakeCore, metrics: Metrics) -> None:
+    board = d.Dashboard(core, metrics)
+    board.sample(now=1.0)
+    core.counters["role_switches_admin"] += 2  # there and back: the table looks the same
+    core.counters["workers_down"] += 1
+    core.counters["workers_up"] += 1
+    board.sample(now=2.0)
+    assert [(e["worker"], e["kind"], e["detail"].split()[0]) for e in board.events] == [
+        ("?", "role_switch", "2"),
+        ("?", "down", "1"),
+        ("?", "up", "1"),
+    ]
+    board.sample(now=3.0)  # counted once
+    assert len(board.events) == 3
 
 
 # ---- pure parts ----------------------------------------------------------------------------------

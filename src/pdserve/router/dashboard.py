@@ -5,10 +5,12 @@ Everything here reads state the router already keeps — `core.worker_table()`,
 metrics (`Metrics.registry`, `Metrics.recent`: the bounded ring of finished requests that
 `on_request_end` appends to) — so the request path does no extra work for it.
 
-Two things are derived over time, by `Dashboard.sample()` at most once per `SAMPLE_S` (from a
-background task while the app runs, and from the JSON endpoint itself): the latency series (p50
-and p90 of TTFT and TPOT over the last minute, goodput) and the worker events (role switches,
-restarts, down/up, draining), found by comparing the worker table with the previous sample.
+Two things are derived over time by `Dashboard.sample()` (from a background task while the app
+runs, and from the JSON endpoint itself): the latency series (p50 and p90 of TTFT and TPOT over
+the last minute, goodput; a point per `SAMPLE_S`) and the worker events (role switches,
+restarts, down/up, draining), found by comparing the worker table with the last look (every
+`WATCH_S`); a change undone between two looks still shows, from `core.counters`, without a
+worker name.
 A snapshot is built at most once per `CACHE_S` however many pages poll; the schema of the JSON
 is the pydantic model `Snapshot` (tests validate against it).
 
@@ -30,7 +32,9 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 WINDOW_S = 60.0  # "the last minute" of the latency quantiles and goodput
-SAMPLE_S = 1.0  # how often the series and the worker events are sampled
+SAMPLE_S = 1.0  # how often a point is added to the latency series
+WATCH_S = 0.25  # how often the worker table is compared with the last look (events)
+WATCHED_COUNTERS = ("role_switches_", "workers_down", "workers_up")  # core.counters
 CACHE_S = 0.5  # a snapshot is shared by every poll within this long
 SERIES_KEEP = 600  # series points kept (10 minutes at 1 s)
 EVENTS_KEEP = 200  # worker events kept
@@ -260,9 +264,9 @@ class Dashboard:
         self.core, self.metrics = core, metrics
         self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES_KEEP)
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEEP)
-        self._last_sample = -1e18
+        self._last_sample = self._last_watch = -1e18
         self._workers: dict[str, dict[str, Any]] = {}
-        self._switches: dict[str, int] = {}
+        self._counts: dict[str, int] | None = None  # None: no look yet
         self._cached: tuple[float, bytes] | None = None
 
     @property
@@ -278,58 +282,78 @@ class Dashboard:
 
     # ---- sampling -----------------------------------------------------------------------------
     def sample(self, now: float | None = None, force: bool = False) -> None:
-        """Add a series point and log worker changes, at most once per SAMPLE_S."""
+        """Add a series point at most once per SAMPLE_S; look at the workers at most once per
+        WATCH_S."""
         now = time.monotonic() if now is None else now
-        if not force and now - self._last_sample < SAMPLE_S:
-            return
-        self._last_sample = now
         t_unix = time.time() - (time.monotonic() - now)
-        self.series.append(window_point(self._recent(), now, t_unix, self.slo))
-        self._watch_workers(t_unix)
+        if force or now - self._last_watch >= WATCH_S:
+            self._last_watch = now
+            self._watch_workers(t_unix)
+        if force or now - self._last_sample >= SAMPLE_S:
+            self._last_sample = now
+            self.series.append(window_point(self._recent(), now, t_unix, self.slo))
 
     def _watch_workers(self, t: float) -> None:
         counters = getattr(self.core, "counters", {}) or {}
-        switches = {k: int(v) for k, v in counters.items() if k.startswith("role_switches_")}
-        by = [
-            k.removeprefix("role_switches_")
-            for k, v in switches.items()
-            if v > self._switches.get(k, 0)
-        ]
-        self._switches = switches
+        counts = {k: int(v) for k, v in counters.items() if k.startswith(WATCHED_COUNTERS)}
+        grew = {k: v - (self._counts or {}).get(k, 0) for k, v in counts.items()}
+        first_look = self._counts is None
+        grew = {} if first_look else {k: n for k, n in grew.items() if n > 0}
+        self._counts = counts
+        by = [k.removeprefix("role_switches_") for k in grew if k.startswith("role_switches_")]
         rows = {r["id"]: r for r in self.core.worker_table()}
+        seen: collections.Counter[str] = collections.Counter()
         for wid, row in rows.items():
             old = self._workers.get(wid)
             if old is None:
-                if self._workers:  # not the first sample: a worker that appeared
+                if not first_look:  # a worker that appeared
                     self._event(t, wid, "joined", f"as {row.get('role')}")
                 continue
-            self._compare(t, wid, old, row, by)
+            seen.update(self._compare(t, wid, old, row, by))
         self._workers = rows
+        self._unseen(t, grew, seen)
+
+    def _unseen(self, t: float, grew: dict[str, int], seen: collections.Counter[str]) -> None:
+        """Changes the counters show but the worker table no longer does (a switch there and
+        back, a blip of an outage between two looks): logged without a worker."""
+        switches = sum(n for k, n in grew.items() if k.startswith("role_switches_"))
+        for kind, n in (
+            ("role_switch", switches),
+            ("down", grew.get("workers_down", 0)),
+            ("up", grew.get("workers_up", 0)),
+        ):
+            if n > seen[kind]:
+                what = "between two looks at the workers"
+                self._event(t, "?", kind, f"{n - seen[kind]} {what} (counted, not seen)")
 
     def _compare(
         self, t: float, wid: str, old: dict[str, Any], row: dict[str, Any], by: list[str]
-    ) -> None:
+    ) -> list[str]:
+        """Log what changed on one worker since the last look; returns the kinds logged."""
+        kinds = []
         if row.get("role") != old.get("role"):
             who = f" by {', '.join(by)}" if by else ""
-            self._event(t, wid, "role_switch", f"{old.get('role')} -> {row.get('role')}{who}")
+            kinds.append(("role_switch", f"{old.get('role')} -> {row.get('role')}{who}"))
         if row.get("pid") is not None and old.get("pid") not in (None, row.get("pid")):
-            self._event(t, wid, "restart", f"pid {old.get('pid')} -> {row.get('pid')}")
+            kinds.append(("restart", f"pid {old.get('pid')} -> {row.get('pid')}"))
         if old.get("healthy") and not row.get("healthy"):
-            self._event(t, wid, "down", str(row.get("down_reason") or "unhealthy"))
+            kinds.append(("down", str(row.get("down_reason") or "unhealthy")))
         if not old.get("healthy") and row.get("healthy"):
-            self._event(t, wid, "up", "back in routing")
+            kinds.append(("up", "back in routing"))
         if row.get("draining") and not old.get("draining"):
-            self._event(t, wid, "draining", "out of routing until its requests finish")
+            kinds.append(("draining", "out of routing until its requests finish"))
+        for kind, detail in kinds:
+            self._event(t, wid, kind, detail)
+        return [kind for kind, _ in kinds]
 
     def _event(self, t: float, worker: str, kind: str, detail: str) -> None:
         self.events.append({"t": round(t, 3), "worker": worker, "kind": kind, "detail": detail})
 
     async def run(self) -> None:
-        """Sample every SAMPLE_S for as long as the app runs (events are caught while nobody
-        watches the page)."""
+        """Sample for as long as the app runs (events are caught while nobody watches)."""
         while True:
             self.sample()
-            await asyncio.sleep(SAMPLE_S)
+            await asyncio.sleep(WATCH_S)
 
     # ---- the snapshot -------------------------------------------------------------------------
     def snapshot_bytes(self, now: float | None = None) -> bytes:
