@@ -89,6 +89,7 @@ def test_snapshot_matches_schema_and_metrics(
     assert snap.now.n == 3 and snap.now.ttft_p50 is not None
     assert snap.now.goodput_rps == pytest.approx(3 / d.WINDOW_S, abs=1e-4)
     assert snap.series and snap.kv_pool is None
+    assert mv[("pdserve_requests_within_slo_total", ())] == 3  # the same goodput definition
     assert snap.slo == {"ttft_s": 10.0, "tpot_s": 10.0}
 
 
@@ -190,7 +191,7 @@ def test_window_point_counts_goodput_within_both_slos() -> None:
         f(61.0, 0.1, 0.05),  # misses TPOT
         f(62.0, 0.2, None, "aborted"),
     ]
-    p = d.window_point(recent, 62.0, 1000.0, {"ttft_s": 0.3, "tpot_s": 0.02})
+    p = d.window_point(recent, 62.0, 1000.0, Metrics(slo_ttft_s=0.3, slo_tpot_s=0.02).meets_slo)
     assert p["n"] == 4 and p["throughput_rps"] == round(3 / 60, 4)
     assert p["goodput_rps"] == round(1 / 60, 4)
     assert p["ttft_p50"] == pytest.approx(0.15) and p["tpot_p90"] == pytest.approx(0.042)

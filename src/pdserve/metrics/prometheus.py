@@ -231,6 +231,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.within_slo = Counter(
+            "pdserve_requests_within_slo",
+            "Requests that finished normally within both latency SLOs (rate() = goodput).",
+            registry=r,
+        )
         self.routes = Counter(
             "pdserve_route_decisions",
             "Dispatches by route: remote (P then D), local (whole on a decode worker), "
@@ -327,10 +332,17 @@ class Metrics:
             self.tpot.observe(tpot)
             if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
                 self.slo_violations.labels("tpot").inc()
+        if outcome == "ok" and self.meets_slo(ttft, tpot):
+            self.within_slo.inc()
         route = str(getattr(flight, "route", "") or "")
         self.recent.append(
             Finished(flight.rid, end, outcome, route, len(flight.prompt_ids), n_out, ttft, tpot)
         )
+
+    def meets_slo(self, ttft: float | None, tpot: float | None) -> bool:
+        """Within both SLOs (an SLO not set is met; a request of one token has no TPOT)."""
+        ttft_ok = self.slo_ttft_s is None or (ttft is not None and ttft <= self.slo_ttft_s)
+        return ttft_ok and (self.slo_tpot_s is None or tpot is None or tpot <= self.slo_tpot_s)
 
     def _latencies(
         self, flight: Any, outcome: str, end: float, n_out: int

@@ -25,7 +25,7 @@ import bisect
 import collections
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any, Literal
 
@@ -148,9 +148,12 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def window_point(recent: Iterable[Any], now: float, t_unix: float, slo: dict) -> dict[str, Any]:
+def window_point(
+    recent: Iterable[Any], now: float, t_unix: float, meets: Callable[[Any, Any], bool]
+) -> dict[str, Any]:
     """The series point at `now` (monotonic) over the finished requests of the last WINDOW_S
-    (`recent`: `Finished` records, oldest first)."""
+    (`recent`: `Finished` records, oldest first); `meets(ttft, tpot)`: within both SLOs (the
+    definition `pdserve_requests_within_slo` counts by)."""
     items = list(recent)
     ends = [f.end for f in items]
     lo = bisect.bisect_left(ends, now - WINDOW_S)
@@ -159,13 +162,7 @@ def window_point(recent: Iterable[Any], now: float, t_unix: float, slo: dict) ->
     ttfts = sorted(f.ttft_s for f in window if f.ttft_s is not None)
     tpots = sorted(f.tpot_s for f in window if f.tpot_s is not None)
     ok = [f for f in window if f.outcome == "ok"]
-    slo_ttft, slo_tpot = slo.get("ttft_s"), slo.get("tpot_s")
-    good = sum(
-        1
-        for f in ok
-        if (slo_ttft is None or (f.ttft_s is not None and f.ttft_s <= slo_ttft))
-        and (slo_tpot is None or f.tpot_s is None or f.tpot_s <= slo_tpot)
-    )
+    good = sum(1 for f in ok if meets(f.ttft_s, f.tpot_s))
     return {
         "t": round(t_unix, 3),
         "n": len(window),
@@ -277,6 +274,10 @@ class Dashboard:
             "tpot_s": getattr(m, "slo_tpot_s", None) if m is not None else None,
         }
 
+    def _meets(self, ttft: float | None, tpot: float | None) -> bool:
+        meets = getattr(self.metrics, "meets_slo", None)
+        return bool(meets(ttft, tpot)) if meets is not None else True
+
     def _recent(self) -> list[Any]:
         return list(getattr(self.metrics, "recent", ()) or ())
 
@@ -291,7 +292,7 @@ class Dashboard:
             self._watch_workers(t_unix)
         if force or now - self._last_sample >= SAMPLE_S:
             self._last_sample = now
-            self.series.append(window_point(self._recent(), now, t_unix, self.slo))
+            self.series.append(window_point(self._recent(), now, t_unix, self._meets))
 
     def _watch_workers(self, t: float) -> None:
         counters = getattr(self.core, "counters", {}) or {}
@@ -378,7 +379,7 @@ class Dashboard:
             "slo": self.slo,
             "workers": self.workers(),
             "events": list(self.events),
-            "now": window_point(recent, now, t_unix, self.slo),
+            "now": window_point(recent, now, t_unix, self._meets),
             "series": list(self.series),
             "totals": totals(samples),
             "requests": self.requests(recent, now, t_unix),
