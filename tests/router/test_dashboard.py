@@ -181,8 +181,11 @@ def test_quantile() -> None:
 
 
 def test_window_point_counts_goodput_within_both_slos() -> None:
+    mx = Metrics(slo_ttft_s=0.3, slo_tpot_s=0.02)
+
     def f(end: float, ttft: float, tpot: float | None, outcome: str = "ok") -> Finished:
-        return Finished("r", end, outcome, "remote", 10, 5, ttft, tpot)
+        good = outcome == "ok" and mx.meets_slo(ttft, tpot)
+        return Finished("r", end, outcome, "remote", 10, 5, ttft, tpot, good)
 
     recent = [
         f(1.0, 0.1, 0.01),  # outside the window
@@ -190,8 +193,9 @@ def test_window_point_counts_goodput_within_both_slos() -> None:
         f(60.0, 0.5, 0.01),  # misses TTFT
         f(61.0, 0.1, 0.05),  # misses TPOT
         f(62.0, 0.2, None, "aborted"),
+        f(63.0, 0.1, 0.01),  # after `now`
     ]
-    p = d.window_point(recent, 62.0, 1000.0, Metrics(slo_ttft_s=0.3, slo_tpot_s=0.02).meets_slo)
+    p = d.window_point(recent, 62.0, 1000.0)
     assert p["n"] == 4 and p["throughput_rps"] == round(3 / 60, 4)
     assert p["goodput_rps"] == round(1 / 60, 4)
     assert p["ttft_p50"] == pytest.approx(0.15) and p["tpot_p90"] == pytest.approx(0.042)

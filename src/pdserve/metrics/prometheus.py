@@ -87,6 +87,7 @@ class Finished:
     output_tokens: int
     ttft_s: float | None
     tpot_s: float | None
+    within_slo: bool  # finished ok within both SLOs (counted in pdserve_requests_within_slo)
 
 
 @dataclass
@@ -332,12 +333,12 @@ class Metrics:
             self.tpot.observe(tpot)
             if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
                 self.slo_violations.labels("tpot").inc()
-        if outcome == "ok" and self.meets_slo(ttft, tpot):
+        good = outcome == "ok" and self.meets_slo(ttft, tpot)
+        if good:
             self.within_slo.inc()
         route = str(getattr(flight, "route", "") or "")
-        self.recent.append(
-            Finished(flight.rid, end, outcome, route, len(flight.prompt_ids), n_out, ttft, tpot)
-        )
+        n_in = len(flight.prompt_ids)
+        self.recent.append(Finished(flight.rid, end, outcome, route, n_in, n_out, ttft, tpot, good))
 
     def meets_slo(self, ttft: float | None, tpot: float | None) -> bool:
         """Within both SLOs (an SLO not set is met; a request of one token has no TPOT)."""

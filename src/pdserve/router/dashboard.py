@@ -21,11 +21,11 @@ The KV-pool panel appears only when the registry has `pdserve_kv_pool_*{tier=...
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
+import itertools
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any, Literal
 
@@ -148,30 +148,33 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def window_point(
-    recent: Iterable[Any], now: float, t_unix: float, meets: Callable[[Any, Any], bool]
-) -> dict[str, Any]:
+def window_point(recent: Sequence[Any], now: float, t_unix: float) -> dict[str, Any]:
     """The series point at `now` (monotonic) over the finished requests of the last WINDOW_S
-    (`recent`: `Finished` records, oldest first); `meets(ttft, tpot)`: within both SLOs (the
-    definition `pdserve_requests_within_slo` counts by)."""
-    items = list(recent)
-    ends = [f.end for f in items]
-    lo = bisect.bisect_left(ends, now - WINDOW_S)
-    hi = bisect.bisect_right(ends, now)
-    window = items[lo:hi]
-    ttfts = sorted(f.ttft_s for f in window if f.ttft_s is not None)
-    tpots = sorted(f.tpot_s for f in window if f.tpot_s is not None)
-    ok = [f for f in window if f.outcome == "ok"]
-    good = sum(1 for f in ok if meets(f.ttft_s, f.tpot_s))
+    (`recent`: `Finished` records, oldest first; walked from the newest, so O(window))."""
+    ttfts, tpots, ok, good, n = [], [], 0, 0, 0
+    for f in reversed(recent):
+        if f.end > now:
+            continue
+        if f.end < now - WINDOW_S:
+            break
+        n += 1
+        if f.ttft_s is not None:
+            ttfts.append(f.ttft_s)
+        if f.tpot_s is not None:
+            tpots.append(f.tpot_s)
+        ok += f.outcome == "ok"
+        good += f.within_slo
+    ttfts.sort()
+    tpots.sort()
     return {
         "t": round(t_unix, 3),
-        "n": len(window),
+        "n": n,
         "ttft_p50": _r(quantile(ttfts, 0.5)),
         "ttft_p90": _r(quantile(ttfts, 0.9)),
         "tpot_p50": _r(quantile(tpots, 0.5)),
         "tpot_p90": _r(quantile(tpots, 0.9)),
         "goodput_rps": round(good / WINDOW_S, 4),
-        "throughput_rps": round(len(ok) / WINDOW_S, 4),
+        "throughput_rps": round(ok / WINDOW_S, 4),
     }
 
 
@@ -265,6 +268,7 @@ class Dashboard:
         self._workers: dict[str, dict[str, Any]] = {}
         self._counts: dict[str, int] | None = None  # None: no look yet
         self._cached: tuple[float, bytes] | None = None
+        self.last_point: dict[str, Any] = {}  # the newest series point: "now" in snapshots
 
     @property
     def slo(self) -> dict[str, float | None]:
@@ -274,12 +278,9 @@ class Dashboard:
             "tpot_s": getattr(m, "slo_tpot_s", None) if m is not None else None,
         }
 
-    def _meets(self, ttft: float | None, tpot: float | None) -> bool:
-        meets = getattr(self.metrics, "meets_slo", None)
-        return bool(meets(ttft, tpot)) if meets is not None else True
-
-    def _recent(self) -> list[Any]:
-        return list(getattr(self.metrics, "recent", ()) or ())
+    def _recent(self) -> Sequence[Any]:
+        recent = getattr(self.metrics, "recent", None)
+        return recent if recent is not None else ()
 
     # ---- sampling -----------------------------------------------------------------------------
     def sample(self, now: float | None = None, force: bool = False) -> None:
@@ -292,7 +293,8 @@ class Dashboard:
             self._watch_workers(t_unix)
         if force or now - self._last_sample >= SAMPLE_S:
             self._last_sample = now
-            self.series.append(window_point(self._recent(), now, t_unix, self._meets))
+            self.last_point = window_point(self._recent(), now, t_unix)
+            self.series.append(self.last_point)
 
     def _watch_workers(self, t: float) -> None:
         counters = getattr(self.core, "counters", {}) or {}
@@ -379,7 +381,7 @@ class Dashboard:
             "slo": self.slo,
             "workers": self.workers(),
             "events": list(self.events),
-            "now": window_point(recent, now, t_unix, self._meets),
+            "now": self.last_point,  # at most SAMPLE_S old, computed once however many poll
             "series": list(self.series),
             "totals": totals(samples),
             "requests": self.requests(recent, now, t_unix),
@@ -391,10 +393,10 @@ class Dashboard:
         vitals = vitals_of() if vitals_of is not None else {}
         return [worker_row(r, vitals.get(r["id"], {})) for r in self.core.worker_table()]
 
-    def requests(self, recent: list[Any], now: float, t_unix: float) -> list[dict[str, Any]]:
+    def requests(self, recent: Sequence[Any], now: float, t_unix: float) -> list[dict[str, Any]]:
         out = []
         predicted_of = getattr(self.core, "prediction", None)
-        for f in reversed(recent[-WATERFALL_N:]):
+        for f in itertools.islice(reversed(recent), WATERFALL_N):  # newest first
             events = self.core.timeline(f.rid) or []
             pred = (predicted_of(f.rid) if predicted_of is not None else None) or {}
             total = max((float(e["t_ms"]) for e in events), default=None)
