@@ -24,12 +24,15 @@ import asyncio
 import collections
 import itertools
 import json
+import logging
 import time
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any, Literal
 
 from pydantic import BaseModel
+
+log = logging.getLogger("pdserve.router.dashboard")
 
 WINDOW_S = 60.0  # "the last minute" of the latency quantiles and goodput
 SAMPLE_S = 1.0  # how often a point is added to the latency series
@@ -355,7 +358,10 @@ class Dashboard:
     async def run(self) -> None:
         """Sample for as long as the app runs (events are caught while nobody watches)."""
         while True:
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # a bug here must not end the sampling (nor touch serving)
+                log.exception("dashboard sample failed")
             await asyncio.sleep(WATCH_S)
 
     # ---- the snapshot -------------------------------------------------------------------------
