@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import select
 import signal
 import socket
@@ -28,15 +27,10 @@ from typing import Any
 
 import httpx
 
+from pdserve.hostinfo import cpu_model
+
 KEY = "sk-bench"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def proc_cpu_s(pid: int) -> float:

@@ -5,7 +5,8 @@ clicked open), a role switch on the event line, and the same totals as /metrics;
 error, page error, failed load or request to another host fails the test. A screenshot is saved
 under the test's temp dir (copy it to docs/img/dashboard.png to refresh the docs' picture).
 
-Never skipped: without chromium this test fails and says how to install it.
+Slow (tests/conftest.py SLOW_MODULES). Never skipped: without chromium this test fails and says
+how to install it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-pytestmark = pytest.mark.slow
 
 KEY = "sk-dashboard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

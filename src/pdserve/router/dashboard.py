@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any, Literal
 
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 log = logging.getLogger("pdserve.router.dashboard")
@@ -471,16 +472,14 @@ JSON_PATH = "/admin/dashboard.json"
 
 def mount(app: Any, board: Dashboard) -> None:
     """Add the dashboard's two read-only routes to the router's FastAPI app."""
-    from fastapi.responses import Response
-
     html = page()
 
-    @app.get(PAGE_PATH, include_in_schema=False)
+    @app.get(PAGE_PATH, include_in_schema=False, response_model=None)
     async def dashboard_page() -> Response:
         # no-store: a new router version is never shown with an old page's code
         return Response(html, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
-    @app.get(JSON_PATH)
+    @app.get(JSON_PATH, response_model=None)
     async def dashboard_json() -> Response:
         return Response(
             board.snapshot_bytes(),
