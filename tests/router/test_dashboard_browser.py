@@ -1,9 +1,10 @@
 """The dashboard in a real browser: headless Chromium (Debian's `chromium`, which `make test`
 installs) driven by Playwright loads /dashboard of a running `pdserve serve` (tiny model, real
 workers) under load. The rendered page must show the workers, requests in the waterfall (one
-clicked open), a role switch on the event line, and the same totals as /metrics; any console
-error, page error, failed load or request to another host fails the test. A screenshot is saved
-under the test's temp dir (copy it to docs/img/dashboard.png to refresh the docs' picture).
+clicked open), a role switch on the event line, and the same totals as /metrics (and so does
+`pdserve top --once` against the same server); any console error, page error, failed load or
+request to another host fails the test. A screenshot is saved under the test's temp dir (copy
+it to docs/img/dashboard.png to refresh the docs' picture).
 
 Slow (tests/conftest.py SLOW_MODULES). Never skipped: without chromium this test fails and says
 how to install it.
@@ -178,6 +179,17 @@ def test_dashboard_in_chromium_under_load(serve: Serve, tmp_path: Path) -> None:
     assert load.sent > 0
     assert not problems, problems
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    check_top(serve.url, workers)
+
+
+def check_top(url: str, workers: list[dict[str, Any]]) -> None:
+    """`pdserve top --once` against the same server prints the same workers and totals."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "top", "--once", "--url", url, "--api-key", KEY]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert all(w["id"] in out.stdout for w in workers), out.stdout
+    ok = int(metric(url, "pdserve_requests_total", outcome="ok"))
+    assert f"ok {ok}" in out.stdout, out.stdout
 
 
 def watch(page: Any, origin: str, problems: list[str]) -> None:
