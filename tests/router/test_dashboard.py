@@ -123,7 +123,7 @@ def test_snapshots_are_shared_between_polls(core: FakeCore, metrics: Metrics) ->
 def test_worker_states() -> None:
     row = {"id": "w", "role": "decode", "healthy": True, "kv_blocks_used": 3, "kv_blocks_total": 4}
     assert d.worker_row(row, {"heartbeat_age_s": 0.2})["state"] == "ready"
-    assert d.worker_row(row, {"heartbeat_age_s": 1.5})["state"] == "degraded"
+    assert d.worker_row(row, {"heartbeat_age_s": 1.6})["state"] == "degraded"
     assert d.worker_row({**row, "draining": True}, {})["state"] == "draining"
     down = d.worker_row({**row, "healthy": False, "down_reason": "stuck"}, {})
     assert down["state"] == "down" and down["down_reason"] == "stuck"

@@ -43,7 +43,7 @@ CACHE_S = 0.5  # a snapshot is shared by every poll within this long
 SERIES_KEEP = 600  # series points kept (10 minutes at 1 s)
 EVENTS_KEEP = 200  # worker events kept
 WATERFALL_N = 30  # requests in the waterfall
-DEGRADED_HEARTBEAT_S = 1.0  # a heartbeat older than this (but not yet down) is degraded
+DEGRADED_HEARTBEAT_S = 1.5  # older than 3 heartbeats (0.5 s), not yet down (2 s): degraded
 
 State = Literal["ready", "draining", "down", "degraded"]
 
