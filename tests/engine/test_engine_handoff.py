@@ -63,3 +63,36 @@ def test_reserve_refuses_and_cancel_frees(tiny_llama_path) -> None:  # type: ign
         d.engine.reserve_kv([5] * 4, params, "a", 4)
     assert d.engine.cancel_reserved("a") and not d.engine.cancel_reserved("a")
     assert_engine_idle(d)
+
+
+def test_seed_penalties_and_bias_give_the_colocated_output_across_the_handoff(
+    tiny_llama_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """P samples the first token(s), D the rest: a seeded, penalized, biased request gives the
+    tokens one engine gives (the draw is keyed on (seed, position), penalties on the history)."""
+    path = str(tiny_llama_path)
+    ref = LLM(path, block_size=8, num_blocks=256)
+    p = LLM(path, block_size=4, num_blocks=256)
+    d = LLM(path, block_size=4, num_blocks=256)
+    prompt = torch.randint(3, 49000, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    cases = [
+        SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True),
+        SamplingParams(
+            max_tokens=10,
+            temperature=0,
+            ignore_eos=True,
+            frequency_penalty=2.0,
+            presence_penalty=1.0,
+            repetition_penalty=1.5,
+            logit_bias={prompt[0]: 100.0},
+        ),
+        SamplingParams(
+            max_tokens=10, temperature=0.8, top_k=50, seed=7, ignore_eos=True, frequency_penalty=1
+        ),
+    ]
+    for params in cases:
+        want = ref.generate([prompt], params)[0].outputs[0].token_ids
+        for k in (1, 3):
+            assert _handoff(p, d, prompt, params, k) == want
+    for llm in (ref, p, d):
+        assert_engine_idle(llm)

@@ -99,8 +99,12 @@ def test_completion_token_prompt_and_context_cap(client: TestClient, core: FakeC
     )
     assert r.status_code == 200, r.text
     assert core.calls[-1][1] == [5, 6, 7]
-    completion(client, max_tokens=1000)
-    assert core.calls[-1][2].max_tokens == MAX_LEN - len(core.calls[-1][1])
+    calls = len(core.calls)
+    err = assert_error(completion(client, max_tokens=10**12), 400, param="prompt")
+    assert err["code"] == "context_length_exceeded" and "however you requested" in err["message"]
+    assert len(core.calls) == calls  # refused, never clamped and run
+    r = chat(client, max_completion_tokens=MAX_LEN)
+    assert_error(r, 400, param="messages", code="context_length_exceeded")
 
 
 def test_completion_stream_with_usage(client: TestClient, core: FakeCore) -> None:

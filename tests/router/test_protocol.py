@@ -19,8 +19,17 @@ def refused(cls, **body) -> p.InvalidRequest:  # type: ignore[no-untyped-def]
     return e.value
 
 
-def test_completion_defaults_and_unknown_fields_ignored() -> None:
-    req = parse(p.CompletionRequest, model="m", prompt="hi", frequency_penalty=0, suffix=None)
+def test_completion_defaults_and_noop_defaults_accepted() -> None:
+    req = parse(
+        p.CompletionRequest,
+        model="m",
+        prompt="hi",
+        frequency_penalty=0,
+        suffix=None,
+        best_of=1,
+        tools=[],
+        response_format={"type": "text"},
+    )
     sp = req.to_sampling_params()
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k) == (16, 1.0, 1.0, -1)
     assert sp.logprobs is None and sp.seed is None and not req.stream and not req.include_usage
@@ -87,9 +96,9 @@ def test_completion_stop_and_extensions() -> None:
         stream=True,
         stream_options={"include_usage": True},
     )
-    sp = req.to_sampling_params(max_tokens_cap=20)
+    sp = req.to_sampling_params(p.Context(100, 50))
     assert sp.stop == ["\n"] and sp.top_k == 5 and sp.ignore_eos and sp.seed == 7
-    assert sp.logprobs == 2 and sp.max_tokens == 20 and req.include_usage
+    assert sp.logprobs == 2 and sp.max_tokens == 50 and req.include_usage
 
 
 def test_chat_params() -> None:
@@ -179,3 +188,85 @@ def test_response_models_dump_openai_shapes() -> None:
     )
     assert chunk.model_dump()["object"] == "chat.completion.chunk"
     assert p.ModelList(data=[p.ModelCard(id="m")]).model_dump()["data"][0]["object"] == "model"
+
+
+def test_max_tokens_beyond_the_context_is_openais_400() -> None:
+    req = parse(p.CompletionRequest, model="m", prompt="x", max_tokens=10**12)
+    with pytest.raises(p.InvalidRequest) as e:
+        req.to_sampling_params(p.Context(2048, 48))
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+    assert e.value.message == (
+        "This model's maximum context length is 2048 tokens, however you requested "
+        f"{10**12 + 48} tokens (48 in your prompt; {10**12} for the completion). "
+        "Please reduce your prompt; or completion length."
+    )
+    user = [{"role": "user", "content": "x"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        req = parse(p.ChatCompletionRequest, model="m", messages=user, **{field: 2001})
+        with pytest.raises(p.InvalidRequest) as e:
+            req.to_sampling_params(2000, p.Context(2048, 48))
+        assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+        assert e.value.message == (
+            "This model's maximum context length is 2048 tokens. However, you requested "
+            "2049 tokens (48 in the messages, 2001 in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+        ok = parse(p.ChatCompletionRequest, model="m", messages=user, **{field: 2000})
+        assert ok.to_sampling_params(2000, p.Context(2048, 48)).max_tokens == 2000
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code", "words"),
+    [
+        ({"frobnicate": 1}, "frobnicate", "unknown_parameter", "Unrecognized request argument"),
+        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter", "not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", None, "not supported"),
+        ({"tool_choice": "auto"}, "tool_choice", None, "not supported"),
+        ({"store": True}, "store", None, "not supported"),
+        ({"stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats", None, ""),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value", "at most 4"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value", "between -2 and 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value", "between -2 and 2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value", "> 0"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value", "[-100, 100]"),
+        ({"logit_bias": {"five": 1}}, "logit_bias", "invalid_value", "token ids"),
+    ],
+)
+def test_unsupported_and_unknown_fields_are_named(
+    body: dict, param: str, code: str | None, words: str
+) -> None:
+    user = [{"role": "user", "content": "x"}]
+    e = refused(p.ChatCompletionRequest, model="m", messages=user, **body)
+    assert (e.status, e.param) == (400, param)
+    assert code is None or e.code == code
+    assert words in e.message
+
+
+def test_history_as_the_openai_client_sends_it_back() -> None:
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y", "refusal": None, "tool_calls": None},
+    ]
+    assert parse(p.ChatCompletionRequest, model="m", messages=msgs).template_messages()[1] == {
+        "role": "assistant",
+        "content": "y",
+    }
+    msgs[1]["tool_calls"] = [{"id": "c", "type": "function"}]  # type: ignore[list-item]
+    e = refused(p.ChatCompletionRequest, model="m", messages=msgs)
+    assert e.param == "tool_calls" and "not supported" in e.message
+
+
+def test_penalties_and_bias_reach_the_sampling_params() -> None:
+    req = parse(
+        p.CompletionRequest,
+        model="m",
+        prompt="x",
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.3,
+        logit_bias={"17": -100, "3": 2.5},
+        stop=["a", "b", "c", "d"],
+    )
+    sp = req.to_sampling_params()
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.3)
+    assert sp.logit_bias == {17: -100, 3: 2.5} and len(sp.stop or ()) == 4

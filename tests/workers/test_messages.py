@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine.request import SamplingParams
 from pdserve.workers import messages as m
 
 SAMPLES = [
@@ -109,3 +110,17 @@ def test_sampling_params_from_the_wire_are_validated() -> None:
         m.sampling_params({"max_tokens": 3, "evil": 1})
     with pytest.raises(ValueError, match="top_p"):
         m.sampling_params({"top_p": 2.0})
+
+
+def test_sampling_params_extras_travel_only_when_set() -> None:
+    plain = SamplingParams(max_tokens=3)
+    assert "logit_bias" not in plain.to_wire() and "presence_penalty" not in plain.to_wire()
+    sp = SamplingParams(
+        max_tokens=3, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={"7": -100.0}
+    )
+    msg = m.decode(m.encode(m.Generate("r", [1, 2], sp.to_wire())))
+    assert m.sampling_params(msg.params) == sp
+    with pytest.raises(m.MessageError):
+        m.sampling_params({"max_tokens": 3, "presence_penalty": "high"})
+    with pytest.raises(ValueError, match="logit_bias"):
+        m.sampling_params({"max_tokens": 3, "logit_bias": [1, 2]})

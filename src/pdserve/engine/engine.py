@@ -134,6 +134,11 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams, request_id: str | None
     ) -> _Tracked:
         params.validate()
+        bad_bias = [t for t in params.logit_bias or () if t >= self.arch.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"logit_bias token ids out of range [0, {self.arch.vocab_size}): {bad_bias[:5]}"
+            )
         text, ids = self.tokenize(prompt)
         self._check_prompt(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -263,8 +268,10 @@ class LLMEngine:
         result = self.runner.execute(out)
         if not result.request_ids:
             return {}
-        params = [self._live[r].request.sampling_params for r in result.request_ids]
-        samples = self.sampler.sample(result.logits, result.request_ids, params)
+        requests = [self._live[r].request for r in result.request_ids]
+        params = [r.sampling_params for r in requests]
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
+        samples = self.sampler.sample(result.logits, result.request_ids, params, histories)
         return {
             r: (s.token_id, s.logprobs) for r, s in zip(result.request_ids, samples, strict=True)
         }

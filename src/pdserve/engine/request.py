@@ -12,6 +12,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -27,10 +28,20 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # OpenAI's penalties (on the generated tokens) and vLLM's repetition penalty (prompt and
+    # generated), applied by the sampler on whichever worker samples: same result on P and D.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logit_bias is not None:  # JSON object keys are strings
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to biases")
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -48,6 +59,40 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.stop is not None and len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop takes at most {MAX_STOP} sequences, got {len(self.stop)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:  # False for NaN too
+                raise ValueError(f"{name} must be between -2 and 2, got {value!r}")
+        if not 0 < self.repetition_penalty <= 1e6:  # False for NaN and inf too
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}"
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to a bias in [-100, 100], got {token}: {bias}"
+                )
+
+    @property
+    def penalized(self) -> bool:
+        """True when the sampler must change the logits before picking (greedy too)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields as a plain dict for control messages; the optional extras only when set,
+        so a worker that predates them still decodes a request that does not use them."""
+        out = dict(self.__dict__)
+        for name, default in _EXTRAS.items():
+            if out[name] == default:
+                del out[name]
+        return out
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +101,22 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+_EXTRAS: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+}
+
+
+def _token_key(key: Any) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
 
 
 class RequestStatus(enum.IntEnum):

@@ -1,11 +1,16 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds; top-N logprobs.
+"""Token selection: penalties and logit bias, greedy, temperature, top-k, top-p, per-request
+seeds; top-N logprobs.
 
-Each seeded request owns a `torch.Generator`, so its samples depend only on its seed and its
-own logits, not on which other requests share the batch.
+A seeded request draws its k-th output token from a generator seeded with (seed, k), so the draw
+depends only on the seed, the position and the logits: not on which other requests share the
+batch, and not on which worker samples it (P samples the first token, D the rest, and the result
+is the colocated one). Penalties read the request's own token history, which both P and D hold.
+Unseeded requests keep one generator each, seeded from the sampler's default seed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,20 +38,33 @@ class Sampler:
         logits: torch.Tensor,  # [S, vocab] float32, one row per request to sample
         request_ids: list[str],
         params: list[SamplingParams],
+        histories: Sequence[History] | None = None,
     ) -> list[SampleResult]:
+        """`histories[i]`: (prompt ids, output ids so far) of row i; needed for penalties and for
+        the position a seeded draw is keyed on (taken as 0 without it)."""
         logits = logits.float().cpu()
         greedy = logits.argmax(dim=-1).tolist()
         results = []
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            token = greedy[row] if p.greedy else self._sample_row(logits[row], rid, p)
-            results.append(SampleResult(token, _logprobs(logits[row], token, p.logprobs)))
+            history = histories[row] if histories is not None else ((), ())
+            row_logits = logits[row]
+            if p.penalized:
+                row_logits = apply_penalties(row_logits, p, history)
+                token = int(row_logits.argmax()) if p.greedy else -1
+            else:
+                token = greedy[row]
+            if not p.greedy:
+                token = self._sample_row(row_logits, rid, p, len(history[1]))
+            results.append(SampleResult(token, _logprobs(row_logits, token, p.logprobs)))
         return results
 
-    def _sample_row(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> int:
+    def _sample_row(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
         probs = torch.softmax(_filter(logits / p.temperature, p.top_k, p.top_p), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p)).item())
+        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p, pos)).item())
 
-    def _generator(self, rid: str, p: SamplingParams) -> torch.Generator:
+    def _generator(self, rid: str, p: SamplingParams, pos: int) -> torch.Generator:
+        if p.seed is not None:
+            return torch.Generator().manual_seed(position_seed(p.seed, pos))
         gen = self._generators.get(rid)
         if gen is None:
             seed = p.seed
@@ -54,6 +72,42 @@ class Sampler:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._fallback).item())
             gen = self._generators[rid] = torch.Generator().manual_seed(seed)
         return gen
+
+
+History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, output ids so far)
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, pos: int) -> int:
+    """The seed of the draw for output token `pos` (splitmix64 of seed and position): distinct
+    positions get unrelated streams, the same (seed, pos) the same stream on any worker."""
+    z = (seed + (pos + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
+    """logit_bias, then the repetition penalty (vLLM's: prompt and output tokens, positive logits
+    divided, negative multiplied), then OpenAI's frequency/presence penalties (output tokens:
+    minus frequency x count, minus presence once). Returns a new tensor."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if p.logit_bias:
+        ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in p.logit_bias.items() if t < vocab])
+        logits.index_add_(0, ids, bias.to(logits.dtype))
+    prompt, output = history
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(list(prompt) + list(output), dtype=torch.long).unique()
+        vals = logits[seen]
+        rp = p.repetition_penalty
+        logits[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -284,8 +284,8 @@ class _AppState:
                 status=404,
             )
 
-    def check_prompt(self, ids: list[int]) -> int | None:
-        """Validate prompt ids; returns the cap on max_tokens the context leaves (or None)."""
+    def check_prompt(self, ids: list[int]) -> p.Context | None:
+        """Validate prompt ids; returns the context max_tokens must fit in (None: unknown)."""
         if not ids:
             raise p.InvalidRequest("prompt must not be empty", "prompt", "empty_prompt")
         if self.max_model_len is not None and len(ids) >= self.max_model_len:
@@ -297,7 +297,7 @@ class _AppState:
             )
         if self.max_model_len is None:
             return None
-        return self.max_model_len - len(ids)
+        return p.Context(self.max_model_len, len(ids))
 
     async def completion_ids(self, req: p.CompletionRequest) -> list[int]:
         prompt = req.prompt_input()
@@ -395,8 +395,8 @@ def create_app(
         req = p.parse_request(p.CompletionRequest, await request.body())
         s.check_model(req.model)
         ids = await s.completion_ids(req)
-        cap = s.check_prompt(ids)
-        params = req.to_sampling_params(cap)
+        context = s.check_prompt(ids)
+        params = req.to_sampling_params(context)
         rid = f"cmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
@@ -408,9 +408,9 @@ def create_app(
         req = p.parse_request(p.ChatCompletionRequest, await request.body())
         s.check_model(req.model)
         ids = await s.chat_ids(req)
-        cap = s.check_prompt(ids)
-        default = cap if cap is not None else DEFAULT_CHAT_MAX_TOKENS
-        params = req.to_sampling_params(default, cap)
+        context = s.check_prompt(ids)
+        default = context.room if context is not None else DEFAULT_CHAT_MAX_TOKENS
+        params = req.to_sampling_params(default, context)
         top_n = req.top_logprobs or 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, top_n, req.user)

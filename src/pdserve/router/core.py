@@ -241,7 +241,7 @@ class RouterCore:
         prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
         self.routing.route(flight, prompt, admit, only)
         assert flight.pair is not None
-        params = dict(flight.params.__dict__)
+        params = flight.params.to_wire()
         params["max_tokens"] = flight.params.max_tokens - len(flight.sent)
         first, second = flight.pair
         if second is None:

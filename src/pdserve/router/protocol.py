@@ -1,18 +1,31 @@
 """OpenAI wire format: request, response and streaming-chunk models, the error envelope.
 
-Requests ignore unknown fields (OpenAI clients send many we do not use) and accept the handful
-of vLLM extensions pdserve supports (`top_k`, `ignore_eos`, `stop_token_ids`). What pdserve
-cannot do (several prompts or choices per request, `echo`) is refused with a 400 naming the
-parameter, never silently served differently. `to_sampling_params` turns a request into the
-engine's `SamplingParams`; its validation errors become `InvalidRequest` with the parameter name.
+Requests are strict: a field pdserve does not know is a 400 in OpenAI's words ("Unrecognized
+request argument supplied: X"), and an OpenAI field it knows but does not serve (`tools`,
+`response_format` other than text, `echo`, ...) is a 400 naming it unless it carries its no-op
+default (clients often send `tools: []` or `response_format: {"type": "text"}`). Nothing is
+ignored silently. vLLM's extensions pdserve serves are accepted (`top_k`, `ignore_eos`,
+`stop_token_ids`, `repetition_penalty`). `to_sampling_params` turns a request into the engine's
+`SamplingParams`; its validation errors become `InvalidRequest` with the parameter name, and a
+max_tokens that does not fit the context beside the prompt is a 400 (`context_length_exceeded`),
+never clamped.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.engine.request import SamplingParams
 
@@ -114,15 +127,100 @@ def parse_request(cls: type[_M], body: bytes) -> _M:
 
 
 # ---- requests ----------------------------------------------------------------------------------
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _none(v: Any) -> bool:
+    return v is None
 
 
-class StreamOptions(_Lenient):
+def _falsy(v: Any) -> bool:
+    return v is None or v is False or v == [] or v == {} or v == ""
+
+
+def _none_or(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v in values
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+class _Strict(BaseModel):
+    """Every field a client sends is served, refused by name, or accepted only at its no-op
+    value (`NOOP_DEFAULTS`: name -> accepts the value); never dropped silently."""
+
+    model_config = ConfigDict(extra="forbid")
+    NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key in list(data):
+            if key in cls.model_fields:
+                continue
+            accepts = cls.NOOP_DEFAULTS.get(key)
+            if accepts is None:
+                raise InvalidRequest(
+                    f"Unrecognized request argument supplied: {key}",
+                    str(key),
+                    "unknown_parameter",
+                )
+            if not accepts(data[key]):
+                raise InvalidRequest(
+                    f"{key} is not supported by pdserve (only its default, "
+                    f"{_NOOP_HINTS.get(key, 'null')}, is accepted)",
+                    str(key),
+                    "unsupported_parameter",
+                )
+            del data[key]  # its no-op value: nothing to do
+        return data
+
+
+# How each accepted no-op value is described in the refusal of any other value.
+_NOOP_HINTS = {
+    "response_format": '{"type": "text"}',
+    "tools": "[]",
+    "tool_choice": '"none"',
+    "functions": "[]",
+    "function_call": '"none"',
+    "parallel_tool_calls": "null",
+    "store": "false",
+    "metadata": "{}",
+    "service_tier": '"auto"',
+    "modalities": '["text"]',
+    "suffix": '""',
+    "best_of": "1",
+    "tool_calls": "[]",
+    "refusal": "null",
+    "annotations": "[]",
+}
+_REQUEST_NOOPS: dict[str, Callable[[Any], bool]] = {
+    "response_format": _text_format,
+    "tools": _falsy,
+    "tool_choice": _none_or("none"),
+    "functions": _falsy,
+    "function_call": _none_or("none"),
+    "parallel_tool_calls": _none,
+    "store": _falsy,
+    "metadata": _falsy,
+    "service_tier": _none_or("auto", "default"),
+    "modalities": _none_or(["text"]),
+    "audio": _none,
+    "prediction": _none,
+    "reasoning_effort": _none,
+    "web_search_options": _none,
+}
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "continuous_usage_stats": _falsy,  # vLLM
+        "include_obfuscation": _falsy,
+    }
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_Strict):
     """Fields completions and chat share (OpenAI names and defaults; vLLM extensions)."""
 
     model: str
@@ -139,6 +237,11 @@ class _SamplingFields(_Lenient):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the conversation: the router keeps it where its KV is
+    presence_penalty: FiniteFloat | None = 0.0
+    frequency_penalty: FiniteFloat | None = 0.0
+    repetition_penalty: FiniteFloat | None = 1.0  # extension
+    logit_bias: dict[str, FiniteFloat] | None = None
+    NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = _REQUEST_NOOPS
 
     @field_validator("n")
     @classmethod
@@ -166,6 +269,12 @@ class _SamplingFields(_Lenient):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
             )
         except ValueError as e:
             raise InvalidRequest(str(e), _param_of(str(e))) from None
@@ -181,6 +290,10 @@ _PARAM_NAMES = (
     "stop_token_ids",
     "ignore_eos",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
 )
 
 
@@ -219,19 +332,66 @@ class CompletionRequest(_SamplingFields):
         """The one prompt: text, or token ids (a one-element batch was unwrapped)."""
         return self.prompt  # type: ignore[return-value]
 
-    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+    NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        **_REQUEST_NOOPS,
+        "suffix": _falsy,
+        "best_of": _none_or(1),
+    }
+
+    def to_sampling_params(self, context: Context | None = None) -> SamplingParams:
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        if max_tokens_cap is not None and max_tokens > 0:
-            max_tokens = min(max_tokens, max_tokens_cap)
+        if context is not None:
+            context.check(max_tokens, "prompt")
         return self._params(max_tokens, self.logprobs)
 
 
-class ContentPart(_Lenient):
+class Context:
+    """The model's context window and the prompt's length: what max_tokens must fit beside."""
+
+    def __init__(self, max_model_len: int, prompt_tokens: int) -> None:
+        self.max_model_len, self.prompt_tokens = max_model_len, prompt_tokens
+
+    @property
+    def room(self) -> int:
+        return self.max_model_len - self.prompt_tokens
+
+    def check(self, max_tokens: int, param: str) -> None:
+        """OpenAI's 400 (its wording and code) when prompt + max_tokens exceeds the context."""
+        if max_tokens <= self.room:
+            return
+        total, p, n = self.prompt_tokens + max_tokens, self.prompt_tokens, max_tokens
+        if param == "messages":
+            message = (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({p} in the messages, {n} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+        else:
+            message = (
+                f"This model's maximum context length is {self.max_model_len} tokens, however "
+                f"you requested {total} tokens ({p} in your prompt; {n} for the completion). "
+                "Please reduce your prompt; or completion length."
+            )
+        raise InvalidRequest(message, param, "context_length_exceeded")
+
+
+class ContentPart(BaseModel):
+    # Lenient on purpose: a part's other fields belong to its type, and every type but 'text'
+    # is refused by name in ChatMessage.text().
+    model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
+    NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        # what the openai client's own assistant message holds when sent back as history
+        "tool_calls": _falsy,
+        "refusal": _none,
+        "annotations": _falsy,
+        "audio": _none,
+        "function_call": _none,
+    }
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -274,16 +434,17 @@ class ChatCompletionRequest(_SamplingFields):
         ]
 
     def to_sampling_params(
-        self, max_tokens_default: int, max_tokens_cap: int | None = None
+        self, max_tokens_default: int, context: Context | None = None
     ) -> SamplingParams:
+        """`max_tokens_default` when the client gives neither limit (the context's room)."""
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         requested = self.max_completion_tokens
         if requested is None:
             requested = self.max_tokens
         max_tokens = max_tokens_default if requested is None else requested
-        if max_tokens_cap is not None and max_tokens > 0:
-            max_tokens = min(max_tokens, max_tokens_cap)
+        if context is not None and requested is not None:
+            context.check(max_tokens, "messages")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
             return self._params(max_tokens, logprobs)
