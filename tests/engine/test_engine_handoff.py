@@ -96,3 +96,41 @@ def test_seed_penalties_and_bias_give_the_colocated_output_across_the_handoff(
             assert _handoff(p, d, prompt, params, k) == want
     for llm in (ref, p, d):
         assert_engine_idle(llm)
+
+
+def test_n_choices_across_the_handoff_fork_on_d(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    """P prefills once and samples every choice's first token; one KV copy; D forks the
+    choices from it: the outputs are the colocated n-choice outputs."""
+    path = str(tiny_llama_path)
+    ref = LLM(path, block_size=8, num_blocks=256)
+    p = LLM(path, block_size=4, num_blocks=256)
+    d = LLM(path, block_size=4, num_blocks=256)
+    prompt = list(range(200, 213))
+    params = SamplingParams(max_tokens=7, temperature=0.9, seed=3, ignore_eos=True, n=3)
+    want = [c.token_ids for c in ref.generate([prompt], params)[0].outputs]
+    pe, de = p.engine, d.engine
+    rid = pe.add_request(
+        prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), "r", hold_kv=True
+    )
+    while pe.has_unfinished_requests():
+        pe.step()
+    held = pe.held_request(rid)
+    assert held is not None and len(held.fork_tokens) == 2
+    n_kv = held.num_computed_tokens
+    blocks = de.reserve_kv(prompt, params, rid, n_kv)
+    assert blocks is not None
+    src = pe.kv_slots(pe.kv_manager.get_block_ids(rid), 0, n_kv)
+    dst = de.kv_slots(blocks, 0, n_kv)
+    for layer in range(pe.arch.num_layers):
+        de.write_kv(dst, layer, *pe.read_kv(src, layer))
+    assert pe.release_kv(rid)
+    de.admit_prefilled(rid, held.output_token_ids, n_kv, held.fork_tokens)
+    got: dict[int, list[int]] = {}
+    while de.has_unfinished_requests():
+        for o in de.step():
+            if o.finished:
+                got[o.outputs[0].index] = o.outputs[0].token_ids
+    assert [got[i] for i in range(3)] == want
+    assert de.stats()["forked_choices"] == 2
+    for llm in (ref, p, d):
+        assert_engine_idle(llm)

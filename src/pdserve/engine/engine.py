@@ -36,13 +36,30 @@ Prompt = str | list[int]
 class _Tracked:
     """Engine-side state of a live request that the pure scheduler does not hold."""
 
-    def __init__(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer):
+    def __init__(
+        self,
+        request: Request,
+        prompt: str | None,
+        detok: IncrementalDetokenizer,
+        index: int = 0,
+        parent: str | None = None,
+    ):
         self.request, self.prompt, self.detok = request, prompt, detok
+        # choice `index` of an n-choice request; choices 1.. are forks of choice 0 (`parent`)
+        self.index, self.parent = index, parent
         self.logprobs: list[dict[int, float]] | None = (
             [] if request.sampling_params.logprobs is not None else None
         )
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.sent_tokens = 0
+
+
+_Sample = tuple[int, dict[int, float] | None]  # a sampled token and its logprobs
+
+
+def _choice_id(request_id: str, index: int) -> str:
+    """The engine-internal id of choice `index` of an n-choice request."""
+    return f"{request_id}#{index}"
 
 
 class ReservedKV(list[int]):
@@ -91,6 +108,8 @@ class LLMEngine:
         self._batch = {"batch_requests": 0, "batch_tokens": 0}  # the last step's
         self._tokens = {"prefill_tokens": 0, "decode_tokens": 0}  # computed since start
         self._ids = itertools.count()
+        self._children: dict[str, list[str]] = {}  # n-choice request -> its forked choices
+        self._forks = 0  # choices forked from another's KV (no prefill of their own)
 
     def _build_model(self) -> LlamaModel:
         weights = loader.load_weights(self.source, self.arch, self.dtype)
@@ -172,9 +191,17 @@ class LLMEngine:
         return ReservedKV(got[0], got[1])
 
     def admit_prefilled(
-        self, request_id: str, output_token_ids: list[int], num_kv_tokens: int
+        self,
+        request_id: str,
+        output_token_ids: list[int],
+        num_kv_tokens: int,
+        fork_tokens: Sequence[int] = (),
     ) -> None:
-        """Decode side: the KV of the first `num_kv_tokens` tokens is in the reserved blocks."""
+        """Decode side: the KV of the first `num_kv_tokens` tokens is in the reserved blocks.
+
+        `fork_tokens`: an n-choice request's first tokens of choices 1..n-1 (sampled on P from
+        the prompt's logits); those choices are forked here from the same KV, no copy but the
+        last partial block."""
         tracked = self._reserved.pop(request_id)
         request = tracked.request
         request.output_token_ids = list(output_token_ids)
@@ -187,8 +214,19 @@ class LLMEngine:
         request.num_computed_tokens = num_kv_tokens
         tracked.detok.add(list(output_token_ids))  # P already emitted this text
         tracked.sent_tokens = len(output_token_ids)
+        if len(fork_tokens) != request.sampling_params.n - 1 or (
+            fork_tokens and len(output_token_ids) != 1
+        ):
+            self.kv_manager.free(request_id)
+            raise ValueError(
+                f"{request_id}: n={request.sampling_params.n} needs {request.sampling_params.n - 1}"
+                f" fork tokens after one first token, got {len(fork_tokens)}"
+            )
         self.scheduler.add_prefilled(request)
         self._live[request_id] = tracked
+        for i, token in enumerate(fork_tokens, start=1):
+            child = self._fork(tracked, i, token, num_kv_tokens)
+            child.sent_tokens = 1  # P already emitted it
 
     def cancel_reserved(self, request_id: str) -> bool:
         if self._reserved.pop(request_id, None) is None:
@@ -237,6 +275,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (queued, running, reserved or held); frees its KV."""
+        for child in self._children.pop(request_id, ()):
+            self.scheduler.abort_request(child)
+            self._forget(child)
         self.scheduler.abort_request(request_id)
         self.cancel_reserved(request_id)
         self._forget(request_id)
@@ -254,7 +295,10 @@ class LLMEngine:
         for s in out.scheduled:
             m = self._live[s.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        sampled = self._run(out)
+        sampled, firsts = self._run(out)
+        # Fork before the parent's update: a parent that stops on its first token frees its KV.
+        for rid, tokens in firsts.items():
+            self._fork_choices(rid, tokens, sampled)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
         return self._collect(out, sampled)
 
@@ -264,21 +308,85 @@ class LLMEngine:
         self._tokens["decode_tokens"] += decode
         self._tokens["prefill_tokens"] += out.num_batched_tokens - decode
 
-    def _run(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
+    def _run(self, out: SchedulerOutput) -> tuple[dict[str, _Sample], dict[str, list[_Sample]]]:
+        """Sampled (token, logprobs) per request, and for n-choice requests sampling their first
+        token, the first (token, logprobs) of choices 1..n-1 from the same logits row."""
         result = self.runner.execute(out)
         if not result.request_ids:
-            return {}
+            return {}, {}
         requests = [self._live[r].request for r in result.request_ids]
-        params = [r.sampling_params for r in requests]
+        params = [r.sampling_params for r in requests]  # choice 0 samples with the seed
         histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
         samples = self.sampler.sample(result.logits, result.request_ids, params, histories)
-        return {
+        sampled = {
             r: (s.token_id, s.logprobs) for r, s in zip(result.request_ids, samples, strict=True)
         }
+        firsts = {}
+        for row, r in enumerate(requests):
+            n = r.sampling_params.n
+            if n > 1 and not r.output_token_ids and r.request_id not in self._children:
+                rids = [_choice_id(r.request_id, i) for i in range(1, n)]
+                more = self.sampler.sample(
+                    result.logits[row : row + 1].expand(n - 1, -1),
+                    rids,
+                    [r.sampling_params.for_choice(i) for i in range(1, n)],
+                    [(r.prompt_token_ids, ())] * (n - 1),
+                )
+                firsts[r.request_id] = [(s.token_id, s.logprobs) for s in more]
+        return sampled, firsts
 
-    def _collect(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
-    ) -> list[RequestOutput]:
+    def _fork_choices(self, rid: str, firsts: list[_Sample], sampled: dict[str, _Sample]) -> None:
+        """Start choices 1..n-1 of `rid` from its prompt's KV, each with its first token; on a
+        prefill worker (held KV) only note the tokens: the decode worker forks them."""
+        tracked = self._live[rid]
+        request = tracked.request
+        if request.hold_kv:
+            request.fork_tokens = [token for token, _ in firsts]
+            self._children[rid] = []
+            return
+        for i, (token, logprobs) in enumerate(firsts, start=1):
+            child = self._fork(tracked, i, token, request.num_tokens)
+            sampled[child.request.request_id] = (token, logprobs)  # _collect emits it
+
+    def _fork(self, parent: _Tracked, index: int, token: int, num_kv: int) -> _Tracked:
+        """Choice `index` of `parent`: its prompt's first `num_kv` tokens of KV shared."""
+        p = parent.request
+        rid = _choice_id(p.request_id, index)
+        request = Request(
+            rid,
+            p.prompt_token_ids,
+            p.sampling_params.for_choice(index),
+            p.eos_token_ids,
+            arrival_time=p.arrival_time,
+            output_token_ids=[token],
+            num_computed_tokens=num_kv,
+            max_model_len=p.max_model_len,
+        )
+        stop = p.sampling_params.stop_strings
+        child = _Tracked(
+            request,
+            parent.prompt,
+            IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, stop),
+            index,
+            p.request_id,
+        )
+        self._live[rid] = child
+        self._children.setdefault(p.request_id, []).append(rid)
+        copy = self.scheduler.fork(p, request)
+        if copy is not None:
+            self._copy_block(*copy)
+        self._forks += 1
+        status = request.check_stop()
+        if status is not None:
+            self.scheduler.finish_request(rid, status)
+        return child
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        for k_cache, v_cache in self.cache.layers:
+            k_cache[dst].copy_(k_cache[src])
+            v_cache[dst].copy_(v_cache[src])
+
+    def _collect(self, out: SchedulerOutput, sampled: dict[str, _Sample]) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for rid, (_, logprobs) in sampled.items():
@@ -304,7 +412,7 @@ class LLMEngine:
         t.metrics.num_cached_tokens = r.num_cached_tokens
         t.metrics.num_preemptions = r.num_preemptions
         completion = CompletionOutput(
-            index=0,
+            index=t.index,
             text=t.detok.text,
             token_ids=list(r.output_token_ids),
             logprobs=t.logprobs,
@@ -312,7 +420,7 @@ class LLMEngine:
             stop_reason=r.stop_reason,
         )
         return RequestOutput(
-            r.request_id,
+            t.parent or r.request_id,  # every choice reports under its request's id
             t.prompt,
             r.prompt_token_ids,
             [completion],
@@ -323,8 +431,13 @@ class LLMEngine:
         )
 
     def _forget(self, rid: str) -> None:
-        self._live.pop(rid, None)
+        tracked = self._live.pop(rid, None)
         self.sampler.forget(rid)
+        parent = rid if tracked is None or tracked.parent is None else tracked.parent
+        choices = self._children.get(parent)
+        done = parent not in self._live and not any(c in self._live for c in choices or ())
+        if choices is not None and done:
+            del self._children[parent]  # the whole n-choice request is done
 
     # ---- prefix-cache events (pushed to routers by the worker) -------------------------------
     @property
@@ -353,6 +466,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self._batch,
             **self._tokens,
+            "forked_choices": self._forks,
+            "fork_recomputes": self.scheduler.num_fork_recomputes,
             "held_for_transfer": len(self.scheduler.held),
             "reserved_for_transfer": len(self._reserved),
         }
@@ -403,14 +518,20 @@ class LLM:
         return list(tok.encode(text, add_special_tokens=False))
 
     def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Every request's final output; an n-choice request's choices in `outputs`, by index."""
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.finished:
+                if not out.finished:
+                    continue
+                done = final.get(out.request_id)
+                if done is None:
                     final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+                else:
+                    done.outputs = sorted([*done.outputs, *out.outputs], key=lambda c: c.index)
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         return [final[i] for i in ids]

@@ -208,6 +208,33 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached[rid] = num_full
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Give `child_id` the KV of the parent's first `num_tokens` tokens without copying it:
+        the full blocks are shared (one more reference each). The last, partial block is about
+        to be written by both (each appends its own next token), so it is copied on write, now:
+        the child gets a new block. Returns (source block id, copy block id) for the caller to
+        copy the KV of that block, or None when nothing needs copying.
+
+        Raises MemoryError (nothing changed) when no block is free for the copy.
+        """
+        if child_id in self._blocks:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        parent = self._blocks[parent_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if len(parent) < num_full + (1 if partial else 0):
+            raise ValueError(f"{parent_id!r} holds no KV for {num_tokens} tokens")
+        if partial and self.pool.num_free_blocks < 1:
+            raise MemoryError("no free block to copy the last partial block into")
+        shared = parent[:num_full]
+        self.pool.touch(shared)
+        self._blocks[child_id] = list(shared)
+        self._num_cached[child_id] = min(self._num_cached.get(parent_id, 0), num_full)
+        if not partial:
+            return None
+        (copy,) = self.pool.get_new_blocks(1)
+        self._blocks[child_id].append(copy)
+        return parent[num_full].block_id, copy.block_id
+
     def free(self, request_id: str) -> None:
         """Release every block of a request; tail blocks first so they are evicted first."""
         blocks = self._blocks.pop(request_id, None)

@@ -8,6 +8,7 @@ tokens, a decode step is one. A decode worker that receives a prompt's KV admits
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -34,6 +35,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # Choices from one prompt: one prefill, then n sequences forked from its KV, choice i
+    # sampled with seed + i (when seeded).
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +65,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.stop is not None and len(self.stop) > MAX_STOP:
             raise ValueError(f"stop takes at most {MAX_STOP} sequences, got {len(self.stop)}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:  # False for NaN too
@@ -94,6 +100,11 @@ class SamplingParams:
                 del out[name]
         return out
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n-choice request: one choice, seed + index."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
@@ -104,11 +115,13 @@ class SamplingParams:
 
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128  # OpenAI's limit on choices
 _EXTRAS: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
     "logit_bias": None,
+    "n": 1,
 }
 
 
@@ -158,6 +171,9 @@ class Request:
     max_model_len: int = 1 << 62  # generation stops (length) when the context is full
     # Keep the KV blocks when finished (not aborted): a prefill worker's KV awaits transfer.
     hold_kv: bool = False
+    # A held n-choice request (prefill side): the first token of choices 1..n-1, sampled from
+    # the same logits as its own; the decode side forks the choices from them.
+    fork_tokens: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

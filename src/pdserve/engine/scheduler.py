@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_fork_recomputes = 0
         # Finished requests whose blocks are kept (`Request.hold_kv`) until `release_held`.
         self.held: dict[str, Request] = {}
 
@@ -121,6 +122,29 @@ class Scheduler:
         if not self.kv.has_request(request.request_id) or request.num_computed_tokens < 1:
             raise ValueError(f"request {request.request_id!r} has no reserved, filled KV blocks")
         self.add_request(request)
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Start `child` (the same prompt, its own first token) from the parent's computed KV:
+        the KV manager shares the full blocks and copies the partial one (returned as
+        (source, copy) block ids for the engine to copy). The child runs at once, beside its
+        parent (it is part of the same request, so `max_num_seqs` does not hold it back).
+        When no block is free for the copy, the child waits to be recomputed like a preempted
+        request (counted in `num_fork_recomputes`)."""
+        if child.request_id in self.requests or child.request_id in self.held:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        num_kv = child.num_computed_tokens
+        try:
+            copy = self.kv.fork(parent.request_id, child.request_id, num_kv)
+        except MemoryError:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.num_fork_recomputes += 1
+            self.waiting.appendleft(child)
+            return None
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return copy
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its blocks; unknown ids are ignored."""
