@@ -96,6 +96,7 @@ SLOW_MODULES = {
     "test_recovery.py",  # worker processes killed and stalled, liveness timeouts
     "test_scheduling_e2e.py",  # real clusters under the SLO planner
     "test_serve.py",  # `pdserve serve` subprocesses
+    "test_api_conformance.py",  # `pdserve serve` colocated and 1P1D, the openai client
     "test_smollm2.py",  # the default model
 }
 SLOW_FIXTURES = {"smollm2"}  # the default model, about 10 s to load

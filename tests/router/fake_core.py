@@ -57,17 +57,21 @@ def default_rows() -> list[dict[str, Any]]:
 
 
 def default_script(params: SamplingParams) -> list[Step]:
+    """max_tokens deltas per choice, the choices interleaved as a worker streams them; choice
+    c's i-th token is 300 + 100 c + i, its text " w{i}" (choice 0) or " c{c}w{i}"."""
     steps: list[Step] = []
     for i in range(params.max_tokens):
-        tid = 300 + i
-        logprobs = None
-        if params.logprobs is not None:
-            top = {tid: -0.25}
-            for j in range(params.logprobs):
-                top.setdefault(1000 + j, -1.0 - j)
-            logprobs = [top]
-        last = i == params.max_tokens - 1
-        steps.append(Delta([tid], f" w{i}", logprobs, "length" if last else None))
+        for c in range(params.n):
+            tid = 300 + 100 * c + i
+            logprobs = None
+            if params.logprobs is not None:
+                top = {tid: -0.25}
+                for j in range(params.logprobs):
+                    top.setdefault(1000 + j, -1.0 - j)
+                logprobs = [top]
+            last = i == params.max_tokens - 1
+            text = f" w{i}" if c == 0 else f" c{c}w{i}"
+            steps.append(Delta([tid], text, logprobs, "length" if last else None, index=c))
     return steps
 
 

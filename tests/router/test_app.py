@@ -195,7 +195,7 @@ def assert_error(r: Any, status: int, *, param: Any = ..., code: Any = ...) -> d
     [
         ({"temperature": -1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
@@ -211,9 +211,38 @@ def test_400_bad_params(client: TestClient, core: FakeCore, body: dict, param: s
     assert not core.calls  # refused before the core
 
 
+def test_n_choices_whole_and_streamed(client: TestClient, core: FakeCore) -> None:
+    r = completion(client, n=3, max_tokens=2, logprobs=1)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [" w0 w1", " c1w0 c1w1", " c2w0 c2w1"]
+    offsets = body["choices"][2]["logprobs"]["text_offset"]
+    assert len(offsets) == 2 and offsets[0] == 0  # each choice counts its own text
+    prompt_tokens = len(core.calls[-1][1])
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,  # once, not n times
+        "completion_tokens": 6,
+        "total_tokens": prompt_tokens + 6,
+    }
+    assert core.calls[-1][2].n == 3
+    r = chat(client, n=2, max_tokens=2, stream=True, stream_options={"include_usage": True})
+    chunks = events(r.text)[:-1]
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and "role" in str(c)]
+    assert roles[:2] == [0, 1]
+    text = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c["choices"]:
+            text[ch["index"]] += ch["delta"].get("content") or ""
+    assert text == {0: " w0 w1", 1: " c1w0 c1w1"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    whole = chat(client, n=2, max_tokens=1).json()
+    assert [c["message"]["content"] for c in whole["choices"]] == [" w0", " c1w0"]
+
+
 def test_400_messages(client: TestClient) -> None:
-    assert_error(chat(client, n=2), 400, param="n")
-    assert "n must be 1" in chat(client, n=2).json()["error"]["message"]
+    assert_error(chat(client, n=0), 400, param="n")
+    assert "n must be between 1 and 128" in chat(client, n=129).json()["error"]["message"]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert_error(r, 400, param="messages")
     r = client.post("/v1/completions", content=b'{"model": ', headers={"content-type": "x"})
@@ -466,8 +495,19 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
 
 
 def test_openai_errors(oai: openai.OpenAI, server: Server) -> None:
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        oai.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be between"):
+        oai.completions.create(model=MODEL, prompt="x", n=0)
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument") as bad:
+        oai.completions.create(model=MODEL, prompt="x", extra_body={"frobnicate": 1})
+    assert bad.value.param == "frobnicate"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_object"},
+        )
+    n3 = oai.completions.create(model=MODEL, prompt="x", n=3, max_tokens=2)
+    assert [c.index for c in n3.choices] == [0, 1, 2] and n3.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError) as bad:
         oai.completions.create(model=MODEL, prompt="x", temperature=-1)
     assert bad.value.param == "temperature"  # type: ignore[attr-defined]

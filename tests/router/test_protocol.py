@@ -47,7 +47,7 @@ def test_completion_prompt_forms() -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"n": 2}, "n", "n must be 1"),
+        ({"n": 0}, "n", "n must be between 1 and 128"),
         ({"echo": True}, "echo", "echo"),
         ({"logprobs": 6}, "logprobs", "less than or equal to 5"),
         ({"temperature": -1}, "temperature", "temperature must be >= 0"),
@@ -136,7 +136,7 @@ def test_chat_refusals() -> None:
     assert e.param == "top_logprobs"
     e = refused(p.ChatCompletionRequest, model="m", messages=user, max_completion_tokens=0)
     assert e.param == "max_completion_tokens"
-    e = refused(p.ChatCompletionRequest, model="m", messages=user, n=3)
+    e = refused(p.ChatCompletionRequest, model="m", messages=user, n=200)
     assert e.param == "n"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     req = parse(p.ChatCompletionRequest, model="m", messages=image)

@@ -282,6 +282,10 @@ class LLMEngine:
         self.cancel_reserved(request_id)
         self._forget(request_id)
 
+    def is_done(self, request_id: str) -> bool:
+        """Whether every choice of the request has ended (n > 1 ends choice by choice)."""
+        return request_id not in self._live and request_id not in self._children
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -215,7 +215,7 @@ class _Generation:
             rid, prompt_ids, params, session=session
         )
         self.completion_tokens = 0
-        self.text_offset = 0
+        self.text_offsets = [0] * params.n  # per choice
 
     def seen(self, delta: Delta) -> None:
         self.completion_tokens += len(delta.token_ids)
@@ -239,7 +239,8 @@ class _Generation:
     def completion_logprobs(self, delta: Delta) -> p.CompletionLogprobs | None:
         if self.params.logprobs is None or not delta.logprobs:
             return None
-        return p.completion_logprobs(delta.logprobs, self.s.token_text, self.text_offset)
+        offset = self.text_offsets[delta.index]
+        return p.completion_logprobs(delta.logprobs, self.s.token_text, offset)
 
     def chat_logprobs(self, delta: Delta) -> p.ChatLogprobs | None:
         if self.params.logprobs is None or not delta.logprobs:
@@ -492,9 +493,9 @@ class _CompletionRender:
 
     def chunk(self, delta: Delta) -> Any:
         logprobs = self.g.completion_logprobs(delta)
-        self.g.text_offset += len(delta.text)
+        self.g.text_offsets[delta.index] += len(delta.text)
         choice = p.CompletionChoice(
-            text=delta.text, finish_reason=delta.finish_reason, logprobs=logprobs
+            index=delta.index, text=delta.text, finish_reason=delta.finish_reason, logprobs=logprobs
         )
         return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
 
@@ -502,15 +503,18 @@ class _CompletionRender:
         return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[], usage=self.g.usage())
 
     def whole(self, deltas: list[Delta]) -> Any:
-        text = "".join(d.text for d in deltas)
-        finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
-        logprobs = None
-        if self.g.params.logprobs is not None:
-            steps = [lp for d in deltas for lp in d.logprobs or ()]
-            logprobs = p.completion_logprobs(steps, self.g.s.token_text)
-        choice = p.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
+        choices = []
+        for index, mine in enumerate(_by_choice(deltas, self.g.params.n)):
+            text, finish = _text_and_finish(mine)
+            logprobs = None
+            if self.g.params.logprobs is not None:
+                steps = [lp for d in mine for lp in d.logprobs or ()]
+                logprobs = p.completion_logprobs(steps, self.g.s.token_text)
+            choices.append(
+                p.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+            )
         return p.CompletionResponse(
-            id=self.g.rid, model=self.model, choices=[choice], usage=self.g.usage()
+            id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
         )
 
 
@@ -519,11 +523,20 @@ class _ChatRender:
         self.g, self.model = g, model
 
     def first(self) -> list[Any]:
-        choice = p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))
-        return [p.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])]
+        return [
+            p.ChatCompletionChunk(
+                id=self.g.rid,
+                model=self.model,
+                choices=[
+                    p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))
+                ],
+            )
+            for i in range(self.g.params.n)
+        ]
 
     def chunk(self, delta: Delta) -> Any:
         choice = p.ChatChunkChoice(
+            index=delta.index,
             delta=p.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
             finish_reason=delta.finish_reason,
             logprobs=self.g.chat_logprobs(delta),
@@ -536,21 +549,39 @@ class _ChatRender:
         )
 
     def whole(self, deltas: list[Delta]) -> Any:
-        text = "".join(d.text for d in deltas)
-        finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
-        logprobs = None
-        if self.g.params.logprobs is not None:
-            steps = [lp for d in deltas for lp in d.logprobs or ()]
-            logprobs = p.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
-        choice = p.ChatChoice(
-            message=p.AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs
-        )
+        choices = []
+        for index, mine in enumerate(_by_choice(deltas, self.g.params.n)):
+            text, finish = _text_and_finish(mine)
+            logprobs = None
+            if self.g.params.logprobs is not None:
+                steps = [lp for d in mine for lp in d.logprobs or ()]
+                logprobs = p.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
+            choices.append(
+                p.ChatChoice(
+                    index=index,
+                    message=p.AssistantMessage(content=text),
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                )
+            )
         return p.ChatCompletionResponse(
-            id=self.g.rid, model=self.model, choices=[choice], usage=self.g.usage()
+            id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
         )
 
 
 _Render = _CompletionRender | _ChatRender
+
+
+def _by_choice(deltas: list[Delta], n: int) -> list[list[Delta]]:
+    out: list[list[Delta]] = [[] for _ in range(n)]
+    for d in deltas:
+        out[d.index].append(d)
+    return out
+
+
+def _text_and_finish(deltas: list[Delta]) -> tuple[str, str | None]:
+    text = "".join(d.text for d in deltas)
+    return text, next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
 
 
 async def _collect(g: _Generation, render: _Render) -> Response:

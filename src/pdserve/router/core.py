@@ -191,6 +191,7 @@ class RouterCore:
 
     async def _drain(self, flight: Flight) -> AsyncIterator[Delta]:
         ends = flight.timeline[0][2] + self.config.request_timeout_s  # no request outlives this
+        ended = 0  # choices whose last delta was yielded (n > 1 ends choice by choice)
         while True:
             silence = self._silence_limit(flight)
             left = ends - time.monotonic()
@@ -207,7 +208,9 @@ class RouterCore:
                 raise item
             yield item
             if item.finish_reason is not None:
-                return
+                ended += 1
+                if ended >= flight.params.n:
+                    return
 
     def _silence_limit(self, flight: Flight) -> float:
         """How long a request may go without an event before it fails with 504. A request
@@ -237,6 +240,13 @@ class RouterCore:
     ) -> None:
         """Send the request's current attempt to a P/D pair from the pools, or whole to `only`.
         `admit`: the first dispatch, which the planner may refuse (RequestError 429)."""
+        if flight.params.n > 1 and (flight.sent or flight.sent_other):
+            # n streams cannot resume as one: fail visibly rather than restart some choices
+            raise RequestError(
+                "a worker failed after this n > 1 request streamed tokens; it cannot resume",
+                503,
+                "worker_error",
+            )
         flight.p_done, flight.held = False, []  # a new attempt starts from P again
         prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
         self.routing.route(flight, prompt, admit, only)
@@ -370,12 +380,17 @@ class RouterCore:
             # A whole request on one worker: its own prefill stages (P and D report theirs in
             # TransferReport instead).
             flight.timeline.append((staged(Side.LOCAL, stage), msg.worker, t))
-        flight.sent += msg.token_ids
+        if msg.index == 0:
+            flight.sent += msg.token_ids  # what a retry resumes after (n = 1 only)
+        else:
+            flight.sent_other = True
         finish = msg.finish_reason if msg.finished else None
         flight.queue.put_nowait(
-            Delta(msg.token_ids, msg.text, msg.logprobs, finish, msg.stop_reason)
+            Delta(msg.token_ids, msg.text, msg.logprobs, finish, msg.stop_reason, msg.index)
         )
         if msg.finished:
+            flight.choices_done.add(msg.index)
+        if msg.finished and len(flight.choices_done) >= flight.params.n:
             flight.finished = True
             first, second = flight.pair or (None, None)
             if second is not None and first is not None and msg.worker == first.worker_id:

@@ -36,8 +36,9 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # set on the last delta of its choice
     stop_reason: int | str | None = None
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass
@@ -88,6 +89,8 @@ class Flight:
     raw_pred: tuple[float, float] = (0.0, 0.0)  # the same before online calibration
     first_at: float | None = None  # router time of the first and last tokens delivered
     last_at: float | None = None
+    choices_done: set[int] = field(default_factory=set)  # n > 1: the choices that ended
+    sent_other: bool = False  # n > 1: tokens of choices other than 0 were streamed
 
     @property
     def wire_rid(self) -> str:

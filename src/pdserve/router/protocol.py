@@ -233,7 +233,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[WireInt] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: int | None = 1
+    n: WireInt | None = 1  # choices: one prefill, n sequences forked from it
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the conversation: the router keeps it where its KV is
@@ -242,13 +242,6 @@ class _SamplingFields(_Strict):
     repetition_penalty: FiniteFloat | None = 1.0  # extension
     logit_bias: dict[str, FiniteFloat] | None = None
     NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = _REQUEST_NOOPS
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int | None) -> int:
-        if v is not None and v != 1:
-            raise ValueError("n must be 1 (pdserve returns one choice per request)")
-        return 1
 
     @property
     def include_usage(self) -> bool:
@@ -275,6 +268,7 @@ class _SamplingFields(_Strict):
                     1.0 if self.repetition_penalty is None else self.repetition_penalty
                 ),
                 logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
+                n=1 if self.n is None else self.n,
             )
         except ValueError as e:
             raise InvalidRequest(str(e), _param_of(str(e))) from None
@@ -294,6 +288,7 @@ _PARAM_NAMES = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "n",
 )
 
 

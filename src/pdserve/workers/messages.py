@@ -160,6 +160,7 @@ class Tokens:
     time: float = 0.0  # time.monotonic() when the worker emitted them
     # Stage stamps (prefill_start, first_token) on the last message of this worker's part.
     times: dict[str, float] | None = None
+    index: int = 0  # the choice of an n-choice request; `finished` ends that choice only
 
 
 @dataclass(frozen=True)

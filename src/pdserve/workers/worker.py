@@ -128,8 +128,10 @@ class Worker:
             self._drain(sock)
         if self.engine.has_unfinished_requests():
             self._maybe_slow()
-            for out in self.engine.step():
-                self._on_output(out)
+            ended = [out.request_id for out in self.engine.step() if self._on_output(out)]
+            for rid in ended:  # after the whole step: n choices may end in the same one
+                if self.engine.is_done(rid):
+                    self.clients.pop(rid, None)
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
             self.prefill.on_message(msg)
@@ -324,7 +326,8 @@ class Worker:
             self.log.warning("dropping a bad message on the KV link: %s", e)
 
     # ---- outputs -----------------------------------------------------------------------------
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_output(self, out: RequestOutput) -> bool:
+        """Emit the output; True when this choice ended here for good (not a hand-off)."""
         c = out.outputs[0]
         handoff = out.finished and self._is_handoff(out)
         self.emit(
@@ -341,12 +344,12 @@ class Worker:
                 handoff=handoff,
                 time=time.monotonic(),
                 times=_stage_times(out) if out.finished else None,
+                index=c.index,
             ),
         )
-        if out.finished:
+        if out.finished and c.index == 0:
             self.prefill.on_finished(out.request_id, handoff, _stage_times(out))
-            if not handoff:
-                self.clients.pop(out.request_id, None)
+        return out.finished and not handoff
 
     def _is_handoff(self, out: RequestOutput) -> bool:
         """Finished only because P's run stops at the hand-off, not for the client's reasons."""
