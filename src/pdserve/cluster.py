@@ -242,28 +242,28 @@ class LocalCluster:
         assert self.core is not None
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         arrival = time.monotonic()
-        tokens: list[int] = []
-        text, logprobs, error = "", None, None
-        finish: str | None = None
-        stop_reason: int | str | None = None
+        choices = [CompletionOutput(i, "", []) for i in range(params.n)]
+        error = None
         try:
             async for d in self.core.generate(rid, ids, params):
-                tokens += d.token_ids
-                text += d.text
+                c = choices[d.index]
+                c.token_ids += d.token_ids
+                c.text += d.text
                 if d.logprobs:
-                    logprobs = (logprobs or []) + d.logprobs
-                finish, stop_reason = d.finish_reason or finish, d.stop_reason
+                    c.logprobs = (c.logprobs or []) + d.logprobs
+                c.finish_reason, c.stop_reason = d.finish_reason or c.finish_reason, d.stop_reason
         except RequestError as e:
-            finish, error = "error", e.message
+            for c in choices:
+                c.finish_reason = "error"
+            error = e.message
         timeline = await self._complete_timeline(rid, error is None)
         first = tl.first(timeline, tl.Ev.FIRST_TOKEN)
-        completion = CompletionOutput(0, text, tokens, logprobs, finish, stop_reason)
         metrics = RequestMetrics(arrival, first_token_time=first, finished_time=time.monotonic())
         return RequestOutput(
             rid,
             prompt if isinstance(prompt, str) else None,
             ids,
-            [completion],
+            choices,
             True,
             metrics,
             error=error,

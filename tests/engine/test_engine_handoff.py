@@ -134,3 +134,31 @@ def test_n_choices_across_the_handoff_fork_on_d(tiny_llama_path) -> None:  # typ
     assert de.stats()["forked_choices"] == 2
     for llm in (ref, p, d):
         assert_engine_idle(llm)
+
+
+def test_n_choices_that_all_stop_on_their_first_token_end_on_d(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tiny_llama_path)
+    p = LLM(path, block_size=4, num_blocks=64)
+    d = LLM(path, block_size=4, num_blocks=64)
+    prompt = list(range(300, 310))
+    first = p.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
+    stop = first.outputs[0].token_ids  # greedy: every choice's first token
+    params = SamplingParams(max_tokens=5, temperature=0, n=3, stop_token_ids=stop)
+    pe, de = p.engine, d.engine
+    local = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+    pe.add_request(prompt, local, "r", hold_kv=True)
+    while pe.has_unfinished_requests():
+        pe.step()
+    held = pe.held_request("r")
+    assert held is not None and held.fork_tokens == stop * 2
+    blocks = de.reserve_kv(prompt, params, "r", len(prompt))
+    assert blocks is not None
+    assert pe.release_kv("r")
+    de.admit_prefilled("r", held.output_token_ids, len(prompt), held.fork_tokens)
+    outs = de.step()  # nothing to compute: every choice ended on admission
+    assert sorted(o.outputs[0].index for o in outs) == [0, 1, 2]
+    assert all(o.finished and o.outputs[0].finish_reason == "stop" for o in outs)
+    assert [o.new_token_ids for o in outs if o.outputs[0].index > 0] == [stop, stop]
+    for llm in (p, d):
+        assert_engine_idle(llm)
+    assert not de._children

@@ -110,6 +110,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}  # n-choice request -> its forked choices
         self._forks = 0  # choices forked from another's KV (no prefill of their own)
+        # Choices admitted with tokens to emit before any step (decode side, n > 1): forks'
+        # first tokens (sampled on P, never emitted there) and choices that ended at once.
+        self._pending: list[str] = []
 
     def _build_model(self) -> LlamaModel:
         weights = loader.load_weights(self.source, self.arch, self.dtype)
@@ -226,7 +229,15 @@ class LLMEngine:
         self._live[request_id] = tracked
         for i, token in enumerate(fork_tokens, start=1):
             child = self._fork(tracked, i, token, num_kv_tokens)
-            child.sent_tokens = 1  # P already emitted it
+            self._pending.append(child.request.request_id)  # P did not emit its first token
+        if fork_tokens:
+            # P hands an n-choice request over whatever its first tokens were: choice 0 may
+            # have ended on its first token (forks were taken from its KV above)
+            status = request.check_stop()
+            if status is not None or tracked.detok.stop_hit is not None:
+                if status is not None:
+                    self.scheduler.finish_request(request_id, status)
+                self._pending.append(request_id)
 
     def cancel_reserved(self, request_id: str) -> bool:
         if self._reserved.pop(request_id, None) is None:
@@ -291,9 +302,10 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        early = self._emit_pending()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return early
         self._count_batch(out)
         now = time.monotonic()
         for s in out.scheduled:
@@ -304,7 +316,12 @@ class LLMEngine:
         for rid, tokens in firsts.items():
             self._fork_choices(rid, tokens, sampled)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
-        return self._collect(out, sampled)
+        return early + self._collect(out, sampled)
+
+    def _emit_pending(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, []
+        now = time.monotonic()
+        return [self._emit(self._live[rid], now) for rid in pending if rid in self._live]
 
     def _count_batch(self, out: SchedulerOutput) -> None:
         decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)
@@ -395,21 +412,26 @@ class LLMEngine:
         now = time.monotonic()
         for rid, (_, logprobs) in sampled.items():
             tracked = self._live[rid]
-            request = tracked.request
             if tracked.logprobs is not None and logprobs is not None:
                 tracked.logprobs.append(logprobs)
-            tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
-            new_ids = request.output_token_ids[tracked.sent_tokens :]
-            tracked.sent_tokens = request.num_output_tokens
-            new_text = tracked.detok.add(new_ids)
-            if tracked.detok.stop_hit is not None and not request.finished:
-                request.stop_reason = tracked.detok.stop_hit
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._output(tracked, new_ids, new_text))
-            if request.finished:
-                tracked.metrics.finished_time = now
-                self._forget(rid)
+            outputs.append(self._emit(tracked, now))
         return outputs
+
+    def _emit(self, tracked: _Tracked, now: float) -> RequestOutput:
+        """The request's output for its tokens since the last one; stop strings end it."""
+        request, rid = tracked.request, tracked.request.request_id
+        tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
+        new_ids = request.output_token_ids[tracked.sent_tokens :]
+        tracked.sent_tokens = request.num_output_tokens
+        new_text = tracked.detok.add(new_ids)
+        if tracked.detok.stop_hit is not None and not request.finished:
+            request.stop_reason = tracked.detok.stop_hit
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        output = self._output(tracked, new_ids, new_text)
+        if request.finished:
+            tracked.metrics.finished_time = now
+            self._forget(rid)
+        return output
 
     def _output(self, t: _Tracked, new_ids: list[int], new_text: str) -> RequestOutput:
         r = t.request

@@ -254,6 +254,8 @@ class RouterCore:
         params = flight.params.to_wire()
         params["max_tokens"] = flight.params.max_tokens - len(flight.sent)
         first, second = flight.pair
+        # n > 1: P samples every choice's first token, D forks the choices after one hand-off
+        handoff = 1 if flight.params.n > 1 else self.config.handoff_tokens
         if second is None:
             if first.role != "colocated" and only is None and flight.route == "fallback":
                 # no healthy worker of the other role: this one runs the whole request
@@ -262,16 +264,12 @@ class RouterCore:
             self._send(first, m.Generate(flight.wire_rid, prompt, params))
             return
         assert second.info is not None
-        expect = m.ExpectKV(
-            flight.wire_rid, prompt, params, first.worker_id, self.config.handoff_tokens
-        )
+        expect = m.ExpectKV(flight.wire_rid, prompt, params, first.worker_id, handoff)
         self._send(second, expect)
         kv_at = second.info.kv_endpoint
         self._send(
             first,
-            m.Prefill(
-                flight.wire_rid, prompt, params, second.worker_id, kv_at, self.config.handoff_tokens
-            ),
+            m.Prefill(flight.wire_rid, prompt, params, second.worker_id, kv_at, handoff),
         )
 
     def _send(self, w: WorkerState, msg: object) -> None:

@@ -54,10 +54,10 @@ class Routing:
             flight.pair, planned = self.plan(flight, prompt, admit)
         else:
             flight.pair = self.pick()
-        if flight.params.n > 1 and flight.pair[1] is not None:
-            # The engines fork n choices from one prefill (admit_prefilled(fork_tokens=)), but
-            # the P->D hand-off of an n-choice request is not wired: D runs it whole (one
-            # prefill there, the choices forked from it), counted as n_choice_local.
+        p = flight.params
+        if p.n > 1 and (p.max_tokens == 1 or p.logprobs is not None) and flight.pair[1]:
+            # n one-token choices end on P (nothing to hand over), and P does not send the
+            # logprobs of the choices' first tokens: D runs these whole (one prefill there)
             self.events.count("n_choice_local")
             flight.pair = (flight.pair[1], None)
         for w in flight.pair:

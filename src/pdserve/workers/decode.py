@@ -194,7 +194,7 @@ class DecodeSide:
         del self.inc[inc.rid]
         inc.times["done"] = time.monotonic()
         try:
-            self.w.engine.admit_prefilled(inc.rid, msg.output_ids, inc.num_kv_tokens)
+            self.w.engine.admit_prefilled(inc.rid, msg.output_ids, inc.num_kv_tokens, msg.fork_ids)
         except ValueError as e:
             self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, str(e), "admission"))
             return

@@ -233,6 +233,9 @@ class KVDone:
     output_ids: list[int]
     num_kv_tokens: int
     frames: int
+    # n > 1: the first token of choices 1..n-1, sampled on P from the prompt's logits; D forks
+    # those choices from the one KV it received
+    fork_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -283,9 +283,14 @@ class PrefillSide:
         if held is None:
             return
         self._send_backlog(o)  # tokens computed by decode steps on P (hand-off after k > 1)
-        self._send_msg(
-            o.sock, m.KVDone(o.rid, list(held.output_token_ids), held.num_computed_tokens, o.frames)
+        done = m.KVDone(
+            o.rid,
+            list(held.output_token_ids),
+            held.num_computed_tokens,
+            o.frames,
+            list(held.fork_tokens),
         )
+        self._send_msg(o.sock, done)
         o.stage, o.done_at = "done_sent", time.monotonic()
         o.times["done_sent"] = o.done_at
 

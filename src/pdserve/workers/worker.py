@@ -355,7 +355,8 @@ class Worker:
         """Finished only because P's run stops at the hand-off, not for the client's reasons."""
         o = self.prefill.out.get(out.request_id)
         c = out.outputs[0]
-        if o is None or c.finish_reason != "length":
+        # n > 1: D decides every choice's end (choice 0 may stop here while others go on)
+        if o is None or (c.finish_reason != "length" and o.params.n == 1):
             return False
         n = len(out.prompt_token_ids) + len(c.token_ids)
         return len(c.token_ids) < o.params.max_tokens and n < self.engine.max_model_len
