@@ -63,6 +63,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from pdserve import argtypes
 from pdserve.bench import compare, serve_bench
 from pdserve.bench import workloads as wl
 from pdserve.bench.loadspec import LoadSpec, default
@@ -747,7 +748,7 @@ def _experiments(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pos_int, pos_float = serve_bench._positive_int, serve_bench._positive_float
+    pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
     parser.add_argument(
         "--experiment",
         type=_experiments,
@@ -795,7 +796,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload (default: the experiment's)")
     work.add_argument("--input-len", type=pos_int, default=None)
     work.add_argument("--output-len", type=pos_int, default=None)
-    work.add_argument("--len-spread", type=serve_bench._spread, default=None)
+    work.add_argument("--len-spread", type=argtypes.fraction, default=None)
     work.add_argument("--turns", type=pos_int, default=None)
     work.add_argument("--prompt-format", choices=("ids", "text"), default=None)
     wl.add_arguments(parser)

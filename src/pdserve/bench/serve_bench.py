@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from pdserve import argtypes
 from pdserve.bench import workloads as wl
 from pdserve.bench.loadspec import LoadSpec, default
 from pdserve.bench.workloads import WORKLOADS, RequestItem, Workload, ids_to_text, make_workload
@@ -102,65 +103,52 @@ class RequestRecord:
 # ---------------------------------------------------------------------------- flags
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _spread(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default=default("workload"))
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(
-        "--rate", type=_positive_float, help="requests/s (gamma arrivals); 'inf': all at once"
+        "--rate",
+        type=argtypes.positive_float,
+        help="requests/s (gamma arrivals); 'inf': all at once",
     )
-    mode.add_argument("--concurrency", type=_positive_int, help="max requests in flight")
+    mode.add_argument("--concurrency", type=argtypes.positive_int, help="max requests in flight")
     parser.add_argument(
         "--burstiness",
-        type=_positive_float,
+        type=argtypes.positive_float,
         default=default("burstiness"),
         help="gamma shape of inter-arrival times with --rate (1: Poisson, <1: burstier)",
     )
-    parser.add_argument("--num-requests", type=_positive_int, required=True)
+    parser.add_argument("--num-requests", type=argtypes.positive_int, required=True)
     parser.add_argument(
-        "--input-len", type=_positive_int, default=default("input_len"), help="mean prompt ids"
+        "--input-len",
+        type=argtypes.positive_int,
+        default=default("input_len"),
+        help="mean prompt ids",
     )
     parser.add_argument(
-        "--output-len", type=_positive_int, default=default("output_len"), help="mean max_tokens"
+        "--output-len",
+        type=argtypes.positive_int,
+        default=default("output_len"),
+        help="mean max_tokens",
     )
     parser.add_argument(
         "--len-spread",
-        type=_spread,
+        type=argtypes.fraction,
         default=default("len_spread"),
         help="lengths uniform in mean*(1 +- spread)",
     )
     parser.add_argument(
         "--turns",
-        type=_positive_int,
+        type=argtypes.positive_int,
         default=default("turns"),
         help="turns per conversation (multiturn)",
     )
     parser.add_argument(
-        "--slo-ttft", type=_positive_float, default=default("slo_ttft"), help="TTFT SLO, s"
+        "--slo-ttft", type=argtypes.positive_float, default=default("slo_ttft"), help="TTFT SLO, s"
     )
     parser.add_argument(
-        "--slo-tpot", type=_positive_float, default=default("slo_tpot"), help="TPOT SLO, s"
+        "--slo-tpot", type=argtypes.positive_float, default=default("slo_tpot"), help="TPOT SLO, s"
     )
     parser.add_argument("--seed", type=int, default=default("seed"))
     parser.add_argument("--result-json", type=Path, default=None)
@@ -195,7 +183,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF folder or .gguf whose tokenizer sizes rag prompts (default: the default model)",
     )
     parser.add_argument(
-        "--timeout", type=_positive_float, default=default("timeout"), help="per-request timeout, s"
+        "--timeout",
+        type=argtypes.positive_float,
+        default=default("timeout"),
+        help="per-request timeout, s",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(

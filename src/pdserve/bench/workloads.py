@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from pdserve import argtypes
+
 if TYPE_CHECKING:
     from pdserve.bench.loadspec import LoadSpec
 
@@ -367,27 +369,6 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
 def _multiturn_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multiturn workload")
     group.add_argument(
@@ -404,7 +385,7 @@ def _mixed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--short-len", type=length_range, default=(64, 200), help="LO,HI tokens")
     group.add_argument("--long-len", type=length_range, default=(1500, 2000), help="LO,HI tokens")
     group.add_argument(
-        "--long-fraction", type=_fraction, default=0.25, help="share of long prompts"
+        "--long-fraction", type=argtypes.fraction, default=0.25, help="share of long prompts"
     )
     group.add_argument(
         "--mixed-output-len", type=length_range, default=(16, 64), help="LO,HI max_tokens"
@@ -428,13 +409,13 @@ def _shifting_arguments(parser: argparse.ArgumentParser) -> None:
     boundary = group.add_mutually_exclusive_group()
     boundary.add_argument(
         "--shift-at",
-        type=_non_negative_int,
+        type=argtypes.non_negative_int,
         default=None,
         help="first phase-2 request index (default: num_requests // 2)",
     )
     boundary.add_argument(
         "--shift-at-s",
-        type=_non_negative_float,
+        type=argtypes.non_negative_float,
         default=None,
         help="seconds into the run from which requests are phase 2 (instead of --shift-at)",
     )

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve import argtypes
 from pdserve.costmodel.model import CostModel
 
 DEFAULT_EFFICIENCY = 0.8
@@ -642,29 +643,8 @@ def load_models(
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    """Comma-separated positive integers, sorted, repeats dropped."""
+    return sorted(set(argtypes.int_list(text)))
 
 
 def default_threads_options(cores: int) -> list[int]:
@@ -675,29 +655,34 @@ def default_threads_options(cores: int) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--workload", choices=WORKLOADS, default="synthetic", help="sets --cached-len's default")
-    a("--input-len", type=_positive_int, required=True, help="prompt tokens per request")
-    a("--output-len", type=_positive_int, required=True, help="output tokens per request")
-    a("--slo-ttft", type=_positive_float, required=True, help="mean time to first token, s")
-    a("--slo-tpot", type=_positive_float, required=True, help="mean time per output token, s")
-    a("--cores", type=_positive_int, default=os.cpu_count() or 1, help="cores to split")
+    a("--input-len", type=argtypes.positive_int, required=True, help="prompt tokens per request")
+    a("--output-len", type=argtypes.positive_int, required=True, help="output tokens per request")
+    a("--slo-ttft", type=argtypes.positive_float, required=True, help="mean time to first token, s")
+    a(
+        "--slo-tpot",
+        type=argtypes.positive_float,
+        required=True,
+        help="mean time per output token, s",
+    )
+    a("--cores", type=argtypes.positive_int, default=os.cpu_count() or 1, help="cores to split")
     a("--cached-len", type=int, default=None, help="prompt tokens from the prefix cache")
     a("--cost-model", type=Path, default=None, help="default: the profile of this host, 1 thread")
     a("--model", default=None, help="model whose default cost model to use (SmolLM2-135M)")
     a("--threads-options", type=_int_list, default=None, help="threads per worker (1,2,4..)")
     a(
         "--parallel-efficiency",
-        type=_positive_float,
+        type=argtypes.positive_float,
         default=DEFAULT_EFFICIENCY,
         help=f"speedup(t) = 1 + e (t - 1) for thread counts not measured ({DEFAULT_EFFICIENCY})",
     )
-    a("--kv-memory-gb", type=_positive_float, default=1.0, help="KV cache per worker (1.0)")
+    a("--kv-memory-gb", type=argtypes.positive_float, default=1.0, help="KV cache per worker (1.0)")
     a(
         "--kv-bytes-per-token",
-        type=_positive_int,
+        type=argtypes.positive_int,
         default=None,
         help="default: from the cost model file",
     )
-    a("--top", type=_positive_int, default=None, help="show only the best N candidates")
+    a("--top", type=argtypes.positive_int, default=None, help="show only the best N candidates")
     a("--json", action="store_true", help="print JSON instead of the table")
 
 
