@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bench_sub.add_parser("engine", help="prefill/decode throughput, MFU and MBU")
-    from pdserve.bench import codec_bench, engine_bench, serve_bench, transfer_bench
+    from pdserve.bench.load import serve_bench
+    from pdserve.bench.micro import codec_bench, engine_bench
+    from pdserve.bench.transfer import transfer_bench
 
     engine_bench.add_arguments(eng)
     codec = bench_sub.add_parser("codec", help="KV codec quality (token match, KL) and speed")
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sched.add_arguments(sch)
-    from pdserve.costmodel import plan
+    from pdserve.costmodel import plan, plan_cli
 
     plan_p = sub.add_parser(
         "plan",
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=plan.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_arguments(plan_p)
+    plan_cli.add_arguments(plan_p)
     return parser
 
 
@@ -187,23 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return chaos.run(args)
         if args.command == "plan":
-            from pdserve.costmodel import plan
+            from pdserve.costmodel import plan_cli
 
-            return plan.run(args)
+            return plan_cli.run(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import (
-                codec_bench,
-                compare,
-                engine_bench,
-                profile,
-                sched,
-                serve_bench,
-                transfer_bench,
-            )
+            from pdserve.bench import compare, profile, sched
+            from pdserve.bench.load import serve_bench
+            from pdserve.bench.micro import codec_bench, engine_bench
+            from pdserve.bench.transfer import transfer_bench
 
             if args.bench_command == "compare":
                 return compare.run(args, argv if argv is not None else sys.argv[1:])

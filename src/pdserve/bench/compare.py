@@ -49,8 +49,8 @@ import httpx
 import numpy as np
 
 from pdserve import argtypes
-from pdserve.bench import serve_bench
-from pdserve.bench.loadspec import LoadSpec
+from pdserve.bench.load import serve_bench, summary
+from pdserve.bench.load.spec import LoadSpec
 
 DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers", "llama-cpp")
 DEFAULT_HF_EXPORT = Path(".cache/pdserve/smollm2-135m-instruct-hf")
@@ -314,7 +314,7 @@ def _print_phase(name: str, res: dict[str, Any]) -> None:
     ttft, tpot = res["ttft_ms"], res["tpot_ms"]
     print(
         f"  {name:<18} {res['phase']:<10} done {res['completed']}/{res['config']['num_requests']}"
-        f"  TTFT p50 {serve_bench._fmt(ttft['p50'])} ms  TPOT p50 {serve_bench._fmt(tpot['p50'])}"
+        f"  TTFT p50 {summary.fmt(ttft['p50'])} ms  TPOT p50 {summary.fmt(tpot['p50'])}"
         f" ms  {res['duration_s']:.1f} s",
         flush=True,
     )
@@ -493,7 +493,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         "systems": systems,
     }
     (args.output_dir / "results.json").write_text(
-        json.dumps(serve_bench._json_safe(result), indent=1) + "\n"
+        json.dumps(summary.json_safe(result), indent=1) + "\n"
     )
     report = compare_report.write_report(result, args.output_dir)
     print(report)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve import argtypes
 from pdserve.bench import common
-from pdserve.bench.transfer_link import (
+from pdserve.bench.transfer.transfer_link import (
     ReceiverProcess,
     _encode_layers,
     _fingerprint,
@@ -65,7 +65,7 @@ from pdserve.bench.transfer_link import (
     _Store,
     run_throughput,
 )
-from pdserve.bench.transfer_report import (
+from pdserve.bench.transfer.transfer_report import (
     _BASELINE_OF,
     _OP_DATA,
     _OP_SETUP,
@@ -505,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.transfer_bench", description=__doc__.split("\n\n")[0]
+        prog="python -m pdserve.bench.transfer.transfer_bench", description=__doc__.split("\n\n")[0]
     )
     add_arguments(parser)
     parser.set_defaults(prog=parser.prog)

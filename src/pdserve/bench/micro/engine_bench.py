@@ -570,7 +570,7 @@ def render_markdown(rep: Report) -> str:
         "",
         "MFU = model FLOPs / time / matmul FLOP/s; MBU = (weight + KV bytes) / step time / "
         "read GB/s; HF decode is a greedy forward loop with its KV cache (not `generate`). "
-        "Formulas: `pdserve.bench.engine_bench`.",
+        "Formulas: `pdserve.bench.micro.engine_bench`.",
         "",
     ]
     return "\n".join(lines)

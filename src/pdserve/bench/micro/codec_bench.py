@@ -515,7 +515,7 @@ def _method_notes(rep: Report) -> list[str]:
         "on. Token match: free-running greedy tokens vs the baseline, position-wise (token 0 "
         "precedes the transfer). KL: KL(p_baseline || p_codec) of the full next-token "
         "distribution, teacher-forced on the baseline's tokens so only the KV differs. "
-        "Details: `pdserve.bench.codec_bench`.",
+        "Details: `pdserve.bench.micro.codec_bench`.",
     ]
 
 
@@ -595,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.codec_bench", description=__doc__
+        prog="python -m pdserve.bench.micro.codec_bench", description=__doc__
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.transfer_report import (
+from pdserve.bench.transfer.transfer_report import (
     _OP_SETUP,
     _OP_STOP,
     _SOCK_HEAD,

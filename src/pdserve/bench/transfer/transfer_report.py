@@ -171,7 +171,7 @@ def machine_info() -> dict[str, Any]:
 
 def command_line(args: argparse.Namespace) -> str:
     """The invoking command if it was `pdserve bench transfer ...`, else an equivalent one with
-    every setting spelled out (`python -m pdserve.bench.transfer_bench ...` from `main`)."""
+    every setting spelled out (`python -m pdserve.bench.transfer.transfer_bench ...`, `main`)."""
     invoked = common.invoked_as("transfer")
     if invoked is not None:
         return invoked
@@ -413,7 +413,7 @@ def _notes(rep: Report) -> list[str]:
         "receives, so it polls its sockets (5 ms timeout) and stores each frame as it arrives; a "
         "busy D would only poll between its engine steps. Times come from time.monotonic() "
         "stamps of P, D and the cluster (one system-wide clock).",
-        "- Method: `pdserve.bench.transfer_bench` (module docstring).",
+        "- Method: `pdserve.bench.transfer.transfer_bench` (module docstring).",
         "",
     ]
     return notes
