@@ -232,3 +232,33 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments present in a parsed namespace."""
     names = {f.name for c in _SECTIONS.values() for f in dataclasses.fields(c)}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _engine_field(name: str) -> tuple[dataclasses.Field, Any]:
+    for cls in _SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f, get_type_hints(cls)[name]
+    raise ValueError(f"unknown engine argument {name!r}")
+
+
+def add_engine_overrides(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """Flags for the engine fields `names`, each unset (None) unless given: a process that
+    starts workers passes on only what its user chose (`engine_overrides`)."""
+    for name in names:
+        f, kind = _engine_field(name)
+        flag = "--" + name.replace("_", "-")
+        helptext = f"{f.metadata.get('help', '')} (default: the engine's, {f.default})"
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext
+            )
+        else:
+            parser.add_argument(
+                flag, dest=name, type=_scalar_type(kind), default=None, help=helptext
+            )
+
+
+def engine_overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The engine fields among `names` that the command line set."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

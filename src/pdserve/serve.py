@@ -23,7 +23,14 @@ from typing import Any
 
 import zmq
 
-from pdserve.config import RouterConfig, WorkerConfig, add_config_args, config_from_args
+from pdserve.config import (
+    RouterConfig,
+    WorkerConfig,
+    add_config_args,
+    add_engine_overrides,
+    config_from_args,
+    engine_overrides,
+)
 from pdserve.costmodel.model import CostModel, default_path
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
@@ -33,6 +40,8 @@ from pdserve.workers import messages as m
 
 log = logging.getLogger("pdserve.serve")
 STARTUP_TIMEOUT_S = 300.0
+# Engine settings `pdserve serve` passes to every worker it starts: a new one is its name here.
+SERVE_ENGINE_ARGS = ("block_size", "kv_cache_memory_gb", "max_num_batched_tokens")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,13 +121,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per worker; default: cores / workers",
     )
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size")
-    parser.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None, help="KV cache memory per worker, GiB"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
-    )
+    add_engine_overrides(parser, SERVE_ENGINE_ARGS)
     parser.add_argument(
         "--restart-workers",
         action=argparse.BooleanOptionalAction,
@@ -146,13 +149,10 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     )
     total = sum(counts.values())
     engine: dict[str, Any] = {
-        "model": args.model,
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
-        "block_size": args.block_size,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        **({"model": args.model} if args.model is not None else {}),
+        **engine_overrides(args, SERVE_ENGINE_ARGS),
     }
-    engine = {k: v for k, v in engine.items() if v is not None}
     return [
         WorkerSpec(
             role,
