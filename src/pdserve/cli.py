@@ -124,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_arguments(plan_p)
+    from pdserve.sim import cli as sim_cli
+
+    sim_p = sub.add_parser(
+        "sim",
+        help="simulate a deployment (router, P/D or colocated pools, links) on a workload",
+        description=sim_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim_cli.add_arguments(sim_p)
     return parser
 
 
@@ -190,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve import plan
 
             return plan.run(args)
+        if args.command == "sim":
+            from pdserve.sim import cli as sim_cli
+
+            return sim_cli.run(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 

@@ -699,10 +699,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--top", type=_positive_int, default=None, help="show only the best N candidates")
     a("--json", action="store_true", help="print JSON instead of the table")
+    from pdserve.sim.search import add_arguments as simulate_arguments
+
+    simulate_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when no split meets the SLOs."""
+    if getattr(args, "simulate", False):
+        from pdserve.sim.search import run as run_simulated
+
+        return run_simulated(args)
     shape = Shape(
         args.input_len,
         args.output_len,
