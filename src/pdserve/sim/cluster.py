@@ -241,10 +241,16 @@ class SimWorker:
         if self.busy:
             return
         out = self.sched.schedule()
+        for _ in range(len(self.sched.running) + 1):
+            # a step that only preempted (a request preempting itself) changed the queues:
+            # the worker loop would schedule again at once
+            for rid in out.preempted:
+                self.log.append((self.sim.now, "preempt", rid))
+            if not (out.is_empty and out.preempted):
+                break
+            out = self.sched.schedule()
         if out.is_empty:
             return
-        for rid in out.preempted:
-            self.log.append((self.sim.now, "preempt", rid))
         rows = [(s.num_tokens, s.start_pos) for s in out.scheduled]
         for s in out.scheduled:
             if s.start_pos == 0 or s.num_tokens > 1:
