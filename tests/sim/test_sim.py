@@ -4,6 +4,7 @@ real LocalCluster on the same request list."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,7 @@ def test_conditional_and_prefix_routing_follow_the_planner() -> None:
     )
     shared = req("t0", 0.0, 40, 2, conv=0)
     turn2 = SimRequest("t1", 1.0, [*shared.prompt, 7, 7, 9, 9], 2, conversation=0, turn=1)
-    sim, (r0, r1) = run(cfg, [shared, turn2], planner_model=model)
+    _, (r0, r1) = run(cfg, [shared, turn2], planner_model=model)
     # idle cluster, no SLO: a local prefill on a D costs no transfer, so it wins
     assert r0.route == "local" and r1.route == "local"
     # the second turn goes where the first left its prefix, and finds it cached there
@@ -160,7 +161,7 @@ def test_cost_model_step_prices_a_mixed_batch() -> None:
 
 def test_arrivals_and_trace(tmp_path: Path) -> None:
     ts = arrivals(2000, 4.0, 0)
-    assert ts[0] == 0 and all(b >= a for a, b in zip(ts, ts[1:], strict=False))
+    assert ts[0] == 0 and all(b >= a for a, b in itertools.pairwise(ts))
     assert 2000 / ts[-1] == pytest.approx(4.0, rel=0.1)
     bursty = arrivals(2000, 4.0, 0, cv=3.0)
     assert 2000 / bursty[-1] == pytest.approx(4.0, rel=0.35)

@@ -33,8 +33,14 @@ class Case:
 
 
 def cases(slo_ttft: float, slo_tpot: float) -> list[Case]:
-    base = Deployment(hardware="cpu", model="default", max_num_seqs=64,
-                      slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, message_s=0.001)  # fmt: skip
+    base = Deployment(
+        hardware="cpu",
+        model="default",
+        max_num_seqs=64,
+        slo_ttft_s=slo_ttft,
+        slo_tpot_s=slo_tpot,
+        message_s=0.001,
+    )
     return [
         Case("colocated x2", replace(base, prefill=0, decode=0, colocated=2)),
         Case("1P1D", replace(base, prefill=1, decode=1)),
@@ -63,7 +69,14 @@ def planner_for(d: Deployment) -> Any:
     )
 
 
-def run_real(d: Deployment, requests: list[SimRequest]) -> list[Record]:
+PROBE_BASE = 31000  # probe prompts' ids: clear of the synthetic workload's [1000, 30000)
+
+
+def run_real(
+    d: Deployment, requests: list[SimRequest], probe_len: int = 0
+) -> tuple[list[Record], list[Record]]:
+    """The request list through a real cluster; first, if `probe_len`, two lone requests of
+    that length one after the other (how fast this machine is right now)."""
     from pdserve.cluster import LocalCluster
     from pdserve.router.core import RequestError
 
@@ -72,9 +85,13 @@ def run_real(d: Deployment, requests: list[SimRequest]) -> list[Record]:
     if planner is not None:
         core_args["planner"] = planner
     cluster = LocalCluster(
-        prefill=d.prefill, decode=d.decode, colocated=d.colocated, threads=1,
-        engine_args={"max_num_seqs": d.max_num_seqs}, core_args=core_args,
-    )  # fmt: skip
+        prefill=d.prefill,
+        decode=d.decode,
+        colocated=d.colocated,
+        threads=1,
+        engine_args={"max_num_seqs": d.max_num_seqs},
+        core_args=core_args,
+    )
     records: dict[str, Record] = {
         r.rid: Record(r.rid, len(r.prompt), r.max_tokens, r.phase) for r in requests
     }
@@ -96,14 +113,47 @@ def run_real(d: Deployment, requests: list[SimRequest]) -> list[Record]:
         except RequestError as e:
             rec.rejected = e.code
 
+    probes = [
+        SimRequest(f"probe{i}", 0.0, [PROBE_BASE + 97 * i + j for j in range(probe_len)], 8)
+        for i in range(2 if probe_len else 0)
+    ]
+    for r in probes:
+        records[r.rid] = Record(r.rid, len(r.prompt), r.max_tokens, None)
+
     async def all_of() -> None:
+        for r in probes:
+            await one(r, time.monotonic())
         t0 = time.monotonic()
         await asyncio.gather(*(one(r, t0) for r in requests))
 
     with cluster:
         assert cluster._loop is not None
         asyncio.run_coroutine_threadsafe(all_of(), cluster._loop).result(timeout=900)
-    return [records[r.rid] for r in requests]
+    return [records[r.rid] for r in requests], [records[r.rid] for r in probes]
+
+
+def calibrated(d: Deployment, probes: list[Record], folder: Path) -> tuple[Deployment, dict]:
+    """The cost model scaled so that a lone request's TTFT and TPOT match the probes (prefill
+    terms by the TTFT ratio, decode terms by the TPOT ratio), saved beside the run."""
+    from pdserve.bench.profile import model_path
+    from pdserve.router.costmodel import CostModel, default_path
+
+    path = d.cost_model or default_path(model_path(None), 1)
+    model = CostModel.load(path)
+    ttft = sorted(r.ttft for r in probes if r.ttft)[0]
+    tpot = sorted(r.tpot for r in probes if r.tpot)[0]
+    n = probes[0].prompt_len
+    k_p = ttft / model.prefill_s(n)
+    k_d = tpot / model.decode_step_s(1, n + 4)
+    p, dd = model.prefill, model.decode
+    scaled = CostModel(
+        (p[0] * k_p, p[1] * k_p, p[2] * k_p),
+        (dd[0] * k_d, dd[1] * k_d, dd[2] * k_d),
+        model.transfer,
+    )
+    out = folder / f"calibrated-{time.monotonic_ns()}.json"
+    scaled.save(out, **CostModel.load_about(path))
+    return replace(d, cost_model=out), {"prefill_x": k_p, "decode_x": k_d}
 
 
 def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
@@ -118,10 +168,10 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--num-requests", type=int, default=20)
+    p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--rate", type=float, default=0.4)
+    p.add_argument("--rate", type=float, default=0.25)
     p.add_argument("--slo-ttft", type=float, default=3.0)
     p.add_argument("--slo-tpot", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
@@ -138,19 +188,35 @@ def main() -> None:
     chosen = cases(args.slo_ttft, args.slo_tpot)
     if args.only:
         chosen = [c for c in chosen if c.name in args.only.split(",")]
+    folder = args.out.parent
     for i, case in enumerate(chosen):
         d = replace(case.deployment, expected_output=args.output_len)
         sim = simulate(d, requests)
-        reals = []
+        reals, cals = [], []
         for _ in range(2 if i == 0 else 1):
-            recs = run_real(d, requests)
+            recs, probes = run_real(d, requests, probe_len=args.input_len)
             reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
-            print(case.name, "real", json.dumps(reals[-1]["ttft_s"]), flush=True)
-        row = {"case": case.name, "sim": sim, "real": reals, "vs": compare(reals[0], sim)}
+            cal_d, factors = calibrated(d, probes, folder)
+            cals.append({"factors": factors, "sim": simulate(cal_d, requests)})
+            print(case.name, "real", json.dumps(reals[-1]["ttft_s"]), factors, flush=True)
+        row = {
+            "case": case.name,
+            "sim": sim,
+            "real": reals,
+            "calibrated": cals,
+            "vs": compare(reals[0], sim),
+            "vs_calibrated": compare(reals[0], cals[0]["sim"]),
+        }
         if len(reals) == 2:
             row["aa"] = compare(reals[0], reals[1])
         results.append(row)
-        print(case.name, json.dumps(row["vs"]), json.dumps(row.get("aa")), flush=True)
+        print(
+            case.name,
+            json.dumps(row["vs"]),
+            json.dumps(row["vs_calibrated"]),
+            json.dumps(row.get("aa")),
+            flush=True,
+        )
     body = {
         "args": vars(args) | {"out": str(args.out)},
         "load_avg": os.getloadavg(),
