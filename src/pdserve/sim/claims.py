@@ -168,7 +168,9 @@ def best_ratio(input_len: int, output_len: int, slo: tuple[float, float], n: int
     for n_p, n_d in ((1, 2), (1, 1), (2, 1)):
         d = replace(base, prefill=n_p, decode=n_d)
         # bisection on the rate of the set for attainment >= 90%
-        lo, hi = 0.0, 16.0 * d.gpus
+        lo, hi = 0.0, 8.0 * d.gpus
+        while steady(d, "synthetic", input_len, output_len, hi, n)["attainment"] >= TARGET:
+            lo, hi = hi, 2 * hi  # the bracket's top must fail
         for _ in range(4):
             mid = (lo + hi) / 2
             s = steady(d, "synthetic", input_len, output_len, mid, n)
@@ -230,7 +232,7 @@ def main() -> None:
         res["kb"] = pd_vs_colocated(args.out, "kb", 2000, 300, slo, grid, args.n)
     if not only or "short" in only:
         res["short"] = pd_vs_colocated(
-            args.out, "short", 200, 100, slo, [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0], args.n
+            args.out, "short", 200, 100, slo, [40.0, 80.0, 120.0, 160.0, 200.0, 250.0], 2 * args.n
         )
     if not only or "link" in only:
         res["link"] = pd_vs_colocated(
