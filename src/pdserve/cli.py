@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(demo)
     _engine_args(demo)
 
-    from pdserve.router import serve as serve_mod
+    from pdserve import serve as serve_mod
 
     serve = sub.add_parser("serve", help="workers + OpenAI-compatible router on this machine")
     serve_mod.add_serve_arguments(serve)
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sched.add_arguments(sch)
-    from pdserve import plan
+    from pdserve.costmodel import plan
 
     plan_p = sub.add_parser(
         "plan",
@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_arguments(plan_p)
+    from pdserve.sim import search as sim_search
+
+    sim_search.add_arguments(plan_p)  # --simulate and its flags
     from pdserve.sim import cli as sim_cli
 
     sim_p = sub.add_parser(
@@ -188,15 +191,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return cmd_demo(args)
         if args.command in ("serve", "router"):
-            from pdserve.router import serve as serve_mod
+            from pdserve import serve as serve_mod
 
             return (serve_mod.run_serve if args.command == "serve" else serve_mod.run_router)(args)
         if args.command == "chaos":
             from pdserve import chaos
 
             return chaos.run(args)
+        if args.command == "plan" and args.simulate:
+            from pdserve.sim import search as sim_search
+
+            return sim_search.run(args)
         if args.command == "plan":
-            from pdserve import plan
+            from pdserve.costmodel import plan
 
             return plan.run(args)
         if args.command == "sim":

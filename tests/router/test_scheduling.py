@@ -14,10 +14,10 @@ import zmq.asyncio
 from fake_workers import FakeWorker, start_fakes
 
 from pdserve import SamplingParams
+from pdserve.costmodel.model import CostModel
 from pdserve.metrics.prometheus import Metrics
 from pdserve.router.balancer import Autobalancer
 from pdserve.router.core import RequestError, RouterCore
-from pdserve.router.costmodel import CostModel
 from pdserve.router.slo import SloPlanner
 
 # 0.2 ms per prompt token; a decode step of 5 ms + 0.5 ms per request in the batch

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 from pdserve.router.slo import SloPlanner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
+from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
-from pdserve.router.costmodel import CostModel
 from pdserve.sim.cluster import SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import gpu, model_shape
 from pdserve.sim.steptime import CostModelStep, Link, RooflineStep, planner_cost_model

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 
 ROUTES = ("remote", "local", "colocated")
 MODES = ("conditional", "always")

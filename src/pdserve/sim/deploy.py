@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
-from pdserve.router.costmodel import CostModel
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import gpu, model_shape
 from pdserve.sim.steptime import (
@@ -81,11 +81,11 @@ class Built:
 
 
 def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
-    from pdserve.router.costmodel import default_path
+    from pdserve.costmodel.model import default_path
 
     path = d.cost_model
     if path is None:
-        from pdserve.bench.profile import model_path
+        from pdserve.costmodel.profile import model_path
 
         path = default_path(model_path(None if d.model == "default" else d.model), 1)
     if not Path(path).is_file():

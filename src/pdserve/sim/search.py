@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve import plan as analytic
+from pdserve.costmodel import plan as analytic
 from pdserve.sim import hardware
 from pdserve.sim.deploy import DEFAULT_LINK_GBPS_GPU, Deployment, simulate
 from pdserve.sim.steptime import Link, RooflineStep, gbps_to_bytes_s, planner_cost_model

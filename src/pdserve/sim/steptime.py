@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 from pdserve.sim.hardware import GIB, Gpu, ModelShape
 
 Row = tuple[int, int]  # (tokens computed this step, start position)

@@ -50,7 +50,7 @@ def cases(slo_ttft: float, slo_tpot: float) -> list[Case]:
 
 
 def planner_for(d: Deployment) -> Any:
-    from pdserve.router.costmodel import CostModel
+    from pdserve.costmodel.model import CostModel
     from pdserve.router.slo import SloPlanner
     from pdserve.sim.deploy import _cpu_steps
 
@@ -135,8 +135,8 @@ def run_real(
 def calibrated(d: Deployment, probes: list[Record], folder: Path) -> tuple[Deployment, dict]:
     """The cost model scaled so that a lone request's TTFT and TPOT match the probes (prefill
     terms by the TTFT ratio, decode terms by the TPOT ratio), saved beside the run."""
-    from pdserve.bench.profile import model_path
-    from pdserve.router.costmodel import CostModel, default_path
+    from pdserve.costmodel.model import CostModel, default_path
+    from pdserve.costmodel.profile import model_path
 
     path = d.cost_model or default_path(model_path(None), 1)
     model = CostModel.load(path)

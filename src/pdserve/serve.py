@@ -23,9 +23,9 @@ from typing import Any
 
 import zmq
 
+from pdserve.costmodel.model import CostModel, default_path
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
-from pdserve.router.costmodel import CostModel, default_path
 from pdserve.router.slo import SloPlanner
 from pdserve.workers import auth
 from pdserve.workers import messages as m
@@ -219,7 +219,7 @@ def _cost_model(
 ) -> CostModel | None:
     """The cost model the planner predicts with: a file, this host's saved one, a profile
     run now (only when a feature needs it and none is saved), or none."""
-    from pdserve.bench import profile
+    from pdserve.costmodel import profile
 
     if args.cost_model == "none":
         if _needs_cost_model(args):

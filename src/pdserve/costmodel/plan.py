@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 
 DEFAULT_EFFICIENCY = 0.8
 MAX_BATCH = 1 << 16  # when a step's per-request cost is ~0, the batch is bounded only by this
@@ -699,17 +699,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--top", type=_positive_int, default=None, help="show only the best N candidates")
     a("--json", action="store_true", help="print JSON instead of the table")
-    from pdserve.sim.search import add_arguments as simulate_arguments
-
-    simulate_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when no split meets the SLOs."""
-    if getattr(args, "simulate", False):
-        from pdserve.sim.search import run as run_simulated
-
-        return run_simulated(args)
     shape = Shape(
         args.input_len,
         args.output_len,
@@ -742,8 +735,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_cost_model(model: str | None) -> Path:
-    from pdserve.bench.profile import model_path
-    from pdserve.router.costmodel import default_path
+    from pdserve.costmodel.model import default_path
+    from pdserve.costmodel.profile import model_path
 
     return default_path(model_path(model), 1)
 
