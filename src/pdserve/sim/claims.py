@@ -185,7 +185,7 @@ def best_ratio(input_len: int, output_len: int, slo: tuple[float, float], n: int
     }
 
 
-def scheduling(out: Path, n: int) -> dict[str, Any]:
+def scheduling(out: Path, n: int, which: set[str] | None = None) -> dict[str, Any]:
     """Overload a 1P1D set: admission on/off (KB case), conditional vs always (mixed)."""
     slo = (1.0, 0.04)
     base = Deployment(
@@ -203,17 +203,24 @@ def scheduling(out: Path, n: int) -> dict[str, Any]:
         "planner + admission": replace(base, planner=True, admission=True),
     }
     rates = [8.0, 16.0, 24.0, 32.0]
-    adm = {k: sweep(d, "synthetic", 2000, 300, rates, n) for k, d in arms.items()}
-    plot(out / "admission.png", "1P1D, 2000 in / 300 out: early rejection under overload", adm)
+    res: dict[str, Any] = {}
+    if which is None or "sched" in which:
+        adm = {k: sweep(d, "synthetic", 2000, 300, rates, n) for k, d in arms.items()}
+        plot(out / "admission.png", "1P1D, 2000 in / 300 out: early rejection under overload", adm)
+        res["admission"] = adm
+    if which is not None and "cond" not in which:
+        return res
     mixed_arms = {
         "always": replace(base, planner=True, expected_output=40),
         "conditional": replace(
             base, planner=True, disaggregation="conditional", expected_output=40
         ),
     }
-    mix = {k: sweep(d, "mixed", 0, 0, [20.0, 40.0, 60.0, 80.0], n) for k, d in mixed_arms.items()}
+    rates_mixed = [40.0, 80.0, 120.0, 160.0, 200.0]
+    mix = {k: sweep(d, "mixed", 0, 0, rates_mixed, n) for k, d in mixed_arms.items()}
     plot(out / "conditional.png", "1P1D, mixed (75% 64-200 / 25% 1500-2000 in, 16-64 out)", mix)
-    return {"admission": adm, "conditional": mix}
+    res["conditional"] = mix
+    return res
 
 
 def main() -> None:
@@ -232,7 +239,7 @@ def main() -> None:
         res["kb"] = pd_vs_colocated(args.out, "kb", 2000, 300, slo, grid, args.n)
     if not only or "short" in only:
         res["short"] = pd_vs_colocated(
-            args.out, "short", 200, 100, slo, [40.0, 80.0, 120.0, 160.0, 200.0, 250.0], 2 * args.n
+            args.out, "short", 200, 100, slo, [70.0, 80.0, 90.0, 100.0, 110.0, 120.0], 2 * args.n
         )
     if not only or "link" in only:
         res["link"] = pd_vs_colocated(
@@ -250,8 +257,8 @@ def main() -> None:
             best_ratio(i, o, (1.0, 0.015), args.n)
             for i, o in ((500, 300), (2000, 300), (2000, 100))
         ]
-    if not only or "sched" in only:
-        res["scheduling"] = scheduling(args.out, args.n)
+    if not only or "sched" in only or "cond" in only:
+        res["scheduling"] = scheduling(args.out, args.n, only)
     res["wall_s"] = time.perf_counter() - t0
     res["load_avg"] = os.getloadavg()
     (args.out / f"claims-{'-'.join(sorted(only)) if only else 'all'}.json").write_text(
