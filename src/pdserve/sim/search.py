@@ -109,7 +109,7 @@ def finalists(caps: list[RoleCaps], base: Deployment, input_len: int) -> list[Fi
                     )
                     bound = "prefill" if n_p * p.prefill.rate < n_d * d.decode.rate else "decode"
                     split.append(
-                        (rate / set_gpus, Finalist(dep, rate, f"{bound}-bound (analytic)"))
+                        (rate / set_gpus, Finalist(dep, rate, f"analytic screen: {bound}-bound"))
                     )
     # the smallest replica set within 3% of the best: the cheapest one to simulate, and one
     # that scales to any cluster size with the least rounding; then the best other TP pair
@@ -128,7 +128,9 @@ def finalists(caps: list[RoleCaps], base: Deployment, input_len: int) -> list[Fi
             dep = replace(
                 base, prefill=0, decode=0, colocated=1, tp_decode=best.tp, max_batched_tokens=chunk
             )
-            picked.append(Finalist(dep, best.colocated.rate, f"{best.colocated.limit}-bound"))
+            picked.append(
+                Finalist(dep, best.colocated.rate, f"analytic screen: {best.colocated.limit}-bound")
+            )
     return picked
 
 
