@@ -6,7 +6,7 @@ Only time is simulated. Every decision is the real code's:
     every step, `update_from_output` advances it; preemption, chunking, prefix caching, held KV
     and reservations are the engine's own;
   * the router is `SloPlanner.routes/decide` (admission, conditional disaggregation) over
-    `WorkerLoad`s booked exactly as `router/core.py` books them, `PrefixIndex` fed with the
+    `WorkerLoad`s booked exactly as `router/routing.py` books them, `PrefixIndex` fed with the
     workers' real `KVEvents`, the routing policies of `router/policies.py` when there is no
     planner, and `balancer.pressures` + `Autobalancer` for role moves.
 
@@ -441,7 +441,7 @@ class Simulation:
     def _route(
         self, req: SimRequest
     ) -> tuple[tuple[SimWorker, SimWorker | None] | None, slo.Decision | None]:
-        """As RouterCore._plan (with a planner) or RouterCore._pick (without)."""
+        """As router/routing.py: `plan` (with a planner) or `pick` (without)."""
         pools = self._pools()
         if self.planner is None:
             if pools["prefill"] and pools["decode"]:
@@ -474,7 +474,7 @@ class Simulation:
         pair: tuple[SimWorker, SimWorker | None],
         pred: slo.Prediction | None,
     ) -> None:
-        """As RouterCore._book: the work this request puts on its workers' loads."""
+        """As routing._book: the work this request puts on its workers' loads."""
         assert self.planner is not None
         first, second = pair
         n = len(req.prompt)

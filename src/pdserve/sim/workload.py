@@ -73,9 +73,23 @@ def make_items(args: argparse.Namespace) -> list[bw.RequestItem]:
         )
     if args.workload not in SIM_WORKLOADS:
         raise ValueError(f"unknown workload {args.workload!r}; choose one of {SIM_WORKLOADS}")
-    ns = argparse.Namespace(**vars(args))
-    ns.multiturn_answers = "placeholder"
-    return list(bw.make_workload(ns))
+    from pdserve.bench.loadspec import LoadSpec, workload_defaults
+
+    given = vars(args)
+    extra = {k: given[k] for k in workload_defaults() if k in given}
+    spec = LoadSpec(
+        url="simulated",
+        num_requests=args.num_requests,
+        rate=1.0,  # unused: the simulator draws its own arrivals
+        workload=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        len_spread=args.len_spread,
+        turns=getattr(args, "turns", 3),
+        seed=args.seed,
+        workload_args={**extra, "multiturn_answers": "placeholder"},
+    )
+    return list(bw.make_workload(spec))
 
 
 def requests_from_items(items: list[bw.RequestItem], times: list[float]) -> list[SimRequest]:
