@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | router | worker | generate | demo | chaos | bench.
+"""`pdserve` command line: serve | router | worker | generate | demo | chaos | bench | plan | top.
 
 Engine flags are generated from the config dataclasses (`pdserve.config`), so every engine
 argument of `LLM(**engine_args)` is also a flag with the same name and help.
@@ -136,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sim_cli.add_arguments(sim_p)
+
+    from pdserve import top
+
+    top_p = sub.add_parser(
+        "top",
+        help="the router's live dashboard in the terminal",
+        description=top.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_arguments(top_p)
     return parser
 
 
@@ -210,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.sim import cli as sim_cli
 
             return sim_cli.run(args)
+        if args.command == "top":
+            from pdserve import top
+
+            return top.run(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 
