@@ -242,3 +242,19 @@ def test_same_routing_decisions_as_a_real_cluster(tiny_llama_path) -> None:  # t
         sim = Simulation(cfg, CostModelStep(tiny), Link(1e9, 0.0005), planner_model=tiny)
         sim.run(reqs)
         assert [(kind, where) for _, _, kind, where in sim.decisions] == real
+
+
+def test_autobalance_moves_an_idle_prefill_worker_to_decode() -> None:
+    # 20 long answers at once: D's batch is far over the TPOT budget (decode pressure >> 0.7)
+    # while the P pool idles: after 5 simulated seconds the balancer drains a P and it decodes
+    model = CostModel((0.01, 1e-4, 0.0), (0.01, 0.01, 0.0))
+    cfg = SimConfig(prefill=2, decode=1, planner=True, autobalance=True, slo_tpot_s=0.1)
+    reqs = [req(f"r{i}", 0.0, 8, 400, base=100 + 10 * i) for i in range(20)]
+    sim = Simulation(cfg, LinearStep(a=0.05, b=0.001), Link(1e9, 0.0), planner_model=model)
+    records = sim.run(reqs)
+    assert all(r.tokens == 400 for r in records)
+    assert sim.counters.get("autobalance_to_decode", 0) >= 1
+    assert sim.counters.get("role_decode", 0) >= 1
+    assert sorted(w.role for w in sim.workers).count("decode") >= 2
+    for w in sim.workers:
+        assert w.kv.num_free_blocks == w.kv.num_blocks and w.idle
