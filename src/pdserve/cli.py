@@ -126,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan_cli.add_arguments(plan_p)
+    from pdserve.sim import search as sim_search
+
+    sim_search.add_arguments(plan_p)  # --simulate and its flags
+    from pdserve.sim import cli as sim_cli
+
+    sim_p = sub.add_parser(
+        "sim",
+        help="simulate a deployment (router, P/D or colocated pools, links) on a workload",
+        description=sim_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim_cli.add_arguments(sim_p)
 
     from pdserve import top
 
@@ -198,10 +210,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve import chaos
 
             return chaos.run(args)
+        if args.command == "plan" and args.simulate:
+            from pdserve.sim import search as sim_search
+
+            return sim_search.run(args)
         if args.command == "plan":
             from pdserve.costmodel import plan_cli
 
             return plan_cli.run(args)
+        if args.command == "sim":
+            from pdserve.sim import cli as sim_cli
+
+            return sim_cli.run(args)
         if args.command == "top":
             from pdserve import top
 
