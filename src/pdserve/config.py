@@ -40,8 +40,15 @@ class CacheConfig:
     num_blocks: int | None = _f(None, "KV blocks; default: derived from kv_cache_memory_gb")
     kv_cache_memory_gb: float = _f(1.0, "memory for the KV cache when num_blocks is not set")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
+    attention: str = _f(
+        "auto",
+        "how attention reads the KV cache: paged (in place, native CPU kernel) | gather "
+        "(copy the blocks, then SDPA: the reference) | auto (paged on CPU, gather on CUDA)",
+    )
 
     def __post_init__(self) -> None:
+        if self.attention not in ("auto", "paged", "gather"):
+            raise ValueError(f"attention must be auto, paged or gather, got {self.attention!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

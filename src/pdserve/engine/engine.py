@@ -84,7 +84,7 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.sampler = Sampler(mc.seed)
         self._live: dict[str, _Tracked] = {}
         self._reserved: dict[str, _Tracked] = {}  # decode side: KV on its way from P
