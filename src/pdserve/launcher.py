@@ -38,6 +38,8 @@ class WorkerSpec:
     cpus: str | None = None
     port: int = 0  # control port; 0 picks a free one (fixed: a restart keeps its address)
     kv_port: int = 0
+    slo_tpot_s: float | None = None  # stall-free batching (with cost_model)
+    cost_model: str | None = None
 
 
 @dataclass
@@ -62,6 +64,10 @@ def worker_command(spec: WorkerSpec) -> list[str]:
         cmd += ["--port", str(spec.port)]
     if spec.kv_port:
         cmd += ["--kv-port", str(spec.kv_port)]
+    if spec.slo_tpot_s is not None:
+        cmd += ["--slo-tpot", str(spec.slo_tpot_s)]
+    if spec.cost_model is not None:
+        cmd += ["--cost-model", spec.cost_model]
     for key, value in spec.engine_args.items():
         if value is None:
             continue
@@ -107,6 +113,8 @@ def _launch_thread(spec: WorkerSpec, ctx: zmq.Context) -> Launched:
                 lease_s=spec.lease_s,
                 stream_kv=spec.stream_kv,
                 ctx=ctx,
+                slo_tpot_s=spec.slo_tpot_s,
+                cost_model=spec.cost_model,
             )
         except Exception as e:  # reported to the starting thread, which raises
             ready.put(e)

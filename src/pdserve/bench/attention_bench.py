@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def measure(engine: Any, batch: int, context: int, repeats: int, gbs: float) -> 
     for backend in BACKENDS:
         runner = ModelRunner(engine.model, cache, torch.device("cpu"), backend)
         runner.execute(out)  # warm-up
-        steps = [_timed(lambda r=runner: r.execute(out)) for _ in range(repeats)]
+        steps = [_timed(partial(runner.execute, out)) for _ in range(repeats)]
         sink: list[float] = []
         with timed_attention(sink):
             runner.execute(out)
@@ -170,7 +171,7 @@ def tiny_overhead(repeats: int) -> dict[str, float]:
         runner = ModelRunner(eng.model, eng.cache, torch.device("cpu"), backend)
         for _ in range(5):
             runner.execute(out)
-        steps = [_timed(lambda r=runner: r.execute(out)) for _ in range(max(50, repeats))]
+        steps = [_timed(partial(runner.execute, out)) for _ in range(max(50, repeats))]
         result[backend] = statistics.median(steps) * 1e3
     return result
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +55,10 @@ class ReservedKV(list[int]):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, prefill_budget: Callable[[int, int], int] | None = None
+    ) -> None:
+        """`prefill_budget`: stall-free batching (scheduler.py, engine/step_budget.py)."""
         self.config = config
         mc, cc = config.model_config, config.cache_config
         if config.parallel_config.threads:
@@ -81,6 +84,7 @@ class LLMEngine:
                 sc.max_num_seqs,
                 sc.enable_chunked_prefill,
                 sc.decode_first,
+                prefill_budget,
             ),
             self.kv_manager,
         )

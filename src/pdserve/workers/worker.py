@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -69,6 +70,8 @@ class Worker:
         shm_mb: int = 512,
         stream_kv: bool = True,
         ctx: zmq.Context | None = None,
+        slo_tpot_s: float | None = None,
+        cost_model: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -79,7 +82,8 @@ class Worker:
         self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
         self.deadline_s, self.lease_s = deadline_s, lease_s
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        config = EngineConfig.from_kwargs(**engine_args)
+        self.engine = LLMEngine(config, stall_free_budget(config, slo_tpot_s, cost_model))
         self.fingerprint = wire.layout_fingerprint(self.engine.arch, self.engine.dtype)
         self.ctx = ctx or zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
@@ -399,6 +403,25 @@ def _stage_times(out: RequestOutput) -> dict[str, float]:
     return {k: v for k, v in stamps.items() if v is not None}
 
 
+def stall_free_budget(
+    config: EngineConfig, slo_tpot_s: float | None, cost_model: str | None
+) -> Callable[[int, int], int] | None:
+    """With a TPOT SLO, each step's prompt tokens are sized to keep running decodes within it
+    (stall-free batching); the time per token comes from the cost model file."""
+    if slo_tpot_s is None:
+        return None
+    if cost_model is None:
+        raise ValueError("--slo-tpot on a worker needs --cost-model (pdserve bench profile)")
+    from pathlib import Path
+
+    from pdserve.engine.step_budget import tpot_prefill_budget
+    from pdserve.router.costmodel import CostModel
+
+    cost = CostModel.load(Path(cost_model))
+    max_tokens = config.scheduler_config.max_num_batched_tokens
+    return tpot_prefill_budget(cost, slo_tpot_s, max_tokens, min(16, max_tokens))
+
+
 # ---- process entry point ---------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, required=True)
@@ -433,6 +456,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shm-mb", type=int, default=512, help="shared-memory ring of the shm transport, MiB"
     )
     parser.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=None,
+        help="TPOT SLO, seconds: size each step's prompt tokens so running decodes stay within "
+        "it (stall-free batching; needs --cost-model)",
+    )
+    parser.add_argument("--cost-model", default=None, help="cost model JSON for --slo-tpot")
+    parser.add_argument(
         "--secret-file",
         default=None,
         help="shared secret authenticating control messages (else $PDSERVE_SECRET); required "
@@ -464,6 +495,8 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         lease_s=args.lease,
         shm_mb=args.shm_mb,
         stream_kv=args.stream_kv,
+        slo_tpot_s=args.slo_tpot,
+        cost_model=args.cost_model,
     )
     if args.exit_with_parent:
         worker.parent_pid = os.getppid()
