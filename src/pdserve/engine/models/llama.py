@@ -77,9 +77,13 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos [T, 1, D] and the signed sin [T, 1, D] (-sin | sin) that `apply_rope` takes.
+
+        Built once per step and shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        return torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :], signed_sin.to(dtype)[:, None]
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -95,13 +99,10 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin equals
+    roll(x, D/2) * (-sin | sin), one op instead of a slice, a negation and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaLayer(nn.Module):
