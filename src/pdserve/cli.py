@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(demo)
     _engine_args(demo)
 
-    from pdserve.router import serve as serve_mod
+    from pdserve import serve as serve_mod
 
     serve = sub.add_parser("serve", help="workers + OpenAI-compatible router on this machine")
     serve_mod.add_serve_arguments(serve)
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sched.add_arguments(sch)
-    from pdserve import plan
+    from pdserve.costmodel import plan
 
     plan_p = sub.add_parser(
         "plan",
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return cmd_demo(args)
         if args.command in ("serve", "router"):
-            from pdserve.router import serve as serve_mod
+            from pdserve import serve as serve_mod
 
             return (serve_mod.run_serve if args.command == "serve" else serve_mod.run_router)(args)
         if args.command == "chaos":
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return chaos.run(args)
         if args.command == "plan":
-            from pdserve import plan
+            from pdserve.costmodel import plan
 
             return plan.run(args)
         if args.command == "worker":

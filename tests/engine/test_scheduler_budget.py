@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from factories import assert_no_leaks, make_request, make_scheduler, run_to_completion, step
+from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.engine.step_budget import tpot_prefill_budget
-from pdserve.router.costmodel import CostModel
 
 
 def scheduled(out) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -98,7 +98,7 @@ def test_many_requests_under_budget_finish_without_leaks() -> None:
 
 
 def test_worker_builds_the_budget_from_slo_and_cost_model_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from pdserve.config import EngineConfig
+    from pdserve.config import EngineConfig, WorkerConfig
     from pdserve.launcher import WorkerSpec, worker_command
     from pdserve.workers.worker import stall_free_budget
 
@@ -110,6 +110,7 @@ def test_worker_builds_the_budget_from_slo_and_cost_model_file(tmp_path) -> None
     _cost().save(path)
     budget = stall_free_budget(config, 0.1, str(path))
     assert budget is not None and budget(4, 4000) == 124
-    cmd = worker_command(WorkerSpec("colocated", "C0", slo_tpot_s=0.1, cost_model=str(path)))
+    spec = WorkerSpec("colocated", "C0", config=WorkerConfig(slo_tpot_s=0.1, cost_model=str(path)))
+    cmd = worker_command(spec)
     assert cmd[cmd.index("--slo-tpot") + 1] == "0.1"
     assert cmd[cmd.index("--cost-model") + 1] == str(path)

@@ -89,17 +89,15 @@ def run_arm(args: argparse.Namespace, budget: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.engine import loader
+    from pdserve.costmodel.model import CostModel, default_path
     from pdserve.engine.step_budget import tpot_prefill_budget
-    from pdserve.router.costmodel import CostModel, default_path
 
     args = _args(argv)
-    from pdserve.bench import profile
+    from pdserve.costmodel import profile
 
     path = args.cost_model or default_path(profile.model_path(None), args.threads)
     cost = CostModel.load(path)
     budget = tpot_prefill_budget(cost, args.slo_tpot, 2048)
-    del loader
     rows = {}
     for name, b in (("whole", None), ("stall-free", budget)):
         print(f"stall-free bench: arm {name}", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@
 Stall-free batching (Sarathi-Serve): a colocated worker (and a decode worker that prefills
 locally) runs its decodes every step and fills the rest of the step with prompt tokens only up
 to the time the TPOT SLO leaves. The scheduler stays pure: it calls the function built here with
-plain numbers. Pure arithmetic over a cost model (router/costmodel.py's `CostModel`, anything with
+plain numbers. Pure arithmetic over a cost model (costmodel/model.py's `CostModel`, anything with
 the same two methods), no engine state.
 
 A mixed step is modelled as the decode step plus the marginal cost of its prompt tokens:

@@ -32,6 +32,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.router.timeline import Ev
+
 OUTCOMES = ("ok", "rejected", "error", "aborted")
 # fmt: off
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -305,13 +307,13 @@ class Metrics:
         events: dict[str, float] = {}
         for event, _worker, t in flight.timeline:
             events.setdefault(event, t)
-        arrive = events.get("arrive")
+        arrive = events.get(Ev.ARRIVE)
         first: float | None
         last: float | None
         if stream is not None and stream.first is not None:
             first, last = stream.first, stream.last or stream.first
         else:  # no deltas reported by an app: the core's own stamps
-            first, last = events.get("first_token"), end
+            first, last = events.get(Ev.FIRST_TOKEN), end
         if arrive is None:
             return
         if first is not None:
