@@ -114,3 +114,22 @@ def test_worker_builds_the_budget_from_slo_and_cost_model_file(tmp_path) -> None
     cmd = worker_command(spec)
     assert cmd[cmd.index("--slo-tpot") + 1] == "0.1"
     assert cmd[cmd.index("--cost-model") + 1] == str(path)
+
+
+def test_serve_hands_the_slo_to_decoding_workers_only() -> None:
+    import argparse
+
+    from pdserve.costmodel.model import CostModel as Cost
+    from pdserve.launcher import WorkerSpec
+    from pdserve.serve import _with_stall_free
+
+    specs = [WorkerSpec(r, r[0]) for r in ("prefill", "decode", "colocated")]
+    args = argparse.Namespace(stall_free=True, slo_tpot=0.2, cost_model="c.json", model=None)
+    got = _with_stall_free(args, specs, Cost((0, 0, 0), (0, 0, 0)), 1)
+    assert [(s.config.slo_tpot_s, s.config.cost_model) for s in got] == [
+        (None, None),
+        (0.2, "c.json"),
+        (0.2, "c.json"),
+    ]
+    args.stall_free = False
+    assert _with_stall_free(args, specs, Cost((0, 0, 0), (0, 0, 0)), 1) == specs
