@@ -133,3 +133,16 @@ def test_serve_hands_the_slo_to_decoding_workers_only() -> None:
     ]
     args.stall_free = False
     assert _with_stall_free(args, specs, Cost((0, 0, 0), (0, 0, 0)), 1) == specs
+
+
+def test_budget_learns_that_steps_run_slower_than_the_cost_model_says() -> None:
+    budget = tpot_prefill_budget(_cost(), tpot_s=0.1, max_tokens=2048, smoothing=1.0)
+    before = budget(4, 4000)
+    budget.observe(4, 4000, 100, 2 * budget.predict_s(4, 4000, 100))  # twice as slow
+    assert budget.ratio == pytest.approx(2.0)
+    # 2 * (0.038 + 0.0005 n) <= 0.1  ->  n <= 24
+    assert budget(4, 4000) == 24 < before
+    budget.observe(0, 0, 500, 100.0)  # a step without decodes teaches nothing
+    assert budget.ratio == pytest.approx(2.0)
+    budget.observe(4, 4000, 0, 1e6)  # clamped
+    assert budget.ratio == 8.0

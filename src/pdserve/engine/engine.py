@@ -26,6 +26,7 @@ from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+from pdserve.engine.step_budget import StallFreeBudget
 
 log = logging.getLogger(__name__)
 
@@ -253,9 +254,20 @@ class LLMEngine:
         for s in out.scheduled:
             m = self._live[s.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        t0 = time.perf_counter()
         sampled = self._run(out)
+        self._observe_step(out, time.perf_counter() - t0)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
         return self._collect(out, sampled)
+
+    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Teach a stall-free budget how long a step with these decodes really took."""
+        budget = self.scheduler.policy.prefill_budget
+        if isinstance(budget, StallFreeBudget):
+            decodes = [s for s in out.scheduled if s.num_tokens == 1]
+            context = sum(s.start_pos + 1 for s in decodes)
+            prompt = out.num_batched_tokens - len(decodes)
+            budget.observe(len(decodes), context, prompt, seconds)
 
     def _count_batch(self, out: SchedulerOutput) -> None:
         decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)

@@ -15,7 +15,6 @@ tokens are always allowed, so prompts progress even when the decodes alone excee
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 MIN_PREFILL_TOKENS = 16
@@ -27,29 +26,59 @@ class StepCost(Protocol):
     def decode_step_s(self, batch: int, context: int) -> float: ...
 
 
-def tpot_prefill_budget(
-    cost: StepCost, tpot_s: float, max_tokens: int, min_tokens: int = MIN_PREFILL_TOKENS
-) -> Callable[[int, int], int]:
-    """(decodes, their context tokens) -> prompt tokens allowed with them this step."""
-    if tpot_s <= 0:
-        raise ValueError(f"the TPOT SLO must be > 0 seconds, got {tpot_s}")
-    if not 1 <= min_tokens <= max_tokens:
-        raise ValueError(f"need 1 <= min_tokens ({min_tokens}) <= max_tokens ({max_tokens})")
-    base = cost.prefill_s(0, 0)
+class StallFreeBudget:
+    """The budget function, which also learns how far the cost model is off right now.
 
-    def fits(batch: int, context: int, n: int) -> bool:
-        return cost.decode_step_s(batch, context) + cost.prefill_s(n, 0) - base <= tpot_s
+    `observe` (called by the engine after each step that ran decodes) keeps a moving average of
+    measured / predicted step time, clamped to [1/4, 8]; the budget divides the SLO by it. So a
+    model fitted on a quieter machine (or a slower one) stops overfilling steps after a few.
+    """
 
-    def budget(batch: int, context: int) -> int:
-        lo, hi = min_tokens, max_tokens  # the step time grows with n: binary search
-        if fits(batch, context, hi):
+    def __init__(
+        self, cost: StepCost, tpot_s: float, max_tokens: int, min_tokens: int, smoothing: float
+    ) -> None:
+        if tpot_s <= 0:
+            raise ValueError(f"the TPOT SLO must be > 0 seconds, got {tpot_s}")
+        if not 1 <= min_tokens <= max_tokens:
+            raise ValueError(f"need 1 <= min_tokens ({min_tokens}) <= max_tokens ({max_tokens})")
+        self.cost, self.tpot_s = cost, tpot_s
+        self.max_tokens, self.min_tokens, self.smoothing = max_tokens, min_tokens, smoothing
+        self.base = cost.prefill_s(0, 0)
+        self.ratio = 1.0  # measured / predicted step time, smoothed
+
+    def predict_s(self, batch: int, context: int, prompt_tokens: int) -> float:
+        extra = self.cost.prefill_s(prompt_tokens, 0) - self.base if prompt_tokens else 0.0
+        return self.cost.decode_step_s(batch, context) + extra
+
+    def observe(self, batch: int, context: int, prompt_tokens: int, seconds: float) -> None:
+        predicted = self.predict_s(batch, context, prompt_tokens)
+        if batch < 1 or predicted <= 0 or seconds <= 0:
+            return
+        r = min(8.0, max(0.25, seconds / predicted))
+        self.ratio += self.smoothing * (r - self.ratio)
+
+    def __call__(self, batch: int, context: int) -> int:
+        lo, hi = self.min_tokens, self.max_tokens  # step time grows with n: binary search
+        if self._fits(batch, context, hi):
             return hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(batch, context, mid):
+            if self._fits(batch, context, mid):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    return budget
+    def _fits(self, batch: int, context: int, n: int) -> bool:
+        return self.ratio * self.predict_s(batch, context, n) <= self.tpot_s
+
+
+def tpot_prefill_budget(
+    cost: StepCost,
+    tpot_s: float,
+    max_tokens: int,
+    min_tokens: int = MIN_PREFILL_TOKENS,
+    smoothing: float = 0.2,
+) -> StallFreeBudget:
+    """(decodes, their context tokens) -> prompt tokens allowed with them this step."""
+    return StallFreeBudget(cost, tpot_s, max_tokens, min_tokens, smoothing)
