@@ -90,6 +90,7 @@ def assert_engine_idle(llm) -> None:  # type: ignore[no-untyped-def]
 SLOW_MODULES = {
     "test_chaos.py",  # a 40 s chaos run
     "test_cluster.py",  # LocalCluster: tcp/ipc/shm worker processes
+    "test_dashboard_browser.py",  # `pdserve serve` under load + headless chromium
     "test_netns.py",  # worker processes in network namespaces
     "test_prefix_transfer.py",  # real clusters
     "test_recovery.py",  # worker processes killed and stalled, liveness timeouts

@@ -461,6 +461,10 @@ class RouterCore:
     def worker_table(self) -> list[dict[str, Any]]:
         return self.links.table()
 
+    def worker_vitals(self) -> dict[str, dict[str, Any]]:
+        """For the dashboard (router/dashboard.py): heartbeat age and last stats per worker."""
+        return self.links.vitals()
+
     def prediction(self, rid: str) -> dict[str, Any] | None:
         return self.timelines.predictions.get(rid)
 

@@ -88,6 +88,16 @@ class Links:
             )
         return rows
 
+    def vitals(self) -> dict[str, dict[str, Any]]:
+        """Per worker id: seconds since its last heartbeat reply (since its last message when
+        it has no heartbeat socket) and a copy of the last stats it sent (the dashboard's)."""
+        now = time.monotonic()
+        out = {}
+        for w in self.workers:
+            heard = w.last_pong if w.hb is not None else w.last_seen
+            out[w.worker_id] = {"heartbeat_age_s": round(now - heard, 3), "stats": dict(w.stats)}
+        return out
+
     def close(self) -> None:
         for w in self.workers:
             w.sock.close(0)
