@@ -79,12 +79,14 @@ def make_scheduler(
     chunked: bool = True,
     decode_first: bool = True,
     caching: bool = True,
+    prefill_budget: Callable[[int, int], int] | None = None,
 ) -> Scheduler:
     policy = SchedulerPolicy(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
         decode_first=decode_first,
+        prefill_budget=prefill_budget,
     )
     scheduler = Scheduler(policy, make_kv(num_blocks, block_size, caching))
     _made.append(scheduler)

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_bench.add_arguments(transfer)
     load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
     serve_bench.add_arguments(load)
+    from pdserve.bench import attention_bench
+
+    attn = bench_sub.add_parser("attention", help="paged attention kernel vs gather: step times")
+    attention_bench.add_arguments(attn)
     from pdserve.bench import compare
 
     cmp = bench_sub.add_parser(
@@ -231,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import compare, profile, sched
+            from pdserve.bench import attention_bench, compare, profile, sched
             from pdserve.bench.load import serve_bench
             from pdserve.bench.micro import codec_bench, engine_bench
             from pdserve.bench.transfer import transfer_bench
@@ -246,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "transfer": transfer_bench.run,
                 "serve": serve_bench.run,
                 "profile": profile.run,
+                "attention": attention_bench.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -123,6 +124,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_overrides(parser, SERVE_ENGINE_ARGS)
     parser.add_argument(
+        "--stall-free",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --slo-tpot and a cost model: colocated and decode workers size each step's "
+        "prompt tokens so running decodes stay within the TPOT SLO (stall-free batching)",
+    )
+    parser.add_argument(
         "--restart-workers",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -164,6 +172,28 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         )
         for role, n in counts.items()
         for i in range(n)
+    ]
+
+
+def _with_stall_free(
+    args: argparse.Namespace, specs: list[WorkerSpec], cost: CostModel | None, threads: int
+) -> list[WorkerSpec]:
+    """Hand the TPOT SLO and the cost model file to the workers that run decodes."""
+    if not args.stall_free or args.slo_tpot is None or cost is None:
+        return specs
+    from pdserve.costmodel import profile
+
+    if args.cost_model not in ("auto", "none"):
+        path = Path(args.cost_model)
+    else:
+        path = default_path(profile.model_path(args.model), threads)
+    return [
+        dataclasses.replace(
+            s, config=dataclasses.replace(s.config, slo_tpot_s=args.slo_tpot, cost_model=str(path))
+        )
+        if s.role in ("colocated", "decode")
+        else s
+        for s in specs
     ]
 
 
@@ -225,7 +255,9 @@ def run_serve(args: argparse.Namespace) -> int:
     specs = _worker_specs(args)
     _use_secret(args, [s.config.host for s in specs])
     # before the workers start: profiling (when needed) measures a quiet machine
-    cost = _cost_model(args, args.model, int(specs[0].engine_args["threads"]))
+    threads = int(specs[0].engine_args["threads"])
+    cost = _cost_model(args, args.model, threads)
+    specs = _with_stall_free(args, specs, cost, threads)
     ctx = zmq.Context()
     workers: list[Launched] = []
     try:

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag, type=argtypes.positive_int, default=value, help=f"{text} ({value})"
         )
+    parser.add_argument("--device", default="cpu", help="torch device of the engine: cpu | cuda")
+    parser.add_argument("--dtype", default="float32", help="engine dtype: float32 | bfloat16")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     parser.add_argument("--output", type=Path, default=None, help="write the markdown report here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
@@ -262,6 +264,8 @@ def build_engine(args: argparse.Namespace, threads: int) -> LLMEngine:
         enable_prefix_caching=False,
         max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=budget,
+        device=args.device,  # cuda: the roofline (MFU/MBU) is still the CPU's
+        dtype=args.dtype,
     )
     engine = llm.engine
     if max(args.prompt_lens) >= engine.max_model_len or decode_len >= engine.max_model_len:
