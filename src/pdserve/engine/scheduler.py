@@ -236,16 +236,48 @@ class Scheduler:
                 break
             block_ids = self.kv.allocate_slots(request, num_new, prefix)
             if block_ids is None:
-                break
+                return self._schedule_holders(out, budget)
             self.waiting.popleft()
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = prefix.num_tokens
-            request.num_computed_tokens += prefix.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new, block_ids))
+            self._admit(request, num_new, block_ids, prefix.num_tokens, out)
             budget -= num_new
         return budget
+
+    def _schedule_holders(self, out: SchedulerOutput, budget: int) -> int:
+        """The head of `waiting` found no memory: admit requests behind it that hold blocks.
+
+        A request admitted on D with `add_prefilled` already holds its prompt's KV. Left queued
+        behind a head that needs memory (say a preempted request recomputing), it would hold
+        blocks the head may need and never release them: neither could run again. So requests
+        that hold KV skip the queue; requests that need fresh memory keep their FIFO order.
+        """
+        for request in list(self.waiting)[1:]:
+            if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
+                break
+            if not self.kv.has_request(request.request_id) or request.num_computed_tokens < 1:
+                continue
+            num_new = self._num_to_schedule(request, budget)
+            block_ids = self.kv.allocate_slots(request, num_new) if num_new else None
+            if block_ids is None:
+                continue
+            self.waiting.remove(request)
+            self._admit(request, num_new, block_ids, 0, out)
+            budget -= num_new
+        return budget
+
+    def _admit(
+        self,
+        request: Request,
+        num_new: int,
+        block_ids: list[int],
+        cached_tokens: int,
+        out: SchedulerOutput,
+    ) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached_tokens
+        request.num_computed_tokens += cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(self._scheduled(request, num_new, block_ids))
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
