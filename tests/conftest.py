@@ -4,6 +4,7 @@ with the default model's tokenizer, and the default SmolLM2 engine, each built o
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests never see this host's saved cost models (one turns on SLO routing for a server started
+# without flags, so a request may run whole on D) nor leave theirs behind for later runs.
+os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
 
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer's, so tiny models take real text prompts
 
