@@ -26,8 +26,9 @@ RULES = [
 ]
 # Exceptions by design: the timeline vocabulary imports nothing from the router at run time.
 ALLOWED = {"pdserve.router.timeline"}
-# Only bench itself and the CLI may import bench.
-BENCH_USERS = ("bench", "cli.py")
+# Only bench itself, the CLI and the simulator (it replays the bench workloads' request shapes)
+# may import bench.
+BENCH_USERS = ("bench", "cli.py", "sim")
 
 
 def _module_name(path: Path, src: Path = SRC) -> str:

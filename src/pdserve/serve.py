@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -23,7 +24,14 @@ from typing import Any
 
 import zmq
 
-from pdserve.config import RouterConfig, WorkerConfig, add_config_args, config_from_args
+from pdserve.config import (
+    RouterConfig,
+    WorkerConfig,
+    add_config_args,
+    add_engine_overrides,
+    config_from_args,
+    engine_overrides,
+)
 from pdserve.costmodel.model import CostModel, default_path
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
@@ -33,6 +41,8 @@ from pdserve.workers import messages as m
 
 log = logging.getLogger("pdserve.serve")
 STARTUP_TIMEOUT_S = 300.0
+# Engine settings `pdserve serve` passes to every worker it starts: a new one is its name here.
+SERVE_ENGINE_ARGS = ("block_size", "kv_cache_memory_gb", "max_num_batched_tokens")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,12 +122,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per worker; default: cores / workers",
     )
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size")
+    add_engine_overrides(parser, SERVE_ENGINE_ARGS)
     parser.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None, help="KV cache memory per worker, GiB"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
+        "--stall-free",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --slo-tpot and a cost model: colocated and decode workers size each step's "
+        "prompt tokens so running decodes stay within the TPOT SLO (stall-free batching)",
     )
     parser.add_argument(
         "--restart-workers",
@@ -146,13 +157,10 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     )
     total = sum(counts.values())
     engine: dict[str, Any] = {
-        "model": args.model,
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
-        "block_size": args.block_size,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        **({"model": args.model} if args.model is not None else {}),
+        **engine_overrides(args, SERVE_ENGINE_ARGS),
     }
-    engine = {k: v for k, v in engine.items() if v is not None}
     return [
         WorkerSpec(
             role,
@@ -164,6 +172,28 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         )
         for role, n in counts.items()
         for i in range(n)
+    ]
+
+
+def _with_stall_free(
+    args: argparse.Namespace, specs: list[WorkerSpec], cost: CostModel | None, threads: int
+) -> list[WorkerSpec]:
+    """Hand the TPOT SLO and the cost model file to the workers that run decodes."""
+    if not args.stall_free or args.slo_tpot is None or cost is None:
+        return specs
+    from pdserve.costmodel import profile
+
+    if args.cost_model not in ("auto", "none"):
+        path = Path(args.cost_model)
+    else:
+        path = default_path(profile.model_path(args.model), threads)
+    return [
+        dataclasses.replace(
+            s, config=dataclasses.replace(s.config, slo_tpot_s=args.slo_tpot, cost_model=str(path))
+        )
+        if s.role in ("colocated", "decode")
+        else s
+        for s in specs
     ]
 
 
@@ -225,7 +255,9 @@ def run_serve(args: argparse.Namespace) -> int:
     specs = _worker_specs(args)
     _use_secret(args, [s.config.host for s in specs])
     # before the workers start: profiling (when needed) measures a quiet machine
-    cost = _cost_model(args, args.model, int(specs[0].engine_args["threads"]))
+    threads = int(specs[0].engine_args["threads"])
+    cost = _cost_model(args, args.model, threads)
+    specs = _with_stall_free(args, specs, cost, threads)
     ctx = zmq.Context()
     workers: list[Launched] = []
     try:
