@@ -202,3 +202,17 @@ def test_pressures_ignore_a_lone_slow_decode_and_see_a_stuck_queue() -> None:
     assert pressures([queue], [lone], p, 3.0, 1, 1).decode_pressure == 0.0
     sample = pressures([queue], [shared], p, 3.0, 1, 1)
     assert sample.decode_pressure > 0 and sample.prefill_pressure == pytest.approx(3.0)
+
+
+def test_n_choices_count_as_n_decode_streams() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    route = Route("remote", "P0", "D0")
+    pred = p.predict(1000, 100, route, ls, {}, now=0.0, streams=4)
+    assert pred.tpot_s == pytest.approx(
+        MODEL.decode_step_s(4, 4 * (1000 + 50)) + (MODEL.transfer_s(1000 * 1000) + 0.002) / 99
+    )
+    assert pred.tpot_s > p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s
+    ls["D0"].add(Job("n4", 0.0, 500, 100, True, 0.0, streams=4))
+    decoding(ls["D0"], 1)
+    assert ls["D0"].decode_streams() == 5 and ls["D0"].context_sum() == 4 * 500 + 500

@@ -56,7 +56,7 @@ def sharing(w: WorkerLoad, planner: SloPlanner, tpot_ref: float) -> float:
     """How much of the TPOT headroom (SLO minus a lone request's step) sharing this worker's
     decode steps uses. A lone long-context request can be slow on its own; more decode
     workers would not help it, so it does not count as decode pressure."""
-    batch = len(w.decoding())
+    batch = w.decode_streams()
     if batch <= 1:
         return 0.0
     k, ctx = planner.calibration.tpot, w.context_sum()

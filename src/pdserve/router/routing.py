@@ -81,7 +81,14 @@ class Routing:
         max_tokens = flight.params.max_tokens - len(flight.sent)
         loads = {wid: w.load for wid, w in byid.items()}
         decision = self.planner.decide(
-            len(prompt), max_tokens, routes, loads, cached, time.monotonic(), admit_all=not admit
+            len(prompt),
+            max_tokens,
+            routes,
+            loads,
+            cached,
+            time.monotonic(),
+            admit_all=not admit,
+            streams=flight.params.n,
         )
         if decision.chosen is None:
             raise self._reject(flight, decision)
@@ -169,11 +176,12 @@ class Routing:
         out = max(1, min(flight.params.max_tokens - len(flight.sent), self.planner.expected_output))
         cached = pred.cached_first if pred is not None else 0
         prefill = self.planner.prefill_time(n, cached, first.load)
+        streams = flight.params.n  # n choices decode as n sequences
         if second is None:
-            first.load.add(slo.Job(flight.rid, prefill, n, out, True, now))
+            first.load.add(slo.Job(flight.rid, prefill, n, out, True, now, streams=streams))
             return
         first.load.add(slo.Job(flight.rid, prefill, 0, 0, False, now))
-        second.load.add(slo.Job(flight.rid, 0.0, n, out, True, now))
+        second.load.add(slo.Job(flight.rid, 0.0, n, out, True, now, streams=streams))
 
     def pick(self) -> Pair:
         pools = self.links.pools()

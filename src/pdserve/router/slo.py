@@ -48,6 +48,7 @@ class Job:
     queued_at: float
     first_at: float | None = None  # first token seen (decode starts)
     generated: int = 0
+    streams: int = 1  # sequences decoding (n > 1: n choices forked from one prefill)
 
 
 @dataclass
@@ -78,7 +79,11 @@ class WorkerLoad:
         return [j for j in self.jobs.values() if j.decodes]
 
     def context_sum(self) -> int:
-        return sum(j.context for j in self.decoding())
+        return sum(j.context * j.streams for j in self.decoding())
+
+    def decode_streams(self) -> int:
+        """Sequences in this worker's decode batch (an n-choice request counts n)."""
+        return sum(j.streams for j in self.decoding())
 
     # ---- events from the core ------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -211,11 +216,14 @@ class SloPlanner:
         now: float,
         *,
         admit_all: bool = False,
+        streams: int = 1,
     ) -> Decision:
         """Predict every route; choose the cheapest feasible one, or reject."""
         if not routes:
             return Decision(None, "unavailable", 1)
-        preds = [self.predict(prompt_len, max_tokens, r, loads, cached, now) for r in routes]
+        preds = [
+            self.predict(prompt_len, max_tokens, r, loads, cached, now, streams) for r in routes
+        ]
         feasible = [p for p in preds if p.miss is None]
         if feasible:
             return Decision(min(feasible, key=lambda p: p.cost_s), considered=len(preds))
@@ -238,7 +246,9 @@ class SloPlanner:
         loads: dict[str, WorkerLoad],
         cached: dict[str, int],
         now: float,
+        streams: int = 1,
     ) -> Prediction:
+        """`streams`: the request's decode sequences (n choices share one prefill)."""
         first = loads[route.first]
         dec = loads[route.decode] if route.decode is not None else first
         c_first = min(cached.get(route.first, 0), prompt_len - 1)
@@ -249,8 +259,9 @@ class SloPlanner:
         # D's view: its queued prefills stall every decode step; a local prefill is one more
         local = route.kind != "remote"
         d_backlog = dec.prefill_backlog(now) + (prefill if local else 0.0)
-        batch, ctx = len(dec.decoding()), dec.context_sum()
-        step_new = self.model.decode_step_s(batch + 1, ctx + prompt_len + out // 2)
+        batch, ctx = dec.decode_streams(), dec.context_sum()
+        per_stream = prompt_len + out // 2
+        step_new = self.model.decode_step_s(batch + streams, ctx + streams * per_stream)
         spread = d_backlog - (prefill if local else 0.0)  # our own prefill is not in our TPOT
         transfer = 0.0
         if not local:
@@ -258,7 +269,7 @@ class SloPlanner:
             transfer = self.model.transfer_s(nbytes) + self.handoff_overhead_s
         tpot = (step_new + (spread + transfer) / max(1, out - 1)) * self.calibration.tpot
         stall = prefill if local else 0.0
-        worst, added, pushed = self._running(dec, batch, ctx, prompt_len + out // 2, stall, now)
+        worst, added, pushed = self._running(dec, batch, ctx, per_stream, stall, now, streams)
         miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
         own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
             self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
@@ -269,7 +280,7 @@ class SloPlanner:
     def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad) -> float:
         """This prompt's prefill on `w`, in chunks beside w's decodes (one step each)."""
         new = prompt_len - cached
-        batch = len(w.decoding())
+        batch = w.decode_streams()
         if batch == 0:
             return self.model.prefill_s(new, cached)
         chunks = math.ceil(new / max(1, self.token_budget - batch))
@@ -278,7 +289,14 @@ class SloPlanner:
         )
 
     def _running(
-        self, dec: WorkerLoad, batch: int, ctx: int, new_ctx: int, stall: float, now: float
+        self,
+        dec: WorkerLoad,
+        batch: int,
+        ctx: int,
+        new_ctx: int,
+        stall: float,
+        now: float,
+        streams: int = 1,
     ) -> tuple[float, float, int]:
         """(worst protected TPOT, total added delay, how many pushed past the SLO) of the
         requests decoding on `dec` if this request joins: `stall` seconds of prefill in their
@@ -287,7 +305,7 @@ class SloPlanner:
             return 0.0, 0.0, 0
         k = self.calibration.tpot
         step_old = self.model.decode_step_s(batch, ctx) * k
-        step_new = self.model.decode_step_s(batch + 1, ctx + new_ctx) * k
+        step_new = self.model.decode_step_s(batch + streams, ctx + streams * new_ctx) * k
         stall *= k
         worst, added, pushed = 0.0, 0.0, 0
         for j in dec.decoding():
