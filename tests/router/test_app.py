@@ -203,6 +203,8 @@ def assert_error(r: Any, status: int, *, param: Any = ..., code: Any = ...) -> d
         ({"echo": True}, "echo"),
         ({"max_tokens": -3}, "max_tokens"),
         ({"logprobs": 9}, "logprobs"),
+        ({"logit_bias": {"10000000": 1}}, "logit_bias"),
+        ({"frobnicate": True}, "frobnicate"),
     ],
 )
 def test_400_bad_params(client: TestClient, core: FakeCore, body: dict, param: str) -> None:

@@ -300,6 +300,16 @@ class _AppState:
             return None
         return p.Context(self.max_model_len, len(ids))
 
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """What only the vocabulary can tell: logit_bias token ids."""
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise p.InvalidRequest(
+                f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                "logit_bias",
+            )
+        return params
+
     async def completion_ids(self, req: p.CompletionRequest) -> list[int]:
         prompt = req.prompt_input()
         if isinstance(prompt, str):
@@ -397,7 +407,7 @@ def create_app(
         s.check_model(req.model)
         ids = await s.completion_ids(req)
         context = s.check_prompt(ids)
-        params = req.to_sampling_params(context)
+        params = s.check_params(req.to_sampling_params(context))
         rid = f"cmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
@@ -411,7 +421,7 @@ def create_app(
         ids = await s.chat_ids(req)
         context = s.check_prompt(ids)
         default = context.room if context is not None else DEFAULT_CHAT_MAX_TOKENS
-        params = req.to_sampling_params(default, context)
+        params = s.check_params(req.to_sampling_params(default, context))
         top_n = req.top_logprobs or 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, top_n, req.user)
