@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.request import SamplingParams
-    from pdserve.engine.sampler import Sampler, SampleResult
+    from pdserve.engine.sampler import History, Sampler, SampleResult
 
 DEFAULT_OUTPUT = Path("docs/benchmarks/kv_codec.md")
 CODEC_NAMES = ("none", "int8", "int4")
@@ -207,12 +207,16 @@ class ProbeSampler:
         self._position: Counter[str] = Counter()
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        histories: Sequence[History] | None = None,
     ) -> list[SampleResult]:
         import torch
 
         assert self.inner is not None
-        results = self.inner.sample(logits, request_ids, params)
+        results = self.inner.sample(logits, request_ids, params, histories)
         for row, (rid, result) in enumerate(zip(request_ids, results, strict=True)):
             pos = self._position[rid]
             self._position[rid] += 1
