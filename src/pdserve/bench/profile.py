@@ -474,6 +474,7 @@ def _about(
         "model": str(engine.source.path),
         "model_name": engine.arch.name or engine.source.path.name,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization,
         "kv_bytes_per_token": kv_bytes_per_token(engine),
         "torch": torch.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -510,8 +511,9 @@ def load_or_profile(
     A file is reused when it loads and was measured with the same thread count; anything else
     (missing, corrupt, another version) is profiled again and overwritten.
     """
-    path = path or default_path(model_path(model), threads)
-    cached = _load_valid(path, threads)
+    quantization = str(engine_args.get("quantization", "none"))
+    path = path or default_path(model_path(model), threads, quantization=quantization)
+    cached = _load_valid(path, threads, quantization)
     if cached is not None:
         _log(f"cost model from {path}")
         return cached
@@ -522,7 +524,7 @@ def load_or_profile(
     return result["model"]  # type: ignore[no-any-return]
 
 
-def _load_valid(path: Path, threads: int) -> CostModel | None:
+def _load_valid(path: Path, threads: int, quantization: str = "none") -> CostModel | None:
     if not path.is_file():
         return None
     try:
@@ -530,9 +532,13 @@ def _load_valid(path: Path, threads: int) -> CostModel | None:
     except ValueError as e:
         _log(f"ignoring {path}: {e}")
         return None
-    measured = CostModel.load_about(path).get("threads")
+    about = CostModel.load_about(path)
+    measured = about.get("threads")
     if measured is not None and measured != threads:
         _log(f"ignoring {path}: measured with {measured} threads, not {threads}")
+        return None
+    if about.get("quantization", "none") != quantization:
+        _log(f"ignoring {path}: measured with quantization {about.get('quantization')}")
         return None
     return loaded
 
@@ -558,12 +564,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--samples-out", type=Path, default=None, help="raw samples as JSON")
     parser.add_argument("--quick", action="store_true", help="a few small points (seconds)")
+    parser.add_argument(
+        "--quantization", default="none", help="projection weights: none | int8 (none)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    result = profile_engine(args.model, args.threads, max_prompt=args.max_prompt, quick=args.quick)
+    result = profile_engine(
+        args.model,
+        args.threads,
+        max_prompt=args.max_prompt,
+        quick=args.quick,
+        quantization=args.quantization,
+    )
     about = result["about"]
-    out = args.out or default_path(about["model"], args.threads)
+    out = args.out or default_path(about["model"], args.threads, quantization=args.quantization)
     result["model"].save(out, **about)
     if args.samples_out:
         args.samples_out.parent.mkdir(parents=True, exist_ok=True)

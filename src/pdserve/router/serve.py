@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.config import check_quantization
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
 from pdserve.router.costmodel import CostModel, default_path
@@ -161,6 +162,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=None, help="KV block size")
     parser.add_argument(
+        "--quantization",
+        default="none",
+        help="projection weights of every worker: none | int8 (see `pdserve generate --help`)",
+    )
+    parser.add_argument(
         "--kv-cache-memory-gb", type=float, default=None, help="KV cache memory per worker, GiB"
     )
     parser.add_argument(
@@ -192,10 +198,12 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         else {"prefill": args.prefill or 1, "decode": args.decode or 1}
     )
     total = sum(counts.values())
+    check_quantization(args.quantization)  # here, not as N workers failing one by one
     engine: dict[str, Any] = {
         "model": args.model,
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
         "block_size": args.block_size,
+        "quantization": args.quantization,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
@@ -228,9 +236,10 @@ def _cost_model(
         return None
     if args.cost_model != "auto":
         return CostModel.load(Path(args.cost_model))
-    path = default_path(profile.model_path(model), threads)
+    quantization = getattr(args, "quantization", "none")
+    path = default_path(profile.model_path(model), threads, quantization=quantization)
     if path.is_file() or (may_profile and _needs_cost_model(args)):
-        return profile.load_or_profile(model, threads, path)
+        return profile.load_or_profile(model, threads, path, quantization=quantization)
     if _needs_cost_model(args):
         raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
                          "--cost-model PATH")  # fmt: skip
