@@ -67,7 +67,10 @@ def check_supported(name: str, device: torch.device, dtype: torch.dtype) -> None
 class Int8Linear:
     """int8 weights (one scale per output channel), int8 activations (one scale per token)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, reduce_range: bool = True
+    ) -> None:
+        self.reduce_range = reduce_range  # 7-bit activations; False only to measure the cost
         w = weight.detach().t().float().contiguous()  # [out, in], as fbgemm packs it
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.long)
@@ -90,7 +93,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Per-token scaling on top of the per-tensor kernel: rows at unit max-abs.
         amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        y = torch.ops.quantized.linear_dynamic(x / amax, self._packed, True)
+        y = torch.ops.quantized.linear_dynamic(x / amax, self._packed, self.reduce_range)
         if self.bias is None:
             return y.mul_(amax)
         return torch.addcmul(self.bias, y, amax)
