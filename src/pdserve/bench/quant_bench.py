@@ -136,10 +136,10 @@ def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     """Swap the model's projections for `variant`'s (None: back to float32); the float weights
     stay, so one loaded model serves every variant."""
-    from pdserve.engine.quant import LAYER_PROJECTIONS
+    from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
 
     model = engine.model
-    for layer in model.layers:
+    for layer in layers_of(model):
         layer.quantized.clear()
         if variant is None:
             continue

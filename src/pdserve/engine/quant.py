@@ -24,14 +24,14 @@ The embedding lookup stays float32: a step reads only the rows of its own tokens
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from pdserve.config import QUANTIZATIONS, check_quantization
 
 if TYPE_CHECKING:
-    from pdserve.engine.models.llama import LlamaModel
+    from pdserve.engine.models.llama import LlamaLayer, LlamaModel
 
 LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -121,7 +121,7 @@ def quantize_model(model: LlamaModel, name: str, head: bool = True) -> None:
     the float copies: a quantized model holds no float32 projection weights."""
     if name == "none":
         return
-    for layer in model.layers:
+    for layer in layers_of(model):
         for proj in LAYER_PROJECTIONS:
             weight = getattr(layer, proj)
             bias = layer.qkv_bias if proj == "qkv" else None
@@ -137,9 +137,13 @@ def quantize_model(model: LlamaModel, name: str, head: bool = True) -> None:
 def projection_bytes(model: LlamaModel) -> int:
     """Bytes of projection weights + LM head that one step reads, as stored (quantized or not)."""
     total = 0
-    for layer in model.layers:
+    for layer in layers_of(model):
         for proj in LAYER_PROJECTIONS:
             quantized = layer.quantized.get(proj)
             total += quantized.nbytes if quantized else getattr(layer, proj).nbytes
     head = model.quantized_head
     return total + (head.nbytes if head else model.lm_head.nbytes)
+
+
+def layers_of(model: LlamaModel) -> list[LlamaLayer]:
+    return cast("list[LlamaLayer]", list(model.layers))
