@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve demo test test-fast lint format bench bench-peers bench-compare clean
+.PHONY: setup chromium serve demo test test-fast lint format bench bench-peers bench-compare clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,12 @@ serve: setup
 demo: setup
 	$(VENV)/bin/pdserve demo
 
-test: setup
+# The dashboard's browser test (tests/router/test_dashboard_browser.py) drives Debian's chromium;
+# Playwright cannot download its own browsers here.
+chromium:
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+test: setup chromium
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -82,3 +82,70 @@ def assert_engine_idle(llm) -> None:  # type: ignore[no-untyped-def]
     assert not eng.has_unfinished_requests()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
     assert not eng._live
+
+
+# ---- which tests are slow: decided here, in one place -------------------------------------------
+# `make test-fast` runs `-m "not slow"`. Slow: a test that starts worker processes, a real cluster
+# or a server, runs for many seconds by design, or loads the real default model.
+SLOW_MODULES = {
+    "test_chaos.py",  # a 40 s chaos run
+    "test_cluster.py",  # LocalCluster: tcp/ipc/shm worker processes
+    "test_dashboard_browser.py",  # `pdserve serve` under load + headless chromium
+    "test_netns.py",  # worker processes in network namespaces
+    "test_prefix_transfer.py",  # real clusters
+    "test_recovery.py",  # worker processes killed and stalled, liveness timeouts
+    "test_scheduling_e2e.py",  # real clusters under the SLO planner
+    "test_serve.py",  # `pdserve serve` subprocesses
+    "test_smollm2.py",  # the default model
+}
+SLOW_FIXTURES = {"smollm2"}  # the default model, about 10 s to load
+SLOW_TESTS = {
+    "test_loader.py::test_default_gguf_weights_match_transformers",  # the default model
+    "test_loader.py::test_default_gguf_tokenizer",
+    "test_compare.py::test_compare_end_to_end_on_tiny_model",  # servers in subprocesses
+    "test_auth.py::test_cluster_with_a_shared_secret_serves_and_rejects_untagged",
+    "test_auth.py::test_worker_refuses_a_network_address_without_a_secret",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    for item in items:
+        name = f"{item.path.name}::{item.originalname}"
+        if (
+            item.path.name in SLOW_MODULES
+            or name in SLOW_TESTS
+            or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
+# ---- leak checks after every test, by fixture --------------------------------------------------
+def _assert_no_leaks_in(value: object) -> None:
+    from pdserve import LLM
+    from pdserve.cluster import LocalCluster
+
+    if isinstance(value, LLM):
+        assert_engine_idle(value)
+    elif isinstance(value, LocalCluster) and value.core is not None:
+        from factories import assert_cluster_idle
+
+        assert_cluster_idle(value)
+
+
+@pytest.fixture(autouse=True)
+def _leak_check(request):  # type: ignore[no-untyped-def]
+    """After each test, every engine (`LLM`) and open `LocalCluster` it used as a fixture must
+    hold nothing: no live request, every KV block free, no transfer pending. Shared (module or
+    session) fixtures are where a leak would otherwise carry over into the next test unseen."""
+    yield
+    if getattr(request.node, "rep_call_failed", True):
+        return  # the test's own failure says more than a leak it caused
+    for value in request.node.funcargs.values():
+        _assert_no_leaks_in(value)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
+    outcome = yield
+    if call.when == "call":
+        item.rep_call_failed = outcome.get_result().failed

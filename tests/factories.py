@@ -6,11 +6,17 @@ Import with `from factories import ...` (pytest puts `tests/` on sys.path for it
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
+import socket
+import threading
+import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -21,6 +27,8 @@ _ids = itertools.count()
 # Default prompts are drawn from disjoint token ranges so that requests never share a prefix by
 # accident; tests that want sharing pass `prompt=` explicitly.
 _prompt_base = itertools.count(1)
+
+T = TypeVar("T")
 
 
 def make_request(
@@ -216,3 +224,66 @@ def assert_no_leaks(obj: Scheduler | KVCacheManager | BlockPool) -> None:
     for b in pool.blocks:
         if b.block_hash is not None:
             assert pool._cached.get(b.block_hash) is b, "a hashed block missing from the map"
+
+
+# ---- waiting for something to happen ----------------------------------------------------------
+def eventually(
+    condition: Callable[[], T], timeout_s: float = 20.0, what: str = "", interval_s: float = 0.01
+) -> T:
+    """Poll `condition` until it returns something truthy, and return that; after `timeout_s`
+    fail naming `what` (and the last value seen). The one way a test waits for another thread
+    or process: never a bare sleep that hopes the other side was quick enough."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout_s:g}s waiting for {what}: {value!r}"
+        )
+        time.sleep(interval_s)
+
+
+async def eventually_async(
+    condition: Callable[[], T], timeout_s: float = 20.0, what: str = "", interval_s: float = 0.01
+) -> T:
+    """`eventually` for a test on an event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout_s:g}s waiting for {what}: {value!r}"
+        )
+        await asyncio.sleep(interval_s)
+
+
+@contextlib.contextmanager
+def serving(app: Any, **config: Any) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a free loopback port in a thread; yields its URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **config))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        eventually(lambda: srv.started, 10, "uvicorn to start")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
+
+
+def assert_cluster_idle(cluster: Any) -> None:
+    """Leak check for a `LocalCluster`: once its workers settle, none holds a KV block, a
+    request, a transfer in either direction, or KV held or reserved for one."""
+    for wid, s in cluster.wait_idle().items():
+        assert s["kv_blocks_used"] == 0, (wid, s)
+        assert s["running"] == 0 and s["waiting"] == 0, (wid, s)
+        assert s["transfers_out"] == 0 and s["transfers_in"] == 0, (wid, s)
+        assert s.get("held_for_transfer", 0) == 0, (wid, s)
+        assert s.get("reserved_for_transfer", 0) == 0, (wid, s)

@@ -43,6 +43,7 @@ import numpy as np
 from pdserve.cluster import LocalCluster
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import SamplingParams
+from pdserve.router import timeline as tl
 
 PROMPTS = (
     "The history of the printing press begins",
@@ -85,9 +86,9 @@ def recovery_times(timeline: list[tuple[str, str, float]]) -> list[float]:
     """Per worker_down event: ms until the next first token of a new attempt."""
     out, down_at = [], None
     for event, _, t in timeline:
-        if event.startswith("worker_down"):
+        if tl.kind_of(event) == tl.Ev.WORKER_DOWN:
             down_at = down_at if down_at is not None else t
-        elif event == "first_token" and down_at is not None:
+        elif event == tl.Ev.FIRST_TOKEN and down_at is not None:
             out.append((t - down_at) * 1e3)
             down_at = None
     return out

@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | router | worker | generate | demo | chaos | bench.
+"""`pdserve` command line: serve | router | worker | generate | demo | chaos | bench | plan | top.
 
 Engine flags are generated from the config dataclasses (`pdserve.config`), so every engine
 argument of `LLM(**engine_args)` is also a flag with the same name and help.
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(demo)
     _engine_args(demo)
 
-    from pdserve.router import serve as serve_mod
+    from pdserve import serve as serve_mod
 
     serve = sub.add_parser("serve", help="workers + OpenAI-compatible router on this machine")
     serve_mod.add_serve_arguments(serve)
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sched.add_arguments(sch)
-    from pdserve import plan
+    from pdserve.costmodel import plan
 
     plan_p = sub.add_parser(
         "plan",
@@ -133,6 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_arguments(plan_p)
+    from pdserve.sim import search as sim_search
+
+    sim_search.add_arguments(plan_p)  # --simulate and its flags
+    from pdserve.sim import cli as sim_cli
+
+    sim_p = sub.add_parser(
+        "sim",
+        help="simulate a deployment (router, P/D or colocated pools, links) on a workload",
+        description=sim_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim_cli.add_arguments(sim_p)
+
+    from pdserve import top
+
+    top_p = sub.add_parser(
+        "top",
+        help="the router's live dashboard in the terminal",
+        description=top.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_arguments(top_p)
     return parser
 
 
@@ -188,17 +210,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return cmd_demo(args)
         if args.command in ("serve", "router"):
-            from pdserve.router import serve as serve_mod
+            from pdserve import serve as serve_mod
 
             return (serve_mod.run_serve if args.command == "serve" else serve_mod.run_router)(args)
         if args.command == "chaos":
             from pdserve import chaos
 
             return chaos.run(args)
+        if args.command == "plan" and args.simulate:
+            from pdserve.sim import search as sim_search
+
+            return sim_search.run(args)
         if args.command == "plan":
-            from pdserve import plan
+            from pdserve.costmodel import plan
 
             return plan.run(args)
+        if args.command == "sim":
+            from pdserve.sim import cli as sim_cli
+
+            return sim_cli.run(args)
+        if args.command == "top":
+            from pdserve import top
+
+            return top.run(args)
         if args.command == "worker":
             from pdserve.workers.worker import run as run_worker
 

@@ -27,13 +27,17 @@ from typing import Any
 
 import zmq
 
+from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.engine import loader
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
+from pdserve.router import timeline as tl
 from pdserve.router.core import RequestError, RouterCore
 from pdserve.workers import auth
 from pdserve.workers import messages as m
+
+ACKED = tl.staged(tl.Side.SEND, "acked")  # P's stamp: D acknowledged the KV
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -82,8 +86,22 @@ class LocalCluster:
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
         n = prefill + decode + colocated
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
-        self.handoff_tokens, self.deadline_s, self.lease_s = handoff_tokens, deadline_s, lease_s
-        self.max_retries, self.shm_mb, self.stream_kv = max_retries, shm_mb, stream_kv
+        self.worker_config = WorkerConfig(
+            transport=transport,
+            kv_codec=kv_codec,
+            deadline_s=deadline_s,
+            lease_s=lease_s,
+            shm_mb=shm_mb,
+            stream_kv=stream_kv,
+        )
+        # round robin: tests and benchmarks want a deterministic spread, and no 429s
+        self.router_config = RouterConfig(
+            policy="round_robin",
+            deadline_s=deadline_s,
+            max_retries=max_retries,
+            handoff_tokens=handoff_tokens,
+            max_inflight=1 << 20,
+        )
         self.engine_args = dict(engine_args or {})
         self.core_args = dict(core_args or {})  # RouterCore options (liveness timeouts, ...)
         self.role_args = {
@@ -130,11 +148,8 @@ class LocalCluster:
         asyncio.run_coroutine_threadsafe(self._start_core(), self._loop).result()
 
     async def _start_core(self) -> None:
-        self.core = RouterCore(
-            [w.launched.control for w in self.workers], deadline_s=self.deadline_s,
-            max_retries=self.max_retries, handoff_tokens=self.handoff_tokens,
-            policy="round_robin", ctx=self.ctx, max_inflight=1 << 20, **self.core_args,
-        )  # fmt: skip
+        endpoints = [w.launched.control for w in self.workers]
+        self.core = RouterCore(endpoints, self.router_config, ctx=self.ctx, **self.core_args)
         await self.core.start(timeout_s=STARTUP_TIMEOUT_S)
 
     def _engine_args(self, role: str) -> dict[str, Any]:
@@ -146,9 +161,7 @@ class LocalCluster:
         }
 
     def _spawn(self, role: str, worker_id: str) -> WorkerHandle:
-        spec = WorkerSpec(role, worker_id, self._engine_args(role), self.transport,
-                          self.kv_codec, self.deadline_s, self.lease_s, self.shm_mb,
-                          self.stream_kv)  # fmt: skip
+        spec = WorkerSpec(role, worker_id, self._engine_args(role), self.worker_config)
         return WorkerHandle(launch(spec, self.ctx))
 
     def _connect(self, w: WorkerHandle, deadline: float) -> None:
@@ -243,7 +256,7 @@ class LocalCluster:
         except RequestError as e:
             finish, error = "error", e.message
         timeline = await self._complete_timeline(rid, error is None)
-        first = next((t for e, _, t in timeline if e == "first_token"), None)
+        first = tl.first(timeline, tl.Ev.FIRST_TOKEN)
         completion = CompletionOutput(0, text, tokens, logprobs, finish, stop_reason)
         metrics = RequestMetrics(arrival, first_token_time=first, finished_time=time.monotonic())
         return RequestOutput(
@@ -263,8 +276,8 @@ class LocalCluster:
         assert self.core is not None
         for _ in range(50):
             timeline = self.core.raw_timeline(rid) or []
-            handed_off = any(e.startswith("recv:") for e, _, _ in timeline)
-            if not ok or not handed_off or any(e == "send:acked" for e, _, _ in timeline):
+            handed_off = any(tl.kind_of(e) == tl.Side.RECV for e, _, _ in timeline)
+            if not ok or not handed_off or tl.first(timeline, ACKED) is not None:
                 return timeline
             await asyncio.sleep(0.01)
         return timeline

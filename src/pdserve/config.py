@@ -1,7 +1,11 @@
 """Configuration: frozen dataclasses, one per concern, each field with a default and a help string.
 
-The CLI is generated from these (`add_config_args`), and `EngineConfig.from_kwargs` maps the flat
+The CLI is generated from these (`add_config_args`), read back (`config_from_args`) and, for a
+child process, written as argv again (`config_argv`); `EngineConfig.from_kwargs` maps the flat
 keyword arguments of `LLM(**engine_args)` onto them, so a name means the same thing everywhere.
+One object per process kind: `EngineConfig` (the engine), `WorkerConfig` (a worker process,
+beside its role, id and engine arguments) and `RouterConfig` (the router core). A new knob is
+one field here: its flag, its default, its help and its argv come with it.
 Validation raises `ValueError` saying what to change.
 """
 
@@ -22,8 +26,10 @@ def check_quantization(name: str) -> None:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, flag: str | None = None, cli: bool = True) -> Any:
+    """A field with its help; `flag` when the CLI spells it otherwise (`--deadline` for
+    `deadline_s`); `cli=False` for a knob only code sets."""
+    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -117,13 +123,104 @@ class EngineConfig:
         return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()})
 
 
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker process's own knobs (its role, id and engine arguments travel beside them)."""
+
+    host: str = _f("127.0.0.1", "interface to bind (loopback)")
+    port: int = _f(0, "control port; 0 picks a free one (fixed: a restart keeps its address)")
+    kv_port: int = _f(0, "KV port; 0 picks a free one")
+    transport: str = _f("tcp", "KV transport: tcp | ipc | shm | inproc")
+    kv_codec: str = _f("none", "KV wire codec: none | int8 | int4")
+    deadline_s: float = _f(5.0, "seconds of silence before a hand-off fails", "--deadline")
+    lease_s: float = _f(10.0, "seconds P keeps sent KV waiting for D's acknowledgement", "--lease")
+    cpus: str | None = _f(None, "pin to these CPUs, e.g. 0 or 0,1")
+    stream_kv: bool = _f(
+        True, "stream each layer's KV while the prompt computes (default) or send it all after"
+    )
+    shm_mb: int = _f(512, "shared-memory ring of the shm transport, MiB")
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0 or self.lease_s <= 0:
+            raise ValueError("deadline and lease must be > 0 seconds")
+        if self.shm_mb < 0:
+            raise ValueError("shm_mb must be >= 0 (0: every frame goes inline)")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router core's knobs (`pdserve serve` / `pdserve router` flags, `LocalCluster`)."""
+
+    policy: str = _f("least_outstanding", "routing policy: least_outstanding | round_robin")
+    deadline_s: float = _f(5.0, "seconds of silence before a hand-off fails", "--deadline")
+    handoff_tokens: int = _f(1, "tokens generated on P before the hand-off")
+    max_inflight: int = _f(256, "requests in flight before new ones get 429 with Retry-After")
+    request_timeout_s: float = _f(
+        600.0, "seconds a request may take in all before it ends with 504", "--request-timeout"
+    )
+    liveness_timeout_s: float = _f(
+        2.0, "seconds without a heartbeat before a worker is taken out of routing",
+        "--liveness-timeout",
+    )  # fmt: skip
+    stuck_timeout_s: float = _f(
+        30.0, "seconds a worker's main loop may not turn (heartbeat still alive) before it "
+        "counts as stuck", "--stuck-timeout",
+    )  # fmt: skip
+    max_recoveries: int = _f(
+        2, "times one request may move to other workers after a worker goes down"
+    )
+    prefix_routing: bool = _f(
+        True, "route to workers holding the prompt's cached prefix (and keep conversations, "
+        "by the OpenAI `user` field, where their KV is)",
+    )  # fmt: skip
+    max_retries: int = _f(1, "retries of a failed hand-off before D recomputes", cli=False)
+    stats_interval_s: float = _f(1.0, "seconds between stats polls of each worker", cli=False)
+    heartbeat_interval_s: float = _f(0.5, "seconds between heartbeat pings", cli=False)
+    autobalance_interval_s: float = _f(1.0, "seconds between autobalance checks", cli=False)
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "request_timeout_s", "liveness_timeout_s", "stuck_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds")
+        if self.max_inflight < 1 or self.handoff_tokens < 1:
+            raise ValueError("max_inflight and handoff_tokens must be >= 1")
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _cli_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """The `cls` config a parsed namespace (from `add_config_args`) describes."""
+    values = {f.name: getattr(args, f.name) for f in _cli_fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **overrides})
+
+
+def config_argv(config: Any) -> list[str]:
+    """The flags that `add_config_args` reads back as `config` (None fields left out)."""
+    argv: list[str] = []
+    for f in _cli_fields(type(config)):
+        value, flag = getattr(config, f.name), _flag(f)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """Add one `--flag` per field of a config dataclass, typed and documented from the field."""
     hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in _cli_fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = _flag(f)
         kind = hints[f.name]
         helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
         if kind is bool:

@@ -20,24 +20,18 @@ from typing import Any
 
 import zmq
 
+from pdserve.config import WorkerConfig, config_argv
 from pdserve.workers.worker import READY_PREFIX, Worker
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """One worker to start: its role and id, its engine arguments, its process's knobs."""
+
     role: str
     worker_id: str
     engine_args: dict[str, Any] = field(default_factory=dict)
-    transport: str = "tcp"
-    kv_codec: str = "none"
-    deadline_s: float = 5.0
-    lease_s: float = 10.0
-    shm_mb: int = 512
-    stream_kv: bool = True
-    host: str = "127.0.0.1"
-    cpus: str | None = None
-    port: int = 0  # control port; 0 picks a free one (fixed: a restart keeps its address)
-    kv_port: int = 0
+    config: WorkerConfig = field(default_factory=WorkerConfig)
 
 
 @dataclass
@@ -51,17 +45,10 @@ class Launched:
 
 
 def worker_command(spec: WorkerSpec) -> list[str]:
-    cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", spec.role,
-           "--worker-id", spec.worker_id, "--host", spec.host, "--transport", spec.transport,
-           "--kv-codec", spec.kv_codec, "--deadline", str(spec.deadline_s),
-           "--lease", str(spec.lease_s), "--shm-mb", str(spec.shm_mb),
-           "--stream-kv" if spec.stream_kv else "--no-stream-kv"]  # fmt: skip
-    if spec.cpus:
-        cmd += ["--cpus", spec.cpus]
-    if spec.port:
-        cmd += ["--port", str(spec.port)]
-    if spec.kv_port:
-        cmd += ["--kv-port", str(spec.kv_port)]
+    """The `pdserve worker` command line that starts `spec` (its config's flags, then the
+    engine's, both spelled as `add_config_args` reads them)."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", spec.role]
+    cmd += ["--worker-id", spec.worker_id, *config_argv(spec.config)]
     for key, value in spec.engine_args.items():
         if value is None:
             continue
@@ -79,11 +66,12 @@ def relaunch(w: Launched, ctx: zmq.Context | None = None) -> Launched:
     if not w.control.startswith("tcp://"):
         raise ValueError("a restart keeps a worker's tcp addresses: needs the tcp transport")
     port, kv_port = (int(e.rsplit(":", 1)[1]) for e in (w.control, w.kv))
-    return launch(dataclasses.replace(w.spec, port=port, kv_port=kv_port), ctx)
+    config = dataclasses.replace(w.spec.config, port=port, kv_port=kv_port)
+    return launch(dataclasses.replace(w.spec, config=config), ctx)
 
 
 def launch(spec: WorkerSpec, ctx: zmq.Context | None = None) -> Launched:
-    if spec.transport == "inproc":
+    if spec.config.transport == "inproc":
         return _launch_thread(spec, ctx or zmq.Context.instance())
     # A session of its own: Ctrl-C in a terminal reaches only the parent, which drains and then
     # shuts the workers down; a worker whose parent dies exits by itself (--exit-with-parent).
@@ -98,15 +86,7 @@ def _launch_thread(spec: WorkerSpec, ctx: zmq.Context) -> Launched:
     def main() -> None:
         try:
             w = Worker(
-                spec.role,
-                spec.engine_args,
-                worker_id=spec.worker_id,
-                transport="inproc",
-                kv_codec=spec.kv_codec,
-                deadline_s=spec.deadline_s,
-                lease_s=spec.lease_s,
-                stream_kv=spec.stream_kv,
-                ctx=ctx,
+                spec.role, spec.engine_args, worker_id=spec.worker_id, config=spec.config, ctx=ctx
             )
         except Exception as e:  # reported to the starting thread, which raises
             ready.put(e)

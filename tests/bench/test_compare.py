@@ -150,7 +150,6 @@ def test_flags_are_checked() -> None:
             parser.parse_args([*bad, *base])
 
 
-@pytest.mark.slow
 def test_compare_end_to_end_on_tiny_model(tiny_llama_path: Path, tmp_path: Path) -> None:
     from pdserve.cli import main
 

@@ -9,9 +9,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from factories import serving
 from pdserve.bench import compare, sched, sched_report
 from pdserve.bench.workloads import MixedWorkload
 
@@ -119,23 +117,9 @@ def _fake_pdserve(state: _State) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[tuple[str, _State]]:
-    import uvicorn
-
     state = _State()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(_fake_pdserve(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", state
-    srv.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serving(_fake_pdserve(state)) as url:
+        yield url, state
 
 
 @pytest.fixture

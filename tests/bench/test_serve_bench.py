@@ -13,8 +13,6 @@ import io
 import itertools
 import json
 import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +22,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from factories import serving
 from pdserve.bench import serve_bench as sb
 from pdserve.bench import workloads as wl
+from pdserve.bench.loadspec import LoadSpec
 from pdserve.bench.workloads import (
     ID_HIGH,
     ID_LOW,
@@ -93,32 +93,17 @@ def _app(seen: list[dict[str, Any]]) -> Any:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    import uvicorn
-
     seen: list[dict[str, Any]] = []
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(_app(seen), log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", seen
-    srv.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serving(_app(seen)) as url:
+        yield url, seen
 
 
-def _args(url: str, *extra: str) -> argparse.Namespace:
+def _args(url: str, *extra: str) -> LoadSpec:
+    """The spec `bench serve` builds from these flags (its own parser, then `from_args`)."""
     parser = argparse.ArgumentParser()
     sb.add_arguments(parser)
-    return parser.parse_args(
-        ["--url", url, "--input-len", "16", "--output-len", "6", "--no-progress", *extra]
-    )
+    argv = ["--url", url, "--input-len", "16", "--output-len", "6", "--no-progress", *extra]
+    return LoadSpec.from_args(parser.parse_args(argv))
 
 
 class _WithFailures:

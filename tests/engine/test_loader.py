@@ -270,7 +270,6 @@ def test_default_gguf_arch(default_src: ModelSource) -> None:
     assert arch.max_position_embeddings == 8192
 
 
-@pytest.mark.slow
 def test_default_gguf_weights_match_transformers(default_src: ModelSource) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -290,7 +289,6 @@ def test_default_gguf_weights_match_transformers(default_src: ModelSource) -> No
     _assert_same(weights, want)
 
 
-@pytest.mark.slow
 def test_default_gguf_tokenizer(default_src: ModelSource) -> None:
     tok = load_tokenizer(default_src)
     assert load_tokenizer(default_src) is tok  # cached

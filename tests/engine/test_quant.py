@@ -88,8 +88,8 @@ def test_quantization_round_trips_through_config_and_cli() -> None:
 
 
 def test_serve_passes_quantization_to_every_worker() -> None:
+    from pdserve import serve
     from pdserve.launcher import WorkerSpec, worker_command
-    from pdserve.router import serve
 
     parser = argparse.ArgumentParser()
     serve.add_serve_arguments(parser)
@@ -104,7 +104,7 @@ def test_serve_passes_quantization_to_every_worker() -> None:
 def test_cost_model_file_is_per_quantization(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pdserve.router.costmodel import default_path
+    from pdserve.costmodel.model import default_path
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     plain = default_path("/m/x.gguf", 2, host="h")

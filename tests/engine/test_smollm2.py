@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from conftest import assert_engine_idle
 from pdserve import SamplingParams
-
-pytestmark = pytest.mark.slow
 
 
 def test_greedy_matches_transformers_gguf(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -86,6 +86,8 @@ class FakeCore:
         self.started = threading.Event()  # set when a request yields its first delta
         self.timelines: dict[str, list[dict[str, Any]]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        self.heartbeat_ages: dict[str, float] = {}
+        self.worker_stats: dict[str, dict[str, Any]] = {}
 
     def script(self, *steps: Step) -> None:
         """Queue the steps the next request plays."""
@@ -151,6 +153,17 @@ class FakeCore:
 
     def timeline(self, rid: str) -> list[dict[str, Any]] | None:
         return self.timelines.get(rid)
+
+    def worker_vitals(self) -> dict[str, dict[str, Any]]:
+        """Like RouterCore's: heartbeat ages and last stats (settable: `heartbeat_ages`,
+        `worker_stats`)."""
+        return {
+            r["id"]: {
+                "heartbeat_age_s": self.heartbeat_ages.get(r["id"], 0.1),
+                "stats": dict(self.worker_stats.get(r["id"], {})),
+            }
+            for r in self.rows
+        }
 
     # ---- what the real core reports from its workers -------------------------------------------
     def emit_worker_stats(self) -> None:

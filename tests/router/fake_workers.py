@@ -21,8 +21,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdserve.costmodel.model import CostModel
 from pdserve.engine.block_pool import ROOT_HASH, hash_full_blocks
-from pdserve.router.costmodel import CostModel
 from pdserve.workers import messages as m
 
 REGISTRY: dict[str, FakeWorker] = {}  # worker id -> fake, for P -> D hand-offs

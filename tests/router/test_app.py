@@ -7,8 +7,6 @@ and the client-disconnect tests talk to a real uvicorn server on a free port.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,11 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from fake_core import FakeCore, FakeFlight
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from factories import serving
 from pdserve.metrics import Metrics
 from pdserve.router.app import create_app
 from pdserve.router.core import Delta, RequestError
@@ -412,20 +410,8 @@ class Server:
 def server(default_tokenizer: Any) -> Iterator[Server]:
     core = FakeCore()
     app = create_app(core, default_tokenizer, model_name=MODEL, api_key=KEY, metrics=Metrics())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started, "uvicorn did not start"
-    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", core)
-    srv.should_exit = True
-    thread.join(5)
-    sock.close()
+    with serving(app, timeout_graceful_shutdown=1) as url:
+        yield Server(url, core)
 
 
 @pytest.fixture

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 import zmq
 
+from factories import eventually_async
 from pdserve import LLM, SamplingParams
+from pdserve.config import WorkerConfig
 from pdserve.launcher import WorkerSpec, await_ready, launch, stop
 from pdserve.router.core import RequestError, RouterCore
 from pdserve.workers import messages as m
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+INPROC = WorkerConfig(transport="inproc", deadline_s=1.0)
 PROMPTS = [[5, 6, 7], list(range(100, 160)), [9] * 17]
 
 
@@ -22,8 +26,15 @@ def workers(tiny_llama_path):  # type: ignore[no-untyped-def]
     ctx = zmq.Context.instance()
     args = {"model": str(tiny_llama_path), "threads": 1, "block_size": 4}
     specs = [
-        WorkerSpec("prefill", "P0", args, "inproc", deadline_s=1.0, lease_s=2.0),
-        WorkerSpec("decode", "D0", {**args, "block_size": 16}, "inproc", deadline_s=1.0),
+        WorkerSpec(
+            "prefill", "P0", args, WorkerConfig(transport="inproc", deadline_s=1.0, lease_s=2.0)
+        ),
+        WorkerSpec(
+            "decode",
+            "D0",
+            {**args, "block_size": 16},
+            WorkerConfig(transport="inproc", deadline_s=1.0),
+        ),
     ]
     launched = [launch(s, ctx) for s in specs]
     for w in launched:
@@ -59,12 +70,14 @@ async def _collect(core: RouterCore, rid: str, prompt: list[int], params: Sampli
 
 
 async def _idle(core: RouterCore) -> list[dict]:  # type: ignore[type-arg]
-    for _ in range(50):
-        await asyncio.sleep(0.2)
+    """The worker table once every worker reports no running request and no used block (the
+    stats arrive every 0.2 s here)."""
+
+    def idle() -> list[dict] | None:  # type: ignore[type-arg]
         table = core.worker_table()
-        if all(r["kv_blocks_used"] == 0 and r["running"] == 0 for r in table):
-            return table
-    return core.worker_table()
+        return table if all(r["kv_blocks_used"] == 0 and r["running"] == 0 for r in table) else None
+
+    return await eventually_async(idle, 10, "every worker idle", interval_s=0.2)
 
 
 def test_concurrent_requests_match_llm_and_leave_no_blocks(workers, reference) -> None:  # type: ignore[no-untyped-def]
@@ -106,7 +119,7 @@ def test_abandoning_a_stream_aborts_it_everywhere(workers) -> None:  # type: ign
 def test_retry_resumes_after_streamed_tokens_without_duplicates(workers, reference) -> None:  # type: ignore[no-untyped-def]
     async def run(core: RouterCore):  # type: ignore[no-untyped-def]
         p0 = next(w for w in core.workers if w.role == "prefill")
-        core._send(p0, m.SetFault("corrupt", 1))
+        core.links.send(p0, m.SetFault("corrupt", 1))
         out = await _collect(core, "retry", PROMPTS[1], GREEDY)
         return out, core.counters["retries"], await _idle(core)
 
@@ -129,7 +142,7 @@ def test_bad_request_is_a_400_and_unknown_timeline_is_none(workers) -> None:  # 
 
 def test_overload_is_refused_at_once_with_retry_after(workers) -> None:  # type: ignore[no-untyped-def]
     async def run(core: RouterCore):  # type: ignore[no-untyped-def]
-        core.max_inflight = 1
+        core.config = dataclasses.replace(core.config, max_inflight=1)
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         first = core.generate("busy", [5] * 10, params)
         await first.__anext__()  # in flight now

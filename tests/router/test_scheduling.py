@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import zmq.asyncio
-from fake_workers import FakeWorker, start_fakes
+from fake_workers import BLOCK, FakeWorker, start_fakes
 
+from factories import eventually_async
 from pdserve import SamplingParams
+from pdserve.costmodel.model import CostModel
 from pdserve.metrics.prometheus import Metrics
 from pdserve.router.balancer import Autobalancer
 from pdserve.router.core import RequestError, RouterCore
-from pdserve.router.costmodel import CostModel
 from pdserve.router.slo import SloPlanner
 
 # 0.2 ms per prompt token; a decode step of 5 ms + 0.5 ms per request in the batch
@@ -113,7 +114,8 @@ def test_conditional_runs_short_idle_prompts_on_d_and_long_ones_on_p_under_decod
         assert routes == ["route: local"] and "Generate" in d0.handled
         # keep D busy with 6 long answers, then a long prompt goes through P
         busy = [asyncio.create_task(collect(core, f"b{i}", prompt(40, i), 200)) for i in range(6)]
-        await asyncio.sleep(0.3)
+        streaming = lambda: sum(f.first_at is not None for f in core.flights.values()) == 6  # noqa: E731
+        await eventually_async(streaming, 10, "6 busy answers decoding on D")
         assert len(await collect(core, "long", prompt(1500, 9), 4)) == 4
         assert "Prefill" in p0.handled
         pred = core.prediction("long")
@@ -135,6 +137,18 @@ def test_always_mode_sends_every_request_through_p() -> None:
     asyncio.run(run({"P0": "prefill", "D0": "decode"}, body, planner=planner))
 
 
+async def _indexed(core: RouterCore, prompt_ids: list[int], worker_id: str) -> None:
+    """Wait until the worker's KVEvents for `prompt_ids` have reached the router's index."""
+
+    def cached() -> bool:
+        return (
+            core.prefix.match(prompt_ids, BLOCK, [worker_id]).get(worker_id, 0)
+            >= len(prompt_ids) // BLOCK * BLOCK
+        )
+
+    await eventually_async(cached, 5, f"{worker_id}'s KVEvents")
+
+
 def test_prefix_routing_sends_a_follow_up_to_the_worker_holding_its_prefix() -> None:
     planner = SloPlanner(MODEL, mode="always")
 
@@ -142,7 +156,7 @@ def test_prefix_routing_sends_a_follow_up_to_the_worker_holding_its_prefix() -> 
         first = prompt(640, 1)
         await collect(core, "t1", first, 2)
         holder = core.prediction("t1")["workers"][0]  # type: ignore[index]
-        await asyncio.sleep(0.1)  # KVEvents travel
+        await _indexed(core, first, holder)
         await collect(core, "t2", first + prompt(64, 2), 2)
         pred = core.prediction("t2")
         assert pred is not None and pred["workers"][0] == holder
@@ -160,7 +174,8 @@ def test_without_prefix_routing_the_cache_is_not_consulted() -> None:
     async def body(core: RouterCore, fakes: list[FakeWorker]) -> None:
         first = prompt(640, 1)
         await collect(core, "t1", first, 2)
-        await asyncio.sleep(0.1)
+        holder = core.prediction("t1")["workers"][0]  # type: ignore[index]
+        await _indexed(core, first, holder)  # the index knows: routing just does not ask it
         await collect(core, "t2", first + prompt(64, 2), 2)
         pred = core.prediction("t2")
         assert pred is not None and pred["cached_prefill_tokens"] == 0
@@ -178,7 +193,7 @@ def test_session_affinity_holds_when_the_index_has_not_heard_from_the_worker() -
         keeper = core.sessions["conv-1"][0]
         core.prefix.drop(keeper)  # as if its events were lost
         turn2 = turn1 + out + prompt(40, 4)
-        cached = core._cached(turn2, "conv-1", {w.worker_id: w for w in core.workers})
+        cached = core.routing.cached(turn2, "conv-1", {w.worker_id: w for w in core.workers})
         assert cached[keeper] == 320 // 16 * 16
 
     asyncio.run(run({"P0": "prefill", "D0": "decode", "D1": "decode"}, body, planner=planner))
@@ -189,7 +204,7 @@ def test_role_switch_under_load_drains_switches_and_loses_nothing() -> None:
 
     async def body(core: RouterCore, fakes: list[FakeWorker]) -> None:
         load = [asyncio.create_task(collect(core, f"r{i}", prompt(200, i), 30)) for i in range(8)]
-        await asyncio.sleep(0.1)
+        await eventually_async(lambda: any(f.sent for f in core.flights.values()), 10, "load")
         row = await core.set_role("D1", "prefill")
         assert row["role"] == "prefill" and not row["draining"]
         assert next(f for f in fakes if f.worker_id == "D1").role == "prefill"

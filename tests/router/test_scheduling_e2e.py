@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from factories import assert_cluster_idle, eventually
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 from pdserve.router.slo import SloPlanner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -38,11 +39,6 @@ def cluster(path, planner: SloPlanner, **kw) -> LocalCluster:  # type: ignore[no
     )
 
 
-def assert_no_leaks(c: LocalCluster) -> None:
-    stats = c.wait_idle()
-    assert all(s["kv_blocks_used"] == 0 for s in stats.values()), stats
-
-
 def test_admission_refuses_before_any_worker_sees_the_request(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
     slow = CostModel((0.0, 0.01, 0.0), TINY.decode, TINY.transfer)  # 10 ms a token: 64 = 0.64 s
     planner = SloPlanner(slow, slo_ttft_s=0.3, slo_tpot_s=1.0)
@@ -57,7 +53,7 @@ def test_admission_refuses_before_any_worker_sees_the_request(tiny_llama_path, l
         assert time.monotonic() - t0 < 60
         timeline = c.core.raw_timeline(refused.request_id) if c.core else None
         assert timeline and not any(e.startswith("route") for e, _, _ in timeline)
-        assert_no_leaks(c)
+        assert_cluster_idle(c)
 
 
 def test_conditional_prefills_short_prompts_on_d_and_output_is_exact(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
@@ -72,13 +68,13 @@ def test_conditional_prefills_short_prompts_on_d_and_output_is_exact(tiny_llama_
         first = c.core.prediction(outs[0].request_id)
         assert first is not None and first["route"] == "local" and first["workers"] == ["D0"]
         assert first["actual_ttft_s"] > 0 and first["actual_tpot_s"] > 0
-        assert_no_leaks(c)
+        assert_cluster_idle(c)
     always = SloPlanner(TINY, mode="always")
     with cluster(tiny_llama_path, always) as c:
         outs = c.generate(batch, GREEDY, timeout_s=60)
         assert [o.outputs[0].token_ids for o in outs] == reference(llm, batch)
         assert c.stats["route_remote"] == 3 and c.stats["route_local"] == 0
-        assert_no_leaks(c)
+        assert_cluster_idle(c)
 
 
 def test_prefix_routing_finds_the_cached_prefix_on_p_and_d(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
@@ -87,7 +83,9 @@ def test_prefix_routing_finds_the_cached_prefix_on_p_and_d(tiny_llama_path, llm)
     follow = [*base, 77, 78, 79, 80, 81]
     with cluster(tiny_llama_path, planner, prefill=2, decode=1) as c:
         first = c.generate([base], GREEDY, timeout_s=60)
-        time.sleep(0.3)  # KVEvents reach the router
+        assert c.core is not None
+        indexed = lambda: max(c.core.prefix.match(base, 16, ["P0", "P1"]).values()) >= 96  # type: ignore[union-attr]  # noqa: E731
+        eventually(indexed, 10, "P's KVEvents to reach the router")
         second = c.generate([follow], GREEDY, timeout_s=60)
         assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == reference(
             llm, [base, follow]
@@ -98,7 +96,7 @@ def test_prefix_routing_finds_the_cached_prefix_on_p_and_d(tiny_llama_path, llm)
         assert p1 is not None and p2 is not None
         assert p2["workers"][0] == p1["workers"][0]  # the P that holds the prefix
         assert p2["cached_prefill_tokens"] == 96 and p2["cached_decode_tokens"] == 96
-        assert_no_leaks(c)
+        assert_cluster_idle(c)
 
 
 def test_role_switch_under_load_loses_no_request_and_leaks_no_block(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
@@ -107,7 +105,7 @@ def test_role_switch_under_load_loses_no_request_and_leaks_no_block(tiny_llama_p
     batch = prompts(8, 48, seed=11)
     with cluster(tiny_llama_path, planner, prefill=1, decode=2) as c:
         _, pending = c.submit(batch, params)
-        time.sleep(0.2)
+        eventually(lambda: c.stats["route_remote"] + c.stats["route_local"] > 0, 30, "dispatch")
         row = c.set_role("D1", "prefill")
         assert row["role"] == "prefill" and row["healthy"]
         after = c.generate(prompts(2, 48, seed=12), params, timeout_s=120)
@@ -117,7 +115,7 @@ def test_role_switch_under_load_loses_no_request_and_leaks_no_block(tiny_llama_p
         assert all(o.error is None for o in outs + after)
         assert c.stats["role_switches_admin"] == 1
         assert [w.role for w in c.core.workers] == ["prefill", "decode", "prefill"]  # type: ignore[union-attr]
-        assert_no_leaks(c)
+        assert_cluster_idle(c)
 
 
 def test_autobalance_moves_a_decode_worker_to_prefill_and_loses_nothing(
@@ -138,12 +136,11 @@ def test_autobalance_moves_a_decode_worker_to_prefill_and_loses_nothing(
         c.set_fault("P0", "slow", count=3, delay_s=1.0)
         outs = c.generate(batch, params, timeout_s=120)
         assert c.stats["autobalance_to_prefill"] == 1  # decided while the prompts queued
-        deadline = time.monotonic() + 20  # done once the chosen D's requests have finished
-        while c.stats["role_switches_autobalance"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # done once the chosen D's requests have finished
+        eventually(lambda: c.stats["role_switches_autobalance"] >= 1, 20, "the autobalance switch")
         assert c.stats["role_switches_autobalance"] == 1
         assert c.core is not None
         assert sorted(w.role for w in c.core.workers) == ["decode", "prefill", "prefill"]
         assert all(o.error is None for o in outs)
         assert [o.outputs[0].token_ids for o in outs] == reference(llm, batch, params)
-        assert_no_leaks(c)
+        assert_cluster_idle(c)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.costmodel.model import CostModel
 from pdserve.router.balancer import Autobalancer, PoolSample
-from pdserve.router.costmodel import CostModel
 from pdserve.router.slo import Calibration, Job, Route, SloPlanner, WorkerLoad
 
 # 1 ms per prompt token (+ attention), a 20 ms decode step + 2 ms per request in the batch

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from factories import assert_cluster_idle, eventually
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
 
@@ -23,14 +24,6 @@ def _prompts() -> list[str | list[int]]:
 def reference(tiny_llama_path) -> list[list[int]]:  # type: ignore[no-untyped-def]
     llm = LLM(str(tiny_llama_path), block_size=8)
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
-
-
-def _check_idle(cluster: LocalCluster) -> None:
-    stats = cluster.wait_idle()
-    for wid, s in stats.items():
-        assert s["kv_blocks_used"] == 0, (wid, s)
-        assert s["transfers_out"] == 0 and s["transfers_in"] == 0, (wid, s)
-        assert s["held_for_transfer"] == 0 and s["reserved_for_transfer"] == 0, (wid, s)
 
 
 def _ids(outs) -> list[list[int]]:  # type: ignore[no-untyped-def]
@@ -61,7 +54,7 @@ def test_parity_over_transport(tiny_llama_path, reference, transport) -> None:  
     ) as c:
         assert _ids(c.generate(_prompts(), GREEDY)) == reference
         assert c.stats["kv_send_frames"] > 0 and c.stats["retries"] == 0
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_parity_over_tcp_with_different_block_sizes(tcp_cluster, reference) -> None:  # type: ignore[no-untyped-def]
@@ -70,7 +63,7 @@ def test_parity_over_tcp_with_different_block_sizes(tcp_cluster, reference) -> N
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     stats = tcp_cluster.worker_stats()
     assert stats["P0"]["handoffs_acked"] >= 4 and stats["D0"]["handoffs_received"] >= 4
-    _check_idle(tcp_cluster)
+    assert_cluster_idle(tcp_cluster)
 
 
 def test_colocated_worker_matches(tiny_llama_path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -78,21 +71,21 @@ def test_colocated_worker_matches(tiny_llama_path, reference) -> None:  # type: 
         str(tiny_llama_path), prefill=0, decode=0, colocated=1, transport="inproc"
     ) as c:
         assert _ids(c.generate(_prompts(), GREEDY)) == reference
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_handoff_after_k_tokens(tiny_llama_path, reference) -> None:  # type: ignore[no-untyped-def]
     with LocalCluster(str(tiny_llama_path), transport="inproc", handoff_tokens=4) as c:
         outs = c.generate(_prompts(), GREEDY)
         assert _ids(outs) == reference
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_request_finishing_on_prefill_releases_decode_reservation(tcp_cluster) -> None:  # type: ignore[no-untyped-def]
     out = tcp_cluster.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0))[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 1
     assert out.outputs[0].finish_reason == "length"
-    _check_idle(tcp_cluster)
+    assert_cluster_idle(tcp_cluster)
 
 
 @pytest.mark.parametrize("mode", ["corrupt", "drop"])
@@ -106,7 +99,7 @@ def test_bad_frame_is_detected_and_retried_once(tcp_cluster, reference, mode) ->
     assert time.monotonic() - t0 < 10  # detected by checksum or by the 1 s deadline
     stats = tcp_cluster.worker_stats()
     assert stats["P0"]["faults_injected"] >= 1 and stats["D0"]["transfer_failures"] >= 1
-    _check_idle(tcp_cluster)
+    assert_cluster_idle(tcp_cluster)
 
 
 def test_delayed_frame_within_deadline_needs_no_retry(tcp_cluster, reference) -> None:  # type: ignore[no-untyped-def]
@@ -114,7 +107,7 @@ def test_delayed_frame_within_deadline_needs_no_retry(tcp_cluster, reference) ->
     tcp_cluster.set_fault("P0", "delay", count=3, delay_s=0.3)
     assert _ids(tcp_cluster.generate(_prompts()[1:2], GREEDY)) == reference[1:2]
     assert tcp_cluster.stats["retries"] == before
-    _check_idle(tcp_cluster)
+    assert_cluster_idle(tcp_cluster)
 
 
 def test_persistent_link_failure_retries_once_then_recomputes_on_decode(  # type: ignore[no-untyped-def]
@@ -133,17 +126,16 @@ def test_persistent_link_failure_retries_once_then_recomputes_on_decode(  # type
         assert "recompute" in events and any("checksum" in e for e in events)  # visible
     finally:
         tcp_cluster.set_fault("P0", "none")
-    _check_idle(tcp_cluster)
+    assert_cluster_idle(tcp_cluster)
 
 
-@pytest.mark.slow
 def test_smollm2_1p1d_equals_llm(smollm2) -> None:  # type: ignore[no-untyped-def]
     prompts = ["The capital of Germany is", "def fibonacci(n):", "Water boils at"]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params)]
     with LocalCluster(None, transport="tcp") as c:
         assert _ids(c.generate(prompts, params)) == want
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_shm_ring_full_sends_inline_and_counts_it(tiny_llama_path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -152,7 +144,7 @@ def test_shm_ring_full_sends_inline_and_counts_it(tiny_llama_path, reference) ->
         assert _ids(c.generate(_prompts(), GREEDY)) == reference
         stats = c.worker_stats()
         assert stats["P0"]["shm_inline_frames"] == c.stats["kv_send_frames"] > 0
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_bad_input_gets_clear_errors_and_the_workers_keep_serving(  # type: ignore[no-untyped-def]
@@ -182,7 +174,7 @@ def test_bad_input_gets_clear_errors_and_the_workers_keep_serving(  # type: igno
         assert too_long.outputs[0].finish_reason == "error" and "shorten" in (too_long.error or "")
         assert _ids(c.generate(_prompts(), GREEDY)) == reference
         assert c.worker_stats()["D0"]["bad_frames"] >= 1
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_lost_ack_is_reclaimed_by_the_lease_without_failing_the_request(  # type: ignore[no-untyped-def]
@@ -191,11 +183,13 @@ def test_lost_ack_is_reclaimed_by_the_lease_without_failing_the_request(  # type
     before = tcp_cluster.worker_stats()["P0"].get("lease_reclaims", 0)
     tcp_cluster.set_fault("D0", "drop_ack", count=1)
     assert _ids(tcp_cluster.generate(_prompts()[:1], GREEDY)) == reference[:1]
-    deadline = time.monotonic() + 10  # the lease is 2 s in this cluster
-    while tcp_cluster.worker_stats()["P0"].get("lease_reclaims", 0) == before:
-        assert time.monotonic() < deadline, "P never reclaimed the unacknowledged KV"
-        time.sleep(0.2)
-    _check_idle(tcp_cluster)
+    eventually(  # the lease is 2 s in this cluster
+        lambda: tcp_cluster.worker_stats()["P0"].get("lease_reclaims", 0) != before,
+        10,
+        "P to reclaim the unacknowledged KV",
+        interval_s=0.2,
+    )
+    assert_cluster_idle(tcp_cluster)
 
 
 def test_decode_worker_that_can_never_reserve_fails_fast(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
@@ -212,4 +206,4 @@ def test_decode_worker_that_can_never_reserve_fails_fast(tiny_llama_path) -> Non
         assert big.outputs[0].finish_reason == "error" and time.monotonic() - t0 < 5
         assert "more KV blocks than the cache holds" in (big.error or "")
         assert c.stats["retries"] == 0  # a permanent refusal is not retried
-        _check_idle(c)
+        assert_cluster_idle(c)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from factories import assert_cluster_idle
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
 from pdserve.engine.block_pool import hash_full_blocks
@@ -67,14 +68,6 @@ def _generate(c: LocalCluster, prompt: list[int]) -> tuple[list[int], dict[str, 
     return out.outputs[0].token_ids, sent
 
 
-def _check_idle(c: LocalCluster) -> None:
-    stats = c.wait_idle()
-    for wid, s in stats.items():
-        assert s["kv_blocks_used"] == 0, (wid, s)
-        assert s["transfers_out"] == 0 and s["transfers_in"] == 0, (wid, s)
-        assert s["held_for_transfer"] == 0 and s["reserved_for_transfer"] == 0, (wid, s)
-
-
 def test_second_handoff_sends_only_what_decode_lacks_and_events_flow(  # type: ignore[no-untyped-def]
     tiny_llama_path, reference
 ) -> None:
@@ -117,7 +110,7 @@ def test_second_handoff_sends_only_what_decode_lacks_and_events_flow(  # type: i
             index.apply(e)
         assert not index.needs_resync("D0")
         sub.close(0)
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_handoff_after_k_tokens_and_no_streaming_with_a_cached_prefix(  # type: ignore[no-untyped-def]
@@ -142,7 +135,7 @@ def test_handoff_after_k_tokens_and_no_streaming_with_a_cached_prefix(  # type: 
             stats = c.worker_stats()
             assert stats["D0"]["kv_tokens_reused"] == SHARED, (stream_kv, handoff)
             assert c.stats["retries"] == 0
-            _check_idle(c)
+            assert_cluster_idle(c)
 
 
 def test_hello_again_resyncs_with_a_fresh_snapshot(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
@@ -165,7 +158,7 @@ def test_hello_again_resyncs_with_a_fresh_snapshot(tiny_llama_path) -> None:  # 
         assert isinstance(snap, m.KVEvents) and snap.cleared and snap.seq == 0
         assert set(hash_full_blocks(a, 16)) <= set(snap.stored)  # default block size 16
         sub.close(0)
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def _side_recording_frames() -> tuple[Any, list[tuple[int, int, list[float]]]]:

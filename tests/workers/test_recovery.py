@@ -9,10 +9,10 @@ engine step (`SetFault("slow")`) to keep a request in flight long enough to be h
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 
+from factories import assert_cluster_idle, eventually
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
 
@@ -27,11 +27,12 @@ def want(tiny_llama_path) -> list[int]:  # type: ignore[no-untyped-def]
     return llm.generate([PROMPT], LONG)[0].outputs[0].token_ids
 
 
-def _until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+def _in_slow_step(c: LocalCluster, worker_id: str) -> None:
+    """Wait until `worker_id`'s main loop is held up (the injected slow step has begun): its
+    heartbeat thread reports the loop's age."""
+    assert c.core is not None
+    w = next(x for x in c.core.workers if x.worker_id == worker_id)
+    eventually(lambda: w.loop_age >= 0.2, 5, f"{worker_id} to enter its slow step")
 
 
 def _streamed(c: LocalCluster, rid: str) -> int:
@@ -49,13 +50,6 @@ def _noticed_within(out, t_fault: float, prefix: str = "worker_down") -> float: 
     return t - t_fault
 
 
-def _check_idle(c: LocalCluster) -> None:
-    for wid, s in c.wait_idle().items():
-        assert s["kv_blocks_used"] == 0, (wid, s)
-        assert s["transfers_out"] == 0 and s["transfers_in"] == 0, (wid, s)
-        assert s["running"] == 0 and s["waiting"] == 0, (wid, s)
-
-
 def _cluster(path, **kw) -> LocalCluster:  # type: ignore[no-untyped-def]
     return LocalCluster(str(path), transport="tcp", threads=1, deadline_s=2.0, lease_s=4.0, **kw)
 
@@ -65,7 +59,7 @@ def test_decode_dies_mid_stream_and_the_stream_continues_exactly(tiny_llama_path
         for d in ("D0", "D1"):
             c.set_fault(d, "slow", count=-1, delay_s=0.03)
         (rid,), fut = c.submit([PROMPT], LONG)
-        _until(lambda: _streamed(c, rid) >= 8, what="8 tokens streamed")
+        eventually(lambda: _streamed(c, rid) >= 8, what="8 tokens streamed")
         pair = c.pair_of(rid)
         assert pair is not None and pair[1] is not None
         victim = pair[1]
@@ -82,7 +76,7 @@ def test_decode_dies_mid_stream_and_the_stream_continues_exactly(tiny_llama_path
         # the dead worker is out of routing: new requests go to the survivor
         (again,) = c.generate([PROMPT], LONG)
         assert again.outputs[0].token_ids == want
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_prefill_dies_before_the_handoff_and_another_prefills(tiny_llama_path, want) -> None:  # type: ignore[no-untyped-def]
@@ -90,9 +84,9 @@ def test_prefill_dies_before_the_handoff_and_another_prefills(tiny_llama_path, w
         for p in ("P0", "P1"):
             c.set_fault(p, "slow", count=1, delay_s=1.5)  # its next step: the prefill
         (rid,), fut = c.submit([PROMPT], LONG)
-        _until(lambda: c.pair_of(rid) is not None, what="dispatch")
-        time.sleep(0.3)  # P is sleeping before its prefill step
+        eventually(lambda: c.pair_of(rid) is not None, what="dispatch")
         victim = c.pair_of(rid)[0]  # type: ignore[index]
+        _in_slow_step(c, victim)  # P is sleeping before its prefill step
         c.kill(victim)
         (out,) = fut.result(timeout=60)
         assert out.error is None, out.error
@@ -101,18 +95,18 @@ def test_prefill_dies_before_the_handoff_and_another_prefills(tiny_llama_path, w
         # may (a recovery): either way once, and the other P did the prefill
         assert c.stats["recoveries"] + c.stats["retries"] == 1
         assert c.stats["local_fallbacks"] == 0
-        _until(lambda: c.stats["workers_down"] == 1, timeout_s=LIVENESS_S + 1, what="P down")
+        eventually(lambda: c.stats["workers_down"] == 1, timeout_s=LIVENESS_S + 1, what="P down")
         first_by = next(w for e, w, _ in _events(out) if e == "first_token")
         assert first_by != victim
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_last_prefill_worker_dies_and_decode_prefills_locally(tiny_llama_path, want) -> None:  # type: ignore[no-untyped-def]
     with _cluster(tiny_llama_path, prefill=1, decode=1) as c:
         c.set_fault("P0", "slow", count=1, delay_s=1.5)
         (rid,), fut = c.submit([PROMPT], LONG)
-        _until(lambda: c.pair_of(rid) is not None, what="dispatch")
-        time.sleep(0.3)
+        eventually(lambda: c.pair_of(rid) is not None, what="dispatch")
+        _in_slow_step(c, "P0")
         c.kill("P0")
         (out,) = fut.result(timeout=60)
         assert out.error is None, out.error
@@ -121,7 +115,7 @@ def test_last_prefill_worker_dies_and_decode_prefills_locally(tiny_llama_path, w
         assert c.stats["local_fallbacks"] == 1 and c.stats["recoveries"] == 1
         (again,) = c.generate([PROMPT], LONG)  # served whole by D while P is gone
         assert again.outputs[0].token_ids == want and c.stats["local_fallbacks"] == 2
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_stalled_decode_is_routed_around_then_rejoins_clean(tiny_llama_path, want) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +123,7 @@ def test_stalled_decode_is_routed_around_then_rejoins_clean(tiny_llama_path, wan
         for d in ("D0", "D1"):
             c.set_fault(d, "slow", count=-1, delay_s=0.03)
         (rid,), fut = c.submit([PROMPT], LONG)
-        _until(lambda: _streamed(c, rid) >= 5, what="5 tokens streamed")
+        eventually(lambda: _streamed(c, rid) >= 5, what="5 tokens streamed")
         victim = c.pair_of(rid)[1]  # type: ignore[index]
         assert victim is not None
         t_stop = time.monotonic()
@@ -140,12 +134,12 @@ def test_stalled_decode_is_routed_around_then_rejoins_clean(tiny_llama_path, wan
         c.resume(victim)
         assert c.core is not None
         w = next(w for w in c.core.workers if w.worker_id == victim)
-        _until(lambda: w.healthy, timeout_s=5, what="the stalled worker to rejoin")
+        eventually(lambda: w.healthy, timeout_s=5, what="the stalled worker to rejoin")
         assert c.stats["workers_up"] == 1
         for d in ("D0", "D1"):
             c.set_fault(d, "none")
         # its half of the stalled request is aborted once it runs again: all blocks free
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_hung_main_loop_is_detected_as_stuck_while_heartbeats_go_on(tiny_llama_path, want) -> None:  # type: ignore[no-untyped-def]
@@ -154,7 +148,7 @@ def test_hung_main_loop_is_detected_as_stuck_while_heartbeats_go_on(tiny_llama_p
         for d in ("D0", "D1"):
             c.set_fault(d, "slow", count=-1, delay_s=0.03)
         (rid,), fut = c.submit([PROMPT], LONG)
-        _until(lambda: _streamed(c, rid) >= 5, what="5 tokens streamed")
+        eventually(lambda: _streamed(c, rid) >= 5, what="5 tokens streamed")
         victim = c.pair_of(rid)[1]  # type: ignore[index]
         assert victim is not None
         c.set_fault(victim, "slow", count=1, delay_s=3.0)  # one step that hangs for 3 s
@@ -163,17 +157,17 @@ def test_hung_main_loop_is_detected_as_stuck_while_heartbeats_go_on(tiny_llama_p
         assert any(e == "worker_down: stuck" for e, _, _ in _events(out))
         assert c.core is not None
         w = next(w for w in c.core.workers if w.worker_id == victim)
-        _until(lambda: w.healthy, timeout_s=10, what="the stuck worker to recover")
+        eventually(lambda: w.healthy, timeout_s=10, what="the stuck worker to recover")
         for d in ("D0", "D1"):
             c.set_fault(d, "none")
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_no_worker_left_is_a_clear_error_at_once(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
     with _cluster(tiny_llama_path, prefill=0, decode=0, colocated=1) as c:
         c.set_fault("C0", "slow", count=-1, delay_s=0.05)
         (rid,), fut = c.submit([PROMPT], LONG)
-        _until(lambda: _streamed(c, rid) >= 3, what="3 tokens streamed")
+        eventually(lambda: _streamed(c, rid) >= 3, what="3 tokens streamed")
         t_kill = time.monotonic()
         c.kill("C0")
         (out,) = fut.result(timeout=30)
@@ -190,15 +184,15 @@ def test_killed_worker_restarts_on_its_address_and_rejoins(tiny_llama_path, want
         c.kill("D0")
         assert c.core is not None
         d0 = next(w for w in c.core.workers if w.role == "decode")
-        _until(lambda: not d0.healthy, timeout_s=5, what="D0 to be taken out")
+        eventually(lambda: not d0.healthy, timeout_s=5, what="D0 to be taken out")
         (alone,) = c.generate([PROMPT], LONG)  # P serves it whole meanwhile
         assert alone.outputs[0].token_ids == want and c.stats["local_fallbacks"] == 1
         c.restart("D0")
-        _until(lambda: d0.healthy, timeout_s=10, what="D0 to rejoin")
+        eventually(lambda: d0.healthy, timeout_s=10, what="D0 to rejoin")
         (out,) = c.generate([PROMPT], LONG)
         assert out.outputs[0].token_ids == want
         assert any(e == "transfer_end" or e.startswith("recv:") for e, _, _ in _events(out))
-        _check_idle(c)
+        assert_cluster_idle(c)
 
 
 def test_no_request_outlives_its_timeout(tiny_llama_path, want) -> None:  # type: ignore[no-untyped-def]
@@ -209,6 +203,6 @@ def test_no_request_outlives_its_timeout(tiny_llama_path, want) -> None:  # type
         assert out.outputs[0].finish_reason == "error" and "timed out" in (out.error or "")
         assert 1.4 <= time.monotonic() - t0 <= 3.0
         c.set_fault("D0", "none")
-        _check_idle(c)  # both workers were told to abort: nothing held
+        assert_cluster_idle(c)  # both workers were told to abort: nothing held
         (ok,) = c.generate([PROMPT], LONG)
         assert ok.outputs[0].token_ids == want

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.hostinfo import cpu_model
+
 
 @dataclass
 class Target:
@@ -19,16 +21,6 @@ class Target:
     @property
     def status(self) -> str:
         return "n/a" if self.met is None else ("met" if self.met else "missed")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(threads: int, **extra: Any) -> dict[str, Any]:

@@ -49,6 +49,7 @@ import httpx
 import numpy as np
 
 from pdserve.bench import serve_bench
+from pdserve.bench.loadspec import LoadSpec
 
 DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers", "llama-cpp")
 DEFAULT_HF_EXPORT = Path(".cache/pdserve/smollm2-135m-instruct-hf")
@@ -252,23 +253,26 @@ def export_hf_folder(dest: Path, model: str | None) -> Path:
 # ---------------------------------------------------------------------------- phases
 
 
-def bench_args(args: argparse.Namespace, system: System, url: str, **load: Any) -> Any:
-    """`bench serve` flags for one phase, through its own parser (same defaults and checks)."""
-    parser = argparse.ArgumentParser()
-    serve_bench.add_arguments(parser)
-    argv = [
-        "--url", url, "--workload", args.workload, "--num-requests", str(load["num_requests"]),
-        "--input-len", str(args.input_len), "--output-len", str(load.get("output_len",
-        args.output_len)), "--len-spread", str(args.len_spread), "--seed", str(load["seed"]),
-        "--backend", system.backend, "--timeout", str(args.timeout), "--no-progress",
-    ]  # fmt: skip
-    argv += ["--rate", str(load["rate"])] if "rate" in load else ["--concurrency", "1"]
-    # text prompts for every system: the peers take no token-id prompts, and the same text
-    # becomes the same tokens on every server (one tokenizer)
-    argv += ["--prompt-format", "text"]
-    if args.tokenizer:
-        argv += ["--tokenizer", args.tokenizer]
-    return parser.parse_args(argv)
+def bench_args(args: argparse.Namespace, system: System, url: str, **load: Any) -> LoadSpec:
+    """The load of one phase against `system` at `url`."""
+    return LoadSpec(
+        url=url,
+        workload=args.workload,
+        num_requests=load["num_requests"],
+        input_len=args.input_len,
+        output_len=load.get("output_len", args.output_len),
+        len_spread=args.len_spread,
+        seed=load["seed"],
+        backend=system.backend,
+        timeout=args.timeout,
+        no_progress=True,
+        rate=load.get("rate"),
+        concurrency=None if "rate" in load else 1,
+        # text prompts for every system: the peers take no token-id prompts, and the same text
+        # becomes the same tokens on every server (one tokenizer)
+        prompt_format="text",
+        tokenizer=args.tokenizer or None,
+    )
 
 
 async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> None:

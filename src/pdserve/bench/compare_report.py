@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.router.timeline import Ev, Stage
+
 STAGES = ("queue", "prefill", "transfer", "decode")
 PEERS = ("transformers", "llama-cpp")
 COLORS = {"queue": "#bbbbbb", "prefill": "#4c72b0", "transfer": "#dd8452", "decode": "#55a868"}
@@ -35,15 +37,15 @@ def breakdown(events: list[dict[str, Any]]) -> dict[str, float] | None:
               hidden behind the prefill, since layer-wise streaming overlaps the rest);
     decode:   the later of those two -> the last token.
     A retried request is measured on its last attempt (the events after the last dispatch)."""
-    last_dispatch = max((i for i, e in enumerate(events) if e["event"] == "dispatch"), default=0)
+    last_dispatch = max((i for i, e in enumerate(events) if e["event"] == Ev.DISPATCH), default=0)
     at: dict[str, float] = {}
     for e in events[last_dispatch:]:
         at.setdefault(e["event"], e["t_ms"])
-    finish = next((e["t_ms"] for e in events if e["event"] == "finish"), None)
-    if finish is None or "prefill_start" not in at or "prefill_end" not in at:
+    finish = next((e["t_ms"] for e in events if e["event"] == Ev.FINISH), None)
+    if finish is None or Stage.PREFILL_START not in at or Stage.PREFILL_END not in at:
         return None
-    start, end = at["prefill_start"], at["prefill_end"]
-    kv_on_d = max(end, at.get("transfer_end", end))
+    start, end = at[Stage.PREFILL_START], at[Stage.PREFILL_END]
+    kv_on_d = max(end, at.get(Stage.TRANSFER_END, end))
     return {
         "queue": start,
         "prefill": end - start,

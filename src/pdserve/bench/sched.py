@@ -65,6 +65,7 @@ import numpy as np
 
 from pdserve.bench import compare, serve_bench
 from pdserve.bench import workloads as wl
+from pdserve.bench.loadspec import LoadSpec, default
 from pdserve.bench.workloads import RequestItem
 
 WARMUP_TOKENS = 4
@@ -261,25 +262,24 @@ def bench_ns(
     rate: float | None = None,
     concurrency: int | None = None,
     slo: tuple[float, float] | None = None,
-) -> argparse.Namespace:
-    """`bench serve` flags through its own parser, with the experiment's workload settings."""
-    parser = argparse.ArgumentParser()
-    serve_bench.add_arguments(parser)
-    argv = [
-        "--url", url, "--workload", exp.workload, "--num-requests", str(num_requests),
-        "--seed", str(seed), "--backend", "pdserve", "--timeout", str(args.timeout),
-        "--no-progress",
-    ]  # fmt: skip
-    if rate is not None:
-        argv += ["--rate", repr(rate), "--burstiness", str(args.burstiness)]
-    else:
-        argv += ["--concurrency", str(concurrency or 1)]
-    ns = parser.parse_args(argv)
-    for key, value in settings(args, exp).items():
-        setattr(ns, key, value)
-    ns.tokenizer = str(args.model) if args.model else None
-    ns.slo_ttft, ns.slo_tpot = slo if slo is not None else (None, None)
-    return ns
+) -> LoadSpec:
+    """The load of one arm's run, with the experiment's workload settings."""
+    spec = LoadSpec(
+        url=url,
+        workload=exp.workload,
+        num_requests=num_requests,
+        seed=seed,
+        backend="pdserve",
+        timeout=args.timeout,
+        no_progress=True,
+        rate=rate,
+        burstiness=args.burstiness if rate is not None else default("burstiness"),
+        concurrency=None if rate is not None else (concurrency or 1),
+        tokenizer=str(args.model) if args.model else None,
+        slo_ttft=slo[0] if slo is not None else None,
+        slo_tpot=slo[1] if slo is not None else None,
+    )
+    return spec.but(**{k: v for k, v in settings(args, exp).items() if k != "workload"})
 
 
 def calibration_items(workload: Any, k: int) -> list[RequestItem]:
@@ -297,9 +297,13 @@ def calibration_items(workload: Any, k: int) -> list[RequestItem]:
 
 def warm_up(args: argparse.Namespace, exp: Experiment, url: str) -> None:
     """One short request (rejected or failed is fine: the run will show it)."""
-    ns = bench_ns(args, exp, url, num_requests=1, seed=args.seed + 999)
-    ns.workload, ns.input_len, ns.output_len, ns.len_spread = "synthetic", 16, WARMUP_TOKENS, 0.0
-    ns.prompt_format = "text"
+    ns = bench_ns(args, exp, url, num_requests=1, seed=args.seed + 999).but(
+        workload="synthetic",
+        input_len=16,
+        output_len=WARMUP_TOKENS,
+        len_spread=0.0,
+        prompt_format="text",
+    )
     with contextlib.suppress(httpx.HTTPError, ValueError):
         asyncio.run(serve_bench.run_benchmark(ns))
 
@@ -316,10 +320,10 @@ def calibrate(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
         with server(_system(args, exp, "calibration", None, None), args) as url:
             warm_up(args, exp, url)
             if need_slo:
-                ns = bench_ns(args, exp, url, num_requests=args.calibration_requests, seed=0)
-                ns.seed = args.seed + 1
+                n = args.calibration_requests
+                ns = bench_ns(args, exp, url, num_requests=n, seed=args.seed + 1)
                 items = calibration_items(serve_bench.make_workload(_wider(ns)), ns.num_requests)
-                ns.num_requests = len(items)
+                ns = ns.but(num_requests=len(items))
                 res = asyncio.run(serve_bench.run_benchmark(ns, _Items(exp.workload, items)))
                 out["unloaded"] = res
             if need_rate:
@@ -369,13 +373,10 @@ def calibrate(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
     return out
 
 
-def _wider(ns: argparse.Namespace) -> argparse.Namespace:
+def _wider(ns: LoadSpec) -> LoadSpec:
     """The calibration pool: enough items of the workload to span its lengths."""
-    wide = argparse.Namespace(**vars(ns))
-    wide.num_requests = max(20, 5 * ns.num_requests)
-    wide.shift_at_s = None  # by index: both phases in the pool
-    wide.shift_at = None
-    return wide
+    # by index (shift_at*: None): both phases in the pool
+    return ns.but(num_requests=max(20, 5 * ns.num_requests), shift_at_s=None, shift_at=None)
 
 
 def load_factor(args: argparse.Namespace, exp: Experiment) -> float:
@@ -521,8 +522,9 @@ def run_arm(
         with server(_system(args, exp, arm.name, arm, slo), args) as url:
             warm_up(args, exp, url)
             before = scrape_metrics(url)
-            ns = bench_ns(args, exp, url, num_requests=num_requests, seed=args.seed, rate=rate)
-            ns.slo_ttft, ns.slo_tpot = slo
+            ns = bench_ns(
+                args, exp, url, num_requests=num_requests, seed=args.seed, rate=rate, slo=slo
+            )
             with WorkerPoller(url, args.poll_interval) as poller:
                 res = asyncio.run(serve_bench.run_benchmark(ns))
             after = scrape_metrics(url)

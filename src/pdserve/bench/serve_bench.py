@@ -54,6 +54,7 @@ import httpx
 import numpy as np
 
 from pdserve.bench import workloads as wl
+from pdserve.bench.loadspec import LoadSpec, default
 from pdserve.bench.workloads import WORKLOADS, RequestItem, Workload, ids_to_text, make_workload
 
 MAX_ERRORS = 5  # distinct error messages kept in the JSON
@@ -124,7 +125,7 @@ def _spread(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=default("workload"))
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(
         "--rate", type=_positive_float, help="requests/s (gamma arrivals); 'inf': all at once"
@@ -133,56 +134,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--burstiness",
         type=_positive_float,
-        default=1.0,
+        default=default("burstiness"),
         help="gamma shape of inter-arrival times with --rate (1: Poisson, <1: burstier)",
     )
     parser.add_argument("--num-requests", type=_positive_int, required=True)
-    parser.add_argument("--input-len", type=_positive_int, default=1000, help="mean prompt ids")
-    parser.add_argument("--output-len", type=_positive_int, default=128, help="mean max_tokens")
     parser.add_argument(
-        "--len-spread", type=_spread, default=0.0, help="lengths uniform in mean*(1 +- spread)"
+        "--input-len", type=_positive_int, default=default("input_len"), help="mean prompt ids"
     )
     parser.add_argument(
-        "--turns", type=_positive_int, default=5, help="turns per conversation (multiturn)"
+        "--output-len", type=_positive_int, default=default("output_len"), help="mean max_tokens"
     )
-    parser.add_argument("--slo-ttft", type=_positive_float, default=None, help="TTFT SLO, s")
-    parser.add_argument("--slo-tpot", type=_positive_float, default=None, help="TPOT SLO, s")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--len-spread",
+        type=_spread,
+        default=default("len_spread"),
+        help="lengths uniform in mean*(1 +- spread)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=default("turns"),
+        help="turns per conversation (multiturn)",
+    )
+    parser.add_argument(
+        "--slo-ttft", type=_positive_float, default=default("slo_ttft"), help="TTFT SLO, s"
+    )
+    parser.add_argument(
+        "--slo-tpot", type=_positive_float, default=default("slo_tpot"), help="TPOT SLO, s"
+    )
+    parser.add_argument("--seed", type=int, default=default("seed"))
     parser.add_argument("--result-json", type=Path, default=None)
-    parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
-    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--model", default=default("model"), help="default: the first of GET /v1/models"
+    )
+    parser.add_argument(
+        "--api-key", default=default("api_key"), help="sent as 'Authorization: Bearer KEY'"
+    )
     parser.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=default("ignore_eos"),
         help="send ignore_eos (a pdserve/vLLM extension; other servers ignore it)",
     )
     parser.add_argument(
         "--prompt-format",
         choices=("ids", "text"),
-        default="ids",
+        default=default("prompt_format"),
         help="ids: prompt as a list of token ids; text: one word per id (rag always sends text)",
     )
     parser.add_argument(
         "--backend",
         choices=sorted(BACKENDS),
-        default="openai",
+        default=default("backend"),
         help="how --ignore-eos is asked for: openai/pdserve/vllm: ignore_eos; llama-cpp: "
         "min_tokens; transformers: a generation_config with min_new_tokens",
     )
     parser.add_argument(
         "--tokenizer",
-        default=None,
+        default=default("tokenizer"),
         help="HF folder or .gguf whose tokenizer sizes rag prompts (default: the default model)",
     )
     parser.add_argument(
-        "--timeout", type=_positive_float, default=600.0, help="per-request timeout, s"
+        "--timeout", type=_positive_float, default=default("timeout"), help="per-request timeout, s"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--send-user",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=default("send_user"),
         help="send the conversation as the OpenAI `user` field (conv-<n>), for session affinity",
     )
     wl.add_arguments(parser)
@@ -221,7 +240,7 @@ BACKENDS: dict[str, Callable[[dict[str, Any], int], None]] = {
 }
 
 
-def _prompt(args: argparse.Namespace, item: RequestItem) -> str | list[int]:
+def _prompt(args: LoadSpec, item: RequestItem) -> str | list[int]:
     if item.text is not None:
         return item.text
     return ids_to_text(item.prompt) if args.prompt_format == "text" else item.prompt
@@ -232,7 +251,7 @@ def user_of(item: RequestItem) -> str:
 
 
 def _payload(
-    args: argparse.Namespace,
+    args: LoadSpec,
     model: str,
     item: RequestItem,
     prompt: str | list[int] | None = None,
@@ -439,7 +458,7 @@ def _prompt_len(prompt: str | list[int]) -> int:
     return len(prompt.split()) if isinstance(prompt, str) else len(prompt)
 
 
-def _default_encoder(args: argparse.Namespace) -> Encoder:
+def _default_encoder(args: LoadSpec) -> Encoder:
     from pdserve.engine.loader import load_tokenizer, resolve_model
 
     tokenizer: Encoder = load_tokenizer(resolve_model(getattr(args, "tokenizer", None)))
@@ -447,7 +466,7 @@ def _default_encoder(args: argparse.Namespace) -> Encoder:
 
 
 async def run_benchmark(
-    args: argparse.Namespace,
+    args: LoadSpec,
     workload: Workload | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     encoder: Encoder | None = None,
@@ -619,7 +638,7 @@ def by_phase(
 
 
 def summarize(
-    args: argparse.Namespace,
+    args: LoadSpec,
     model: str,
     workload: str,
     records: list[RequestRecord],
@@ -740,7 +759,7 @@ def _json_safe(obj: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    res = asyncio.run(run_benchmark(args))
+    res = asyncio.run(run_benchmark(LoadSpec.from_args(args)))
     print(format_table(res))
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)

@@ -95,6 +95,7 @@ from pdserve.bench.transfer_report import (
     render_markdown,
     report_json,
 )
+from pdserve.router import timeline as tl
 
 if TYPE_CHECKING:
     import torch
@@ -340,14 +341,15 @@ def _event(timeline: list[tuple[str, str, float]], name: str, worker: str | None
 
 def breakdown(timeline: list[tuple[str, str, float]]) -> dict[str, float]:
     """Seconds of each stage of one P/D request (see the module docstring)."""
-    p_worker = next(w for e, w, _ in timeline if e.startswith("send:"))
-    d_worker = next(w for e, w, _ in timeline if e.startswith("recv:"))
-    dispatch = _event(timeline, "dispatch")
-    start, p_first = _event(timeline, "send:prefill_start"), _event(timeline, "send:first_token")
-    done = _event(timeline, "recv:done")
+    p_worker = next(w for e, w, _ in timeline if tl.kind_of(e) == tl.Side.SEND)
+    d_worker = next(w for e, w, _ in timeline if tl.kind_of(e) == tl.Side.RECV)
+    dispatch = _event(timeline, tl.Ev.DISPATCH)
+    start = _event(timeline, tl.staged(tl.Side.SEND, "prefill_start"))
+    p_first = _event(timeline, tl.staged(tl.Side.SEND, "first_token"))
+    done = _event(timeline, tl.staged(tl.Side.RECV, "done"))
     tok_p, tok_d = (
-        _event(timeline, "first_token", p_worker),
-        _event(timeline, "first_token", d_worker),
+        _event(timeline, tl.Ev.FIRST_TOKEN, p_worker),
+        _event(timeline, tl.Ev.FIRST_TOKEN, d_worker),
     )
     return {
         "queue": start - dispatch,
@@ -356,7 +358,7 @@ def breakdown(timeline: list[tuple[str, str, float]]) -> dict[str, float]:
         "first_decode": tok_d - done,
         "ttft": tok_p - dispatch,
         "time_to_decode": tok_d - dispatch,
-        "transfer": done - _event(timeline, "send:ready"),
+        "transfer": done - _event(timeline, tl.staged(tl.Side.SEND, "ready")),
     }
 
 

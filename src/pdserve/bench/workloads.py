@@ -35,9 +35,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pdserve.bench.loadspec import LoadSpec
 
 ID_LOW, ID_HIGH = 1000, 30000  # token ids of synthetic prompts: clear of special/byte tokens
 
@@ -279,13 +282,13 @@ class ShiftingWorkload:
             yield variants[0 if i < self.shift_at else 1]
 
 
-def _synthetic(args: argparse.Namespace) -> Workload:
+def _synthetic(args: LoadSpec) -> Workload:
     return SyntheticWorkload(
         args.num_requests, args.input_len, args.output_len, args.len_spread, args.seed
     )
 
 
-def _multiturn(args: argparse.Namespace) -> Workload:
+def _multiturn(args: LoadSpec) -> Workload:
     return MultiTurnWorkload(
         args.num_requests,
         args.input_len,
@@ -297,7 +300,7 @@ def _multiturn(args: argparse.Namespace) -> Workload:
     )
 
 
-def _mixed(args: argparse.Namespace) -> Workload:
+def _mixed(args: LoadSpec) -> Workload:
     return MixedWorkload(
         args.num_requests,
         args.seed,
@@ -308,7 +311,7 @@ def _mixed(args: argparse.Namespace) -> Workload:
     )
 
 
-def _shifting(args: argparse.Namespace) -> Workload:
+def _shifting(args: LoadSpec) -> Workload:
     return ShiftingWorkload(
         args.num_requests,
         args.seed,
@@ -321,7 +324,7 @@ def _shifting(args: argparse.Namespace) -> Workload:
     )
 
 
-def _rag(args: argparse.Namespace) -> Workload:
+def _rag(args: LoadSpec) -> Workload:
     # lazy: the tokenizer, bm25s and the knowledge base are only needed for this workload
     from pdserve.bench.rag import RagWorkload
     from pdserve.engine.loader import load_tokenizer, resolve_model
@@ -340,7 +343,7 @@ def _rag(args: argparse.Namespace) -> Workload:
 
 
 # name -> factory from the parsed `bench serve` flags
-WORKLOADS: dict[str, Callable[[argparse.Namespace], Workload]] = {
+WORKLOADS: dict[str, Callable[[LoadSpec], Workload]] = {
     "synthetic": _synthetic,
     "multiturn": _multiturn,
     "rag": _rag,
@@ -451,7 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add(parser)
 
 
-def make_workload(args: argparse.Namespace) -> Workload:
+def make_workload(args: LoadSpec) -> Workload:
     try:
         factory = WORKLOADS[args.workload]
     except KeyError:

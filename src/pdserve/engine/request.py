@@ -102,6 +102,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without concatenating the whole sequence (a decode step
+        asks for one token of a long one)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

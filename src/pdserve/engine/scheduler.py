@@ -257,7 +257,7 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.token_slice(start, start + num_new),
             start_pos=start,
             block_ids=block_ids,
             sample=start + num_new == request.num_tokens,

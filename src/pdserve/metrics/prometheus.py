@@ -17,7 +17,7 @@ the last stats each worker sent, labelled by worker and role.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +31,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pdserve.router.timeline import Ev
 
 OUTCOMES = ("ok", "rejected", "error", "aborted")
 # fmt: off
@@ -50,6 +52,7 @@ TRANSFER_BUCKETS: tuple[float, ...] = (
 )
 # fmt: on
 MAX_TRACKED = 10_000  # in-flight requests whose delta times are kept (a leak guard)
+RECENT_KEEP = 4096  # finished requests kept for the dashboard (router/dashboard.py)
 
 # Worker stats -> (metric suffix, help); gauges are the current value, counters cumulative.
 WORKER_GAUGES = {
@@ -72,6 +75,21 @@ WORKER_COUNTERS = {
     "transfer_failures": ("kv_transfer_failures", "KV hand-offs that failed on the worker."),
 }
 HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One finished request as the dashboard shows it (`Metrics.recent`, newest last)."""
+
+    rid: str
+    end: float  # time.monotonic() when it ended
+    outcome: str  # ok | rejected | error | aborted
+    route: str  # remote | local | colocated | fallback | recompute | "" (never dispatched)
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    within_slo: bool  # finished ok within both SLOs (counted in pdserve_requests_within_slo)
 
 
 @dataclass
@@ -216,6 +234,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.within_slo = Counter(
+            "pdserve_requests_within_slo",
+            "Requests that finished normally within both latency SLOs (rate() = goodput).",
+            registry=r,
+        )
         self.routes = Counter(
             "pdserve_route_decisions",
             "Dispatches by route: remote (P then D), local (whole on a decode worker), "
@@ -251,6 +274,8 @@ class Metrics:
         self._workers = _WorkerCollector()
         r.register(self._workers)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        # The dashboard's ring of finished requests: O(1) per request, bounded.
+        self.recent: deque[Finished] = deque(maxlen=RECENT_KEEP)
 
     # ---- exposition ----------------------------------------------------------------------------
     def render(self) -> bytes:
@@ -301,32 +326,52 @@ class Metrics:
         n_out = len(flight.sent)
         self.prompt_tokens.inc(len(flight.prompt_ids))
         self.generation_tokens.inc(n_out)
+        ttft, tpot = self._latencies(flight, outcome, end, n_out)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
+                self.slo_violations.labels("ttft").inc()
+        if tpot is not None:
+            self.tpot.observe(tpot)
+            if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
+                self.slo_violations.labels("tpot").inc()
+        good = outcome == "ok" and self.meets_slo(ttft, tpot)
+        if good:
+            self.within_slo.inc()
+        route = str(getattr(flight, "route", "") or "")
+        n_in = len(flight.prompt_ids)
+        self.recent.append(Finished(flight.rid, end, outcome, route, n_in, n_out, ttft, tpot, good))
+
+    def meets_slo(self, ttft: float | None, tpot: float | None) -> bool:
+        """Within both SLOs (an SLO not set is met; a request of one token has no TPOT)."""
+        ttft_ok = self.slo_ttft_s is None or (ttft is not None and ttft <= self.slo_ttft_s)
+        return ttft_ok and (self.slo_tpot_s is None or tpot is None or tpot <= self.slo_tpot_s)
+
+    def _latencies(
+        self, flight: Any, outcome: str, end: float, n_out: int
+    ) -> tuple[float | None, float | None]:
+        """(TTFT, TPOT) of a finished request (TPOT only when it finished normally); observes
+        the end-to-end latency of a normal finish."""
         stream = self._streams.pop(flight.rid, None)
         events: dict[str, float] = {}
         for event, _worker, t in flight.timeline:
             events.setdefault(event, t)
-        arrive = events.get("arrive")
+        arrive = events.get(Ev.ARRIVE)
         first: float | None
         last: float | None
         if stream is not None and stream.first is not None:
             first, last = stream.first, stream.last or stream.first
         else:  # no deltas reported by an app: the core's own stamps
-            first, last = events.get("first_token"), end
+            first, last = events.get(Ev.FIRST_TOKEN), end
         if arrive is None:
-            return
-        if first is not None:
-            ttft = max(0.0, first - arrive)
-            self.ttft.observe(ttft)
-            if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
-                self.slo_violations.labels("ttft").inc()
+            return None, None
+        ttft = max(0.0, first - arrive) if first is not None else None
         if outcome != "ok":
-            return
+            return ttft, None
         self.e2e.observe(max(0.0, end - arrive))
         if first is not None and last is not None and n_out > 1:
-            tpot = max(0.0, last - first) / (n_out - 1)
-            self.tpot.observe(tpot)
-            if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
-                self.slo_violations.labels("tpot").inc()
+            return ttft, max(0.0, last - first) / (n_out - 1)
+        return ttft, None
 
     def on_worker_stats(self, worker: Any, stats: dict[str, Any]) -> None:
         self._workers.stats[(str(worker.worker_id), str(worker.role))] = dict(stats)

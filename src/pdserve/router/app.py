@@ -4,8 +4,9 @@
     uvicorn.run(app, port=8000)
 
 Routes: POST /v1/completions and /v1/chat/completions (SSE when `stream`), GET /v1/models,
-GET /health, GET /metrics, GET /admin/workers, GET /v1/requests/{id}/timeline. The response `id`
-is the request id the core used, so a request's timeline is reachable by it.
+GET /health, GET /metrics, GET /admin/workers, GET /v1/requests/{id}/timeline, and the live
+dashboard: GET /dashboard (the page) and GET /admin/dashboard.json (its data; router/dashboard.py).
+The response `id` is the request id the core used, so a request's timeline is reachable by it.
 
 Every error is OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 parameters (validation errors included), 401 for a missing or wrong key when `api_key` is set
@@ -40,12 +41,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.engine.request import SamplingParams
+from pdserve.router import dashboard
 from pdserve.router import protocol as p
 from pdserve.router.core import Delta, RequestError
 
 log = logging.getLogger("pdserve.router")
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+# reachable without the API key (the dashboard page is static code; its data needs the key)
+OPEN_PATHS = frozenset({"/health", "/metrics", dashboard.PAGE_PATH})
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens and no known max_model_len
 DISCONNECT_POLL_S = 0.25  # how often a request waiting on the core checks for its client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -343,7 +346,14 @@ def create_app(
     if metrics is not None and getattr(core, "metrics", None) is None:
         core.metrics = metrics
     s = _AppState(core, tokenizer, model_name, max_model_len, metrics)
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    board = dashboard.Dashboard(core, metrics)
+    app = FastAPI(
+        title="pdserve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=dashboard.lifespan(board),
+    )
     app.state.pdserve = s
     app.add_middleware(_Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
 
@@ -468,6 +478,7 @@ def create_app(
         row = await core.set_role(worker_id, req.role, by="admin")
         return JSONResponse(row)
 
+    dashboard.mount(app, board)  # GET /dashboard, GET /admin/dashboard.json
     return app
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 
 ROUTES = ("remote", "local", "colocated")
 MODES = ("conditional", "always")
@@ -180,6 +180,15 @@ class SloPlanner:
         # the route that uses one worker wins
         self.handoff_overhead_s = handoff_overhead_s
         self.calibration = Calibration()
+
+    def observe_transfer(self, nbytes: int, tokens: int) -> None:
+        """A KV transfer of `tokens` tokens moved `nbytes`: learn KV bytes per token (codec,
+        dtype) for the transfer times, as a moving average."""
+        if nbytes <= 0:
+            return
+        per = nbytes / max(1, tokens)
+        old = self.kv_bytes_per_token
+        self.kv_bytes_per_token = per if old <= 0 else 0.8 * old + 0.2 * per
 
     # ---- the decision --------------------------------------------------------------------
     def routes(self, prefill: list[str], decode: list[str], colocated: list[str]) -> list[Route]:

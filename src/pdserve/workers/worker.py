@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, WorkerConfig, add_config_args, config_from_args
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.transfer import wire
@@ -59,17 +59,13 @@ class Worker:
         engine_args: dict[str, Any],
         *,
         worker_id: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        kv_port: int = 0,
-        transport: str = "tcp",
-        kv_codec: str = "none",
-        deadline_s: float = 5.0,
-        lease_s: float = 10.0,
-        shm_mb: int = 512,
-        stream_kv: bool = True,
+        config: WorkerConfig | None = None,
         ctx: zmq.Context | None = None,
     ) -> None:
+        self.config = cfg = config or WorkerConfig()
+        host, port, kv_port, transport = cfg.host, cfg.port, cfg.kv_port, cfg.transport
+        kv_codec, deadline_s, lease_s = cfg.kv_codec, cfg.deadline_s, cfg.lease_s
+        shm_mb, stream_kv = cfg.shm_mb, cfg.stream_kv
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         get_codec(kv_codec)
@@ -403,34 +399,11 @@ def _stage_times(out: RequestOutput) -> dict[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, required=True)
     parser.add_argument("--worker-id", default=None)
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback)")
-    parser.add_argument("--port", type=int, default=0, help="control port; 0 picks a free one")
-    parser.add_argument("--kv-port", type=int, default=0, help="KV port; 0 picks a free one")
-    parser.add_argument("--transport", default="tcp", help="KV transport: tcp | ipc | shm | inproc")
-    parser.add_argument("--kv-codec", default="none", help="KV wire codec: none | int8 | int4")
-    parser.add_argument(
-        "--deadline", type=float, default=5.0, help="seconds of silence before a hand-off fails"
-    )
-    parser.add_argument(
-        "--lease",
-        type=float,
-        default=10.0,
-        help="seconds P keeps sent KV waiting for D's acknowledgement",
-    )
-    parser.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
-    parser.add_argument(
-        "--stream-kv",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="stream each layer's KV while the prompt computes (default) or send it all after",
-    )
+    add_config_args(parser, WorkerConfig)
     parser.add_argument(
         "--exit-with-parent",
         action="store_true",
         help="shut down when the process that started this worker exits",
-    )
-    parser.add_argument(
-        "--shm-mb", type=int, default=512, help="shared-memory ring of the shm transport, MiB"
     )
     parser.add_argument(
         "--secret-file",
@@ -451,20 +424,8 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     secret = auth.load_secret(args.secret_file)
     auth.require_secret([args.host], secret)  # before loading a model: fail fast
     m.set_key(secret)
-    worker = Worker(
-        args.role,
-        engine_args,
-        worker_id=args.worker_id,
-        host=args.host,
-        port=args.port,
-        kv_port=args.kv_port,
-        transport=args.transport,
-        kv_codec=args.kv_codec,
-        deadline_s=args.deadline,
-        lease_s=args.lease,
-        shm_mb=args.shm_mb,
-        stream_kv=args.stream_kv,
-    )
+    config = config_from_args(WorkerConfig, args)
+    worker = Worker(args.role, engine_args, worker_id=args.worker_id, config=config)
     if args.exit_with_parent:
         worker.parent_pid = os.getppid()
     ready = {

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pdserve import cli
-from pdserve.bench import profile
-from pdserve.router.costmodel import CostModel, default_path
+from pdserve.costmodel import profile
+from pdserve.costmodel.model import CostModel, default_path
 
 LOOSE = 1.0  # median relative error: a fit that is off by 2x on its own samples is broken
 

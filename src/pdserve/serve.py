@@ -23,10 +23,16 @@ from typing import Any
 
 import zmq
 
-from pdserve.config import check_quantization
+from pdserve.config import (
+    RouterConfig,
+    WorkerConfig,
+    add_config_args,
+    check_quantization,
+    config_from_args,
+)
+from pdserve.costmodel.model import CostModel, default_path
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
-from pdserve.router.costmodel import CostModel, default_path
 from pdserve.router.slo import SloPlanner
 from pdserve.workers import auth
 from pdserve.workers import messages as m
@@ -36,6 +42,7 @@ STARTUP_TIMEOUT_S = 300.0
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, RouterConfig)
     parser.add_argument(
         "--secret-file",
         default=None,
@@ -50,11 +57,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (or set PDSERVE_API_KEY)",
     )
     parser.add_argument("--served-model-name", default=None, help="model id in the API")
-    parser.add_argument(
-        "--policy",
-        default="least_outstanding",
-        help="routing policy: least_outstanding | round_robin",
-    )
     parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds")
     parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO, seconds")
     parser.add_argument(
@@ -77,13 +79,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "predicts better; always: every request through P; auto: conditional with a cost model",
     )
     parser.add_argument(
-        "--prefix-routing",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="route to workers holding the prompt's cached prefix (and keep conversations, "
-        "by the OpenAI `user` field, where their KV is)",
-    )
-    parser.add_argument(
         "--autobalance",
         action="store_true",
         help="move workers between the prefill and decode pools when one stays saturated "
@@ -94,43 +89,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="tokens the planner assumes a request generates when max_tokens is larger",
-    )
-    parser.add_argument(
-        "--deadline", type=float, default=5.0, help="seconds of silence before a hand-off fails"
-    )
-    parser.add_argument(
-        "--handoff-tokens", type=int, default=1, help="tokens generated on P before the hand-off"
-    )
-    parser.add_argument(
-        "--max-inflight",
-        type=int,
-        default=256,
-        help="requests in flight before new ones get 429 with Retry-After",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a request may take in all before it ends with 504",
-    )
-    parser.add_argument(
-        "--liveness-timeout",
-        type=float,
-        default=2.0,
-        help="seconds without a heartbeat before a worker is taken out of routing",
-    )
-    parser.add_argument(
-        "--stuck-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a worker's main loop may not turn (heartbeat still alive) before it "
-        "counts as stuck",
-    )
-    parser.add_argument(
-        "--max-recoveries",
-        type=int,
-        default=2,
-        help="times one request may move to other workers after a worker goes down",
     )
     parser.add_argument(
         "--drain",
@@ -210,7 +168,12 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     engine = {k: v for k, v in engine.items() if v is not None}
     return [
         WorkerSpec(
-            role, f"{role[0].upper()}{i}", engine, args.transport, args.kv_codec, args.deadline
+            role,
+            f"{role[0].upper()}{i}",
+            engine,
+            WorkerConfig(
+                transport=args.transport, kv_codec=args.kv_codec, deadline_s=args.deadline_s
+            ),
         )
         for role, n in counts.items()
         for i in range(n)
@@ -227,7 +190,7 @@ def _cost_model(
 ) -> CostModel | None:
     """The cost model the planner predicts with: a file, this host's saved one, a profile
     run now (only when a feature needs it and none is saved), or none."""
-    from pdserve.bench import profile
+    from pdserve.costmodel import profile
 
     if args.cost_model == "none":
         if _needs_cost_model(args):
@@ -274,7 +237,7 @@ def _use_secret(args: argparse.Namespace, endpoints: list[str]) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     _setup_logging()
     specs = _worker_specs(args)
-    _use_secret(args, [s.host for s in specs])
+    _use_secret(args, [s.config.host for s in specs])
     # before the workers start: profiling (when needed) measures a quiet machine
     cost = _cost_model(args, args.model, int(specs[0].engine_args["threads"]))
     ctx = zmq.Context()
@@ -339,17 +302,9 @@ async def _serve_router(
     planner = _planner(args, cost_model)
     core = RouterCore(
         endpoints,
-        policy=args.policy,
-        deadline_s=args.deadline,
-        handoff_tokens=args.handoff_tokens,
+        config_from_args(RouterConfig, args),
         metrics=metrics,
-        max_inflight=args.max_inflight,
-        liveness_timeout_s=args.liveness_timeout,
-        stuck_timeout_s=args.stuck_timeout,
-        max_recoveries=args.max_recoveries,
-        request_timeout_s=args.request_timeout,
         planner=planner,
-        prefix_routing=args.prefix_routing,
         autobalancer=Autobalancer() if args.autobalance else None,
     )
     await core.start()

@@ -16,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from factories import eventually
 from pdserve import LLM, SamplingParams
 
 
@@ -197,7 +198,6 @@ def test_sigterm_drains_and_exits_zero(tiny_llama_path) -> None:  # type: ignore
     assert srv.stop() == 0
 
 
-@pytest.mark.slow
 def test_default_model_answers_paris_over_http() -> None:
     srv = Server()
     try:
@@ -214,13 +214,15 @@ def test_default_model_answers_paris_over_http() -> None:
 
 
 def _wait_idle(url: str, timeout_s: float) -> list[dict]:  # type: ignore[type-arg]
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle() -> list[dict] | None:  # type: ignore[type-arg]
         workers = httpx.get(url + "/admin/workers", timeout=10).json()
-        if all(w["running"] == 0 and w["kv_blocks_used"] == 0 for w in workers):
-            return workers
-        assert time.monotonic() < deadline, workers
-        time.sleep(0.1)
+        return (
+            workers
+            if all(w["running"] == 0 and w["kv_blocks_used"] == 0 for w in workers)
+            else None
+        )
+
+    return eventually(idle, timeout_s, "every worker idle", interval_s=0.1)
 
 
 def test_client_disconnect_frees_blocks_on_p_and_d(server) -> None:  # type: ignore[no-untyped-def]
@@ -300,14 +302,13 @@ def test_a_killed_worker_is_restarted_and_rejoins(server, llm) -> None:  # type:
     client = server.client()
     before = {w["role"]: w for w in httpx.get(server.url + "/admin/workers", timeout=10).json()}
     os.kill(before["decode"]["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while True:  # taken out within the liveness timeout, then restarted with a new pid
+
+    def restarted() -> bool:  # taken out within the liveness timeout, then back with a new pid
         rows = {w["role"]: w for w in httpx.get(server.url + "/admin/workers", timeout=10).json()}
         d = rows["decode"]
-        if d["healthy"] and d["pid"] not in (None, before["decode"]["pid"]):
-            break
-        assert time.monotonic() < deadline, rows
-        time.sleep(0.2)
+        return bool(d["healthy"] and d["pid"] not in (None, before["decode"]["pid"]))
+
+    eventually(restarted, 60, "the killed decode worker to be restarted", interval_s=0.2)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = llm.generate("Hello again", params)[0].outputs[0].text
     out = client.completions.create(

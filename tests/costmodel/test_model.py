@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 
 TRUE = CostModel((0.02, 0.0018, 0.0004), (0.035, 0.004, 0.0009), (0.0005, 2e9))
 
@@ -96,7 +96,7 @@ def test_scaled_multiplies_compute_and_keeps_transfer() -> None:
 def test_default_path_is_per_host_model_and_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pdserve.router.costmodel import default_path, model_stem
+    from pdserve.costmodel.model import default_path, model_stem
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     path = default_path("/m/SmolLM2-135M-Instruct.Q4_1.gguf", 2, host="box 1")

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import cli, plan
-from pdserve.plan import SLO, Shape
-from pdserve.router.costmodel import CostModel
+from pdserve import cli
+from pdserve.costmodel import plan
+from pdserve.costmodel.model import CostModel
+from pdserve.costmodel.plan import SLO, Shape
 
 # about SmolLM2-135M on one thread: 50 ms + 1.8 ms/token prefill, 45 ms decode steps
 MODEL = CostModel((0.05, 0.0018, 0.0004), (0.045, 0.004, 0.009), (0.001, 1e9))

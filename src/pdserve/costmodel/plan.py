@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.router.costmodel import CostModel
+from pdserve.costmodel.model import CostModel
 
 DEFAULT_EFFICIENCY = 0.8
 MAX_BATCH = 1 << 16  # when a step's per-request cost is ~0, the batch is bounded only by this
@@ -735,8 +735,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_cost_model(model: str | None) -> Path:
-    from pdserve.bench.profile import model_path
-    from pdserve.router.costmodel import default_path
+    from pdserve.costmodel.model import default_path
+    from pdserve.costmodel.profile import model_path
 
     return default_path(model_path(model), 1)
 

@@ -1,0 +1,94 @@
+"""What the router knows about one worker (`WorkerState`) and one request (`Flight`), and what
+a request yields (`Delta`) or raises (`RequestError`): plain data shared by the router's modules."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+
+from pdserve.engine.request import SamplingParams
+from pdserve.router import slo
+from pdserve.router.timeline import Event
+from pdserve.workers import messages as m
+
+
+class RequestError(Exception):
+    """A request that cannot be served; `status` is the HTTP status the router answers with."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 503,
+        code: str = "unavailable",
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+        self.retry_after_s = retry_after_s  # sent as Retry-After on 429/503
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class WorkerState:
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    info: m.WorkerInfo | None = None
+    healthy: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    outstanding: int = 0
+    last_seen: float = 0.0
+    hb: zmq.asyncio.Socket | None = None  # heartbeat socket (Ping -> Pong)
+    last_pong: float = 0.0
+    loop_age: float = 0.0  # the worker's own report: since its main loop last turned
+    down_reason: str | None = None  # why it was taken out of routing
+    draining: bool = False  # out of routing until its requests finish (a role switch)
+    load: slo.WorkerLoad = field(default_factory=lambda: slo.WorkerLoad(""))
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info else self.endpoint
+
+    @property
+    def role(self) -> str:
+        return self.info.role if self.info else "unknown"
+
+
+@dataclass
+class Flight:
+    """One request in flight; `attempt` changes the id the workers see on every retry."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    attempt: int = 1
+    pair: tuple[WorkerState, WorkerState | None] | None = None
+    sent: list[int] = field(default_factory=list)  # tokens already streamed to the client
+    timeline: list[Event] = field(default_factory=list)
+    last_event: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    p_done: bool = False  # P's hand-off tokens delivered (D's may be delivered after them)
+    held: list[m.Tokens] = field(default_factory=list)  # D's tokens that overtook P's
+    recoveries: int = 0  # re-dispatches after a worker of this request went down
+    session: str | None = None  # the client's conversation (OpenAI `user`): affinity
+    route: str = ""  # remote | local | colocated | fallback
+    prediction: slo.Prediction | None = None  # the planner's, for the first dispatch
+    raw_pred: tuple[float, float] = (0.0, 0.0)  # the same before online calibration
+    first_at: float | None = None  # router time of the first and last tokens delivered
+    last_at: float | None = None
+
+    @property
+    def wire_rid(self) -> str:
+        return f"{self.rid}.{self.attempt}"

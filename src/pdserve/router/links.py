@@ -1,0 +1,108 @@
+"""Links: the router's sockets to its workers, the pools they form, and their stats.
+
+Everything else in the router talks to workers through `send` (never blocking) and reads who
+is routable through `pools`; liveness, roles and routing all depend on this module, not on the
+core, so none of them closes a loop back to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.router.events import RouterEvents
+from pdserve.router.flight import WorkerState
+from pdserve.workers import messages as m
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class Links:
+    def __init__(self, endpoints: list[str], ctx: zmq.Context | None, events: RouterEvents) -> None:
+        # In-process (inproc) workers need the context they were started with.
+        self.ctx = zmq.asyncio.Context.shadow(ctx) if ctx is not None else zmq.asyncio.Context()
+        self._owns_ctx = ctx is None
+        self.events = events
+        self.workers = [WorkerState(e, self.socket(e)) for e in endpoints]
+
+    def socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    def send(self, w: WorkerState, msg: object) -> None:
+        # never block the event loop on a dead peer: its queue fills, the message is dropped
+        try:
+            w.sock.send(m.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.events.count("send_dropped")
+
+    def pools(self) -> dict[str, list[WorkerState]]:
+        """Routable workers by role: healthy and not draining."""
+        return {
+            role: [w for w in self.workers if w.healthy and not w.draining and w.role == role]
+            for role in ROLES
+        }
+
+    def find(self, worker_id: str) -> WorkerState | None:
+        return next((w for w in self.workers if w.worker_id == worker_id), None)
+
+    async def poll_stats(self, interval_s: float, deadline_s: float) -> None:
+        """Ask every worker for its stats each `interval_s`; a worker without a heartbeat
+        socket is judged by whether it answers."""
+        while True:
+            now = time.monotonic()
+            for w in self.workers:
+                silent = now - w.last_seen > 3 * interval_s + deadline_s
+                if w.hb is None and silent:
+                    w.healthy = False
+                self.send(w, m.GetStats())
+            await asyncio.sleep(interval_s)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per worker for /admin/workers and the dashboard."""
+        rows = []
+        for w in self.workers:
+            s = w.stats
+            rows.append(
+                {
+                    "id": w.worker_id,
+                    "role": w.role,
+                    "url": w.endpoint,
+                    "pid": w.info.pid if w.info else None,
+                    "healthy": w.healthy,
+                    "draining": w.draining,
+                    "down_reason": w.down_reason,
+                    "loop_age_s": round(w.loop_age, 3),
+                    "queue": s.get("waiting", 0),
+                    "running": s.get("running", 0),
+                    "outstanding": w.outstanding,
+                    "kv_blocks_used": s.get("kv_blocks_used", 0),
+                    "kv_blocks_total": s.get("kv_blocks_total", 0),
+                    "quantization": s.get("quantization"),
+                }
+            )
+        return rows
+
+    def vitals(self) -> dict[str, dict[str, Any]]:
+        """Per worker id: seconds since its last heartbeat reply (since its last message when
+        it has no heartbeat socket) and a copy of the last stats it sent (the dashboard's)."""
+        now = time.monotonic()
+        out = {}
+        for w in self.workers:
+            heard = w.last_pong if w.hb is not None else w.last_seen
+            out[w.worker_id] = {"heartbeat_age_s": round(now - heard, 3), "stats": dict(w.stats)}
+        return out
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.sock.close(0)
+            if w.hb is not None:
+                w.hb.close(0)
+        if self._owns_ctx:
+            self.ctx.term()

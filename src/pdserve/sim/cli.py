@@ -1,0 +1,155 @@
+"""`pdserve sim`: simulate a deployment on a workload and print TTFT / TPOT, attainment, goodput.
+
+    pdserve sim --hardware h100 --model llama-3.1-8b --prefill 2 --decode 1 --workload rag \\
+        --input-len 2000 --output-len 300 --rate 8 --num-requests 500 --slo-ttft 1 --slo-tpot 0.05
+
+Hardware `cpu` uses this host's profiled cost model (`pdserve bench profile`) and the default
+model; GPUs (a100, h100, h200) use the roofline step model with a shipped model shape
+(`--model llama-3.1-8b|llama-3.1-70b|qwen2.5-7b|qwen2.5-32b` or a config.json path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench import workloads as bw
+from pdserve.sim import hardware
+from pdserve.sim.deploy import Deployment, render, simulate
+from pdserve.sim.workload import SIM_WORKLOADS, make_requests
+
+
+def _pos_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--workload", choices=SIM_WORKLOADS, default="synthetic", help="request shapes")
+    a("--input-len", type=_pos_int, default=512, help="mean prompt tokens")
+    a("--output-len", type=_pos_int, default=128, help="mean output tokens")
+    a("--len-spread", type=float, default=0.0, help="lengths uniform in mean x (1 +- spread)")
+    a("--turns", type=_pos_int, default=3, help="multiturn: turns per conversation")
+    a("--seed", type=int, default=0)
+    a("--arrival-cv", type=_pos_float, default=1.0, help="gamma arrivals' cv (1: Poisson)")
+    a("--trace", type=Path, default=None, help="CSV: arrival_s,input_tokens,output_tokens")
+    bw.add_arguments(parser)
+
+
+def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--hardware", default="h100", help=f"one of {', '.join(hardware.HARDWARE)}")
+    a("--tp-prefill", type=_pos_int, default=1, help="tensor parallelism of a prefill worker")
+    a("--tp-decode", type=_pos_int, default=1, help="... of a decode (or colocated) worker")
+    a("--link-gbps", type=_pos_float, default=None, help="P->D link per GPU, Gbit/s (400)")
+    a("--per-message-ms", type=float, default=0.5, help="fixed cost of one KV transfer, ms")
+    a("--max-batched-tokens", type=_pos_int, default=2048, help="token budget (chunk size)")
+    a("--max-num-seqs", type=_pos_int, default=256, help="running requests cap per worker")
+    a("--cost-model", type=Path, default=None, help="cpu: the profiled cost model JSON")
+    a("--kv-cache-gb", type=_pos_float, default=1.0, help="cpu: KV memory per worker")
+    a("--slo-ttft", type=_pos_float, default=None, help="TTFT SLO, s")
+    a("--slo-tpot", type=_pos_float, default=None, help="TPOT SLO, s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default=None, help="model name or config.json (default: llama-3.1-8b; cpu: "
+      "the default GGUF)")  # fmt: skip
+    pools = parser.add_mutually_exclusive_group()
+    pools.add_argument("--colocated", type=_pos_int, default=None, help="colocated workers")
+    pools.add_argument("--prefill", type=_pos_int, default=None, help="prefill workers")
+    a("--decode", type=_pos_int, default=None, help="decode workers (with --prefill)")
+    add_deployment_arguments(parser)
+    add_workload_arguments(parser)
+    a("--rate", type=_pos_float, default=1.0, help="requests/s")
+    a("--num-requests", type=_pos_int, default=200)
+    a("--router", choices=("round_robin", "planner"), default=None,
+      help="round_robin, or the SLO planner (default: planner when an SLO is given)")  # fmt: skip
+    a("--admission", action="store_true", help="reject predicted SLO misses (needs SLOs)")
+    a("--disaggregation", choices=("always", "conditional"), default="always")
+    a("--prefix-routing", action="store_true")
+    a("--autobalance", action="store_true")
+    a("--message-ms", type=float, default=0.0, help="router <-> worker message latency, ms")
+    a("--json", action="store_true", help="print JSON")
+
+
+def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    hw = args.hardware.lower()
+    if hw not in hardware.HARDWARE:
+        raise ValueError(f"unknown hardware {args.hardware!r}; choose one of "
+                         f"{', '.join(hardware.HARDWARE)}")  # fmt: skip
+    if args.colocated is None and (args.prefill is None) != (args.decode is None):
+        raise ValueError("give --prefill N with --decode M, or --colocated N")
+    if args.per_message_ms < 0 or args.message_ms < 0:
+        raise ValueError("--per-message-ms and --message-ms must be >= 0")
+    colocated = args.colocated or 0
+    prefill = args.prefill or (0 if colocated else 1)
+    decode = args.decode or (0 if colocated else 1)
+    model = args.model or ("default" if hw == "cpu" else "llama-3.1-8b")
+    planner = args.router or ("planner" if args.slo_ttft or args.slo_tpot else "round_robin")
+    want_planner = planner == "planner"
+    if (args.admission or args.prefix_routing or args.autobalance) and not want_planner:
+        raise ValueError("--admission, --prefix-routing and --autobalance need --router planner")
+    if args.admission and not (args.slo_ttft or args.slo_tpot):
+        raise ValueError("--admission needs --slo-ttft and/or --slo-tpot")
+    return Deployment(
+        hardware=hw,
+        model=model,
+        prefill=prefill,
+        decode=decode,
+        colocated=colocated,
+        tp_prefill=args.tp_prefill,
+        tp_decode=args.tp_decode,
+        link_gbps=args.link_gbps,
+        per_message_s=args.per_message_ms / 1e3,
+        max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        planner=want_planner,
+        admission=args.admission,
+        disaggregation=args.disaggregation,
+        prefix_routing=args.prefix_routing,
+        autobalance=args.autobalance,
+        expected_output=args.output_len,
+        cost_model=args.cost_model,
+        kv_cache_gb=args.kv_cache_gb,
+        message_s=args.message_ms / 1e3,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    d = deployment_from_args(args)
+    requests = make_requests(args)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = simulate(d, requests)
+    result["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(render(result, d.slo_ttft_s, d.slo_tpot_s))
+        print(f"(simulated in {result['wall_s']:.2f} s of wall time)")
+    return 0

@@ -1,0 +1,262 @@
+"""A deployment to simulate (hardware, model, pools, tensor parallelism, link), run, summarized.
+
+`Deployment` is the one description both `pdserve sim` and `pdserve plan --simulate` build;
+`simulate(deployment, requests)` runs it and `summarize` turns the records into the numbers the
+bench reports: TTFT / TPOT percentiles of the served requests, SLO attainment over *all*
+requests (a rejected one misses), goodput (requests meeting both SLOs per second of the run,
+and per GPU), routes, rejections, utilization per pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.costmodel.model import CostModel
+from pdserve.engine.scheduler import SchedulerPolicy
+from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
+from pdserve.sim.hardware import gpu, model_shape
+from pdserve.sim.steptime import (
+    CostModelStep,
+    Link,
+    RooflineStep,
+    StepModel,
+    gbps_to_bytes_s,
+    planner_cost_model,
+)
+
+DEFAULT_LINK_GBPS_GPU = 400.0  # one 400 Gbit/s RDMA NIC per GPU
+
+
+@dataclass(frozen=True)
+class Deployment:
+    hardware: str = "h100"
+    model: str = "llama-3.1-8b"
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    tp_prefill: int = 1
+    tp_decode: int = 1  # also the TP of colocated workers
+    link_gbps: float | None = None  # per GPU
+    per_message_s: float = 0.0005
+    max_batched_tokens: int = 2048
+    prefill_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    planner: bool = False
+    admission: bool = False
+    disaggregation: str = "always"
+    prefix_routing: bool = False
+    autobalance: bool = False
+    expected_output: int = 256
+    cost_model: Path | None = None  # cpu: the profiled CostModel file
+    kv_cache_gb: float = 1.0  # cpu: the engine's default KV memory
+    message_s: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        if self.colocated:
+            return self.colocated * self.tp_decode
+        return self.prefill * self.tp_prefill + self.decode * self.tp_decode
+
+    def label(self) -> str:
+        if self.colocated:
+            return f"{self.colocated} colocated x TP{self.tp_decode}"
+        return f"{self.prefill}P(TP{self.tp_prefill}) : {self.decode}D(TP{self.tp_decode})"
+
+
+@dataclass
+class Built:
+    config: SimConfig
+    step: Any  # StepModel
+    prefill_step: Any
+    link: Link
+    planner_model: CostModel | None = field(default=None)
+
+
+def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
+    from pdserve.costmodel.model import default_path
+
+    path = d.cost_model
+    if path is None:
+        from pdserve.costmodel.profile import model_path
+
+        path = default_path(model_path(None if d.model == "default" else d.model), 1)
+    if not Path(path).is_file():
+        raise ValueError(
+            f"no cost model at {path}: run `pdserve bench profile --threads 1` or pass --cost-model"
+        )
+    model = CostModel.load(Path(path))
+    about = CostModel.load_about(Path(path))
+    bpt = float(str(about.get("kv_bytes_per_token", 0)) or 0)
+    kv_tokens = int(d.kv_cache_gb * 1024**3 // bpt) if bpt > 0 else 1 << 20
+    layers = 30
+    step = CostModelStep(model, bpt, kv_tokens, layers)
+    # the profiled transfer (loopback tcp, encode + decode): its bandwidth and fixed cost
+    fixed, bytes_s = model.transfer
+    bytes_s = gbps_to_bytes_s(d.link_gbps) if d.link_gbps else bytes_s
+    return step, Link(bytes_s, fixed)
+
+
+def build(d: Deployment) -> Built:
+    if d.hardware == "cpu":
+        if d.tp_prefill != 1 or d.tp_decode != 1:
+            raise ValueError("tensor parallelism is for GPUs; on cpu use 1")
+        step: StepModel
+        step, link = _cpu_steps(d)
+        pstep: StepModel = step
+    else:
+        g, shape = gpu(d.hardware), model_shape(d.model)
+        step = RooflineStep(g, shape, d.tp_decode)
+        pstep = RooflineStep(g, shape, d.tp_prefill)
+        link = Link(gbps_to_bytes_s(d.link_gbps or DEFAULT_LINK_GBPS_GPU), d.per_message_s)
+    policy = SchedulerPolicy(
+        max_num_batched_tokens=d.max_batched_tokens, max_num_seqs=d.max_num_seqs
+    )
+    p_policy = None
+    if d.prefill_batched_tokens is not None:
+        p_policy = replace(policy, max_num_batched_tokens=d.prefill_batched_tokens)
+    config = SimConfig(
+        prefill=0 if d.colocated else d.prefill,
+        decode=0 if d.colocated else d.decode,
+        colocated=d.colocated,
+        policy=policy,
+        prefill_policy=p_policy,
+        slo_ttft_s=d.slo_ttft_s,
+        slo_tpot_s=d.slo_tpot_s,
+        planner=d.planner,
+        admission=d.admission,
+        disaggregation=d.disaggregation,
+        prefix_routing=d.prefix_routing,
+        autobalance=d.autobalance,
+        expected_output=d.expected_output,
+        message_s=d.message_s,
+    )
+    planner_model = planner_cost_model(step, link=link) if d.planner else None
+    return Built(config, step, pstep, link, planner_model)
+
+
+def simulate(
+    d: Deployment,
+    requests: Sequence[SimRequest],
+    built: Built | None = None,
+    warmup_s: float = 0.0,
+) -> dict[str, Any]:
+    """Run and summarize; requests arriving before `warmup_s` run but are not counted."""
+    b = built or build(d)
+    sim = Simulation(b.config, b.step, b.link, b.planner_model, prefill_step=b.prefill_step)
+    records = [r for r in sim.run(requests) if r.arrival >= warmup_s]
+    out = summarize(records, d.slo_ttft_s, d.slo_tpot_s, d.gpus)
+    out["deployment"] = d.label()
+    out["counters"] = dict(sorted(sim.counters.items()))
+    out["utilization"] = utilization(sim)
+    out["preemptions"] = sum(w.sched.num_preemptions for w in sim.workers)
+    return out
+
+
+def utilization(sim: Simulation) -> dict[str, float]:
+    """Busy share of the run per role (summed step time over workers x run length)."""
+    end = sim.now or 1.0
+    out: dict[str, float] = {}
+    for role in ("prefill", "decode", "colocated"):
+        ws = [w for w in sim.workers if w.role == role]
+        if ws:
+            out[role] = round(sum(w.busy_s for w in ws) / (len(ws) * end), 4)
+    return out
+
+
+def _pct(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    a = np.asarray(values)
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+    }
+
+
+def meets(r: Record, slo_ttft: float | None, slo_tpot: float | None) -> bool:
+    if r.rejected is not None or r.finished_at is None:
+        return False
+    ttft, tpot = r.ttft, r.tpot
+    ok_ttft = slo_ttft is None or (ttft is not None and ttft <= slo_ttft)
+    ok_tpot = slo_tpot is None or tpot is None or tpot <= slo_tpot
+    return ok_ttft and ok_tpot
+
+
+def summarize(
+    records: Sequence[Record], slo_ttft: float | None, slo_tpot: float | None, gpus: int
+) -> dict[str, Any]:
+    served = [r for r in records if r.rejected is None and r.finished_at is not None]
+    ttfts = [r.ttft for r in served if r.ttft is not None]
+    tpots = [r.tpot for r in served if r.tpot is not None]
+    met = sum(meets(r, slo_ttft, slo_tpot) for r in records)
+    start = min((r.arrival for r in records), default=0.0)
+    end = max((r.finished_at or r.arrival for r in records), default=0.0)
+    span = max(end - start, 1e-9)
+    routes: dict[str, int] = {}
+    for r in served:
+        routes[r.route or "?"] = routes.get(r.route or "?", 0) + 1
+    return {
+        "requests": len(records),
+        "served": len(served),
+        "rejected": sum(r.rejected is not None for r in records),
+        "unfinished": sum(r.rejected is None and r.finished_at is None for r in records),
+        "ttft_s": _pct(ttfts),
+        "tpot_s": _pct(tpots),
+        "attainment": met / len(records) if records else 0.0,
+        "ttft_attainment": _share(records, lambda r: slo_ttft is None or _le(r.ttft, slo_ttft)),
+        "tpot_attainment": _share(
+            records, lambda r: slo_tpot is None or _le(r.tpot, slo_tpot, True)
+        ),
+        "goodput_rps": met / span,
+        "goodput_per_gpu": met / span / max(gpus, 1),
+        "throughput_rps": len(served) / span,
+        "duration_s": span,
+        "gpus": gpus,
+        "routes": routes,
+    }
+
+
+def _le(v: float | None, limit: float, none_ok: bool = False) -> bool:
+    return none_ok if v is None else v <= limit
+
+
+def _share(records: Sequence[Record], ok: Any) -> float:
+    served = [r for r in records if r.rejected is None and r.finished_at is not None]
+    return sum(bool(ok(r)) for r in served) / len(records) if records else 0.0
+
+
+def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) -> str:
+    def ms(v: float | None) -> str:
+        return "—" if v is None or math.isnan(v) else f"{v * 1e3:.1f}"
+
+    t, p = s["ttft_s"], s["tpot_s"]
+    lines = [
+        f"deployment: {s['deployment']} ({s['gpus']} GPU/worker slots)",
+        f"requests: {s['requests']} (served {s['served']}, rejected {s['rejected']}, "
+        f"unfinished {s['unfinished']}) over {s['duration_s']:.1f} s simulated",
+        "",
+        "| metric | p50 | p90 | p99 | mean |",
+        "|---|---:|---:|---:|---:|",
+        f"| TTFT ms | {ms(t['p50'])} | {ms(t['p90'])} | {ms(t['p99'])} | {ms(t['mean'])} |",
+        f"| TPOT ms | {ms(p['p50'])} | {ms(p['p90'])} | {ms(p['p99'])} | {ms(p['mean'])} |",
+        "",
+        f"SLO attainment (TTFT <= {slo_ttft} s and TPOT <= {slo_tpot} s): "
+        f"{s['attainment']:.1%} (TTFT alone {s['ttft_attainment']:.1%}, "
+        f"TPOT alone {s['tpot_attainment']:.1%})",
+        f"goodput: {s['goodput_rps']:.3f} req/s, {s['goodput_per_gpu']:.3f} req/s per GPU; "
+        f"throughput {s['throughput_rps']:.3f} req/s",
+        f"routes: {s['routes']}; utilization: {s['utilization']}; preemptions: {s['preemptions']}",
+    ]
+    if s["counters"]:
+        lines.append(f"counters: {s['counters']}")
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""Simulated vs real on this machine: the same request list through a real `LocalCluster` and
+through the simulator with this host's profiled cost model (docs/benchmarks/sim.md).
+
+    python -m pdserve.sim.validate --out /tmp/sim_validation.json
+
+Each configuration runs for real (worker processes, the default model, 1 thread each) and is
+simulated; the first configuration runs twice for real (A/A), so the run-to-run spread of the
+real system is measured beside the simulator's error. Real TTFT and TPOT are taken at the
+router: the arrival of each delta from `RouterCore.generate`, as the simulator's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.engine.request import SamplingParams
+from pdserve.sim.cluster import Record, SimRequest
+from pdserve.sim.deploy import Deployment, simulate, summarize
+from pdserve.sim.workload import arrivals, requests_from_items
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    deployment: Deployment
+
+
+def cases(slo_ttft: float, slo_tpot: float) -> list[Case]:
+    base = Deployment(
+        hardware="cpu",
+        model="default",
+        max_num_seqs=64,
+        slo_ttft_s=slo_ttft,
+        slo_tpot_s=slo_tpot,
+        message_s=0.001,
+    )
+    return [
+        Case("colocated x2", replace(base, prefill=0, decode=0, colocated=2)),
+        Case("1P1D", replace(base, prefill=1, decode=1)),
+        Case("1P1D + admission", replace(base, planner=True, admission=True)),
+        Case("1P1D + conditional", replace(base, planner=True, disaggregation="conditional")),
+    ]
+
+
+def planner_for(d: Deployment) -> Any:
+    from pdserve.costmodel.model import CostModel
+    from pdserve.router.slo import SloPlanner
+    from pdserve.sim.deploy import _cpu_steps
+
+    if not d.planner:
+        return None
+    step, _ = _cpu_steps(d)
+    assert isinstance(step.model, CostModel)
+    return SloPlanner(
+        step.model,
+        slo_ttft_s=d.slo_ttft_s,
+        slo_tpot_s=d.slo_tpot_s,
+        admission=d.admission,
+        mode=d.disaggregation,
+        token_budget=d.max_batched_tokens,
+        expected_output=d.expected_output,
+    )
+
+
+PROBE_BASE = 31000  # probe prompts' ids: clear of the synthetic workload's [1000, 30000)
+
+
+def run_real(
+    d: Deployment, requests: list[SimRequest], probe_len: int = 0
+) -> tuple[list[Record], list[Record]]:
+    """The request list through a real cluster; first, if `probe_len`, two lone requests of
+    that length one after the other (how fast this machine is right now)."""
+    from pdserve.cluster import LocalCluster
+    from pdserve.router.core import RequestError
+
+    core_args: dict[str, Any] = {}
+    planner = planner_for(d)
+    if planner is not None:
+        core_args["planner"] = planner
+    cluster = LocalCluster(
+        prefill=d.prefill,
+        decode=d.decode,
+        colocated=d.colocated,
+        threads=1,
+        engine_args={"max_num_seqs": d.max_num_seqs},
+        core_args=core_args,
+    )
+    records: dict[str, Record] = {
+        r.rid: Record(r.rid, len(r.prompt), r.max_tokens, r.phase) for r in requests
+    }
+
+    async def one(req: SimRequest, t0: float) -> None:
+        assert cluster.core is not None
+        await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
+        rec = records[req.rid]
+        rec.arrival = time.monotonic() - t0
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            async for delta in cluster.core.generate(req.rid, list(req.prompt), params):
+                now = time.monotonic() - t0
+                if delta.token_ids:
+                    rec.first_at = rec.first_at if rec.first_at is not None else now
+                    rec.last_at = now
+                    rec.tokens += len(delta.token_ids)
+            rec.finished_at = time.monotonic() - t0
+        except RequestError as e:
+            rec.rejected = e.code
+
+    probes = [
+        SimRequest(f"probe{i}", 0.0, [PROBE_BASE + 97 * i + j for j in range(probe_len)], 8)
+        for i in range(2 if probe_len else 0)
+    ]
+    for r in probes:
+        records[r.rid] = Record(r.rid, len(r.prompt), r.max_tokens, None)
+
+    async def all_of() -> None:
+        for r in probes:
+            await one(r, time.monotonic())
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(r, t0) for r in requests))
+
+    with cluster:
+        assert cluster._loop is not None
+        asyncio.run_coroutine_threadsafe(all_of(), cluster._loop).result(timeout=900)
+    return [records[r.rid] for r in requests], [records[r.rid] for r in probes]
+
+
+def calibrated(d: Deployment, probes: list[Record], folder: Path) -> tuple[Deployment, dict]:
+    """The cost model scaled so that a lone request's TTFT and TPOT match the probes (prefill
+    terms by the TTFT ratio, decode terms by the TPOT ratio), saved beside the run."""
+    from pdserve.costmodel.model import CostModel, default_path
+    from pdserve.costmodel.profile import model_path
+
+    path = d.cost_model or default_path(model_path(None), 1)
+    model = CostModel.load(path)
+    ttft = sorted(r.ttft for r in probes if r.ttft)[0]
+    tpot = sorted(r.tpot for r in probes if r.tpot)[0]
+    n = probes[0].prompt_len
+    k_p = ttft / model.prefill_s(n)
+    k_d = tpot / model.decode_step_s(1, n + 4)
+    p, dd = model.prefill, model.decode
+    scaled = CostModel(
+        (p[0] * k_p, p[1] * k_p, p[2] * k_p),
+        (dd[0] * k_d, dd[1] * k_d, dd[2] * k_d),
+        model.transfer,
+    )
+    out = folder / f"calibrated-{time.monotonic_ns()}.json"
+    scaled.save(out, **CostModel.load_about(path))
+    return replace(d, cost_model=out), {"prefill_x": k_p, "decode_x": k_d}
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for metric in ("ttft_s", "tpot_s"):
+        for q in ("p50", "p90"):
+            a, b = real[metric][q], sim[metric][q]
+            out[f"{metric[:4]}_{q}_err"] = None if not a or b is None else (b - a) / a
+    out["attainment_diff_pts"] = 100 * (sim["attainment"] - real["attainment"])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--rate", type=float, default=0.25)
+    p.add_argument("--slo-ttft", type=float, default=3.0)
+    p.add_argument("--slo-tpot", type=float, default=0.3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default=None, help="comma-separated case names")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    from pdserve.bench.workloads import SyntheticWorkload
+
+    items = list(
+        SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)
+    )
+    requests = requests_from_items(items, arrivals(len(items), args.rate, args.seed))
+    results = []
+    chosen = cases(args.slo_ttft, args.slo_tpot)
+    if args.only:
+        chosen = [c for c in chosen if c.name in args.only.split(",")]
+    folder = args.out.parent
+    for i, case in enumerate(chosen):
+        d = replace(case.deployment, expected_output=args.output_len)
+        sim = simulate(d, requests)
+        reals, cals = [], []
+        for _ in range(2 if i == 0 else 1):
+            recs, probes = run_real(d, requests, probe_len=args.input_len)
+            reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
+            cal_d, factors = calibrated(d, probes, folder)
+            cals.append({"factors": factors, "sim": simulate(cal_d, requests)})
+            print(case.name, "real", json.dumps(reals[-1]["ttft_s"]), factors, flush=True)
+        row = {
+            "case": case.name,
+            "sim": sim,
+            "real": reals,
+            "calibrated": cals,
+            "vs": compare(reals[0], sim),
+            "vs_calibrated": compare(reals[0], cals[0]["sim"]),
+        }
+        if len(reals) == 2:
+            row["aa"] = compare(reals[0], reals[1])
+        results.append(row)
+        print(
+            case.name,
+            json.dumps(row["vs"]),
+            json.dumps(row["vs_calibrated"]),
+            json.dumps(row.get("aa")),
+            flush=True,
+        )
+    body = {
+        "args": vars(args) | {"out": str(args.out)},
+        "load_avg": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "results": results,
+    }
+    args.out.write_text(json.dumps(body, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

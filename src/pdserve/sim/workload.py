@@ -1,0 +1,157 @@
+"""Simulated request streams: the bench workloads' lengths with Poisson or gamma arrivals, or a
+trace replayed from CSV.
+
+The bench workloads (`bench/workloads.py`) are used as they are: `synthetic`, `mixed`,
+`shifting` and `multiturn` (placeholder answers: a simulation has no text) yield the prompts'
+token ids and max_tokens; the simulator only adds arrival times. `rag` needs a tokenizer and
+the BM25 index to build real prompts; here it is its shape: a shared 58-token system prompt and
+chat header (what the real rag prompts share, 3 whole 16-token blocks cached) then
+question + passages of random ids, lengths around `input_len`, answers around `output_len`.
+
+Arrivals: Poisson (exponential gaps, mean 1 / rate) or gamma with a coefficient of variation
+`cv` (cv = 1 is Poisson; > 1 burstier), as DistServe's simulator offers. The turns of a
+multiturn conversation share their first turn's arrival process; later turns are sent when the
+previous one ends (the simulator holds them), as the load generator does.
+
+Trace CSV: a header with `arrival_s` (or `arrival_timestamp`), `input_tokens` (or
+`prompt_size`), `output_tokens` (or `token_size`): the SplitwiseSim / Azure trace columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.bench import workloads as bw
+from pdserve.sim.cluster import SimRequest
+
+SIM_WORKLOADS = ("synthetic", "rag", "mixed", "shifting", "multiturn")
+RAG_SHARED_PREFIX = 58  # tokens of the rag workload's system prompt + chat header
+
+
+def arrivals(n: int, rate: float, seed: int, cv: float = 1.0) -> list[float]:
+    """`n` arrival times starting at 0: gamma gaps with mean 1 / rate and the given cv."""
+    if not rate > 0 or not np.isfinite(rate):
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    if not cv > 0:
+        raise ValueError(f"arrival cv must be > 0, got {cv}")
+    if n < 1:
+        raise ValueError(f"num_requests must be >= 1, got {n}")
+    rng = np.random.default_rng(seed + 7919)
+    shape = 1.0 / (cv * cv)
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
+    gaps[0] = 0.0
+    return [float(t) for t in np.cumsum(gaps)]
+
+
+class RagShape:
+    name = "rag"
+
+    def __init__(
+        self, num_requests: int, input_len: int, output_len: int, spread: float, seed: int
+    ) -> None:
+        rng = np.random.default_rng(seed)
+        shared = bw._random_ids(np.random.default_rng(1), RAG_SHARED_PREFIX)
+        ins = bw.sample_lengths(rng, max(input_len - RAG_SHARED_PREFIX, 1), spread, num_requests)
+        outs = bw.sample_lengths(rng, output_len, spread, num_requests)
+        self._items = [
+            bw.RequestItem(shared + bw._random_ids(rng, n), o, conversation=i)
+            for i, (n, o) in enumerate(zip(ins, outs, strict=True))
+        ]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._items)
+
+
+def make_items(args: argparse.Namespace) -> list[bw.RequestItem]:
+    if args.workload == "rag":
+        return list(
+            RagShape(args.num_requests, args.input_len, args.output_len, args.len_spread, args.seed)
+        )
+    if args.workload not in SIM_WORKLOADS:
+        raise ValueError(f"unknown workload {args.workload!r}; choose one of {SIM_WORKLOADS}")
+    from pdserve.bench.loadspec import LoadSpec, workload_defaults
+
+    given = vars(args)
+    extra = {k: given[k] for k in workload_defaults() if k in given}
+    spec = LoadSpec(
+        url="simulated",
+        num_requests=args.num_requests,
+        rate=1.0,  # unused: the simulator draws its own arrivals
+        workload=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        len_spread=args.len_spread,
+        turns=getattr(args, "turns", 3),
+        seed=args.seed,
+        workload_args={**extra, "multiturn_answers": "placeholder"},
+    )
+    return list(bw.make_workload(spec))
+
+
+def requests_from_items(items: list[bw.RequestItem], times: list[float]) -> list[SimRequest]:
+    """Attach arrival times; every turn of a conversation after the first waits for it."""
+    multi = any(it.turn > 0 for it in items)
+    return [
+        SimRequest(
+            f"r{i}",
+            t,
+            list(it.prompt),
+            it.max_tokens,
+            conversation=it.conversation if multi else -1,
+            turn=it.turn,
+            phase=it.phase,
+        )
+        for i, (it, t) in enumerate(zip(items, times, strict=False))
+    ]
+
+
+def make_requests(args: argparse.Namespace) -> list[SimRequest]:
+    if getattr(args, "trace", None):
+        return load_trace(Path(args.trace), args.seed)
+    items = make_items(args)
+    return requests_from_items(items, arrivals(len(items), args.rate, args.seed, args.arrival_cv))
+
+
+_COLUMNS = {
+    "arrival": ("arrival_s", "arrival_timestamp", "arrival"),
+    "input": ("input_tokens", "prompt_size", "input_len"),
+    "output": ("output_tokens", "token_size", "output_len"),
+}
+
+
+def load_trace(path: Path, seed: int = 0) -> list[SimRequest]:
+    """Requests from a CSV trace (see the module docstring); prompts are random ids."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the trace {path}: {e}") from None
+    reader = csv.DictReader(text.splitlines())
+    fields = reader.fieldnames or []
+    cols = {}
+    for key, names in _COLUMNS.items():
+        found = next((n for n in names if n in fields), None)
+        if found is None:
+            raise ValueError(f"{path}: no {key} column (one of {', '.join(names)})")
+        cols[key] = found
+    rng = np.random.default_rng(seed)
+    out: list[SimRequest] = []
+    t0: float | None = None
+    for line, row in enumerate(reader, start=2):
+        try:
+            t, n_in, n_out = (float(row[cols["arrival"]]), int(row[cols["input"]]),
+                              int(row[cols["output"]]))  # fmt: skip
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}:{line}: expected a number in every column") from None
+        if n_in < 1 or n_out < 1 or not np.isfinite(t):
+            raise ValueError(f"{path}:{line}: token counts must be >= 1, times finite")
+        t0 = t if t0 is None else t0
+        if t < t0:
+            raise ValueError(f"{path}:{line}: arrivals must not go back in time")
+        out.append(SimRequest(f"r{len(out)}", t - t0, bw._random_ids(rng, n_in), n_out))
+    if not out:
+        raise ValueError(f"{path}: the trace has no requests")
+    return out
