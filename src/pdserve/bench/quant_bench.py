@@ -241,6 +241,7 @@ def measure(args: argparse.Namespace, engine: LLMEngine, prompts: list[list[int]
         seconds = time.perf_counter() - t0
         _, lp = pdserve_run(engine, prompts, n, k, f"{variant}-forced", ref)
         results.append(_quality(variant, ref, got, ref_lp, lp, seconds))
+        _log(f"{variant}: {results[-1]}")  # partial results survive an interrupted run
     apply_variant(engine, None)
     if not args.no_llama_cpp:
         results += _llama_cpp(args, engine, prompts, ref, ref_lp, k)
