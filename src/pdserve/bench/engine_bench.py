@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import inspect
 import itertools
@@ -679,7 +680,7 @@ def run_llama_cpp(
         _log(f"llama.cpp {row.label}")
         if row.phase == "prefill":
             samples = _sample_times(
-                lambda n=row.size: _cpp_prefill(llm, gen, n, vocab), args.repeats
+                functools.partial(_cpp_prefill, llm, gen, row.size, vocab), args.repeats
             )
         else:
             c = row.nominal_context
