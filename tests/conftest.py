@@ -4,6 +4,7 @@ with the default model's tokenizer, and the default SmolLM2 engine, each built o
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests never see this host's saved cost models (one turns on SLO routing for a server started
+# without flags, so a request may run whole on D) nor leave theirs behind for later runs.
+os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
 
 TINY_VOCAB = 49152  # the SmolLM2 tokenizer's, so tiny models take real text prompts
 
@@ -132,16 +136,34 @@ def _assert_no_leaks_in(value: object) -> None:
         assert_cluster_idle(value)
 
 
+def _idle(obj: object) -> bool:
+    """Nothing alive in a scheduler or KV manager: then nothing may hold memory either."""
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.scheduler import Scheduler
+
+    if isinstance(obj, Scheduler):
+        return not obj.requests and not obj.held
+    return isinstance(obj, KVCacheManager) and not obj._blocks
+
+
 @pytest.fixture(autouse=True)
 def _leak_check(request):  # type: ignore[no-untyped-def]
     """After each test, every engine (`LLM`) and open `LocalCluster` it used as a fixture must
-    hold nothing: no live request, every KV block free, no transfer pending. Shared (module or
-    session) fixtures are where a leak would otherwise carry over into the next test unseen."""
+    hold nothing: no live request, every KV block free, no transfer pending (shared fixtures are
+    where a leak would otherwise carry over into the next test unseen); and every scheduler or
+    KV manager the factories made that has nothing alive must hold no block either."""
+    from factories import assert_no_leaks, take_made
+
+    take_made()
     yield
+    made = take_made()
     if getattr(request.node, "rep_call_failed", True):
         return  # the test's own failure says more than a leak it caused
     for value in request.node.funcargs.values():
         _assert_no_leaks_in(value)
+    for obj in made:
+        if _idle(obj):
+            assert_no_leaks(obj)  # type: ignore[arg-type]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -53,8 +53,22 @@ def make_request(
     return Request(rid, list(prompt), params, eos_token_ids, **kwargs)  # type: ignore[arg-type]
 
 
+# Every scheduler and KV manager the factories made since the last `take_made()` (held until
+# then: a test's locals are gone by teardown, when conftest.py's leak check looks at them).
+_made: list[Scheduler | KVCacheManager] = []
+
+
+def take_made() -> list[Scheduler | KVCacheManager]:
+    """The schedulers and KV managers made since the last call."""
+    made = list(_made)
+    _made.clear()
+    return made
+
+
 def make_kv(num_blocks: int = 64, block_size: int = 4, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+    _made.append(kv)
+    return kv
 
 
 def make_scheduler(
@@ -65,14 +79,18 @@ def make_scheduler(
     chunked: bool = True,
     decode_first: bool = True,
     caching: bool = True,
+    prefill_budget: Callable[[int, int], int] | None = None,
 ) -> Scheduler:
     policy = SchedulerPolicy(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
         decode_first=decode_first,
+        prefill_budget=prefill_budget,
     )
-    return Scheduler(policy, make_kv(num_blocks, block_size, caching))
+    scheduler = Scheduler(policy, make_kv(num_blocks, block_size, caching))
+    _made.append(scheduler)
+    return scheduler
 
 
 def det_token(request: Request) -> int:

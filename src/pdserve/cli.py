@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bench_sub.add_parser("engine", help="prefill/decode throughput, MFU and MBU")
-    from pdserve.bench import codec_bench, engine_bench, serve_bench, transfer_bench
+    from pdserve.bench.load import serve_bench
+    from pdserve.bench.micro import codec_bench, engine_bench
+    from pdserve.bench.transfer import transfer_bench
 
     engine_bench.add_arguments(eng)
     codec = bench_sub.add_parser("codec", help="KV codec quality (token match, KL) and speed")
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_bench.add_arguments(transfer)
     load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
     serve_bench.add_arguments(load)
+    from pdserve.bench import attention_bench
+
+    attn = bench_sub.add_parser("attention", help="paged attention kernel vs gather: step times")
+    attention_bench.add_arguments(attn)
     from pdserve.bench import compare
 
     cmp = bench_sub.add_parser(
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sched.add_arguments(sch)
-    from pdserve.costmodel import plan
+    from pdserve.costmodel import plan, plan_cli
 
     plan_p = sub.add_parser(
         "plan",
@@ -132,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=plan.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_arguments(plan_p)
+    plan_cli.add_arguments(plan_p)
     from pdserve.sim import search as sim_search
 
     sim_search.add_arguments(plan_p)  # --simulate and its flags
@@ -222,9 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return sim_search.run(args)
         if args.command == "plan":
-            from pdserve.costmodel import plan
+            from pdserve.costmodel import plan_cli
 
-            return plan.run(args)
+            return plan_cli.run(args)
         if args.command == "sim":
             from pdserve.sim import cli as sim_cli
 
@@ -238,16 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import (
-                codec_bench,
-                compare,
-                engine_bench,
-                profile,
-                quant_bench,
-                sched,
-                serve_bench,
-                transfer_bench,
-            )
+            from pdserve.bench import attention_bench, compare, profile, quant_bench, sched
+            from pdserve.bench.load import serve_bench
+            from pdserve.bench.micro import codec_bench, engine_bench
+            from pdserve.bench.transfer import transfer_bench
 
             if args.bench_command == "compare":
                 return compare.run(args, argv if argv is not None else sys.argv[1:])
@@ -260,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "serve": serve_bench.run,
                 "profile": profile.run,
                 "quant": quant_bench.run,
+                "attention": attention_bench.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

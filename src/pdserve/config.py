@@ -61,8 +61,15 @@ class CacheConfig:
     num_blocks: int | None = _f(None, "KV blocks; default: derived from kv_cache_memory_gb")
     kv_cache_memory_gb: float = _f(1.0, "memory for the KV cache when num_blocks is not set")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
+    attention: str = _f(
+        "auto",
+        "how attention reads the KV cache: paged (in place, native CPU kernel) | gather "
+        "(copy the blocks, then SDPA: the reference) | auto (paged on CPU, gather on CUDA)",
+    )
 
     def __post_init__(self) -> None:
+        if self.attention not in ("auto", "paged", "gather"):
+            raise ValueError(f"attention must be auto, paged or gather, got {self.attention!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -139,10 +146,19 @@ class WorkerConfig:
         True, "stream each layer's KV while the prompt computes (default) or send it all after"
     )
     shm_mb: int = _f(512, "shared-memory ring of the shm transport, MiB")
+    slo_tpot_s: float | None = _f(
+        None,
+        "TPOT SLO, seconds: size each step's prompt tokens so running decodes stay within it "
+        "(stall-free batching; needs --cost-model)",
+        "--slo-tpot",
+    )
+    cost_model: str | None = _f(None, "cost model JSON (pdserve bench profile) for --slo-tpot")
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.lease_s <= 0:
             raise ValueError("deadline and lease must be > 0 seconds")
+        if self.slo_tpot_s is not None and self.slo_tpot_s <= 0:
+            raise ValueError("slo_tpot_s must be > 0 seconds")
         if self.shm_mb < 0:
             raise ValueError("shm_mb must be >= 0 (0: every frame goes inline)")
 
@@ -247,3 +263,33 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments present in a parsed namespace."""
     names = {f.name for c in _SECTIONS.values() for f in dataclasses.fields(c)}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _engine_field(name: str) -> tuple[dataclasses.Field, Any]:
+    for cls in _SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f, get_type_hints(cls)[name]
+    raise ValueError(f"unknown engine argument {name!r}")
+
+
+def add_engine_overrides(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """Flags for the engine fields `names`, each unset (None) unless given: a process that
+    starts workers passes on only what its user chose (`engine_overrides`)."""
+    for name in names:
+        f, kind = _engine_field(name)
+        flag = "--" + name.replace("_", "-")
+        helptext = f"{f.metadata.get('help', '')} (default: the engine's, {f.default})"
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext
+            )
+        else:
+            parser.add_argument(
+                flag, dest=name, type=_scalar_type(kind), default=None, help=helptext
+            )
+
+
+def engine_overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The engine fields among `names` that the command line set."""
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

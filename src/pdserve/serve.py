@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -27,8 +28,10 @@ from pdserve.config import (
     RouterConfig,
     WorkerConfig,
     add_config_args,
+    add_engine_overrides,
     check_quantization,
     config_from_args,
+    engine_overrides,
 )
 from pdserve.costmodel.model import CostModel, default_path
 from pdserve.engine import loader
@@ -39,6 +42,8 @@ from pdserve.workers import messages as m
 
 log = logging.getLogger("pdserve.serve")
 STARTUP_TIMEOUT_S = 300.0
+# Engine settings `pdserve serve` passes to every worker it starts: a new one is its name here.
+SERVE_ENGINE_ARGS = ("block_size", "kv_cache_memory_gb", "max_num_batched_tokens", "quantization")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,17 +123,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per worker; default: cores / workers",
     )
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size")
+    add_engine_overrides(parser, SERVE_ENGINE_ARGS)
     parser.add_argument(
-        "--quantization",
-        default="none",
-        help="projection weights of every worker: none | int8 (see `pdserve generate --help`)",
-    )
-    parser.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None, help="KV cache memory per worker, GiB"
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step"
+        "--stall-free",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --slo-tpot and a cost model: colocated and decode workers size each step's "
+        "prompt tokens so running decodes stay within the TPOT SLO (stall-free batching)",
     )
     parser.add_argument(
         "--restart-workers",
@@ -156,16 +157,13 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         else {"prefill": args.prefill or 1, "decode": args.decode or 1}
     )
     total = sum(counts.values())
-    check_quantization(args.quantization)  # here, not as N workers failing one by one
+    if args.quantization is not None:
+        check_quantization(args.quantization)  # here, not as N workers failing one by one
     engine: dict[str, Any] = {
-        "model": args.model,
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
-        "block_size": args.block_size,
-        "quantization": args.quantization,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        **({"model": args.model} if args.model is not None else {}),
+        **engine_overrides(args, SERVE_ENGINE_ARGS),
     }
-    engine = {k: v for k, v in engine.items() if v is not None}
     return [
         WorkerSpec(
             role,
@@ -177,6 +175,28 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         )
         for role, n in counts.items()
         for i in range(n)
+    ]
+
+
+def _with_stall_free(
+    args: argparse.Namespace, specs: list[WorkerSpec], cost: CostModel | None, threads: int
+) -> list[WorkerSpec]:
+    """Hand the TPOT SLO and the cost model file to the workers that run decodes."""
+    if not args.stall_free or args.slo_tpot is None or cost is None:
+        return specs
+    from pdserve.costmodel import profile
+
+    if args.cost_model not in ("auto", "none"):
+        path = Path(args.cost_model)
+    else:
+        path = default_path(profile.model_path(args.model), threads)
+    return [
+        dataclasses.replace(
+            s, config=dataclasses.replace(s.config, slo_tpot_s=args.slo_tpot, cost_model=str(path))
+        )
+        if s.role in ("colocated", "decode")
+        else s
+        for s in specs
     ]
 
 
@@ -199,7 +219,7 @@ def _cost_model(
         return None
     if args.cost_model != "auto":
         return CostModel.load(Path(args.cost_model))
-    quantization = getattr(args, "quantization", "none")
+    quantization = getattr(args, "quantization", None) or "none"
     path = default_path(profile.model_path(model), threads, quantization=quantization)
     if path.is_file() or (may_profile and _needs_cost_model(args)):
         return profile.load_or_profile(model, threads, path, quantization=quantization)
@@ -239,7 +259,9 @@ def run_serve(args: argparse.Namespace) -> int:
     specs = _worker_specs(args)
     _use_secret(args, [s.config.host for s in specs])
     # before the workers start: profiling (when needed) measures a quiet machine
-    cost = _cost_model(args, args.model, int(specs[0].engine_args["threads"]))
+    threads = int(specs[0].engine_args["threads"])
+    cost = _cost_model(args, args.model, threads)
+    specs = _with_stall_free(args, specs, cost, threads)
     ctx = zmq.Context()
     workers: list[Launched] = []
     try:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pdserve import cli
-from pdserve.bench import engine_bench as eb
+from pdserve.bench.micro import engine_bench as eb
 from pdserve.engine.models.arch import ModelArch
 
 TINY_ARGS = [

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from pdserve.bench import serve_bench
-from pdserve.bench.loadspec import LoadSpec, workload_defaults
+from pdserve.bench.load import serve_bench
+from pdserve.bench.load.spec import LoadSpec, workload_defaults
 
 
 def _parsed(*argv: str) -> LoadSpec:

@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from factories import serving
-from pdserve.bench import compare, sched, sched_report
-from pdserve.bench.workloads import MixedWorkload
+from pdserve.bench import compare, observe, sched, sched_report, sched_stats
+from pdserve.bench.load.workloads import MixedWorkload
 
 MODEL = "fake-pdserve"
 
@@ -224,15 +224,17 @@ def test_metrics_parsing_and_deltas() -> None:
         'pdserve_e2e_seconds_bucket{le="+Inf"} 3\npdserve_e2e_seconds_count 3\n'
         "# TYPE other_metric gauge\nother_metric 1\n"
     )
-    after = sched.parse_metrics(text)
+    after = observe.parse_metrics(text)
     names = {s["name"] for s in after}
     assert "pdserve_e2e_seconds_bucket" not in names and "other_metric" not in names
     before = [{"name": "pdserve_route_decisions_total", "labels": {"route": "local"}, "value": 1}]
-    delta = sched.metrics_delta(before, after)
-    routes = sched.by_label(delta, ["pdserve_disagg_decisions", "pdserve_route_decisions"], "route")
+    delta = observe.metrics_delta(before, after)
+    routes = sched_stats.by_label(
+        delta, ["pdserve_disagg_decisions", "pdserve_route_decisions"], "route"
+    )
     assert routes == {"local": 4.0, "remote": 2.0}
-    assert sched.by_label(delta, ["pdserve_nothing"], "x") is None
-    assert sched.by_label(None, ["pdserve_route_decisions"], "route") is None
+    assert sched_stats.by_label(delta, ["pdserve_nothing"], "x") is None
+    assert sched_stats.by_label(None, ["pdserve_route_decisions"], "route") is None
 
 
 def test_role_switches_from_polls() -> None:
@@ -242,11 +244,11 @@ def test_role_switches_from_polls() -> None:
         {"t_s": 2.0, "workers": [{"id": "P0", "role": "decode"}, {"id": "D0", "role": "decode"}]},
         {"t_s": 3.0, "workers": [{"id": "P0", "role": "prefill"}]},
     ]
-    assert sched.role_switches(polls) == [
+    assert observe.role_switches(polls) == [
         {"t_s": 2.0, "worker": "P0", "from": "prefill", "to": "decode"},
         {"t_s": 3.0, "worker": "P0", "from": "decode", "to": "prefill"},
     ]
-    assert sched.role_switches([]) == []
+    assert observe.role_switches([]) == []
 
 
 def test_prediction_error_known_values() -> None:
@@ -259,12 +261,12 @@ def test_prediction_error_known_values() -> None:
         {"ttft_ms": 5.0},
         {"prediction": {"ttft_s": 1.0, "actual_ttft_s": 0.0}},  # actual 0: left out
     ]  # fmt: skip
-    err = sched.prediction_error(reqs)
+    err = sched_stats.prediction_error(reqs)
     assert err["with_prediction"] == 3
     assert err["ttft"]["n"] == 2 and err["ttft"]["p50"] == pytest.approx(0.5)  # 0.5 and 0.5
     assert err["tpot"]["n"] == 2 and err["tpot"]["p50"] == pytest.approx(0.25)  # 0 and 0.5
     assert err["tpot"]["p90"] == pytest.approx(0.45)
-    empty = sched.prediction_error([])
+    empty = sched_stats.prediction_error([])
     assert empty["ttft"] == {"p50": None, "p90": None, "n": 0}
 
 
@@ -308,7 +310,7 @@ def _canned_arm(name: str, good_ttft: float) -> dict[str, Any]:
 
 
 def test_summarize_arm_from_canned_results() -> None:
-    s = sched.summarize_arm(_canned_arm("a", 100.0), (0.1015, 0.015))
+    s = sched_stats.summarize_arm(_canned_arm("a", 100.0), (0.1015, 0.015))
     assert (s["sent"], s["admitted"], s["rejected"], s["good"]) == (5, 4, 1, 2)
     assert s["goodput"] == pytest.approx(1.0) and s["slo_attainment_admitted"] == 0.5
     assert s["rejected_by_code"] == {"slo_tpot": 1}
@@ -325,7 +327,7 @@ def test_summarize_arm_from_canned_results() -> None:
     assert s["by_phase"]["decode-heavy"]["rejected"] == 1
     # nothing from the server at all: numbers are None, never an exception
     bare = {"arm": "b", "bench": {"requests": [], "duration_s": 1.0}}
-    s = sched.summarize_arm(bare, (1.0, 1.0))
+    s = sched_stats.summarize_arm(bare, (1.0, 1.0))
     assert (
         s["kv_bytes_sent"] is None and s["routes"] is None and s["prefix"]["hit_rate_mean"] is None
     )
@@ -338,7 +340,7 @@ def test_summarize_arm_from_canned_results() -> None:
 def _canned_result() -> dict[str, Any]:
     arms = [_canned_arm("autobalance", 100.0), _canned_arm("static", 200.0)]
     for arm in arms:
-        arm["summary"] = sched.summarize_arm(arm, (0.1015, 0.015))
+        arm["summary"] = sched_stats.summarize_arm(arm, (0.1015, 0.015))
     return {
         "command": "pdserve bench sched --experiment autobalance,prefix,admission",
         "machine": {"cpu": "Test CPU", "cores": 2, "python": "3.11", "load_average": [0.5, 1, 1]},

@@ -23,10 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from factories import serving
-from pdserve.bench import serve_bench as sb
-from pdserve.bench import workloads as wl
-from pdserve.bench.loadspec import LoadSpec
-from pdserve.bench.workloads import (
+from pdserve.bench.load import serve_bench as sb
+from pdserve.bench.load import summary
+from pdserve.bench.load import workloads as wl
+from pdserve.bench.load.spec import LoadSpec
+from pdserve.bench.load.workloads import (
     ID_HIGH,
     ID_LOW,
     MixedWorkload,
@@ -297,7 +298,7 @@ def test_arrival_gaps_spread_follows_burstiness() -> None:
 def _rec(i: int, ttft: float | None, tpot: float | None, out: int = 5, error: str | None = None):  # type: ignore[no-untyped-def]
     e2e = None if ttft is None else ttft + (tpot or 0.0) * (out - 1)
     itl = [tpot] * (out - 1) if tpot else []
-    return sb.RequestRecord(
+    return summary.RequestRecord(
         i, i, 0, 10, out, send_s=0.1 * i, output_tokens=out if error is None else 0,
         ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e, error=error, itl_ms=itl,
     )  # fmt: skip
@@ -313,7 +314,7 @@ def test_summarize_known_answers() -> None:
     ]
     args = _args("http://x", "--rate", "1", "--num-requests", "5", "--slo-ttft", "0.25",
                  "--slo-tpot", "0.025")  # fmt: skip
-    res = sb.summarize(args, MODEL, "synthetic", records, duration=2.0)
+    res = summary.summarize(args, MODEL, "synthetic", records, duration=2.0)
     assert res["completed"] == 4 and res["failed"] == 1 and res["errors"] == ["HTTP 503: busy"]
     assert res["ttft_ms"] == {"mean": 250.0, "p50": 250.0, "p90": 370.0, "p99": 397.0}
     assert res["tpot_ms"]["mean"] == 25.0 and res["tpot_ms"]["p50"] == 25.0
@@ -386,7 +387,7 @@ def test_rejections_are_results_not_errors(server: tuple[str, list[dict[str, Any
         assert r["rejected"] and r["reject_code"] == code and r["retry_after_s"] == retry
         assert r["error"] is None and r["ttft_ms"] is None and r["reject_ms"] > 0
     assert not by_index[0]["rejected"] and by_index[0]["reject_ms"] is None
-    table = sb.format_table(res)
+    table = summary.format_table(res)
     assert "rejected 3 (http_503 1, slo_ttft 2)" in table and "rejection latency" in table
 
 
@@ -419,7 +420,7 @@ def test_outcome_summary_known_answers() -> None:
              tpot_ms=None, e2e_ms=None),
         _row(4, error="HTTP 500", ttft_ms=None, tpot_ms=None, e2e_ms=None),
     ]  # fmt: skip
-    out = sb.outcome_summary(rows, slo_ttft=0.5, slo_tpot=0.02, duration=2.0)
+    out = summary.outcome_summary(rows, slo_ttft=0.5, slo_tpot=0.02, duration=2.0)
     assert (out["sent"], out["admitted"], out["rejected"], out["failed"]) == (5, 3, 2, 1)
     assert out["completed"] == 2 and out["good"] == 1 and out["goodput"] == 0.5
     assert out["slo_attainment"] == pytest.approx(1 / 5)
@@ -428,12 +429,12 @@ def test_outcome_summary_known_answers() -> None:
     assert out["rejection_latency_ms"]["p50"] == 3.0
     assert out["retry_after_s"]["p50"] == 1.0
     # default span: first send (0) -> last answer (request 1: 1 s + 0.5 s)
-    assert sb.outcome_summary(rows, None, None)["span_s"] == pytest.approx(4.0)
+    assert summary.outcome_summary(rows, None, None)["span_s"] == pytest.approx(4.0)
     # nothing admitted: attainment of admitted is undefined, not 0
-    assert sb.outcome_summary(rows[2:4], 0.5, 0.02)["slo_attainment_admitted"] is None
+    assert summary.outcome_summary(rows[2:4], 0.5, 0.02)["slo_attainment_admitted"] is None
     # older records without the new fields still work
     old = [{"error": None, "ttft_ms": 1.0, "tpot_ms": 1.0, "send_s": 0.0, "e2e_ms": 5.0}]
-    assert sb.outcome_summary(old, 1.0, 1.0)["good"] == 1
+    assert summary.outcome_summary(old, 1.0, 1.0)["good"] == 1
 
 
 def test_by_phase_splits_and_spans() -> None:
@@ -443,13 +444,13 @@ def test_by_phase_splits_and_spans() -> None:
         _row(2, phase="decode-heavy"),
         _row(3, phase="decode-heavy"),
     ]
-    out = sb.by_phase(rows, slo_ttft=1.0, slo_tpot=None)
+    out = summary.by_phase(rows, slo_ttft=1.0, slo_tpot=None)
     assert list(out) == ["prefill-heavy", "decode-heavy"]
     pre, dec = out["prefill-heavy"], out["decode-heavy"]
     assert pre["good"] == 1 and dec["good"] == 2
     assert pre["span_s"] == pytest.approx(1.0 + 0.5)  # send 0 -> request 1 ends at 1.5
     assert dec["span_s"] == pytest.approx(1.5) and dec["goodput"] == pytest.approx(2 / 1.5)
-    assert sb.by_phase([_row(0)], None, None) == {}
+    assert summary.by_phase([_row(0)], None, None) == {}
 
 
 # ---------------------------------------------------------------------------- multiturn answers

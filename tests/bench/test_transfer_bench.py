@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench import transfer_bench as tb
-from pdserve.bench import transfer_report as tr
+from pdserve.bench.transfer import transfer_bench as tb
+from pdserve.bench.transfer import transfer_report as tr
 
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K,V x 2 layers x 2 KV heads x head_dim 16 x fp32
 
@@ -57,7 +57,7 @@ def test_throughput_exits_zero_and_prints_the_report(throughput_run: dict[str, A
                     "## Codec CPU cost", "## Targets", "## Notes"):  # fmt: skip
         assert heading in md
     assert "## TTFT breakdown" not in md
-    assert "python -m pdserve.bench.transfer_bench --model" in md
+    assert "python -m pdserve.bench.transfer.transfer_bench --model" in md
     assert "--no-ttft" in md and "load average" in md and "- code: git " in md
 
 
@@ -71,7 +71,9 @@ def test_json_has_machine_layout_and_settings(throughput_run: dict[str, Any]) ->
     assert (lay["layers"], lay["kv_heads"], lay["head_dim"], lay["dtype"]) == (2, 2, 16, "float32")
     assert lay["bytes_per_token"] == TINY_BYTES_PER_TOKEN
     assert data["settings"]["sizes"] == [8, 16] and data["settings"]["repeats"] == 1
-    assert data["date"] and data["command"].startswith("python -m pdserve.bench.transfer_bench")
+    assert data["date"] and data["command"].startswith(
+        "python -m pdserve.bench.transfer.transfer_bench"
+    )
     assert data["ttft"] == []
 
 

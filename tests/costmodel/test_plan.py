@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.costmodel import plan
+from pdserve.costmodel import plan, plan_cli
 from pdserve.costmodel.model import CostModel
 from pdserve.costmodel.plan import SLO, Shape
 
@@ -121,8 +121,8 @@ def test_unattainable_slos_are_reported_not_raised() -> None:
     assert p.recommended is None
     assert "No split meets the SLOs" in p.why and "TTFT" in p.why and "TPOT" in p.why
     assert all(c.goodput == 0 for c in p.candidates)
-    assert "No split meets" in plan.render_text(p)
-    assert plan.plan_json(p)["feasible"] is False
+    assert "No split meets" in plan_cli.render_text(p)
+    assert plan_cli.plan_json(p)["feasible"] is False
 
 
 def test_thread_scaling() -> None:
@@ -156,7 +156,7 @@ def test_bad_inputs_are_value_errors() -> None:
         plan.default_cached_len("chat", 100)
     assert plan.default_cached_len("rag", 2000) == 48 and plan.default_cached_len("rag", 20) == 16
     assert plan.default_cached_len("synthetic", 2000) == 0
-    assert plan.default_threads_options(6) == [1, 2, 4, 6]
+    assert plan_cli.default_threads_options(6) == [1, 2, 4, 6]
 
 
 def test_load_models_prefers_a_measured_sibling(tmp_path: Path) -> None:
@@ -164,13 +164,13 @@ def test_load_models_prefers_a_measured_sibling(tmp_path: Path) -> None:
     MODEL.save(base, threads=1)
     measured = MODEL.scaled(0.7)
     measured.save(tmp_path / "host-model-t2.json", threads=2)
-    models, sources = plan.load_models(base, [1, 2, 4])
+    models, sources = plan_cli.load_models(base, [1, 2, 4])
     assert models[1] == MODEL and models[2] == measured
     assert models[4].prefill_s(100) == pytest.approx(MODEL.prefill_s(100) / plan.speedup(4))
     assert "measured" in sources[2] and "scaled" in sources[4]
-    assert plan.sibling_path(tmp_path / "cm.json", 2) is None
+    assert plan_cli.sibling_path(tmp_path / "cm.json", 2) is None
     with pytest.raises(ValueError, match="bench profile"):
-        plan.load_models(tmp_path / "missing-t1.json", [1])
+        plan_cli.load_models(tmp_path / "missing-t1.json", [1])
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:

@@ -68,3 +68,31 @@ def test_reserve_refuses_when_memory_is_short() -> None:
     assert s.kv.reserve("b", 8) is None and not s.kv.has_request("b")
     s.kv.free("a")
     assert_no_leaks(s)
+
+
+def _prefilled(s, rid: str, prompt_len: int, max_tokens: int):  # type: ignore[no-untyped-def]
+    req = make_request(rid, prompt_len=prompt_len, max_tokens=max_tokens)
+    assert s.kv.reserve(rid, prompt_len) is not None
+    req.num_computed_tokens = prompt_len  # the prompt's KV arrived from P
+    req.output_token_ids.append(5)  # with P's first token
+    return req
+
+
+def test_prefilled_request_holding_blocks_is_not_stuck_behind_a_preempted_head() -> None:
+    # 8 blocks of 4 tokens. `a` decodes until it must preempt itself while `b`'s KV (reserved
+    # meanwhile) holds 3 blocks; `b` is admitted behind `a`, whose recompute (6 blocks) can never
+    # fit while `b` holds its blocks. Found by the simulator: FIFO order alone stops both forever.
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64)
+    a = _prefilled(s, "a", prompt_len=12, max_tokens=14)
+    s.add_prefilled(a)
+    while len(s.kv.get_block_ids("a")) < 4:
+        step(s, check=False)
+    b = _prefilled(s, "b", prompt_len=12, max_tokens=6)
+    while a.num_preemptions == 0:
+        step(s, check=False)
+    s.add_prefilled(b)
+    assert [r.request_id for r in s.waiting] == ["a", "b"]
+    run_to_completion(s, check=False, max_steps=200)
+    assert a.finished and b.finished
+    assert len(b.output_token_ids) == 6 and len(a.output_token_ids) == 14
+    assert_no_leaks(s)

@@ -48,8 +48,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pdserve.bench import serve_bench
-from pdserve.bench.loadspec import LoadSpec
+from pdserve import argtypes
+from pdserve.bench.load import serve_bench, summary
+from pdserve.bench.load.spec import LoadSpec
 
 DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers", "llama-cpp")
 DEFAULT_HF_EXPORT = Path(".cache/pdserve/smollm2-135m-instruct-hf")
@@ -313,7 +314,7 @@ def _print_phase(name: str, res: dict[str, Any]) -> None:
     ttft, tpot = res["ttft_ms"], res["tpot_ms"]
     print(
         f"  {name:<18} {res['phase']:<10} done {res['completed']}/{res['config']['num_requests']}"
-        f"  TTFT p50 {serve_bench._fmt(ttft['p50'])} ms  TPOT p50 {serve_bench._fmt(tpot['p50'])}"
+        f"  TTFT p50 {summary.fmt(ttft['p50'])} ms  TPOT p50 {summary.fmt(tpot['p50'])}"
         f" ms  {res['duration_s']:.1f} s",
         flush=True,
     )
@@ -402,16 +403,6 @@ def apply_slos(res: dict[str, Any], slo_ttft: float, slo_tpot: float) -> None:
 # ---------------------------------------------------------------------------- CLI
 
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"rates must be numbers, got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
-    return rates
-
-
 def _systems(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
@@ -421,15 +412,17 @@ def _systems(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pos_int, pos_float = serve_bench._positive_int, serve_bench._positive_float
+    pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
     parser.add_argument("--systems", type=_systems, default=list(DEFAULT_SYSTEMS))
     parser.add_argument("--workload", choices=sorted(serve_bench.WORKLOADS), default="rag")
-    parser.add_argument("--rates", type=_rates, required=True, help="requests/s, e.g. 0.1,0.2")
+    parser.add_argument(
+        "--rates", type=argtypes.float_list, required=True, help="requests/s, e.g. 0.1,0.2"
+    )
     parser.add_argument("--num-requests", type=pos_int, required=True, help="per rate")
     parser.add_argument("--unloaded-requests", type=pos_int, default=3)
     parser.add_argument("--input-len", type=pos_int, default=1000)
     parser.add_argument("--output-len", type=pos_int, default=128)
-    parser.add_argument("--len-spread", type=serve_bench._spread, default=0.0)
+    parser.add_argument("--len-spread", type=argtypes.fraction, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=pos_float, default=None, help="s; default: derived")
     parser.add_argument("--slo-tpot", type=pos_float, default=None, help="s; default: derived")
@@ -500,7 +493,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         "systems": systems,
     }
     (args.output_dir / "results.json").write_text(
-        json.dumps(serve_bench._json_safe(result), indent=1) + "\n"
+        json.dumps(summary.json_safe(result), indent=1) + "\n"
     )
     report = compare_report.write_report(result, args.output_dir)
     print(report)

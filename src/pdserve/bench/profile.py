@@ -8,24 +8,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve import argtypes
 from pdserve.costmodel.model import CostModel, default_path
 from pdserve.costmodel.profile import profile_engine
 
 # --------------------------------------------------------------------------- CLI
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2-135M")
-    parser.add_argument("--threads", type=_positive, default=1, help="torch threads (1)")
     parser.add_argument(
-        "--max-prompt", type=_positive, default=2048, help="longest prompt measured (2048)"
+        "--threads", type=argtypes.positive_int, default=1, help="torch threads (1)"
+    )
+    parser.add_argument(
+        "--max-prompt",
+        type=argtypes.positive_int,
+        default=2048,
+        help="longest prompt measured (2048)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="cost model JSON; default: the per-host cache path"

@@ -53,7 +53,6 @@ import math
 import os
 import shlex
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,10 +62,20 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pdserve.bench import compare, serve_bench
-from pdserve.bench import workloads as wl
-from pdserve.bench.loadspec import LoadSpec, default
-from pdserve.bench.workloads import RequestItem
+from pdserve import argtypes
+from pdserve.bench import compare
+from pdserve.bench.load import serve_bench, summary
+from pdserve.bench.load import workloads as wl
+from pdserve.bench.load.spec import LoadSpec, default
+from pdserve.bench.load.workloads import RequestItem
+from pdserve.bench.observe import (
+    WorkerPoller,
+    fetch_timelines,
+    get,
+    metrics_delta,
+    scrape_metrics,
+)
+from pdserve.bench.sched_stats import summarize_arm
 
 WARMUP_TOKENS = 4
 HEALTH_WAIT_S = 60.0
@@ -383,128 +392,6 @@ def load_factor(args: argparse.Namespace, exp: Experiment) -> float:
     return float(args.load_factor) if args.load_factor is not None else exp.load_factor
 
 
-# ---------------------------------------------------------------------------- observing
-
-
-class WorkerPoller:
-    """GET /admin/workers every `interval` s in a thread, and once more at the end: samples of
-    {t_s: seconds since the poller started (just before the load), workers: compact rows}."""
-
-    def __init__(self, url: str, interval: float) -> None:
-        self.url, self.interval = url, interval
-        self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._first = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._t0 = 0.0
-
-    def __enter__(self) -> WorkerPoller:
-        """Starts polling; returns once the first poll (the state before the load) is done."""
-        self._t0 = time.perf_counter()
-        self._thread.start()
-        self._first.wait(timeout=max(1.0, self.interval) + 1.0)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=max(1.0, self.interval)) as client:
-            while True:
-                self._poll(client)
-                self._first.set()
-                if self._stop.wait(self.interval):
-                    self._poll(client)  # the state at the end of the load
-                    return
-
-    def _poll(self, client: httpx.Client) -> None:
-        t = time.perf_counter() - self._t0
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            rows = client.get(f"{self.url}/admin/workers").json()
-            if isinstance(rows, list):
-                self.samples.append({"t_s": round(t, 3), "workers": _compact(rows)})
-
-
-def _compact(rows: list[Any]) -> list[dict[str, Any]]:
-    keys = ("id", "role", "healthy", "queue", "running", "outstanding")
-    return [{k: r.get(k) for k in keys if k in r} for r in rows if isinstance(r, dict)]
-
-
-def role_switches(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Changes of a worker's role between consecutive polls: {t_s, worker, from, to}."""
-    last: dict[str, Any] = {}
-    out = []
-    for s in samples:
-        for row in s.get("workers", []):
-            wid, role = row.get("id"), row.get("role")
-            if wid is None or role is None:
-                continue
-            if wid in last and last[wid] != role:
-                out.append({"t_s": s.get("t_s"), "worker": wid, "from": last[wid], "to": role})
-            last[wid] = role
-    return out
-
-
-def parse_metrics(text: str) -> list[dict[str, Any]]:
-    """pdserve_* samples of a Prometheus exposition, histogram buckets left out."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = []
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.startswith("pdserve_") and not s.name.endswith("_bucket"):
-                out.append({"name": s.name, "labels": dict(s.labels), "value": float(s.value)})
-    return out
-
-
-def metrics_delta(
-    before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """after - before per (name, labels) (a sample missing before counts from 0)."""
-
-    def key(s: dict[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
-        return s["name"], tuple(sorted(s["labels"].items()))
-
-    base = {key(s): s["value"] for s in before}
-    return [{**s, "value": s["value"] - base.get(key(s), 0.0)} for s in after]
-
-
-def _get(url: str, path: str) -> httpx.Response | None:
-    try:
-        return httpx.get(f"{url}{path}", timeout=10.0)
-    except httpx.HTTPError:
-        return None
-
-
-def scrape_metrics(url: str) -> list[dict[str, Any]] | None:
-    resp = _get(url, "/metrics")
-    if resp is None or resp.status_code != 200:
-        return None
-    try:
-        return parse_metrics(resp.text)
-    except ValueError:
-        return None
-
-
-async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> int:
-    """Attach each request's timeline events and prediction (when served); returns how many."""
-    n = 0
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        for rec in records:
-            rid = rec.get("response_id")
-            if not rid:
-                continue
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                resp = await client.get(f"{url}/v1/requests/{rid}/timeline")
-                if resp.status_code == 200:
-                    body = resp.json()
-                    rec["timeline"] = body.get("events")
-                    rec["prediction"] = body.get("prediction")
-                    n += 1
-    return n
-
-
 def run_arm(
     args: argparse.Namespace,
     exp: Experiment,
@@ -528,7 +415,7 @@ def run_arm(
             with WorkerPoller(url, args.poll_interval) as poller:
                 res = asyncio.run(serve_bench.run_benchmark(ns))
             after = scrape_metrics(url)
-            resp = _get(url, "/admin/workers")
+            resp = get(url, "/admin/workers")
             workers = resp.json() if resp is not None and resp.status_code == 200 else None
             res["timelines_fetched"] = asyncio.run(fetch_timelines(url, res["requests"]))
     except (RuntimeError, httpx.HTTPError, ValueError, OSError) as e:
@@ -554,154 +441,6 @@ def _one_line(s: dict[str, Any]) -> str:
         f"{f(s['goodput'], '.3f')} req/s TTFT p50 {f(s['ttft_ms']['p50'], '.0f')} ms "
         f"TPOT p50 {f(s['tpot_ms']['p50'], '.1f')} ms"
     )
-
-
-# ---------------------------------------------------------------------------- per-arm numbers
-
-
-def _pct(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
-    if not values:
-        return {f"p{q}": None for q in qs}
-    got = np.percentile(np.asarray(values, dtype=np.float64), list(qs))
-    return {f"p{q}": float(v) for q, v in zip(qs, got, strict=True)}
-
-
-def by_label(
-    samples: Sequence[dict[str, Any]] | None, names: Sequence[str], label: str
-) -> dict[str, float] | None:
-    """Sum of the samples of the first family in `names` that has any (counter samples may end in
-    _total), per value of `label`; None when no family is there."""
-    if not samples:
-        return None
-    for name in names:
-        rows = [s for s in samples if s["name"] in (name, f"{name}_total")]
-        if rows:
-            out: dict[str, float] = {}
-            for s in rows:
-                k = str(s["labels"].get(label, ""))
-                out[k] = out.get(k, 0.0) + float(s["value"])
-            return out
-    return None
-
-
-def prediction_error(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """|predicted - actual| / actual over requests with a prediction: TTFT and TPOT p50/p90, n;
-    actual: the server's (prediction.actual_*) when given, else the client's measurement."""
-    out: dict[str, Any] = {"with_prediction": 0}
-    errs: dict[str, list[float]] = {"ttft": [], "tpot": []}
-    for r in requests:
-        pred = r.get("prediction")
-        if not isinstance(pred, dict):
-            continue
-        out["with_prediction"] += 1
-        for kind in ("ttft", "tpot"):
-            p = pred.get(f"{kind}_s")
-            a = pred.get(f"actual_{kind}_s")
-            if a is None and r.get(f"{kind}_ms") is not None:
-                a = r[f"{kind}_ms"] / 1e3
-            if isinstance(p, int | float) and isinstance(a, int | float) and a > 0:
-                errs[kind].append(abs(p - a) / a)
-    for kind, values in errs.items():
-        out[kind] = {**_pct(values, (50, 90)), "n": len(values)}
-    return out
-
-
-def _routes_from_timelines(requests: Sequence[dict[str, Any]]) -> dict[str, float] | None:
-    routes: dict[str, float] = {}
-    for r in requests:
-        pred = r.get("prediction")
-        if isinstance(pred, dict) and pred.get("route"):
-            routes[str(pred["route"])] = routes.get(str(pred["route"]), 0.0) + 1
-    return routes or None
-
-
-def prefix_stats(arm: dict[str, Any]) -> dict[str, Any]:
-    """Prefix-cache hit rate: the workers' `prefix_cache_hit_rate` (admin rows, or their stats,
-    else /metrics gauges named *prefix_cache_hit_rate), mean over workers; router counters whose
-    name mentions "prefix" (differences over the load); the share of prompt tokens the router's
-    predictions expected cached where it sent the prefill (`cached_prefill_tokens`)."""
-    rates: dict[str, float] = {}
-    for row in arm.get("workers") or []:
-        if not isinstance(row, dict):
-            continue
-        v = row.get("prefix_cache_hit_rate")
-        if v is None and isinstance(row.get("stats"), dict):
-            v = row["stats"].get("prefix_cache_hit_rate")
-        if isinstance(v, int | float):
-            rates[str(row.get("id"))] = float(v)
-    if not rates:
-        for s in arm.get("metrics") or []:
-            if s["name"].endswith("prefix_cache_hit_rate"):
-                rates[str(s["labels"].get("worker", len(rates)))] = s["value"]
-    counters = {
-        s["name"] + _labels(s["labels"]): s["value"]
-        for s in arm.get("metrics_delta") or []
-        if "prefix" in s["name"] and not s["name"].endswith(("_created", "hit_rate"))
-    }
-    cached = prompt = 0
-    for r in (arm.get("bench") or {}).get("requests") or []:
-        pred = r.get("prediction")
-        n = r.get("prompt_tokens")
-        if isinstance(pred, dict) and isinstance(pred.get("cached_prefill_tokens"), int) and n:
-            cached += pred["cached_prefill_tokens"]
-            prompt += n
-    return {
-        "hit_rate_mean": float(np.mean(list(rates.values()))) if rates else None,
-        "hit_rate_by_worker": rates or None,
-        "counters": counters or None,
-        # prompt tokens the router expected cached where it sent the prefill (its predictions)
-        "cached_share_predicted": cached / prompt if prompt else None,
-    }
-
-
-def _labels(labels: dict[str, str]) -> str:
-    return "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
-
-
-def turn_ttfts(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """TTFT p50/p90 of completed turns > 0, pooled and per turn."""
-    ok = [r for r in requests if r.get("ttft_ms") is not None and not r.get("rejected")]
-    later = [r["ttft_ms"] for r in ok if (r.get("turn") or 0) > 0]
-    per_turn: dict[str, dict[str, float | None]] = {}
-    for t in sorted({int(r.get("turn") or 0) for r in ok}):
-        per_turn[str(t)] = _pct(
-            [r["ttft_ms"] for r in ok if int(r.get("turn") or 0) == t], (50, 90)
-        )
-    return {"later_turns": {**_pct(later, (50, 90)), "n": len(later)}, "per_turn": per_turn}
-
-
-def summarize_arm(arm: dict[str, Any], slo: tuple[float, float]) -> dict[str, Any]:
-    """Every number the report shows for one arm, from the arm's raw results alone."""
-    res = arm["bench"]
-    reqs = res["requests"]
-    outcome = serve_bench.outcome_summary(reqs, slo[0], slo[1], res.get("duration_s"))
-    done = [r for r in reqs if r.get("error") is None and not r.get("rejected")]
-    delta = arm.get("metrics_delta")
-    kv = by_label(delta, ["pdserve_kv_transfer_bytes"], "side")
-    routes = by_label(delta, ["pdserve_disagg_decisions", "pdserve_route_decisions"], "route")
-    switches = role_switches(arm.get("worker_polls") or [])
-    return {
-        **outcome,
-        "ttft_ms": _pct([r["ttft_ms"] for r in done if r.get("ttft_ms") is not None]),
-        "tpot_ms": _pct([r["tpot_ms"] for r in done if r.get("tpot_ms") is not None]),
-        "by_phase": serve_bench.by_phase(reqs, slo[0], slo[1]),
-        "server_rejections": by_label(delta, ["pdserve_rejected"], "reason")
-        or by_label(delta, ["pdserve_request_rejections"], "code"),
-        "routes": routes,
-        "routes_source": "metrics" if routes else "timelines",
-        "routes_from_timelines": _routes_from_timelines(reqs),
-        "kv_bytes_sent": kv.get("send") if kv else None,
-        "prefix": prefix_stats(arm),
-        "turns": turn_ttfts(reqs),
-        "role_switches": switches,
-        "role_switches_server": by_label(delta, ["pdserve_role_switches"], "by"),
-        "roles_final": {
-            str(r.get("id")): r.get("role") for r in arm.get("workers") or [] if isinstance(r, dict)
-        }
-        or None,
-        "prediction_error": prediction_error(reqs),
-        "timelines_fetched": res.get("timelines_fetched"),
-    }
 
 
 # ---------------------------------------------------------------------------- the run
@@ -747,7 +486,7 @@ def _experiments(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pos_int, pos_float = serve_bench._positive_int, serve_bench._positive_float
+    pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
     parser.add_argument(
         "--experiment",
         type=_experiments,
@@ -795,7 +534,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload (default: the experiment's)")
     work.add_argument("--input-len", type=pos_int, default=None)
     work.add_argument("--output-len", type=pos_int, default=None)
-    work.add_argument("--len-spread", type=serve_bench._spread, default=None)
+    work.add_argument("--len-spread", type=argtypes.fraction, default=None)
     work.add_argument("--turns", type=pos_int, default=None)
     work.add_argument("--prompt-format", choices=("ids", "text"), default=None)
     wl.add_arguments(parser)
@@ -818,7 +557,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     for name in ns.experiment:
         result["experiments"].append(run_experiment(ns, EXPERIMENTS[name]))
         result["wall_s"] = time.time() - t0
-        path.write_text(json.dumps(serve_bench._json_safe(result), indent=1) + "\n")
+        path.write_text(json.dumps(summary.json_safe(result), indent=1) + "\n")
     report = sched_report.build_report(result)
     (ns.output_dir / "report.md").write_text(report)
     print(report)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+from pdserve.engine.step_budget import StallFreeBudget
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ class ReservedKV(list[int]):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, prefill_budget: Callable[[int, int], int] | None = None
+    ) -> None:
+        """`prefill_budget`: stall-free batching (scheduler.py, engine/step_budget.py)."""
         self.config = config
         mc, cc = config.model_config, config.cache_config
         if config.parallel_config.threads:
@@ -83,10 +87,11 @@ class LLMEngine:
                 sc.max_num_seqs,
                 sc.enable_chunked_prefill,
                 sc.decode_first,
+                prefill_budget,
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.sampler = Sampler(mc.seed)
         self._live: dict[str, _Tracked] = {}
         self._reserved: dict[str, _Tracked] = {}  # decode side: KV on its way from P
@@ -253,9 +258,20 @@ class LLMEngine:
         for s in out.scheduled:
             m = self._live[s.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        t0 = time.perf_counter()
         sampled = self._run(out)
+        self._observe_step(out, time.perf_counter() - t0)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
         return self._collect(out, sampled)
+
+    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Teach a stall-free budget how long a step with these decodes really took."""
+        budget = self.scheduler.policy.prefill_budget
+        if isinstance(budget, StallFreeBudget):
+            decodes = [s for s in out.scheduled if s.num_tokens == 1]
+            context = sum(s.start_pos + 1 for s in decodes)
+            prompt = out.num_batched_tokens - len(decodes)
+            budget.observe(len(decodes), context, prompt, seconds)
 
     def _count_batch(self, out: SchedulerOutput) -> None:
         decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)

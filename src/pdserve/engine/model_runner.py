@@ -2,6 +2,16 @@
 
 Row order in the flat batch: single-token decodes first (one batched attention call), then
 prompt chunks. Only requests whose step reaches their last known token are sampled.
+
+Attention backends (`--attention`):
+  * `paged`: decodes and short prompt chunks over a cached prefix (<= PAGED_CHUNK_MAX tokens)
+    read K/V in place from the block cache with the native kernel (engine/kernels); a fresh
+    prompt chunk attends to its own keys with SDPA (no cache read), and a long chunk over a
+    cached prefix gathers the prefix (its attention is compute-bound: the copy is O(prefix),
+    the attention O(chunk x prefix)). CPU only.
+  * `gather`: the reference — every row copies the blocks it reads into a new tensor, then
+    SDPA. The CUDA path, and the oracle the kernel is tested against.
+All index tensors of a step are built here once and shared by every layer.
 """
 
 from __future__ import annotations
@@ -12,8 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.engine.models.llama import AttentionMetadata, LlamaModel, PrefillSegment
+from pdserve.engine.models.llama import (
+    AttentionMetadata,
+    LlamaModel,
+    PagedPlan,
+    PrefillSegment,
+)
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+ATTENTION_BACKENDS = ("auto", "paged", "gather")
+PAGED_CHUNK_MAX = 64  # longer chunks over a cached prefix are compute-bound: SDPA on a gather
+TILE_ROWS = 16  # query rows of one sequence per kernel work item (kMaxTile in the kernel)
 
 
 @dataclass(frozen=True)
@@ -36,11 +55,34 @@ class StepResult:
     logits: torch.Tensor  # [S, vocab] float32
 
 
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """`auto` is `paged` on CPU and `gather` on CUDA; `paged` on CUDA is an error."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    if attention == "auto":
+        return "paged" if device.type == "cpu" else "gather"
+    if attention == "paged" and device.type != "cpu":
+        raise ValueError("--attention paged is CPU only; use gather (or auto) on CUDA")
+    return attention
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: PagedKVCache,
+        device: torch.device,
+        attention: str = "auto",
+    ) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
         self.layer_hook: LayerHook | None = None
+        self.attention = resolve_attention(attention, device)
+        self._kernel: Callable[..., torch.Tensor] | None = None
+        if self.attention == "paged":  # build/load the kernel now, off the request path
+            from pdserve.engine.kernels import paged_attention_module
+
+            self._kernel = paged_attention_module().paged_attention
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
@@ -72,9 +114,9 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         for s in decodes + chunks:
-            for i in range(s.num_tokens):
-                pos = s.start_pos + i
-                slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+            table = s.block_ids
+            for pos in range(s.start_pos, s.start_pos + s.num_tokens):
+                slots.append(table[pos // bs] * bs + pos % bs)
             positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
             tokens.extend(s.token_ids)
             if s.sample:
@@ -85,14 +127,54 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
-        if decodes:
+        paged = self._kernel is not None
+        if decodes and not paged:
             self._prepare_decodes(decodes, meta)
+        meta.num_decodes = len(decodes)
         row = len(decodes)
         for s in chunks:
-            table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
-            meta.prefills.append(PrefillSegment(row, s.num_tokens, s.start_pos, table))
+            table_t = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
+            in_kernel = paged and s.start_pos > 0 and s.num_tokens <= PAGED_CHUNK_MAX
+            meta.prefills.append(PrefillSegment(row, s.num_tokens, s.start_pos, table_t, in_kernel))
             row += s.num_tokens
+        if paged:
+            meta.paged = self._paged_plan(decodes, chunks, meta, len(tokens))
         return torch.tensor(tokens, dtype=torch.long, device=dev), meta
+
+    def _paged_plan(
+        self,
+        decodes: list[ScheduledRequest],
+        chunks: list[ScheduledRequest],
+        meta: AttentionMetadata,
+        num_rows: int,
+    ) -> PagedPlan:
+        """Tiles for the decode rows and the kernel's prompt chunks; limits per row (causal)."""
+        assert self._kernel is not None
+        bs = self.block_size
+        tables: list[list[int]] = []
+        tiles: list[tuple[int, int, int]] = []
+        limits = [0] * num_rows
+        for i, s in enumerate(decodes):
+            limits[i] = s.start_pos + 1
+            tiles.append((len(tables), i, 1))
+            tables.append(s.block_ids[: -(-limits[i] // bs)])
+        for seg, s in zip(meta.prefills, chunks, strict=True):
+            if not seg.paged:
+                continue
+            for r in range(seg.length):
+                limits[seg.start + r] = seg.start_pos + r + 1
+            for r0 in range(0, seg.length, TILE_ROWS):
+                tiles.append((len(tables), seg.start + r0, min(TILE_ROWS, seg.length - r0)))
+            tables.append(s.block_ids[: -(-(seg.start_pos + seg.length) // bs)])
+        width = max((len(t) for t in tables), default=1)
+        padded = [t + [0] * (width - len(t)) for t in tables] or [[0]]
+        dev = self.device
+        return PagedPlan(
+            tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            tiles=torch.tensor(tiles, dtype=torch.int32, device=dev).view(-1, 3),
+            limits=torch.tensor(limits, dtype=torch.int32, device=dev),
+            kernel=self._kernel,
+        )
 
     def _prepare_decodes(self, decodes: list[ScheduledRequest], meta: AttentionMetadata) -> None:
         bs = self.block_size
@@ -102,7 +184,6 @@ class ModelRunner:
             s.block_ids[:width] + [0] * (width - min(width, len(s.block_ids))) for s in decodes
         ]
         dev = self.device
-        meta.num_decodes = len(decodes)
         meta.decode_block_table = torch.tensor(table, dtype=torch.long, device=dev)
         lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]

@@ -11,6 +11,13 @@ Each `schedule()` fills a token budget (`max_num_batched_tokens`):
     step — then waiting prompts, chunked into what is left. Long prompts cannot stall decodes.
   * prefill-first (`decode_first=False`): if a waiting prompt can be admitted, the step runs
     prompts only and running decodes wait; the classic aggregated behaviour, kept as a baseline.
+Stall-free batching (`prefill_budget`, as in Sarathi-Serve): with a budget function set and
+decode-first on, each step schedules the running decodes first, then asks
+`prefill_budget(num_decodes, decode_context_tokens)` how many prompt tokens (chunks of running
+prompts, then waiting prompts) may join them; the function is computed outside from the TPOT
+SLO and the cost model (engine/step_budget.py), so a step with decodes stays within the TPOT
+budget instead of carrying a whole 2048-token chunk. A step without decodes has nothing to
+protect and uses the whole token budget.
 When blocks run out, the most recently admitted running request is preempted by recompute: its
 blocks are freed, `num_computed_tokens` resets to 0, and it goes back to the front of `waiting`
 with the tokens it has generated, which are recomputed as part of its prompt later.
@@ -19,6 +26,7 @@ with the tokens it has generated, which are recomputed as part of its prompt lat
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
@@ -31,12 +39,17 @@ class SchedulerPolicy:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     decode_first: bool = True
+    # (decodes this step, their summed context tokens) -> prompt tokens that may join them;
+    # None: prompts take whatever of max_num_batched_tokens the decodes leave.
+    prefill_budget: Callable[[int, int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.prefill_budget is not None and not self.decode_first:
+            raise ValueError("a prefill budget needs decode_first (decodes are what it protects)")
 
 
 @dataclass
@@ -153,7 +166,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.policy.max_num_batched_tokens
-        if self.policy.decode_first:
+        if self.policy.prefill_budget is not None:
+            self._schedule_stall_free(out, budget, self.policy.prefill_budget)
+        elif self.policy.decode_first:
             budget = self._schedule_running(out, budget)
             if not out.preempted:
                 self._schedule_waiting(out, budget)
@@ -165,8 +180,27 @@ class Scheduler:
                 self._schedule_running(out, budget)
         return out
 
+    def _schedule_stall_free(
+        self, out: SchedulerOutput, budget: int, prefill_budget: Callable[[int, int], int]
+    ) -> None:
+        """Decodes first; then prompt tokens up to what the budget function allows."""
+        budget = self._schedule_running(out, budget, decodes_only=True)
+        if out.preempted:
+            return
+        decodes = out.scheduled
+        if decodes:
+            context = sum(s.start_pos + 1 for s in decodes)
+            budget = min(budget, max(0, prefill_budget(len(decodes), context)))
+        left = self._schedule_running(out, budget, prefills_only=True)
+        if not out.preempted:
+            self._schedule_waiting(out, left)
+
     def _schedule_running(
-        self, out: SchedulerOutput, budget: int, prefills_only: bool = False
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        prefills_only: bool = False,
+        decodes_only: bool = False,
     ) -> int:
         already = {s.request_id for s in out.scheduled}
         i = 0
@@ -175,7 +209,8 @@ class Scheduler:
             i += 1
             if request.request_id in already:
                 continue
-            if prefills_only and request.num_tokens - request.num_computed_tokens <= 1:
+            is_decode = request.num_tokens - request.num_computed_tokens <= 1
+            if (prefills_only and is_decode) or (decodes_only and not is_decode):
                 continue
             num_new = self._num_to_schedule(request, budget)
             if num_new == 0:
@@ -201,16 +236,48 @@ class Scheduler:
                 break
             block_ids = self.kv.allocate_slots(request, num_new, prefix)
             if block_ids is None:
-                break
+                return self._schedule_holders(out, budget)
             self.waiting.popleft()
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = prefix.num_tokens
-            request.num_computed_tokens += prefix.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new, block_ids))
+            self._admit(request, num_new, block_ids, prefix.num_tokens, out)
             budget -= num_new
         return budget
+
+    def _schedule_holders(self, out: SchedulerOutput, budget: int) -> int:
+        """The head of `waiting` found no memory: admit requests behind it that hold blocks.
+
+        A request admitted on D with `add_prefilled` already holds its prompt's KV. Left queued
+        behind a head that needs memory (say a preempted request recomputing), it would hold
+        blocks the head may need and never release them: neither could run again. So requests
+        that hold KV skip the queue; requests that need fresh memory keep their FIFO order.
+        """
+        for request in list(self.waiting)[1:]:
+            if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
+                break
+            if not self.kv.has_request(request.request_id) or request.num_computed_tokens < 1:
+                continue
+            num_new = self._num_to_schedule(request, budget)
+            block_ids = self.kv.allocate_slots(request, num_new) if num_new else None
+            if block_ids is None:
+                continue
+            self.waiting.remove(request)
+            self._admit(request, num_new, block_ids, 0, out)
+            budget -= num_new
+        return budget
+
+    def _admit(
+        self,
+        request: Request,
+        num_new: int,
+        block_ids: list[int],
+        cached_tokens: int,
+        out: SchedulerOutput,
+    ) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached_tokens
+        request.num_computed_tokens += cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(self._scheduled(request, num_new, block_ids))
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -33,6 +33,8 @@ from typing import Any, Literal
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from pdserve.router.timeline import Ev, Stage
+
 log = logging.getLogger("pdserve.router.dashboard")
 
 WINDOW_S = 60.0  # "the last minute" of the latency quantiles and goodput
@@ -193,8 +195,9 @@ def segments(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in events:
         first.setdefault(e["event"], (float(e["t_ms"]), str(e["worker"])))
     end = max((float(e["t_ms"]) for e in events), default=0.0)
-    ps, pe = first.get("prefill_start"), first.get("prefill_end") or first.get("first_token")
-    ts, te = first.get("transfer_start"), first.get("transfer_end")
+    ps = first.get(Stage.PREFILL_START)
+    pe = first.get(Stage.PREFILL_END) or first.get(Ev.FIRST_TOKEN)
+    ts, te = first.get(Stage.TRANSFER_START), first.get(Stage.TRANSFER_END)
     out: list[dict[str, Any]] = []
 
     def add(stage: str, a: float, b: float, worker: str | None) -> None:

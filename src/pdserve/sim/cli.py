@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import workloads as bw
+from pdserve.bench.load import workloads as bw
 from pdserve.sim import hardware
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench import workloads as bw
+from pdserve.bench.load import workloads as bw
 from pdserve.sim.cluster import SimRequest
 
 SIM_WORKLOADS = ("synthetic", "rag", "mixed", "shifting", "multiturn")
@@ -73,7 +73,7 @@ def make_items(args: argparse.Namespace) -> list[bw.RequestItem]:
         )
     if args.workload not in SIM_WORKLOADS:
         raise ValueError(f"unknown workload {args.workload!r}; choose one of {SIM_WORKLOADS}")
-    from pdserve.bench.loadspec import LoadSpec, workload_defaults
+    from pdserve.bench.load.spec import LoadSpec, workload_defaults
 
     given = vars(args)
     extra = {k: given[k] for k in workload_defaults() if k in given}

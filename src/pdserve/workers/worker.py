@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -75,7 +76,9 @@ class Worker:
         self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
         self.deadline_s, self.lease_s = deadline_s, lease_s
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        engine_config = EngineConfig.from_kwargs(**engine_args)
+        budget = stall_free_budget(engine_config, cfg.slo_tpot_s, cfg.cost_model)
+        self.engine = LLMEngine(engine_config, budget)
         self.fingerprint = wire.layout_fingerprint(self.engine.arch, self.engine.dtype)
         self.ctx = ctx or zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
@@ -393,6 +396,25 @@ def _stage_times(out: RequestOutput) -> dict[str, float]:
         return {}
     stamps = {"prefill_start": m_.first_scheduled_time, "first_token": m_.first_token_time}
     return {k: v for k, v in stamps.items() if v is not None}
+
+
+def stall_free_budget(
+    config: EngineConfig, slo_tpot_s: float | None, cost_model: str | None
+) -> Callable[[int, int], int] | None:
+    """With a TPOT SLO, each step's prompt tokens are sized to keep running decodes within it
+    (stall-free batching); the time per token comes from the cost model file."""
+    if slo_tpot_s is None:
+        return None
+    if cost_model is None:
+        raise ValueError("--slo-tpot on a worker needs --cost-model (pdserve bench profile)")
+    from pathlib import Path
+
+    from pdserve.costmodel.model import CostModel
+    from pdserve.engine.step_budget import tpot_prefill_budget
+
+    cost = CostModel.load(Path(cost_model))
+    max_tokens = config.scheduler_config.max_num_batched_tokens
+    return tpot_prefill_budget(cost, slo_tpot_s, max_tokens, min(16, max_tokens))
 
 
 # ---- process entry point ---------------------------------------------------------------------

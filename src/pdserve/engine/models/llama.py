@@ -30,6 +30,21 @@ class PrefillSegment:
     length: int  # tokens in this chunk
     start_pos: int  # tokens of this request already in the cache before the step
     block_ids: torch.Tensor  # [num_blocks] long: the request's block table
+    paged: bool = False  # computed by the in-place kernel (see PagedPlan)
+
+
+@dataclass
+class PagedPlan:
+    """What the in-place paged kernel computes this step (built once per step, used by every layer).
+
+    Rows in no tile (fresh prompt chunks, long chunks) are computed by SDPA instead.
+    """
+
+    tables: torch.Tensor  # [S, W] int32: block tables of the sequences the kernel reads
+    tiles: torch.Tensor  # [M, 3] int32: (sequence, first row, rows <= 16)
+    limits: torch.Tensor  # [T] int32: keys visible to each row (0 for rows in no tile)
+    kernel: Callable[..., torch.Tensor]  # pdserve.engine.kernels: paged_attention(...)
+    split_tokens: int = 512  # key-range split per work item (flash-decoding)
 
 
 @dataclass
@@ -40,6 +55,9 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] long, padded with 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # Set: decodes and the prefill segments with `paged=True` use the in-place kernel
+    # (`--attention paged`); unset: every row gathers its blocks (`--attention gather`).
+    paged: PagedPlan | None = None
     sample_rows: torch.Tensor | None = None  # [S] long: rows whose logits are needed
     # Called after each layer as hook(layer, k, v), k/v [T, KVH, D] as cached (after RoPE):
     # lets a prefill worker stream a layer's KV while the next layer computes.
@@ -60,9 +78,13 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos [T, 1, D] and the signed sin [T, 1, D] (-sin | sin) that `apply_rope` takes.
+
+        Built once per step and shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        return torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :], signed_sin.to(dtype)[:, None]
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -78,13 +100,10 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin equals
+    roll(x, D/2) * (-sin | sin), one op instead of a slice, a negation and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaLayer(nn.Module):
@@ -157,6 +176,44 @@ def paged_attention(
     kvh, d = k.shape[1], k.shape[2]
     k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    if meta.paged is not None:
+        return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta, meta.paged)
+    return gather_attention(q, k, v, k_cache, v_cache, meta)
+
+
+def _paged_kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: PagedPlan,
+) -> torch.Tensor:
+    """Decodes and short cached-prefix chunks read the blocks in place; the rest use SDPA."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = plan.kernel(
+        q, k_cache, v_cache, plan.tables, plan.tiles, plan.limits, plan.split_tokens, scale
+    )  # [T, H, D]; rows outside the plan's tiles are filled below
+    for seg in meta.prefills:
+        if not seg.paged:
+            rows = slice(seg.start, seg.start + seg.length)
+            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+    return out
+
+
+def gather_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], this step's K already written
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """The reference path: copy every block a row reads into a new tensor, then SDPA.
+
+    `--attention gather`, the CUDA path, and the oracle the paged kernel is tested against.
+    """
     if meta.num_decodes == q.shape[0]:  # a pure decode step: no output buffer to fill
         return _decode_attention(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)

@@ -63,11 +63,11 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve import argtypes
 from pdserve.bench import common
 
 if TYPE_CHECKING:
@@ -101,23 +101,6 @@ TARGET_PREFILL_VS_CPP = 1.5
 # --------------------------------------------------------------------------- arguments
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 _LIST_FLAGS = (
     ("--prompt-lens", [128, 512, 2048], "prefill prompt lengths"),
     ("--batch-sizes", [1, 8, 32], "decode batch sizes"),
@@ -143,21 +126,22 @@ def _quantizations(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2-135M")
-    parser.add_argument(
-        "--threads", type=_positive, default=None, help="torch threads; default: torch's choice"
-    )
+    common.add_model_arguments(parser)
     for flag, default, text in _LIST_FLAGS:
         shown = ",".join(map(str, default))
-        parser.add_argument(flag, type=_int_list, default=default, help=f"{text} ({shown})")
+        parser.add_argument(flag, type=argtypes.int_list, default=default, help=f"{text} ({shown})")
     for flag, value, text in _INT_FLAGS:
-        parser.add_argument(flag, type=_positive, default=value, help=f"{text} ({value})")
+        parser.add_argument(
+            flag, type=argtypes.positive_int, default=value, help=f"{text} ({value})"
+        )
     parser.add_argument(
         "--quantization",
         type=_quantizations,
         default=["none", "int8"],
         help="pdserve weight quantizations, each measured side by side (none,int8)",
     )
+    parser.add_argument("--device", default="cpu", help="torch device of the engine: cpu | cuda")
+    parser.add_argument("--dtype", default="float32", help="engine dtype: float32 | bfloat16")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp column")
     parser.add_argument("--no-attention", action="store_true", help="skip the attention-share run")
@@ -264,10 +248,7 @@ class Row:
 
 
 @dataclass
-class Report:
-    date: str
-    command: str
-    machine: dict[str, Any]
+class Report(common.ReportHead):
     model: dict[str, Any]
     settings: dict[str, Any]
     roofline: Roofline
@@ -283,31 +264,6 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _timed(fn: Callable[[], object], times: int = 1) -> float:
-    """Wall seconds of `times` calls of `fn`."""
-    t0 = time.perf_counter()
-    for _ in range(times):
-        fn()
-    return time.perf_counter() - t0
-
-
-def _sample_times(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Wall time of `fn` for each of `repeats` runs, after one warm-up run."""
-    fn()
-    return [_timed(fn) for _ in range(repeats)]
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(_sample_times(fn, repeats))
-
-
-def _random_ids(gen: torch.Generator, n: int, vocab: int) -> list[int]:
-    import torch
-
-    ids: list[int] = torch.randint(0, vocab, (n,), generator=gen).tolist()
-    return ids
-
-
 # --------------------------------------------------------------------------- roofline
 
 
@@ -315,12 +271,14 @@ def measure_roofline(repeats: int = ROOFLINE_REPEATS) -> Roofline:
     import torch
 
     x = torch.ones(BANDWIDTH_MIB * 2**20 // 4)
-    sum_gbs = x.nbytes / _median_time(lambda: x.sum(), repeats) / 1e9
+    sum_gbs = x.nbytes / common.median_seconds(lambda: x.sum(), repeats) / 1e9
     n = math.isqrt(x.numel())
     matrix, vector = x[: n * n].view(n, n), torch.ones(n)
-    matvec_gbs = matrix.nbytes / _median_time(lambda: torch.mv(matrix, vector), repeats) / 1e9
+    matvec_gbs = (
+        matrix.nbytes / common.median_seconds(lambda: torch.mv(matrix, vector), repeats) / 1e9
+    )
     dst = torch.empty_like(x)
-    copy_gbs = 2 * x.nbytes / _median_time(lambda: dst.copy_(x), repeats) / 1e9
+    copy_gbs = 2 * x.nbytes / common.median_seconds(lambda: dst.copy_(x), repeats) / 1e9
     return Roofline(
         matmul_gflops=_matmul_gflops(MATMUL_N, repeats),
         read_gbs=max(sum_gbs, matvec_gbs),
@@ -335,7 +293,7 @@ def _matmul_gflops(n: int, repeats: int) -> float:
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    seconds = _median_time(lambda: torch.matmul(a, b, out=out), repeats)
+    seconds = common.median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
     return 2 * n**3 / seconds / 1e9
 
 
@@ -359,6 +317,8 @@ def build_engine(args: argparse.Namespace, threads: int, quantization: str) -> L
         max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=max(*args.prompt_lens, max(args.batch_sizes)),
         quantization=quantization,
+        device=args.device,  # cuda: the roofline (MFU/MBU) is still the CPU's
+        dtype=args.dtype,
     )
     engine = llm.engine
     if max(args.prompt_lens) >= engine.max_model_len or decode_len >= engine.max_model_len:
@@ -377,15 +337,16 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 def pdserve_prefill(engine: LLMEngine, n: int, repeats: int, gen: torch.Generator) -> list[float]:
     """Seconds of the single step that prefills an n-token prompt, per timed repeat."""
-    _prefill_once(engine, _random_ids(gen, n, engine.arch.vocab_size))  # warm-up
+    _prefill_once(engine, common.random_ids(gen, n, engine.arch.vocab_size))  # warm-up
     return [
-        _prefill_once(engine, _random_ids(gen, n, engine.arch.vocab_size)) for _ in range(repeats)
+        _prefill_once(engine, common.random_ids(gen, n, engine.arch.vocab_size))
+        for _ in range(repeats)
     ]
 
 
 def _prefill_once(engine: LLMEngine, ids: list[int]) -> float:
     engine.add_request(ids, _greedy(1))
-    seconds = _timed(engine.step)
+    seconds = common.timed(engine.step)
     if engine.has_unfinished_requests():
         raise RuntimeError(f"a {len(ids)}-token prompt did not prefill in one step")
     return seconds
@@ -421,7 +382,7 @@ def admit_decoding(engine: LLMEngine, point: DecodePoint, gen: torch.Generator) 
     rids = []
     for _ in range(point.batch):
         rid = f"bench-decode-{next(_RIDS)}"
-        ids = _random_ids(gen, c, arch.vocab_size)
+        ids = common.random_ids(gen, c, arch.vocab_size)
         blocks = engine.reserve_kv(ids, params, rid, c)
         if blocks is None:
             raise RuntimeError("the KV cache is too small for this decode point")
@@ -429,7 +390,7 @@ def admit_decoding(engine: LLMEngine, point: DecodePoint, gen: torch.Generator) 
         slots = engine.kv_slots(list(blocks), 0, c)
         for layer in range(arch.num_layers):
             engine.write_kv(slots, layer, k, v)
-        engine.admit_prefilled(rid, _random_ids(gen, 1, arch.vocab_size), c)
+        engine.admit_prefilled(rid, common.random_ids(gen, 1, arch.vocab_size), c)
     return rids
 
 
@@ -442,7 +403,7 @@ def _decode_once(
             _decode_step(engine, point.batch)
         requests = engine.scheduler.requests
         computed = statistics.mean(requests[r].num_computed_tokens for r in rids)
-        seconds = _timed(lambda: _decode_step(engine, point.batch), point.steps)
+        seconds = common.timed(lambda: _decode_step(engine, point.batch), point.steps)
     finally:
         for rid in rids:
             engine.abort_request(rid)
@@ -472,7 +433,7 @@ def attention_share(engine: LLMEngine, point: DecodePoint, gen: torch.Generator)
         for _ in range(WARMUP_STEPS):
             _decode_step(engine, point.batch)
         spent[0] = 0.0
-        total = _timed(lambda: _decode_step(engine, point.batch), point.steps)
+        total = common.timed(lambda: _decode_step(engine, point.batch), point.steps)
     finally:
         llama.paged_attention = inner  # type: ignore[attr-defined]
         for rid in rids:
@@ -581,9 +542,9 @@ class HFRunner:
 def hf_prefill_times(hf: HFRunner, n: int, repeats: int, gen: torch.Generator) -> list[float]:
     import torch
 
-    ids = torch.tensor([_random_ids(gen, n, hf.model.config.vocab_size)])
+    ids = torch.tensor([common.random_ids(gen, n, hf.model.config.vocab_size)])
     with torch.inference_mode():
-        return _sample_times(lambda: hf.prefill(ids), repeats)
+        return common.sample_times(lambda: hf.prefill(ids), repeats)
 
 
 def hf_decode_times(
@@ -605,7 +566,7 @@ def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> f
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer)
-    token = torch.tensor([_random_ids(gen, point.batch, cfg.vocab_size)]).t()  # [B, 1]
+    token = torch.tensor([common.random_ids(gen, point.batch, cfg.vocab_size)]).t()  # [B, 1]
     with torch.inference_mode():
         state: list[Any] = [token, cache]
 
@@ -614,7 +575,7 @@ def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> f
 
         for _ in range(WARMUP_STEPS):
             step()
-        return _timed(step, point.steps) / point.steps
+        return common.timed(step, point.steps) / point.steps
 
 
 def _same_point(rows: list[Row], row: Row) -> list[Row]:
@@ -679,7 +640,7 @@ def run_llama_cpp(
             continue
         _log(f"llama.cpp {row.label}")
         if row.phase == "prefill":
-            samples = _sample_times(
+            samples = common.sample_times(
                 functools.partial(_cpp_prefill, llm, gen, row.size, vocab), args.repeats
             )
         else:
@@ -696,15 +657,15 @@ def run_llama_cpp(
 
 def _cpp_prefill(llm: Any, gen: torch.Generator, n: int, vocab: int) -> float:
     llm.reset()
-    ids = _random_ids(gen, n, vocab)
-    return _timed(lambda: llm.eval(ids))
+    ids = common.random_ids(gen, n, vocab)
+    return common.timed(lambda: llm.eval(ids))
 
 
 def _cpp_decode(llm: Any, gen: torch.Generator, context: int, steps: int, vocab: int) -> float:
     """Seconds per single-token eval after `context` tokens (+ a warm-up token)."""
     llm.reset()
-    llm.eval(_random_ids(gen, context + WARMUP_STEPS, vocab))
-    tokens = _random_ids(gen, steps, vocab)
+    llm.eval(common.random_ids(gen, context + WARMUP_STEPS, vocab))
+    tokens = common.random_ids(gen, steps, vocab)
     t0 = time.perf_counter()
     for t in tokens:
         llm.eval([t])
@@ -836,9 +797,9 @@ def model_info(engine: LLMEngine, cost: ModelCost) -> dict[str, Any]:
 
 def command_line(args: argparse.Namespace, threads: int) -> str:
     """The invoking command if it was `pdserve bench engine ...`, else an equivalent one."""
-    argv = sys.argv[1:]
-    if argv[:2] == ["bench", "engine"]:
-        return shlex.join(["pdserve", *argv])
+    invoked = common.invoked_as("engine")
+    if invoked is not None:
+        return invoked
     parts = ["pdserve", "bench", "engine", "--threads", str(threads)]
     if args.model:
         parts += ["--model", str(args.model)]
@@ -874,7 +835,7 @@ def render_markdown(rep: Report) -> str:
         "stored + KV bytes) / step time / read GB/s; attn = share of the decode step inside "
         "paged attention (a separate timed run); HF decode is a greedy forward loop with its KV "
         "cache (not `generate`); llama.cpp decodes one sequence. Formulas: "
-        "`pdserve.bench.engine_bench`.",
+        "`pdserve.bench.micro.engine_bench`.",
         "",
     ]
     return "\n".join(lines)
@@ -991,7 +952,7 @@ def run(args: argparse.Namespace) -> int:
         targets=evaluate_targets(rows),
         notes=notes,
     )
-    _write(rep, args)
+    common.write(render_markdown(rep), report_json(rep), args)
     return 0
 
 
@@ -1003,7 +964,3 @@ def _warn_if_busy(machine: dict[str, Any]) -> None:
             "(with torch's OpenMP threads, a busy core can slow each op by milliseconds); "
             "use --threads 1 or a quiet machine"
         )
-
-
-def _write(rep: Report, args: argparse.Namespace) -> None:
-    common.write_report(render_markdown(rep), report_json(rep), args.output, args.json)

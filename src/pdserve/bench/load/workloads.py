@@ -6,7 +6,7 @@ one conversation in order (turn t waits for turn t-1 to finish) and interleaves 
 items of different conversations are independent. Every workload is seeded. `synthetic` and
 `multiturn` need no tokenizer: prompts are random token ids in [`ID_LOW`, `ID_HIGH`), sent as ids
 or, for servers that reject token-id prompts, as one word per id (`ids_to_text`). `rag`
-(`pdserve.bench.rag`: questions about Python, each with BM25-retrieved passages of the language
+(`pdserve.bench.load.rag`: questions about Python, each with BM25-retrieved passages of the language
 reference filling the prompt to its target length) has real text, rendered with a tokenizer's
 chat template and sent as `RequestItem.text`.
 
@@ -39,8 +39,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from pdserve import argtypes
+
 if TYPE_CHECKING:
-    from pdserve.bench.loadspec import LoadSpec
+    from pdserve.bench.load.spec import LoadSpec
 
 ID_LOW, ID_HIGH = 1000, 30000  # token ids of synthetic prompts: clear of special/byte tokens
 
@@ -326,7 +328,7 @@ def _shifting(args: LoadSpec) -> Workload:
 
 def _rag(args: LoadSpec) -> Workload:
     # lazy: the tokenizer, bm25s and the knowledge base are only needed for this workload
-    from pdserve.bench.rag import RagWorkload
+    from pdserve.bench.load.rag import RagWorkload
     from pdserve.engine.loader import load_tokenizer, resolve_model
 
     # the tokenizer whose chat template renders the prompts and whose ids measure them: the
@@ -367,27 +369,6 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
 def _multiturn_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multiturn workload")
     group.add_argument(
@@ -404,7 +385,7 @@ def _mixed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--short-len", type=length_range, default=(64, 200), help="LO,HI tokens")
     group.add_argument("--long-len", type=length_range, default=(1500, 2000), help="LO,HI tokens")
     group.add_argument(
-        "--long-fraction", type=_fraction, default=0.25, help="share of long prompts"
+        "--long-fraction", type=argtypes.fraction, default=0.25, help="share of long prompts"
     )
     group.add_argument(
         "--mixed-output-len", type=length_range, default=(16, 64), help="LO,HI max_tokens"
@@ -428,13 +409,13 @@ def _shifting_arguments(parser: argparse.ArgumentParser) -> None:
     boundary = group.add_mutually_exclusive_group()
     boundary.add_argument(
         "--shift-at",
-        type=_non_negative_int,
+        type=argtypes.non_negative_int,
         default=None,
         help="first phase-2 request index (default: num_requests // 2)",
     )
     boundary.add_argument(
         "--shift-at-s",
-        type=_non_negative_float,
+        type=argtypes.non_negative_float,
         default=None,
         help="seconds into the run from which requests are phase 2 (instead of --shift-at)",
     )

@@ -48,25 +48,24 @@ import os
 import socket
 import statistics
 import sys
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve import argtypes
 from pdserve.bench import common
-from pdserve.bench.transfer_link import (
+from pdserve.bench.transfer.transfer_link import (
     ReceiverProcess,
     _encode_layers,
     _fingerprint,
     _log,
-    _median_run,
     _random_kv,
     _recv_exact,
     _setup_msg,
     _Store,
     run_throughput,
 )
-from pdserve.bench.transfer_report import (
+from pdserve.bench.transfer.transfer_report import (
     _BASELINE_OF,
     _OP_DATA,
     _OP_SETUP,
@@ -107,64 +106,37 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- arguments
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if not names or bad:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}"
-            )
-        return list(dict.fromkeys(names))
-
-    return parse
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF folder or .gguf (its KV layout); default: SmolLM2-135M"
     )
     parser.add_argument(
-        "--sizes", type=_int_list, default=[128, 512, 2048, 8192], help="KV sizes in tokens"
+        "--sizes", type=argtypes.int_list, default=[128, 512, 2048, 8192], help="KV sizes in tokens"
     )
     parser.add_argument(
         "--transports",
-        type=_choices(TRANSPORT_NAMES),
+        type=argtypes.subset(TRANSPORT_NAMES),
         default=["tcp", "ipc", "shm"],
         help="transports of the throughput part: tcp,ipc,shm (inproc: receiver thread)",
     )
     parser.add_argument(
-        "--codecs", type=_choices(CODEC_NAMES), default=list(CODEC_NAMES), help="KV codecs"
+        "--codecs", type=argtypes.subset(CODEC_NAMES), default=list(CODEC_NAMES), help="KV codecs"
     )
     parser.add_argument(
-        "--repeats", type=_positive, default=3, help="timed runs per measurement (median)"
+        "--repeats",
+        type=argtypes.positive_int,
+        default=3,
+        help="timed runs per measurement (median)",
     )
     parser.add_argument(
-        "--ttft-lens", type=_int_list, default=[512, 2048], help="TTFT prompt lengths"
+        "--ttft-lens", type=argtypes.int_list, default=[512, 2048], help="TTFT prompt lengths"
     )
     parser.add_argument(
-        "--ttft-requests", type=_positive, default=3, help="TTFT requests per length"
+        "--ttft-requests", type=argtypes.positive_int, default=3, help="TTFT requests per length"
     )
     parser.add_argument(
         "--ttft-transports",
-        type=_choices(("tcp", "ipc", "shm")),
+        type=argtypes.subset(("tcp", "ipc", "shm")),
         default=["tcp", "shm"],
         help="transports of the TTFT part",
     )
@@ -211,13 +183,13 @@ def memcpy_baselines(layout: Layout, n: int, repeats: int) -> list[BaselineRow]:
     assert seg.buf is not None
     ring = np.ndarray((total,), dtype=np.uint8, buffer=seg.buf)
     try:
-        x2 = _median_run(functools.partial(_copy_in_out, srcs, ring, dest.numpy()), repeats)
+        x2 = common.sample_times(functools.partial(_copy_in_out, srcs, ring, dest.numpy()), repeats)
     finally:
         del ring  # no view may outlive the segment
         seg.close()
         seg.unlink()
     src_t = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    one = _median_run(functools.partial(dest.copy_, src_t), repeats)
+    one = common.sample_times(functools.partial(dest.copy_, src_t), repeats)
     return [
         BaselineRow("memcpy x2", n, raw, statistics.median(x2), x2),
         BaselineRow("copy", n, raw, statistics.median(one), one),
@@ -247,7 +219,7 @@ def socket_baseline(
                 sock.sendall(chunk)
             _recv_exact(sock, reply)
 
-        samples = _median_run(once, repeats)
+        samples = common.sample_times(once, repeats)
         sock.sendall(_SOCK_HEAD.pack(_OP_STOP, 0))
     finally:
         sock.close()
@@ -319,14 +291,9 @@ def _codec_cost(
         n,
         raw,
         sum(wire.frame_nbytes(p) for p in frames),
-        statistics.median(_median_run(encode, repeats)),
-        statistics.median(_median_run(decode, repeats)),
+        statistics.median(common.sample_times(encode, repeats)),
+        statistics.median(common.sample_times(decode, repeats)),
     )
-
-
-def measure_crc32(megabytes: int, repeats: int) -> float:
-    data = os.urandom(megabytes * 10**6)
-    return len(data) / statistics.median(_median_run(lambda: zlib.crc32(data), repeats)) / 1e9
 
 
 # --------------------------------------------------------------------------- TTFT breakdown
@@ -362,13 +329,6 @@ def breakdown(timeline: list[tuple[str, str, float]]) -> dict[str, float]:
     }
 
 
-def _random_ids(gen: torch.Generator, n: int, vocab: int) -> list[int]:
-    import torch
-
-    ids: list[int] = torch.randint(3, vocab, (n,), generator=gen).tolist()
-    return ids
-
-
 def _ttft_request(cluster: LocalCluster, ids: list[int], params: Any) -> tuple[RequestOutput, int]:
     before = cluster.stats["kv_send_bytes"]
     out = cluster.generate([ids], params)[0]
@@ -398,9 +358,9 @@ def run_ttft(args: argparse.Namespace, vocab: int) -> list[TtftRow]:
             ) as cluster:
                 for n in args.ttft_lens:
                     _log(f"TTFT: {transport}, stream_kv={stream}, {n} tokens")
-                    _ttft_request(cluster, _random_ids(gen, n, vocab), params)  # warm-up
+                    _ttft_request(cluster, common.random_ids(gen, n, vocab), params)  # warm-up
                     runs = [
-                        _ttft_request(cluster, _random_ids(gen, n, vocab), params)
+                        _ttft_request(cluster, common.random_ids(gen, n, vocab), params)
                         for _ in range(args.ttft_requests)
                     ]
                     rows.append(_ttft_row(transport, stream, n, runs))
@@ -521,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
         attach_baselines(rep.throughput, rep.baselines)
         loads["codecs"] = list(os.getloadavg())
         rep.codecs = measure_codecs(args, layout)
-        rep.crc32_gbs = measure_crc32(CRC_MB, args.repeats)
+        rep.crc32_gbs = common.measure_crc32(CRC_MB, args.repeats)
     if not args.no_ttft:
         loads["ttft"] = list(os.getloadavg())
         rep.ttft = run_ttft(args, vocab)
@@ -529,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
     machine["load_average_end"] = list(os.getloadavg())
     machine["git_head_end"] = git_head()
     rep.targets = evaluate_targets(rep)
-    _write(rep, args)
+    common.write(render_markdown(rep), report_json(rep), args)
     return 0
 
 
@@ -541,15 +501,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in names}
 
 
-def _write(rep: Report, args: argparse.Namespace) -> None:
-    common.write_report(render_markdown(rep), report_json(rep), args.output, args.json)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.transfer_bench", description=__doc__.split("\n\n")[0]
+        prog="python -m pdserve.bench.transfer.transfer_bench", description=__doc__.split("\n\n")[0]
     )
     add_arguments(parser)
     parser.set_defaults(prog=parser.prog)

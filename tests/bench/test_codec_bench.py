@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench import codec_bench as cb
+from pdserve.bench.micro import codec_bench as cb
 
 TINY_ARGS = ["--num-prompts", "2", "--max-tokens", "4", "--threads", "1",
              "--speed-tokens", "32", "--crc-mb", "1", "--repeats", "1"]  # fmt: skip

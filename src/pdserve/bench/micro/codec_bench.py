@@ -38,14 +38,13 @@ import os
 import shlex
 import statistics
 import sys
-import time
-import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from pdserve import argtypes
 from pdserve.bench import common
 
 if TYPE_CHECKING:
@@ -108,52 +107,40 @@ def bench_prompts(n: int) -> list[str]:
 # --------------------------------------------------------------------------- arguments
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _codecs(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in CODEC_NAMES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"codecs must be among {', '.join(CODEC_NAMES)}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2-135M")
-    parser.add_argument(
-        "--threads", type=_positive, default=None, help="torch threads; default: torch's choice"
-    )
+    common.add_model_arguments(parser)
     parser.add_argument(
         "--num-prompts",
-        type=_positive,
+        type=argtypes.positive_int,
         default=len(TOPICS) * len(TEMPLATES),
         help=f"prompts to run, <= {len(TOPICS) * len(TEMPLATES)} (default: all)",
     )
     parser.add_argument(
-        "--max-tokens", type=_positive, default=64, help="greedy tokens per prompt (default: 64)"
+        "--max-tokens",
+        type=argtypes.positive_int,
+        default=64,
+        help="greedy tokens per prompt (default: 64)",
     )
     parser.add_argument(
         "--codecs",
-        type=_codecs,
+        type=argtypes.subset(CODEC_NAMES),
         default=list(CODEC_NAMES),
         help="comma-separated codecs to compare (default: none,int8,int4)",
     )
     parser.add_argument(
         "--speed-tokens",
-        type=_positive,
+        type=argtypes.positive_int,
         default=2048,
         help="tokens of the random KV for the speed table (default: 2048)",
     )
     parser.add_argument(
-        "--crc-mb", type=_positive, default=64, help="zlib.crc32 buffer in MB (default: 64)"
+        "--crc-mb",
+        type=argtypes.positive_int,
+        default=64,
+        help="zlib.crc32 buffer in MB (default: 64)",
     )
     parser.add_argument(
-        "--repeats", type=_positive, default=5, help="timed runs per speed (default: 5)"
+        "--repeats", type=argtypes.positive_int, default=5, help="timed runs per speed (default: 5)"
     )
     parser.add_argument(
         "--output",
@@ -192,10 +179,7 @@ class CodecSpeed:
 
 
 @dataclass
-class Report:
-    date: str
-    command: str
-    machine: dict[str, Any]
+class Report(common.ReportHead):
     model: dict[str, Any]
     settings: dict[str, Any]
     quality: list[CodecQuality]
@@ -382,21 +366,6 @@ def _quality(
 # --------------------------------------------------------------------------- speed
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_crc32(megabytes: int, repeats: int) -> float:
-    data = os.urandom(megabytes * 10**6)
-    return len(data) / _median_seconds(lambda: zlib.crc32(data), repeats) / 1e9
-
-
 def measure_speed(
     engine: LLMEngine, tokens: int, codecs: Sequence[str], repeats: int
 ) -> list[CodecSpeed]:
@@ -419,7 +388,7 @@ def _codec_speed(name: str, kv: list[torch.Tensor], repeats: int) -> CodecSpeed:
     encoded = [codec.encode(t) for t in kv]
 
     def gbs(fn: Callable[[], object]) -> float:
-        return raw / _median_seconds(fn, repeats) / 1e9
+        return raw / common.median_seconds(fn, repeats) / 1e9
 
     def frame_round_trip() -> None:
         parts = encode_frame("speed", 0, 0, kv[0::2], kv[1::2], name, bytes(8))
@@ -443,9 +412,9 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    argv = sys.argv[1:]
-    if argv[:2] == ["bench", "codec"]:
-        return shlex.join(["pdserve", *argv])
+    invoked = common.invoked_as("codec")
+    if invoked is not None:
+        return invoked
     parts = ["pdserve", "bench", "codec"]
     if args.model:
         parts += ["--model", str(args.model)]
@@ -546,7 +515,7 @@ def _method_notes(rep: Report) -> list[str]:
         "on. Token match: free-running greedy tokens vs the baseline, position-wise (token 0 "
         "precedes the transfer). KL: KL(p_baseline || p_codec) of the full next-token "
         "distribution, teacher-forced on the baseline's tokens so only the KV differs. "
-        "Details: `pdserve.bench.codec_bench`.",
+        "Details: `pdserve.bench.micro.codec_bench`.",
     ]
 
 
@@ -589,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
     quality = measure_quality(engine, prompts, args.max_tokens, args.codecs)
     _log("speed")
     speed = measure_speed(engine, args.speed_tokens, args.codecs, args.repeats)
-    crc32_gbs = measure_crc32(args.crc_mb, args.repeats)
+    crc32_gbs = common.measure_crc32(args.crc_mb, args.repeats)
     machine["load_average_end"] = list(os.getloadavg())
     rep = Report(
         date=date,
@@ -602,7 +571,7 @@ def run(args: argparse.Namespace) -> int:
         crc32_gbs=crc32_gbs,
         prompt_lens=[len(p) for p in prompts],
     )
-    _write(rep, args)
+    common.write(render_markdown(rep), report_json(rep), args)
     return 0
 
 
@@ -622,15 +591,11 @@ def _model_info(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
-def _write(rep: Report, args: argparse.Namespace) -> None:
-    common.write_report(render_markdown(rep), report_json(rep), args.output, args.json)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.codec_bench", description=__doc__
+        prog="python -m pdserve.bench.micro.codec_bench", description=__doc__
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

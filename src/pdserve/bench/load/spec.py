@@ -87,7 +87,7 @@ def default(name: str) -> Any:
 @functools.cache
 def workload_defaults() -> dict[str, Any]:
     """Every registered workload's own settings, at their flags' defaults."""
-    from pdserve.bench import workloads
+    from pdserve.bench.load import workloads
 
     parser = argparse.ArgumentParser(add_help=False)
     workloads.add_arguments(parser)

@@ -12,11 +12,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.transfer_report import (
+from pdserve.bench.transfer.transfer_report import (
     _OP_SETUP,
     _OP_STOP,
     _SOCK_HEAD,
@@ -52,17 +52,6 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def _median_run(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds of each of `repeats` timed calls, after one warm-up call."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _shuffled_slots(n: int, seed: int = SEED) -> torch.Tensor:

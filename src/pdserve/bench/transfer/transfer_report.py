@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import struct
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,10 +129,7 @@ class TtftRow:
 
 
 @dataclass
-class Report:
-    date: str
-    command: str
-    machine: dict[str, Any]
+class Report(common.ReportHead):
     layout: Layout
     settings: dict[str, Any]
     throughput: list[ThroughputRow] = field(default_factory=list)
@@ -175,10 +171,10 @@ def machine_info() -> dict[str, Any]:
 
 def command_line(args: argparse.Namespace) -> str:
     """The invoking command if it was `pdserve bench transfer ...`, else an equivalent one with
-    every setting spelled out (`python -m pdserve.bench.transfer_bench ...` from `main`)."""
-    argv = sys.argv[1:]
-    if argv[:2] == ["bench", "transfer"]:
-        return shlex.join(["pdserve", *argv])
+    every setting spelled out (`python -m pdserve.bench.transfer.transfer_bench ...`, `main`)."""
+    invoked = common.invoked_as("transfer")
+    if invoked is not None:
+        return invoked
     parts = shlex.split(getattr(args, "prog", None) or "pdserve bench transfer")
     if args.model:
         parts += ["--model", str(args.model)]
@@ -417,7 +413,7 @@ def _notes(rep: Report) -> list[str]:
         "receives, so it polls its sockets (5 ms timeout) and stores each frame as it arrives; a "
         "busy D would only poll between its engine steps. Times come from time.monotonic() "
         "stamps of P, D and the cluster (one system-wide clock).",
-        "- Method: `pdserve.bench.transfer_bench` (module docstring).",
+        "- Method: `pdserve.bench.transfer.transfer_bench` (module docstring).",
         "",
     ]
     return notes

@@ -1,0 +1,54 @@
+"""Native kernels, built on first use with torch's C++ extension tooling and cached on disk.
+
+`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` (never `-march=native`), so the same
+code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). The build takes ~1 minute
+once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
+`~/.cache/pdserve/kernels`) and reused by every later process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno"]
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "pdserve" / "kernels"
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
+
+
+def cpu_supported() -> bool:
+    """The kernel needs AVX2 + FMA (both machine kinds have them)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def paged_attention_module() -> ModuleType:
+    """Build (once per source version) and import the CPU paged-attention extension."""
+    global _module
+    with _lock:
+        if _module is None:
+            if not cpu_supported():
+                raise RuntimeError(
+                    "the paged attention kernel needs a CPU with AVX2; use --attention gather"
+                )
+            from torch.utils.cpp_extension import load
+
+            build = cache_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            _module = load(
+                name="pdserve_paged_attention",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                build_directory=str(build),
+                verbose=False,
+            )
+        return _module

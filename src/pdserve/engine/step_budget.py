@@ -1,0 +1,84 @@
+"""How many prompt tokens may join a step's decodes so the step stays within the TPOT SLO.
+
+Stall-free batching (Sarathi-Serve): a colocated worker (and a decode worker that prefills
+locally) runs its decodes every step and fills the rest of the step with prompt tokens only up
+to the time the TPOT SLO leaves. The scheduler stays pure: it calls the function built here with
+plain numbers. Pure arithmetic over a cost model (costmodel/model.py's `CostModel`, anything with
+the same two methods), no engine state.
+
+A mixed step is modelled as the decode step plus the marginal cost of its prompt tokens:
+    decode_step_s(B, L) + prefill_s(n, 0) - prefill_s(0, 0) <= tpot_s
+(the fixed part of a prefill — reading the weights — is already paid by the decode step; the
+cached prefix of a chunk is not known here, so it is taken as 0). At least `min_tokens` prompt
+tokens are always allowed, so prompts progress even when the decodes alone exceed the SLO.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+MIN_PREFILL_TOKENS = 16
+
+
+class StepCost(Protocol):
+    def prefill_s(self, new: int, cached: int = 0) -> float: ...
+
+    def decode_step_s(self, batch: int, context: int) -> float: ...
+
+
+class StallFreeBudget:
+    """The budget function, which also learns how far the cost model is off right now.
+
+    `observe` (called by the engine after each step that ran decodes) keeps a moving average of
+    measured / predicted step time, clamped to [1/4, 8]; the budget divides the SLO by it. So a
+    model fitted on a quieter machine (or a slower one) stops overfilling steps after a few.
+    """
+
+    def __init__(
+        self, cost: StepCost, tpot_s: float, max_tokens: int, min_tokens: int, smoothing: float
+    ) -> None:
+        if tpot_s <= 0:
+            raise ValueError(f"the TPOT SLO must be > 0 seconds, got {tpot_s}")
+        if not 1 <= min_tokens <= max_tokens:
+            raise ValueError(f"need 1 <= min_tokens ({min_tokens}) <= max_tokens ({max_tokens})")
+        self.cost, self.tpot_s = cost, tpot_s
+        self.max_tokens, self.min_tokens, self.smoothing = max_tokens, min_tokens, smoothing
+        self.base = cost.prefill_s(0, 0)
+        self.ratio = 1.0  # measured / predicted step time, smoothed
+
+    def predict_s(self, batch: int, context: int, prompt_tokens: int) -> float:
+        extra = self.cost.prefill_s(prompt_tokens, 0) - self.base if prompt_tokens else 0.0
+        return self.cost.decode_step_s(batch, context) + extra
+
+    def observe(self, batch: int, context: int, prompt_tokens: int, seconds: float) -> None:
+        predicted = self.predict_s(batch, context, prompt_tokens)
+        if batch < 1 or predicted <= 0 or seconds <= 0:
+            return
+        r = min(8.0, max(0.25, seconds / predicted))
+        self.ratio += self.smoothing * (r - self.ratio)
+
+    def __call__(self, batch: int, context: int) -> int:
+        lo, hi = self.min_tokens, self.max_tokens  # step time grows with n: binary search
+        if self._fits(batch, context, hi):
+            return hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(batch, context, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _fits(self, batch: int, context: int, n: int) -> bool:
+        return self.ratio * self.predict_s(batch, context, n) <= self.tpot_s
+
+
+def tpot_prefill_budget(
+    cost: StepCost,
+    tpot_s: float,
+    max_tokens: int,
+    min_tokens: int = MIN_PREFILL_TOKENS,
+    smoothing: float = 0.2,
+) -> StallFreeBudget:
+    """(decodes, their context tokens) -> prompt tokens allowed with them this step."""
+    return StallFreeBudget(cost, tpot_s, max_tokens, min_tokens, smoothing)
