@@ -17,6 +17,8 @@ import pytest
 
 from pdserve import cli
 from pdserve.bench.micro import engine_bench as eb
+from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
+from pdserve.bench.micro.engine_results import ModelCost, Report, Roofline, Row
 from pdserve.engine.models.arch import ModelArch
 
 TINY_ARGS = [
@@ -107,7 +109,7 @@ def _tiny_arch(tied: bool) -> ModelArch:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_cost_formulas(tied: bool) -> None:
-    cost = eb.ModelCost.from_arch(_tiny_arch(tied), elem_size=4)
+    cost = ModelCost.from_arch(_tiny_arch(tied), elem_size=4)
     # Per layer: q 8x8, k 4x8, v 4x8, o 8x8, gate/up 16x8 each, down 8x16.
     per_layer = 64 + 32 + 32 + 64 + 3 * 128
     assert cost.matmul_params == 2 * per_layer
@@ -119,20 +121,20 @@ def test_model_cost_formulas(tied: bool) -> None:
     assert cost.kv_bytes(3, 5.5) == 3 * 5.5 * 2 * 2 * 1 * 4 * 4
 
 
-def _decode(b: int, c: int, s: float, **kw: Any) -> eb.Row:
-    return eb.Row("decode", b, s, b / s, 0.5, c + 1.0, kw.pop("samples", []), "none", c, **kw)
+def _decode(b: int, c: int, s: float, **kw: Any) -> Row:
+    return Row("decode", b, s, b / s, 0.5, c + 1.0, kw.pop("samples", []), "none", c, **kw)
 
 
 def test_report_without_peers_renders_dashes_and_na() -> None:
     rows = [
-        eb.Row("prefill", 512, 0.5, 1024.0, 0.6, 512.0, cpp_tokens_per_s=500.0),
+        Row("prefill", 512, 0.5, 1024.0, 0.6, 512.0, cpp_tokens_per_s=500.0),
         _decode(1, 128, 0.01),
         _decode(1, 1024, 0.012, cpp_tokens_per_s=90.0),
         _decode(1, 2048, 0.014),
         _decode(8, 128, 0.02, samples=[0.02, 0.03]),
     ]
     rows[2].utilization = 1.2
-    status = {t.name: t.status for t in eb.evaluate_targets(rows)}
+    status = {t.name: t.status for t in evaluate_targets(rows)}
     assert status == {
         "[none] prefill MFU at 512 tokens >= 50%": "met",
         "[none] decode B=1 C=1024 MBU >= 70%": "met",
@@ -142,20 +144,20 @@ def test_report_without_peers_renders_dashes_and_na() -> None:
         "[none] decode B=1 step at C=2048 <= 1.3x the step at C=128": "missed",
         "[none] never slower than transformers (every pdserve/HF >= 1)": "n/a",
     }
-    rep = eb.Report("2025-01-01T00:00:00+00:00", "pdserve bench engine --no-hf",
+    rep = Report("2025-01-01T00:00:00+00:00", "pdserve bench engine --no-hf",
                     {"cpu": "x", "cores": 2, "threads": 1, "torch": "t", "transformers": "h",
                      "load_average": [0.0, 0.0, 0.0]},
                     {"name": "m", "source": "hf", "dtype": "float32", "layers": 2,
                      "matmul_params": 10, "weight_bytes_per_step": {"none": 40}},
                     {"decode_steps": 32, "repeats": 3},
-                    eb.Roofline(100.0, 10.0, 9.0, 10.0, 20.0), rows, [],
+                    Roofline(100.0, 10.0, 9.0, 10.0, 20.0), rows, [],
                     ["llama.cpp: x"])  # fmt: skip
-    md = eb.render_markdown(rep)
+    md = render_markdown(rep)
     assert "| decode B=8 C=128 | none | 400.0 | 20.0 | — | — | — | — | MBU 50.0% | — |" in md
     assert "Noisy (slowest/fastest repeat > 1.3x): none decode B=8 C=128 (1.5x)." in md
     assert "Above 100% of the roofline: none decode B=1 C=1024;" in md
     assert "- llama.cpp: x" in md
-    assert json.loads(json.dumps(eb.report_json(rep)))["rows"][1]["ratio"] is None
+    assert json.loads(json.dumps(report_json(rep)))["rows"][1]["ratio"] is None
 
 
 def test_flags_and_defaults() -> None:

@@ -166,7 +166,7 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float,
 
 
 def _kl(base: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> list[float]:
-    from pdserve.bench.micro.codec_bench import kl_divergences
+    from pdserve.bench.micro.codec_quality import kl_divergences
 
     return kl_divergences(list(base), list(other))
 
@@ -177,7 +177,7 @@ def pdserve_run(
 ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:  # fmt: skip
     """Greedy outputs and the log-softmax rows of steps 0..kl_steps-1 (forced: teacher-forced
     with `force`, cut after kl_steps)."""
-    from pdserve.bench.micro.codec_bench import ProbeSampler, run_batch
+    from pdserve.bench.micro.codec_quality import ProbeSampler, run_batch
 
     forced = None if force is None else {f"{tag}-{i}": f for i, f in enumerate(force)}
     probe = ProbeSampler(range(kl_steps), forced)
@@ -272,7 +272,7 @@ def _llama_cpp(
 
 
 def _chat_prompts(llm: LLM, n: int) -> list[list[int]]:
-    from pdserve.bench.micro.codec_bench import bench_prompts
+    from pdserve.bench.micro.codec_quality import bench_prompts
 
     return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in bench_prompts(n)]
 
