@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine_bench.add_arguments(eng)
     codec = bench_sub.add_parser("codec", help="KV codec quality (token match, KL) and speed")
     codec_bench.add_arguments(codec)
+    from pdserve.bench import quant_bench
+
+    qb = bench_sub.add_parser(
+        "quant",
+        help="quantized weights vs float32 (agreement, KL), with llama.cpp side by side",
+        description=quant_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    quant_bench.add_arguments(qb)
     transfer = bench_sub.add_parser("transfer", help="KV transfer throughput, TTFT breakdown")
     transfer_bench.add_arguments(transfer)
     load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
@@ -235,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import attention_bench, compare, profile, sched
+            from pdserve.bench import attention_bench, compare, profile, quant_bench, sched
             from pdserve.bench.load import serve_bench
             from pdserve.bench.micro import codec_bench, engine_bench
             from pdserve.bench.transfer import transfer_bench
@@ -250,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "transfer": transfer_bench.run,
                 "serve": serve_bench.run,
                 "profile": profile.run,
+                "quant": quant_bench.run,
                 "attention": attention_bench.run,
             }
             return runners[args.bench_command](args)

@@ -16,6 +16,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+# Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
+QUANTIZATIONS = ("none", "int8")
+
+
+def check_quantization(name: str) -> None:
+    """The name alone; what the model, dtype and device can take is checked at engine start."""
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
+
 
 def _f(default: Any, help: str, flag: str | None = None, cli: bool = True) -> Any:
     """A field with its help; `flag` when the CLI spells it otherwise (`--deadline` for
@@ -29,6 +38,11 @@ class ModelConfig:
         None, "HF folder (config.json + *.safetensors) or .gguf file; default: SmolLM2-135M"
     )
     dtype: str = _f("float32", "weights and activations: float32 | bfloat16 | float16")
+    quantization: str = _f(
+        "none",
+        "projection weights: none (as --dtype) | int8 (int8 per output channel, int8 "
+        "activations per token; CPU, float32 only)",
+    )
     device: str = _f("cpu", "torch device: cpu | cuda | cuda:N")
     max_model_len: int | None = _f(None, "context cap in tokens; default: the model's own")
     seed: int = _f(0, "seed for requests that do not set their own")
@@ -36,6 +50,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check_quantization(self.quantization)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

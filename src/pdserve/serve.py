@@ -29,6 +29,7 @@ from pdserve.config import (
     WorkerConfig,
     add_config_args,
     add_engine_overrides,
+    check_quantization,
     config_from_args,
     engine_overrides,
 )
@@ -42,7 +43,7 @@ from pdserve.workers import messages as m
 log = logging.getLogger("pdserve.serve")
 STARTUP_TIMEOUT_S = 300.0
 # Engine settings `pdserve serve` passes to every worker it starts: a new one is its name here.
-SERVE_ENGINE_ARGS = ("block_size", "kv_cache_memory_gb", "max_num_batched_tokens")
+SERVE_ENGINE_ARGS = ("block_size", "kv_cache_memory_gb", "max_num_batched_tokens", "quantization")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +157,8 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         else {"prefill": args.prefill or 1, "decode": args.decode or 1}
     )
     total = sum(counts.values())
+    if args.quantization is not None:
+        check_quantization(args.quantization)  # here, not as N workers failing one by one
     engine: dict[str, Any] = {
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
         **({"model": args.model} if args.model is not None else {}),
@@ -216,9 +219,10 @@ def _cost_model(
         return None
     if args.cost_model != "auto":
         return CostModel.load(Path(args.cost_model))
-    path = default_path(profile.model_path(model), threads)
+    quantization = getattr(args, "quantization", None) or "none"
+    path = default_path(profile.model_path(model), threads, quantization=quantization)
     if path.is_file() or (may_profile and _needs_cost_model(args)):
-        return profile.load_or_profile(model, threads, path)
+        return profile.load_or_profile(model, threads, path, quantization=quantization)
     if _needs_cost_model(args):
         raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
                          "--cost-model PATH")  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pdserve.bench.micro import codec_bench as cb
+from pdserve.bench.micro.codec_quality import bench_prompts
 
 TINY_ARGS = ["--num-prompts", "2", "--max-tokens", "4", "--threads", "1",
              "--speed-tokens", "32", "--crc-mb", "1", "--repeats", "1"]  # fmt: skip
@@ -75,12 +76,12 @@ def test_json_speed_is_positive(bench_run: dict[str, Any]) -> None:
 
 
 def test_all_prompts_are_30_to_200_tokens(default_tokenizer: Any) -> None:
-    prompts = cb.bench_prompts(60)
+    prompts = bench_prompts(60)
     assert len(set(prompts)) == 60
     lens = [len(default_tokenizer.encode(p)) for p in prompts]
     assert min(lens) >= 30 and max(lens) <= 200, (min(lens), max(lens))
     with pytest.raises(ValueError, match="at most 60"):
-        cb.bench_prompts(61)
+        bench_prompts(61)
 
 
 def test_codecs_argument_is_validated() -> None:

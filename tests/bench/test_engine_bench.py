@@ -17,11 +17,13 @@ import pytest
 
 from pdserve import cli
 from pdserve.bench.micro import engine_bench as eb
+from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
+from pdserve.bench.micro.engine_results import ModelCost, Report, Roofline, Row
 from pdserve.engine.models.arch import ModelArch
 
 TINY_ARGS = [
     "--threads", "1", "--prompt-lens", "8,16", "--batch-sizes", "1,2", "--decode-steps", "2",
-    "--decode-context", "16", "--repeats", "1",
+    "--contexts", "16,40", "--repeats", "1", "--quantization", "none,int8",
 ]  # fmt: skip
 
 
@@ -50,43 +52,51 @@ def test_json_has_machine_roofline_and_model(bench_run: dict[str, Any]) -> None:
     roof = data["roofline"]
     assert all(math.isfinite(v) and v > 0 for v in roof.values())
     assert roof["read_gbs"] == max(roof["sum_gbs"], roof["matvec_gbs"])
-    assert data["model"]["layers"] == 2 and data["model"]["weight_bytes_per_step"] > 0
+    weights = data["model"]["weight_bytes_per_step"]
+    assert data["model"]["layers"] == 2 and 0 < weights["int8"] < 0.3 * weights["none"]
     assert data["date"] and "bench engine" in data["command"]
     assert data["settings"]["prompt_lens"] == [8, 16]
+    assert data["notes"][0].startswith("llama.cpp: not run")  # an HF folder, not a GGUF
 
 
 def test_json_rows_are_positive_with_hf_side_by_side(bench_run: dict[str, Any]) -> None:
     rows = bench_run["json"]["rows"]
-    labels = [r["label"] for r in rows]
-    assert labels == ["prefill 8", "prefill 16", "decode B=1", "decode B=2"]
+    labels = ["prefill 8", "prefill 16", "decode B=1 C=16", "decode B=2 C=16",
+              "decode B=1 C=40", "decode B=2 C=40"]  # fmt: skip
+    assert [r["label"] for r in rows] == labels * 2
+    assert [r["quantization"] for r in rows] == ["none"] * 6 + ["int8"] * 6
     for r in rows:
         for key in ("seconds", "tokens_per_s", "utilization", "context", "hf_seconds",
                     "hf_tokens_per_s", "ratio"):  # fmt: skip
             assert r[key] > 0, (r["label"], key)
-        assert len(r["samples_s"]) == 1
+        assert len(r["samples_s"]) == 1 and r["cpp_seconds"] is None
     decode = [r for r in rows if r["phase"] == "decode"]
-    # 16-token prompt, 1 warm-up step, 2 timed steps: keys attended 18 and 19 -> mean 18.5;
-    # with B=2 the second prompt may be prefilled a step later, so the first is one ahead.
-    assert decode[0]["context"] == 18.5
-    assert 18.5 <= decode[1]["context"] <= 19.0
     for r in decode:
+        # C tokens of KV, 1 warm-up step, 2 timed steps: keys attended C+2 and C+3.
+        assert r["context"] == r["nominal_context"] + 2.5
         assert r["tokens_per_s"] == pytest.approx(r["size"] / r["seconds"])
+        assert 0 < r["attention_share"] < 1
+    # transformers is measured once per point and shown beside every quantization
+    assert rows[2]["hf_seconds"] == rows[8]["hf_seconds"]
 
 
 def test_targets_report_met_missed_or_not_run(bench_run: dict[str, Any]) -> None:
-    targets = {t["name"]: t for t in bench_run["json"]["targets"]}
-    assert len(targets) == 4
-    status = [t["status"] for t in targets.values()]
-    # Neither prompt length 512 nor B=8 was run; B=1 MBU and the HF ratio were.
-    assert status[0] == "n/a" and status[2] == "n/a"
-    assert status[1] in ("met", "missed") and status[3] in ("met", "missed")
+    targets = {t["name"]: t["status"] for t in bench_run["json"]["targets"]}
+    assert len(targets) == 14  # 7 per quantization
+    assert targets["[int8] never slower than transformers (every pdserve/HF >= 1)"] in (
+        "met", "missed",
+    )  # fmt: skip
+    # Neither prompt length 512, context 1024 nor llama.cpp was run.
+    assert targets["[none] prefill MFU at 512 tokens >= 50%"] == "n/a"
+    assert targets["[none] decode B=1 C=1024 faster per token than llama.cpp"] == "n/a"
 
 
 def test_markdown_has_table_machine_and_targets(bench_run: dict[str, Any]) -> None:
     md = bench_run["md"]
-    for text in ("| prefill 8 |", "| prefill 16 |", "| decode B=1 |", "| decode B=2 |",
-                 "pdserve tok/s", "HF tok/s", "pdserve/HF", "GFLOP/s", "GB/s", "threads used",
-                 "## Targets", "command: `pdserve bench engine", "- date: "):  # fmt: skip
+    for text in ("| prefill 8 | none |", "| prefill 16 | int8 |", "| decode B=2 C=40 | int8 |",
+                 "pdserve tok/s", "HF tok/s", "llama.cpp tok/s", "pdserve/HF", "GFLOP/s",
+                 "GB/s", "threads used", "## Targets", "command: `pdserve bench engine",
+                 "- date: ", "llama.cpp: not run"):  # fmt: skip
         assert text in md, text
 
 
@@ -99,7 +109,7 @@ def _tiny_arch(tied: bool) -> ModelArch:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_cost_formulas(tied: bool) -> None:
-    cost = eb.ModelCost.from_arch(_tiny_arch(tied), elem_size=4)
+    cost = ModelCost.from_arch(_tiny_arch(tied), elem_size=4)
     # Per layer: q 8x8, k 4x8, v 4x8, o 8x8, gate/up 16x8 each, down 8x16.
     per_layer = 64 + 32 + 32 + 64 + 3 * 128
     assert cost.matmul_params == 2 * per_layer
@@ -111,27 +121,43 @@ def test_model_cost_formulas(tied: bool) -> None:
     assert cost.kv_bytes(3, 5.5) == 3 * 5.5 * 2 * 2 * 1 * 4 * 4
 
 
-def test_report_without_hf_renders_dashes_and_na() -> None:
+def _decode(b: int, c: int, s: float, **kw: Any) -> Row:
+    return Row("decode", b, s, b / s, 0.5, c + 1.0, kw.pop("samples", []), "none", c, **kw)
+
+
+def test_report_without_peers_renders_dashes_and_na() -> None:
     rows = [
-        eb.Row("prefill", 512, 0.5, 1024.0, 0.6, 512.0),
-        eb.Row("decode", 1, 0.01, 100.0, 0.5, 129.0),
-        eb.Row("decode", 4, 0.01, 400.0, 1.2, 129.0),
-        eb.Row("decode", 8, 0.02, 400.0, 0.3, 129.0, [0.02, 0.03]),
+        Row("prefill", 512, 0.5, 1024.0, 0.6, 512.0, cpp_tokens_per_s=500.0),
+        _decode(1, 128, 0.01),
+        _decode(1, 1024, 0.012, cpp_tokens_per_s=90.0),
+        _decode(1, 2048, 0.014),
+        _decode(8, 128, 0.02, samples=[0.02, 0.03]),
     ]
-    targets = eb.evaluate_targets(rows)
-    assert [t.status for t in targets] == ["met", "missed", "met", "n/a"]
-    rep = eb.Report("2025-01-01T00:00:00+00:00", "pdserve bench engine --no-hf",
+    rows[2].utilization = 1.2
+    status = {t.name: t.status for t in evaluate_targets(rows)}
+    assert status == {
+        "[none] prefill MFU at 512 tokens >= 50%": "met",
+        "[none] decode B=1 C=1024 MBU >= 70%": "met",
+        "[none] decode B=1 C=1024 faster per token than llama.cpp": "missed",  # 83 vs 90 tok/s
+        "[none] prefill tokens/s >= 1.5x llama.cpp (every length)": "met",
+        "[none] decode B=8 tokens/s >= 5x B=1 (C=128)": "missed",
+        "[none] decode B=1 step at C=2048 <= 1.3x the step at C=128": "missed",
+        "[none] never slower than transformers (every pdserve/HF >= 1)": "n/a",
+    }
+    rep = Report("2025-01-01T00:00:00+00:00", "pdserve bench engine --no-hf",
                     {"cpu": "x", "cores": 2, "threads": 1, "torch": "t", "transformers": "h",
                      "load_average": [0.0, 0.0, 0.0]},
                     {"name": "m", "source": "hf", "dtype": "float32", "layers": 2,
-                     "matmul_params": 10, "weight_bytes_per_step": 40},
-                    {"decode_context": 128, "decode_steps": 32, "repeats": 3},
-                    eb.Roofline(100.0, 10.0, 9.0, 10.0, 20.0), rows, targets)  # fmt: skip
-    md = eb.render_markdown(rep)
-    assert "| decode B=8 | 400.0 | 20.0 | — | — | MBU 30.0% |" in md
-    assert "Noisy (slowest/fastest repeat > 1.3x): decode B=8 (1.5x)." in md
-    assert "Above 100% of the roofline: decode B=4;" in md
-    assert json.loads(json.dumps(eb.report_json(rep)))["rows"][0]["ratio"] is None
+                     "matmul_params": 10, "weight_bytes_per_step": {"none": 40}},
+                    {"decode_steps": 32, "repeats": 3},
+                    Roofline(100.0, 10.0, 9.0, 10.0, 20.0), rows, [],
+                    ["llama.cpp: x"])  # fmt: skip
+    md = render_markdown(rep)
+    assert "| decode B=8 C=128 | none | 400.0 | 20.0 | — | — | — | — | MBU 50.0% | — |" in md
+    assert "Noisy (slowest/fastest repeat > 1.3x): none decode B=8 C=128 (1.5x)." in md
+    assert "Above 100% of the roofline: none decode B=1 C=1024;" in md
+    assert "- llama.cpp: x" in md
+    assert json.loads(json.dumps(report_json(rep)))["rows"][1]["ratio"] is None
 
 
 def test_flags_and_defaults() -> None:
@@ -140,8 +166,11 @@ def test_flags_and_defaults() -> None:
     args = parser.parse_args([])
     assert args.model is None and args.threads is None and not args.no_hf
     assert args.prompt_lens == [128, 512, 2048] and args.batch_sizes == [1, 8, 32]
-    assert (args.decode_steps, args.decode_context, args.repeats) == (32, 128, 3)
+    assert args.contexts == [128, 1024, 2048] and args.quantization == ["none", "int8"]
+    assert (args.decode_steps, args.repeats) == (16, 3)
     assert parser.parse_args(["--batch-sizes", "2,4"]).batch_sizes == [2, 4]
     for bad in ("0", "a,b", ""):
         with pytest.raises(SystemExit):
             parser.parse_args(["--prompt-lens", bad])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])

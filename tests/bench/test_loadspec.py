@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from pdserve.bench.load import serve_bench
-from pdserve.bench.load.spec import LoadSpec, workload_defaults
+from pdserve.workloads.spec import LoadSpec, workload_defaults
 
 
 def _parsed(*argv: str) -> LoadSpec:

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pdserve.bench.load import rag
-from pdserve.bench.load.rag import (
+from pdserve.workloads import rag
+from pdserve.workloads.rag import (
     SYSTEM_PROMPT,
     KnowledgeBase,
     Passage,
@@ -25,7 +25,7 @@ from pdserve.bench.load.rag import (
     RagWorkload,
     load_questions,
 )
-from pdserve.bench.load.workloads import WORKLOADS, Workload, make_workload, sample_lengths
+from pdserve.workloads.streams import WORKLOADS, Workload, make_workload, sample_lengths
 
 REPO = Path(__file__).resolve().parents[2]
 KB_DIR = REPO / "data" / "kb"
@@ -266,7 +266,7 @@ def test_registered_with_lazy_tokenizer(
 
 def test_importing_stays_cheap() -> None:
     code = (
-        "import sys, pdserve.bench.load.workloads, pdserve.bench.load.rag\n"
+        "import sys, pdserve.workloads.streams, pdserve.workloads.rag\n"
         "print(sorted(m for m in ('bm25s', 'transformers', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

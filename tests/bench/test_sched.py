@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from factories import serving
 from pdserve.bench import compare, observe, sched, sched_report, sched_stats
-from pdserve.bench.load.workloads import MixedWorkload
+from pdserve.workloads.streams import MixedWorkload
 
 MODEL = "fake-pdserve"
 

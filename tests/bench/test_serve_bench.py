@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from factories import serving
 from pdserve.bench.load import serve_bench as sb
 from pdserve.bench.load import summary
-from pdserve.bench.load import workloads as wl
-from pdserve.bench.load.spec import LoadSpec
-from pdserve.bench.load.workloads import (
+from pdserve.workloads import streams as wl
+from pdserve.workloads.spec import LoadSpec
+from pdserve.workloads.streams import (
     ID_HIGH,
     ID_LOW,
     MixedWorkload,

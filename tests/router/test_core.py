@@ -93,6 +93,7 @@ def test_concurrent_requests_match_llm_and_leave_no_blocks(workers, reference) -
     assert all(o[1] == "length" for o in outs)
     assert {r["role"] for r in table} == {"prefill", "decode"}
     assert all(r["healthy"] and r["kv_blocks_used"] == 0 for r in table)
+    assert all(r["quantization"] == "none" for r in table)  # as the workers report it
     names = [e["event"] for e in timeline]
     order = ["arrive", "dispatch", "prefill_start", "prefill_end", "first_token", "finish"]
     assert [n for n in names if n in order] == order

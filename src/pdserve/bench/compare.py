@@ -50,7 +50,7 @@ import numpy as np
 
 from pdserve import argtypes
 from pdserve.bench.load import serve_bench, summary
-from pdserve.bench.load.spec import LoadSpec
+from pdserve.workloads.spec import LoadSpec
 
 DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers", "llama-cpp")
 DEFAULT_HF_EXPORT = Path(".cache/pdserve/smollm2-135m-instruct-hf")

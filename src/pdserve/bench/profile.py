@@ -31,12 +31,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--samples-out", type=Path, default=None, help="raw samples as JSON")
     parser.add_argument("--quick", action="store_true", help="a few small points (seconds)")
+    parser.add_argument(
+        "--quantization", default="none", help="projection weights: none | int8 (none)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    result = profile_engine(args.model, args.threads, max_prompt=args.max_prompt, quick=args.quick)
+    result = profile_engine(
+        args.model,
+        args.threads,
+        max_prompt=args.max_prompt,
+        quick=args.quick,
+        quantization=args.quantization,
+    )
     about = result["about"]
-    out = args.out or default_path(about["model"], args.threads)
+    out = args.out or default_path(about["model"], args.threads, quantization=args.quantization)
     result["model"].save(out, **about)
     if args.samples_out:
         args.samples_out.parent.mkdir(parents=True, exist_ok=True)

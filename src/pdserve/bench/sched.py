@@ -65,9 +65,6 @@ import numpy as np
 from pdserve import argtypes
 from pdserve.bench import compare
 from pdserve.bench.load import serve_bench, summary
-from pdserve.bench.load import workloads as wl
-from pdserve.bench.load.spec import LoadSpec, default
-from pdserve.bench.load.workloads import RequestItem
 from pdserve.bench.observe import (
     WorkerPoller,
     fetch_timelines,
@@ -76,6 +73,9 @@ from pdserve.bench.observe import (
     scrape_metrics,
 )
 from pdserve.bench.sched_stats import summarize_arm
+from pdserve.workloads import streams as wl
+from pdserve.workloads.spec import LoadSpec, default
+from pdserve.workloads.streams import RequestItem
 
 WARMUP_TOKENS = 4
 HEALTH_WAIT_S = 60.0

@@ -198,13 +198,18 @@ def model_stem(model_name: str) -> str:
     return _slug(name[: -len(".gguf")] if name.lower().endswith(".gguf") else name)
 
 
-def default_path(model_name: str, threads: int, host: str | None = None) -> Path:
-    """`<cache>/costmodel/<host>-<model stem>-t<threads>.json`.
+def default_path(
+    model_name: str, threads: int, host: str | None = None, quantization: str = "none"
+) -> Path:
+    """`<cache>/costmodel/<host>-<model stem>[-<quantization>]-t<threads>.json`.
 
-    One file per host, model and thread count, because a cost model is a measurement of exactly
-    that combination: another CPU, model or thread count has other coefficients.
+    One file per host, model, weight quantization and thread count, because a cost model is a
+    measurement of exactly that combination: another CPU, model, quantization or thread count
+    has other coefficients. (`none` adds nothing, so files saved before quantization existed
+    still apply.)
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     host = _slug(host if host is not None else platform.node())
-    return cache_dir() / "costmodel" / f"{host}-{model_stem(model_name)}-t{threads}.json"
+    quant = "" if quantization == "none" else f"-{_slug(quantization)}"
+    return cache_dir() / "costmodel" / f"{host}-{model_stem(model_name)}{quant}-t{threads}.json"

@@ -472,6 +472,7 @@ def _about(
         "model": str(engine.source.path),
         "model_name": engine.arch.name or engine.source.path.name,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization,
         "kv_bytes_per_token": kv_bytes_per_token(engine),
         "torch": torch.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -508,8 +509,9 @@ def load_or_profile(
     A file is reused when it loads and was measured with the same thread count; anything else
     (missing, corrupt, another version) is profiled again and overwritten.
     """
-    path = path or default_path(model_path(model), threads)
-    cached = _load_valid(path, threads)
+    quantization = str(engine_args.get("quantization", "none"))
+    path = path or default_path(model_path(model), threads, quantization=quantization)
+    cached = _load_valid(path, threads, quantization)
     if cached is not None:
         _log(f"cost model from {path}")
         return cached
@@ -520,7 +522,7 @@ def load_or_profile(
     return result["model"]  # type: ignore[no-any-return]
 
 
-def _load_valid(path: Path, threads: int) -> CostModel | None:
+def _load_valid(path: Path, threads: int, quantization: str = "none") -> CostModel | None:
     if not path.is_file():
         return None
     try:
@@ -528,8 +530,12 @@ def _load_valid(path: Path, threads: int) -> CostModel | None:
     except ValueError as e:
         _log(f"ignoring {path}: {e}")
         return None
-    measured = CostModel.load_about(path).get("threads")
+    about = CostModel.load_about(path)
+    measured = about.get("threads")
     if measured is not None and measured != threads:
         _log(f"ignoring {path}: measured with {measured} threads, not {threads}")
+        return None
+    if about.get("quantization", "none") != quantization:
+        _log(f"ignoring {path}: measured with quantization {about.get('quantization')}")
         return None
     return loaded

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import loader
+from pdserve.engine import loader, quant
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -83,6 +83,8 @@ class LLMEngine:
             torch.set_num_threads(config.parallel_config.threads)
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
+        self.quantization = mc.quantization
+        quant.check_supported(mc.quantization, self.device, self.dtype)  # before the slow load
         self.source = loader.resolve_model(mc.model)
         self.arch = loader.load_arch(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
@@ -125,6 +127,8 @@ class LLMEngine:
             model = LlamaModel(self.arch)
         model = model.to_empty(device=self.device).to(self.dtype).requires_grad_(False)
         model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
+        del weights
+        quant.quantize_model(model, self.quantization)
         return model.eval()
 
     # ---- intake -----------------------------------------------------------------------------
@@ -498,6 +502,7 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         kv = self.kv_manager
         return {
+            "quantization": self.quantization,
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "kv_blocks_total": kv.num_blocks,

@@ -84,6 +84,7 @@ class Links:
                     "outstanding": w.outstanding,
                     "kv_blocks_used": s.get("kv_blocks_used", 0),
                     "kv_blocks_total": s.get("kv_blocks_total", 0),
+                    "quantization": s.get("quantization"),
                 }
             )
         return rows

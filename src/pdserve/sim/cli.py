@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.load import workloads as bw
 from pdserve.sim import hardware
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests
+from pdserve.workloads import streams as bw
 
 
 def _pos_int(text: str) -> int:

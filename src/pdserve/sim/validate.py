@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated case names")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    from pdserve.bench.load.workloads import SyntheticWorkload
+    from pdserve.workloads.streams import SyntheticWorkload
 
     items = list(
         SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.load import workloads as bw
 from pdserve.sim.cluster import SimRequest
+from pdserve.workloads import streams as bw
 
 SIM_WORKLOADS = ("synthetic", "rag", "mixed", "shifting", "multiturn")
 RAG_SHARED_PREFIX = 58  # tokens of the rag workload's system prompt + chat header
@@ -73,7 +73,7 @@ def make_items(args: argparse.Namespace) -> list[bw.RequestItem]:
         )
     if args.workload not in SIM_WORKLOADS:
         raise ValueError(f"unknown workload {args.workload!r}; choose one of {SIM_WORKLOADS}")
-    from pdserve.bench.load.spec import LoadSpec, workload_defaults
+    from pdserve.workloads.spec import LoadSpec, workload_defaults
 
     given = vars(args)
     extra = {k: given[k] for k in workload_defaults() if k in given}

@@ -53,15 +53,15 @@ import httpx
 import numpy as np
 
 from pdserve import argtypes
-from pdserve.bench.load import workloads as wl
-from pdserve.bench.load.spec import LoadSpec, default
 from pdserve.bench.load.summary import (
     RequestRecord,
     format_table,
     json_safe,
     summarize,
 )
-from pdserve.bench.load.workloads import (
+from pdserve.workloads import streams as wl
+from pdserve.workloads.spec import LoadSpec, default
+from pdserve.workloads.streams import (
     WORKLOADS,
     RequestItem,
     Workload,

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.load.spec import LoadSpec
+from pdserve.workloads.spec import LoadSpec
 
 MAX_ERRORS = 5  # distinct error messages kept in the JSON
 NOT_JSON = ("itl_ms", "answer")  # record fields left out of the JSON (size)

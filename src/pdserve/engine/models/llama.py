@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.quant import Projection
 
 
 @dataclass
@@ -125,6 +126,9 @@ class LlamaLayer(nn.Module):
         self.o = nn.Parameter(torch.empty(self.q_size, h))
         self.gate_up = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
         self.down = nn.Parameter(torch.empty(arch.intermediate_size, h))
+        # Quantized stand-ins for the projections above, by name (quant.quantize_model); a
+        # projection not listed here runs on its float weight.
+        self.quantized: dict[str, Projection] = {}
 
     def forward(
         self,
@@ -135,7 +139,7 @@ class LlamaLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = h @ self.qkv if self.qkv_bias is None else torch.addmm(self.qkv_bias, h, self.qkv)
+        qkv = self.project("qkv", h)
         t = x.shape[0]
         # RoPE once over q and k together (they are adjacent in the fused output): half the ops.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
@@ -145,10 +149,20 @@ class LlamaLayer(nn.Module):
         attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
         if meta.layer_hook is not None:
             meta.layer_hook(self.index, k, v)
-        x = x + attn.reshape(t, self.q_size) @ self.o
+        x = x + self.project("o", attn.reshape(t, self.q_size))
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
-        gate, up = (h @ self.gate_up).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ self.down
+        gate, up = self.project("gate_up", h).chunk(2, dim=-1)
+        return x + self.project("down", F.silu(gate) * up)
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W (+ bias) for the projection `name`: quantized if it was, else in float."""
+        quantized = self.quantized.get(name)
+        if quantized is not None:
+            return quantized(x)
+        weight = getattr(self, name)
+        if name == "qkv" and self.qkv_bias is not None:
+            return torch.addmm(self.qkv_bias, x, weight)
+        return x @ weight
 
 
 def paged_attention(
@@ -266,6 +280,7 @@ class LlamaModel(nn.Module):
         # [hidden, vocab]: a transposed copy even when tied (the lookup needs rows of `embed`).
         self.lm_head = nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))
         self.rope: RotaryEmbedding | None = None
+        self.quantized_head: Projection | None = None  # set by quant.quantize_model
 
     @torch.inference_mode()
     def forward(
@@ -284,7 +299,8 @@ class LlamaModel(nn.Module):
         if meta.sample_rows is not None:
             x = x[meta.sample_rows]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
-        return (x @ self.lm_head).float()
+        head = self.quantized_head
+        return (x @ self.lm_head if head is None else head(x)).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled."""

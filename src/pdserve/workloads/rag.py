@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdserve.bench.load.workloads import RequestItem, sample_lengths
+from pdserve.workloads.streams import RequestItem, sample_lengths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-KB_DIR = Path(__file__).resolve().parents[4] / "data" / "kb"
+KB_DIR = Path(__file__).resolve().parents[3] / "data" / "kb"
 KB_FILE = KB_DIR / "python_reference.jsonl"
 QUESTIONS_FILE = KB_DIR / "questions.jsonl"
 

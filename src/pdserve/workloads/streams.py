@@ -6,7 +6,7 @@ one conversation in order (turn t waits for turn t-1 to finish) and interleaves 
 items of different conversations are independent. Every workload is seeded. `synthetic` and
 `multiturn` need no tokenizer: prompts are random token ids in [`ID_LOW`, `ID_HIGH`), sent as ids
 or, for servers that reject token-id prompts, as one word per id (`ids_to_text`). `rag`
-(`pdserve.bench.load.rag`: questions about Python, each with BM25-retrieved passages of the language
+(`pdserve.workloads.rag`: questions about Python, each with BM25-retrieved passages of the language
 reference filling the prompt to its target length) has real text, rendered with a tokenizer's
 chat template and sent as `RequestItem.text`.
 
@@ -42,7 +42,7 @@ import numpy as np
 from pdserve import argtypes
 
 if TYPE_CHECKING:
-    from pdserve.bench.load.spec import LoadSpec
+    from pdserve.workloads.spec import LoadSpec
 
 ID_LOW, ID_HIGH = 1000, 30000  # token ids of synthetic prompts: clear of special/byte tokens
 
@@ -328,8 +328,8 @@ def _shifting(args: LoadSpec) -> Workload:
 
 def _rag(args: LoadSpec) -> Workload:
     # lazy: the tokenizer, bm25s and the knowledge base are only needed for this workload
-    from pdserve.bench.load.rag import RagWorkload
     from pdserve.engine.loader import load_tokenizer, resolve_model
+    from pdserve.workloads.rag import RagWorkload
 
     # the tokenizer whose chat template renders the prompts and whose ids measure them: the
     # served model's (`--tokenizer`), else the default model's

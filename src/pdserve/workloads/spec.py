@@ -87,7 +87,7 @@ def default(name: str) -> Any:
 @functools.cache
 def workload_defaults() -> dict[str, Any]:
     """Every registered workload's own settings, at their flags' defaults."""
-    from pdserve.bench.load import workloads
+    from pdserve.workloads import streams as workloads
 
     parser = argparse.ArgumentParser(add_help=False)
     workloads.add_arguments(parser)

@@ -1,0 +1,354 @@
+"""`pdserve bench quant`: how far quantized weights move the model's outputs from float32,
+side by side with llama.cpp's own quantized path on the same GGUF, in one run.
+
+Prompts: `--num-prompts` real chat prompts (`bench codec`'s English prompts as the user turn of
+the model's chat template), greedy, `--max-tokens` tokens each, EOS ignored so every prompt
+yields the same number of tokens, prefix caching off. The reference is pdserve with
+`--quantization none` (float32 weights: a GGUF's blocks dequantized exactly).
+  * agreement = share of generated tokens before the first divergence from the reference:
+    sum over prompts of the common prefix length / sum of reference lengths;
+  * token match = share of positions with the reference's token (as `bench codec`);
+  * KL = mean over prompts and steps 0..K-1 (K = `--kl-steps`) of KL(p_ref || p_candidate) in
+    nats over the whole vocabulary, teacher-forced: the candidate is fed the reference's tokens,
+    so each distribution sees the reference's context.
+Candidates (`--variants`):
+  * int8: what `--quantization int8` runs (every projection and the LM head);
+  * int8-head-f32: the same with the LM head left in float32;
+  * int8-act8: full 8-bit activations (`reduce_range` off; AVX2 int16 saturation not guarded);
+  * w8-fake: int8 weights per output channel, float32 activations (fake-quantized: weight
+    error alone);
+  * w8g32-fake: int8 weights with one scale per 32 inputs and int8 activations per token,
+    fake-quantized (what group-wise scales would buy; no fast kernel runs it).
+llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
+agreement; `logits_all` over prompt + reference tokens for the KL. Its Q4_1 matmuls quantize
+activations to 8 bits per block of 32 (Q8_1) and use the file's own 4-bit weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdserve.bench import common
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.engine import LLM, LLMEngine
+
+DEFAULT_OUTPUT = Path("docs/benchmarks/quant.md")
+VARIANTS = ("int8", "int8-head-f32", "int8-act8", "w8-fake", "w8g32-fake")
+BLOCK_SIZE = 16
+
+
+def _log(msg: str) -> None:
+    print(f"[bench quant] {msg}", file=sys.stderr, flush=True)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _variants(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in VARIANTS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"variants must be among {', '.join(VARIANTS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="a .gguf; default: SmolLM2-135M Q4_1")
+    parser.add_argument("--threads", type=_positive, default=2, help="threads, both engines (2)")
+    parser.add_argument("--num-prompts", type=_positive, default=60, help="chat prompts (60)")
+    parser.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens (64)")
+    parser.add_argument("--kl-steps", type=_positive, default=16, help="KL over steps 0..K-1")
+    parser.add_argument(
+        "--variants", type=_variants, default=list(VARIANTS), help=f"{','.join(VARIANTS)}"
+    )
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp column")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="markdown report")
+    parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
+
+
+@dataclass
+class Quality:
+    name: str
+    agreement: float  # tokens before the first divergence / reference tokens
+    token_match: float  # positions equal to the reference / reference tokens
+    identical: int  # prompts whose whole output equals the reference's
+    kl_mean: float
+    kl_p90: float
+    seconds: float  # wall time of the free run (context only: not a speed benchmark)
+
+
+# --------------------------------------------------------------------------- variants
+
+
+class _FakeQuant:
+    """x -> (per-token int8 fake-quant of x, if `act`) @ (dequantized int8 weights) + bias."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, group: int, act: bool) -> None:
+        import torch
+
+        k = w.shape[0]
+        g = group if group and k % group == 0 else k
+        blocks = w.reshape(k // g, g, w.shape[1])  # [groups, g, out]: scale per (group, out)
+        scale = (blocks.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+        self.w = (torch.round(blocks / scale) * scale).reshape_as(w)
+        self.bias, self.act = bias, act
+        self.nbytes = w.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self.act:
+            s = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(1e-30)
+            x = torch.round(x / s) * s
+        y = x @ self.w
+        return y if self.bias is None else y + self.bias
+
+
+def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    from pdserve.engine.quant import Int8Linear
+
+    if variant in ("int8", "int8-head-f32"):
+        return Int8Linear(w, bias)
+    if variant == "int8-act8":
+        return Int8Linear(w, bias, reduce_range=False)
+    if variant == "w8-fake":
+        return _FakeQuant(w, bias, group=0, act=False)
+    return _FakeQuant(w, bias, group=32, act=True)
+
+
+def apply_variant(engine: LLMEngine, variant: str | None) -> None:
+    """Swap the model's projections for `variant`'s (None: back to float32); the float weights
+    stay, so one loaded model serves every variant."""
+    from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
+
+    model = engine.model
+    for layer in layers_of(model):
+        layer.quantized.clear()
+        if variant is None:
+            continue
+        for proj in LAYER_PROJECTIONS:
+            bias = layer.qkv_bias if proj == "qkv" else None
+            layer.quantized[proj] = _projection(variant, getattr(layer, proj), bias)
+    head = variant is not None and variant != "int8-head-f32"
+    model.quantized_head = _projection(variant, model.lm_head, None) if head else None  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float, int]:
+    """(tokens before the first divergence, positions equal, identical outputs) vs `ref`."""
+    total = sum(len(r) for r in ref)
+    prefix = same = identical = 0
+    for r, g in zip(ref, got, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(r, g, strict=False)) if a != b), len(r))
+        prefix += min(n, len(g))
+        same += sum(a == b for a, b in zip(r, g, strict=False))
+        identical += r == g
+    return prefix / total, same / total, identical
+
+
+def _kl(base: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> list[float]:
+    from pdserve.bench.micro.codec_quality import kl_divergences
+
+    return kl_divergences(list(base), list(other))
+
+
+def pdserve_run(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, kl_steps: int, tag: str,
+    force: list[list[int]] | None,
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:  # fmt: skip
+    """Greedy outputs and the log-softmax rows of steps 0..kl_steps-1 (forced: teacher-forced
+    with `force`, cut after kl_steps)."""
+    from pdserve.bench.micro.codec_quality import ProbeSampler, run_batch
+
+    forced = None if force is None else {f"{tag}-{i}": f for i, f in enumerate(force)}
+    probe = ProbeSampler(range(kl_steps), forced)
+    stop = kl_steps if force is not None else None
+    res = run_batch(engine, prompts, max_tokens, None, probe, tag, stop_after=stop)
+    n = len(prompts)
+    return [res.tokens[i] for i in range(n)], [res.logprobs.get(i, []) for i in range(n)]
+
+
+class LlamaCpp:
+    """llama-cpp-python on the same GGUF: greedy generation and teacher-forced logits."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+            logits_all=True, verbose=False, seed=0,
+        )  # fmt: skip
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        out: list[int] = []
+        for tok in self.llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        return out
+
+    def logprobs(self, prompt: list[int], ref: list[int], steps: int) -> list[torch.Tensor]:
+        import torch
+
+        self.llm.reset()
+        self.llm.eval(prompt + ref[: steps - 1])
+        rows = torch.from_numpy(self.llm.scores[len(prompt) - 1 : len(prompt) - 1 + steps].copy())
+        return list(torch.log_softmax(rows.float(), dim=-1))
+
+
+def _quality(
+    name: str, ref: list[list[int]], got: list[list[int]], ref_lp: Any, lp: Any, seconds: float
+) -> Quality:
+    agree, match, identical = agreement(ref, got)
+    kls = [k for a, b in zip(ref_lp, lp, strict=True) for k in _kl(a, b)]
+    kls.sort()
+    return Quality(
+        name, agree, match, identical, statistics.fmean(kls), kls[int(0.9 * (len(kls) - 1))],
+        seconds,
+    )  # fmt: skip
+
+
+def measure(args: argparse.Namespace, engine: LLMEngine, prompts: list[list[int]]) -> list[Quality]:
+    n, k = args.max_tokens, min(args.kl_steps, args.max_tokens)
+    _log(f"reference (float32): {len(prompts)} prompts x {n} tokens")
+    t0 = time.perf_counter()
+    ref, ref_lp = pdserve_run(engine, prompts, n, k, "ref", None)
+    results = [_quality("none (reference)", ref, ref, ref_lp, ref_lp, time.perf_counter() - t0)]
+    for variant in args.variants:
+        _log(variant)
+        apply_variant(engine, variant)
+        t0 = time.perf_counter()
+        got, _ = pdserve_run(engine, prompts, n, k, f"{variant}-free", None)
+        seconds = time.perf_counter() - t0
+        _, lp = pdserve_run(engine, prompts, n, k, f"{variant}-forced", ref)
+        results.append(_quality(variant, ref, got, ref_lp, lp, seconds))
+        _log(f"{variant}: {results[-1]}")  # partial results survive an interrupted run
+    apply_variant(engine, None)
+    if not args.no_llama_cpp:
+        results += _llama_cpp(args, engine, prompts, ref, ref_lp, k)
+    return results
+
+
+def _llama_cpp(
+    args: argparse.Namespace, engine: LLMEngine, prompts: list[list[int]],
+    ref: list[list[int]], ref_lp: Any, k: int,
+) -> list[Quality]:  # fmt: skip
+    if engine.source.kind != "gguf":
+        _log("llama.cpp skipped: the model is not a GGUF file")
+        return []
+    try:
+        cpp = LlamaCpp(engine.source.path, args.threads, max(map(len, prompts)) + args.max_tokens)
+    except ImportError:
+        _log("llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers`)")
+        return []
+    _log("llama.cpp (llama-cpp-python)")
+    t0 = time.perf_counter()
+    got = [cpp.greedy(p, args.max_tokens) for p in prompts]
+    seconds = time.perf_counter() - t0
+    lp = [cpp.logprobs(p, r, k) for p, r in zip(prompts, ref, strict=True)]
+    return [_quality("llama.cpp (GGUF's own Q4_1)", ref, got, ref_lp, lp, seconds)]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _chat_prompts(llm: LLM, n: int) -> list[list[int]]:
+    from pdserve.bench.micro.codec_quality import bench_prompts
+
+    return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in bench_prompts(n)]
+
+
+def render_markdown(rep: dict[str, Any]) -> str:
+    m, s = rep["machine"], rep["settings"]
+    lines = [
+        "# Quantized weights: agreement with float32",
+        "",
+        f"- date: {rep['date']}",
+        f"- command: `{rep['command']}`",
+        f"- model: {rep['model']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, "
+        f"llama-cpp-python {m['llama_cpp']}, load average (1 min) at start/end "
+        f"{m['load_average'][0]:.2f}/{m['load_average_end'][0]:.2f}",
+        f"- {s['num_prompts']} chat prompts ({min(rep['prompt_lens'])}-{max(rep['prompt_lens'])} "
+        f"tokens), {s['max_tokens']} greedy tokens each (EOS ignored), KL teacher-forced over "
+        f"steps 0-{s['kl_steps'] - 1}",
+        "",
+        "| run | agreement (tokens before 1st divergence) | token match | identical outputs | "
+        "mean KL (nats) | p90 KL | free-run s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for q in rep["quality"]:
+        lines.append(
+            f"| {q['name']} | {q['agreement']:.1%} | {q['token_match']:.1%} | "
+            f"{q['identical']}/{s['num_prompts']} | {q['kl_mean']:.2e} | {q['kl_p90']:.2e} | "
+            f"{q['seconds']:.1f} |"
+        )
+    lines += ["", "Method and variants: `pdserve.bench.quant_bench` (module docstring).", ""]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pdserve import LLM
+
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    torch.set_num_threads(args.threads)
+    try:
+        import llama_cpp
+
+        cpp_version = llama_cpp.__version__
+    except ImportError:
+        cpp_version = "not installed"
+    machine = common.machine_info(args.threads, llama_cpp=cpp_version)
+    llm = LLM(
+        args.model, threads=args.threads, block_size=BLOCK_SIZE, enable_prefix_caching=False,
+        max_num_seqs=args.num_prompts, kv_cache_memory_gb=2.0,
+    )  # fmt: skip
+    engine = llm.engine
+    prompts = _chat_prompts(llm, args.num_prompts)
+    quality = measure(args, engine, prompts)
+    machine["load_average_end"] = list(os.getloadavg())
+    rep = {
+        "date": date,
+        "command": shlex.join(["pdserve", *sys.argv[1:]]),
+        "machine": machine,
+        "model": f"{engine.arch.name} ({engine.source.path.name})",
+        "settings": {k: getattr(args, k) for k in ("num_prompts", "max_tokens", "threads")}
+        | {"kl_steps": min(args.kl_steps, args.max_tokens), "variants": args.variants},
+        "prompt_lens": [len(p) for p in prompts],
+        "quality": [asdict(q) for q in quality],
+    }
+    common.write_report(render_markdown(rep), rep, args.output, args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.quant_bench", description=__doc__
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""`pdserve bench quant` on a tiny random Llama: the agreement arithmetic and a whole run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+from pdserve import cli
+from pdserve.bench import quant_bench as qb
+
+
+def test_agreement_counts_tokens_before_the_first_divergence() -> None:
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    got = [[1, 2, 9, 4], [5, 6, 7, 8]]
+    agree, match, identical = qb.agreement(ref, got)
+    assert agree == (2 + 4) / 8  # the 4 after the divergence does not count
+    assert match == 7 / 8 and identical == 1
+
+
+def test_whole_run_on_a_tiny_model(tiny_llama_path: Path, tmp_path: Path) -> None:
+    md, js = tmp_path / "q.md", tmp_path / "q.json"
+    argv = ["bench", "quant", "--model", str(tiny_llama_path), "--threads", "1",
+            "--num-prompts", "2", "--max-tokens", "4", "--kl-steps", "2",
+            "--variants", "int8,w8g32-fake", "--output", str(md), "--json", str(js)]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(argv) == 0
+    rows = {q["name"]: q for q in json.loads(js.read_text())["quality"]}
+    assert set(rows) == {"none (reference)", "int8", "w8g32-fake"}  # no llama.cpp: not a GGUF
+    ref = rows["none (reference)"]
+    assert ref["agreement"] == 1.0 and ref["kl_mean"] == 0.0  # the method checks itself
+    for name in ("int8", "w8g32-fake"):
+        assert 0.0 <= rows[name]["agreement"] <= 1.0 and 0.0 <= rows[name]["kl_mean"] < 0.1
+    assert "| int8 |" in md.read_text()
