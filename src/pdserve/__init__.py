@@ -12,14 +12,14 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import LLM
+    from pdserve.engine.llm import LLM
     from pdserve.engine.outputs import CompletionOutput, RequestOutput
     from pdserve.engine.request import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from pdserve.engine.engine import LLM
+        from pdserve.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":

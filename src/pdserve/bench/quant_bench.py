@@ -43,7 +43,8 @@ from pdserve.bench import common
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.engine import LLM, LLMEngine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.llm import LLM
 
 DEFAULT_OUTPUT = Path("docs/benchmarks/quant.md")
 VARIANTS = ("int8", "int8-head-f32", "int8-act8", "w8-fake", "w8g32-fake")
