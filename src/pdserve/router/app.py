@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -38,17 +37,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Send
 
 from pdserve.engine.request import SamplingParams
 from pdserve.router import dashboard
 from pdserve.router import protocol as p
 from pdserve.router.core import Delta, RequestError
+from pdserve.router.gate import Gate, error_response
+from pdserve.router.render import ChatRender, CompletionRender, Render
 
 log = logging.getLogger("pdserve.router")
 
-# reachable without the API key (the dashboard page is static code; its data needs the key)
-OPEN_PATHS = frozenset({"/health", "/metrics", dashboard.PAGE_PATH})
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat without max_tokens and no known max_model_len
 DISCONNECT_POLL_S = 0.25  # how often a request waiting on the core checks for its client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -58,104 +57,11 @@ class ClientGone(Exception):
     """The client disconnected while its request was waiting on the core."""
 
 
-def _error(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | int | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        p.error_body(status, message, param=param, code=code), status_code=status, headers=headers
-    )
-
-
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-# ---- ASGI gate: API key and body size, before anything parses the request ---------------------
-class _Gate:
-    def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Any = None
-    ) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.metrics = metrics
-
-    def _rejected(self, scope: Scope, code: str) -> None:
-        if self.metrics is not None and scope["method"] == "POST":
-            self.metrics.on_rejected(code)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.api_key.encode()
-            ):
-                message = (
-                    "Incorrect API key provided"
-                    if token
-                    else "Missing API key: send it as 'Authorization: Bearer <key>'"
-                )
-                self._rejected(scope, "invalid_api_key")
-                await _error(401, message, code="invalid_api_key")(scope, receive, send)
-                return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        declared = headers.get("content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.max_body_bytes
-            except ValueError:
-                await _error(400, "invalid Content-Length header", code="invalid_request")(
-                    scope, receive, send
-                )
-                return
-            if too_big:
-                await self._too_large(scope, receive, send)
-                return
-        chunks, size = [], 0
-        while True:  # read the whole body here, counting, so an undeclared size is capped too
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body = msg.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # then disconnect notices, as usual
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._rejected(scope, "request_too_large")
-        response = _error(
-            413,
-            f"request body exceeds {self.max_body_bytes} bytes",
-            code="request_too_large",
-            headers={"Connection": "close"},
-        )
-        await response(scope, receive, send)
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -274,7 +180,7 @@ class _AppState:
     def reject(self, request: Request, e: p.InvalidRequest) -> JSONResponse:
         if self.metrics is not None and request.method == "POST":
             self.metrics.on_rejected(e.code)
-        return _error(e.status, e.message, param=e.param, code=e.code)
+        return error_response(e.status, e.message, param=e.param, code=e.code)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -366,7 +272,7 @@ def create_app(
         lifespan=dashboard.lifespan(board),
     )
     app.state.pdserve = s
-    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
 
     # ---- error handlers: the OpenAI envelope everywhere ------------------------------------
     @app.exception_handler(StarletteHTTPException)
@@ -379,7 +285,7 @@ def create_app(
             code = "method_not_allowed"
         else:
             message, code = str(exc.detail), None
-        return _error(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+        return error_response(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -393,12 +299,12 @@ def create_app(
     async def core_error(request: Request, exc: RequestError) -> JSONResponse:
         retry = exc.retry_after_s
         headers = {"Retry-After": str(retry)} if retry is not None else None
-        return _error(exc.status, exc.message, code=exc.code, headers=headers)
+        return error_response(exc.status, exc.message, code=exc.code, headers=headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
     # ---- generation --------------------------------------------------------------------------
     @app.post("/v1/completions", response_model=None)
@@ -411,8 +317,8 @@ def create_app(
         rid = f"cmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
-            return await _stream(g, req.include_usage, _CompletionRender(g, s.model_name))
-        return await _collect(g, _CompletionRender(g, s.model_name))
+            return await _stream(g, req.include_usage, CompletionRender(g, s.model_name))
+        return await _collect(g, CompletionRender(g, s.model_name))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -426,8 +332,8 @@ def create_app(
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, top_n, req.user)
         if req.stream:
-            return await _stream(g, req.include_usage, _ChatRender(g, s.model_name))
-        return await _collect(g, _ChatRender(g, s.model_name))
+            return await _stream(g, req.include_usage, ChatRender(g, s.model_name))
+        return await _collect(g, ChatRender(g, s.model_name))
 
     # ---- models, health, metrics, admin --------------------------------------------------------
     def model_card() -> p.ModelCard:
@@ -474,7 +380,7 @@ def create_app(
     async def timeline(rid: str) -> JSONResponse:
         events = core.timeline(rid)
         if events is None:
-            return _error(
+            return error_response(
                 404, f"no request {rid!r} (unknown, or too old)", param="id", code="not_found"
             )
         predicted = getattr(core, "prediction", None)
@@ -494,107 +400,7 @@ def create_app(
 
 
 # ---- rendering: completions and chat, whole and streamed -------------------------------------
-class _CompletionRender:
-    def __init__(self, g: _Generation, model: str) -> None:
-        self.g, self.model = g, model
-
-    def first(self) -> list[Any]:
-        return []
-
-    def chunk(self, delta: Delta) -> Any:
-        logprobs = self.g.completion_logprobs(delta)
-        self.g.text_offsets[delta.index] += len(delta.text)
-        choice = p.CompletionChoice(
-            index=delta.index, text=delta.text, finish_reason=delta.finish_reason, logprobs=logprobs
-        )
-        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
-
-    def usage_chunk(self) -> Any:
-        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[], usage=self.g.usage())
-
-    def whole(self, deltas: list[Delta]) -> Any:
-        choices = []
-        for index, mine in enumerate(_by_choice(deltas, self.g.params.n)):
-            text, finish = _text_and_finish(mine)
-            logprobs = None
-            if self.g.params.logprobs is not None:
-                steps = [lp for d in mine for lp in d.logprobs or ()]
-                logprobs = p.completion_logprobs(steps, self.g.s.token_text)
-            choices.append(
-                p.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
-            )
-        return p.CompletionResponse(
-            id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
-        )
-
-
-class _ChatRender:
-    def __init__(self, g: _Generation, model: str) -> None:
-        self.g, self.model = g, model
-
-    def first(self) -> list[Any]:
-        return [
-            p.ChatCompletionChunk(
-                id=self.g.rid,
-                model=self.model,
-                choices=[
-                    p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))
-                ],
-            )
-            for i in range(self.g.params.n)
-        ]
-
-    def chunk(self, delta: Delta) -> Any:
-        choice = p.ChatChunkChoice(
-            index=delta.index,
-            delta=p.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
-            finish_reason=delta.finish_reason,
-            logprobs=self.g.chat_logprobs(delta),
-        )
-        return p.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
-
-    def usage_chunk(self) -> Any:
-        return p.ChatCompletionChunk(
-            id=self.g.rid, model=self.model, choices=[], usage=self.g.usage()
-        )
-
-    def whole(self, deltas: list[Delta]) -> Any:
-        choices = []
-        for index, mine in enumerate(_by_choice(deltas, self.g.params.n)):
-            text, finish = _text_and_finish(mine)
-            logprobs = None
-            if self.g.params.logprobs is not None:
-                steps = [lp for d in mine for lp in d.logprobs or ()]
-                logprobs = p.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
-            choices.append(
-                p.ChatChoice(
-                    index=index,
-                    message=p.AssistantMessage(content=text),
-                    finish_reason=finish,
-                    logprobs=logprobs,
-                )
-            )
-        return p.ChatCompletionResponse(
-            id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
-        )
-
-
-_Render = _CompletionRender | _ChatRender
-
-
-def _by_choice(deltas: list[Delta], n: int) -> list[list[Delta]]:
-    out: list[list[Delta]] = [[] for _ in range(n)]
-    for d in deltas:
-        out[d.index].append(d)
-    return out
-
-
-def _text_and_finish(deltas: list[Delta]) -> tuple[str, str | None]:
-    text = "".join(d.text for d in deltas)
-    return text, next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
-
-
-async def _collect(g: _Generation, render: _Render) -> Response:
+async def _collect(g: _Generation, render: Render) -> Response:
     """Run the request to its end; the client's disconnect aborts it."""
 
     async def run() -> list[Delta]:
@@ -612,7 +418,7 @@ async def _collect(g: _Generation, render: _Render) -> Response:
     return JSONResponse(render.whole(deltas).model_dump())
 
 
-async def _stream(g: _Generation, include_usage: bool, render: _Render) -> Response:
+async def _stream(g: _Generation, include_usage: bool, render: Render) -> Response:
     """SSE stream; an error before the first delta is a plain HTTP error instead."""
     try:
         first = await _watching(g.request, g.next())

@@ -1,0 +1,113 @@
+"""How a finished or streaming generation becomes OpenAI's response objects: one renderer per
+endpoint (completions, chat), each giving the first chunks, a chunk per delta, the usage chunk,
+and the whole (non-streaming) response."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdserve.router import protocol as p
+from pdserve.router.core import Delta
+
+if TYPE_CHECKING:
+    from pdserve.router.app import _Generation
+
+
+class CompletionRender:
+    def __init__(self, g: _Generation, model: str) -> None:
+        self.g, self.model = g, model
+
+    def first(self) -> list[Any]:
+        return []
+
+    def chunk(self, delta: Delta) -> Any:
+        logprobs = self.g.completion_logprobs(delta)
+        self.g.text_offsets[delta.index] += len(delta.text)
+        choice = p.CompletionChoice(
+            index=delta.index, text=delta.text, finish_reason=delta.finish_reason, logprobs=logprobs
+        )
+        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> Any:
+        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[], usage=self.g.usage())
+
+    def whole(self, deltas: list[Delta]) -> Any:
+        choices = []
+        for index, mine in enumerate(_by_choice(deltas, self.g.params.n)):
+            text, finish = _text_and_finish(mine)
+            logprobs = None
+            if self.g.params.logprobs is not None:
+                steps = [lp for d in mine for lp in d.logprobs or ()]
+                logprobs = p.completion_logprobs(steps, self.g.s.token_text)
+            choices.append(
+                p.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+            )
+        return p.CompletionResponse(
+            id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
+        )
+
+
+class ChatRender:
+    def __init__(self, g: _Generation, model: str) -> None:
+        self.g, self.model = g, model
+
+    def first(self) -> list[Any]:
+        return [
+            p.ChatCompletionChunk(
+                id=self.g.rid,
+                model=self.model,
+                choices=[
+                    p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))
+                ],
+            )
+            for i in range(self.g.params.n)
+        ]
+
+    def chunk(self, delta: Delta) -> Any:
+        choice = p.ChatChunkChoice(
+            index=delta.index,
+            delta=p.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
+            finish_reason=delta.finish_reason,
+            logprobs=self.g.chat_logprobs(delta),
+        )
+        return p.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> Any:
+        return p.ChatCompletionChunk(
+            id=self.g.rid, model=self.model, choices=[], usage=self.g.usage()
+        )
+
+    def whole(self, deltas: list[Delta]) -> Any:
+        choices = []
+        for index, mine in enumerate(_by_choice(deltas, self.g.params.n)):
+            text, finish = _text_and_finish(mine)
+            logprobs = None
+            if self.g.params.logprobs is not None:
+                steps = [lp for d in mine for lp in d.logprobs or ()]
+                logprobs = p.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
+            choices.append(
+                p.ChatChoice(
+                    index=index,
+                    message=p.AssistantMessage(content=text),
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                )
+            )
+        return p.ChatCompletionResponse(
+            id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
+        )
+
+
+Render = CompletionRender | ChatRender
+
+
+def _by_choice(deltas: list[Delta], n: int) -> list[list[Delta]]:
+    out: list[list[Delta]] = [[] for _ in range(n)]
+    for d in deltas:
+        out[d.index].append(d)
+    return out
+
+
+def _text_and_finish(deltas: list[Delta]) -> tuple[str, str | None]:
+    text = "".join(d.text for d in deltas)
+    return text, next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
