@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pdserve.router import protocol as p
+from pdserve.router import responses as r
 
 
 def parse(cls, **body):  # type: ignore[no-untyped-def]
@@ -147,17 +148,17 @@ def test_chat_refusals() -> None:
 def test_logprob_shapes() -> None:
     steps = [{5: -0.1, 6: -2.0, 5_000: -3.0}, {7: -1.5, 8: -0.2}]
     text = {5: "He", 6: "Hi", 5_000: "Yo", 7: "llo", 8: "y"}.__getitem__
-    c = p.completion_logprobs(steps, text, offset=3)
+    c = r.completion_logprobs(steps, text, offset=3)
     assert c.tokens == ["He", "llo"] and c.token_logprobs == [-0.1, -1.5]
     assert c.top_logprobs == [{"He": -0.1, "Hi": -2.0, "Yo": -3.0}, {"llo": -1.5, "y": -0.2}]
     assert c.text_offset == [3, 5]
-    chat = p.chat_logprobs(steps, text, top_n=2)
+    chat = r.chat_logprobs(steps, text, top_n=2)
     assert chat.content is not None
     first, second = chat.content
     assert (first.token, first.logprob, first.bytes) == ("He", -0.1, list(b"He"))
     assert [(t.token, t.logprob) for t in first.top_logprobs] == [("He", -0.1), ("Hi", -2.0)]
     assert [t.token for t in second.top_logprobs] == ["y", "llo"]  # ranked, sampled included
-    assert p.chat_logprobs(steps, text, top_n=0).content[0].top_logprobs == []  # type: ignore[index]
+    assert r.chat_logprobs(steps, text, top_n=0).content[0].top_logprobs == []  # type: ignore[index]
 
 
 def test_error_envelope() -> None:
@@ -177,17 +178,17 @@ def test_error_envelope() -> None:
 
 
 def test_response_models_dump_openai_shapes() -> None:
-    usage = p.Usage.of(3, 4)
-    r = p.CompletionResponse(
-        id="cmpl-1", model="m", choices=[p.CompletionChoice(text="x")], usage=usage
+    usage = r.Usage.of(3, 4)
+    resp = r.CompletionResponse(
+        id="cmpl-1", model="m", choices=[r.CompletionChoice(text="x")], usage=usage
     )
-    d = r.model_dump()
+    d = resp.model_dump()
     assert d["object"] == "text_completion" and d["usage"]["total_tokens"] == 7
-    chunk = p.ChatCompletionChunk(
-        id="chatcmpl-1", model="m", choices=[p.ChatChunkChoice(delta=p.ChatDelta(content="y"))]
+    chunk = r.ChatCompletionChunk(
+        id="chatcmpl-1", model="m", choices=[r.ChatChunkChoice(delta=r.ChatDelta(content="y"))]
     )
     assert chunk.model_dump()["object"] == "chat.completion.chunk"
-    assert p.ModelList(data=[p.ModelCard(id="m")]).model_dump()["data"][0]["object"] == "model"
+    assert r.ModelList(data=[r.ModelCard(id="m")]).model_dump()["data"][0]["object"] == "model"
 
 
 def test_max_tokens_beyond_the_context_is_openais_400() -> None:

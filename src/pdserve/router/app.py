@@ -42,6 +42,7 @@ from starlette.types import Send
 from pdserve.engine.request import SamplingParams
 from pdserve.router import dashboard
 from pdserve.router import protocol as p
+from pdserve.router import responses as r
 from pdserve.router.core import Delta, RequestError
 from pdserve.router.gate import Gate, error_response
 from pdserve.router.render import ChatRender, CompletionRender, Render
@@ -139,19 +140,19 @@ class _Generation:
         if aclose is not None:
             await aclose()
 
-    def usage(self) -> p.Usage:
-        return p.Usage.of(len(self.prompt_ids), self.completion_tokens)
+    def usage(self) -> r.Usage:
+        return r.Usage.of(len(self.prompt_ids), self.completion_tokens)
 
-    def completion_logprobs(self, delta: Delta) -> p.CompletionLogprobs | None:
+    def completion_logprobs(self, delta: Delta) -> r.CompletionLogprobs | None:
         if self.params.logprobs is None or not delta.logprobs:
             return None
         offset = self.text_offsets[delta.index]
-        return p.completion_logprobs(delta.logprobs, self.s.token_text, offset)
+        return r.completion_logprobs(delta.logprobs, self.s.token_text, offset)
 
-    def chat_logprobs(self, delta: Delta) -> p.ChatLogprobs | None:
+    def chat_logprobs(self, delta: Delta) -> r.ChatLogprobs | None:
         if self.params.logprobs is None or not delta.logprobs:
             return None
-        return p.chat_logprobs(delta.logprobs, self.s.token_text, self.top_n)
+        return r.chat_logprobs(delta.logprobs, self.s.token_text, self.top_n)
 
 
 class _AppState:
@@ -336,13 +337,13 @@ def create_app(
         return await _collect(g, ChatRender(g, s.model_name))
 
     # ---- models, health, metrics, admin --------------------------------------------------------
-    def model_card() -> p.ModelCard:
+    def model_card() -> r.ModelCard:
         root = str(getattr(core, "model", "") or "") or None
-        return p.ModelCard(id=model_name, created=s.created, root=root, max_model_len=max_model_len)
+        return r.ModelCard(id=model_name, created=s.created, root=root, max_model_len=max_model_len)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return p.ModelList(data=[model_card()]).model_dump()
+        return r.ModelList(data=[model_card()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdserve.router import protocol as p
+from pdserve.router import responses as r
 from pdserve.router.core import Delta
 
 if TYPE_CHECKING:
@@ -23,13 +23,13 @@ class CompletionRender:
     def chunk(self, delta: Delta) -> Any:
         logprobs = self.g.completion_logprobs(delta)
         self.g.text_offsets[delta.index] += len(delta.text)
-        choice = p.CompletionChoice(
+        choice = r.CompletionChoice(
             index=delta.index, text=delta.text, finish_reason=delta.finish_reason, logprobs=logprobs
         )
-        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
+        return r.CompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> Any:
-        return p.CompletionChunk(id=self.g.rid, model=self.model, choices=[], usage=self.g.usage())
+        return r.CompletionChunk(id=self.g.rid, model=self.model, choices=[], usage=self.g.usage())
 
     def whole(self, deltas: list[Delta]) -> Any:
         choices = []
@@ -38,11 +38,11 @@ class CompletionRender:
             logprobs = None
             if self.g.params.logprobs is not None:
                 steps = [lp for d in mine for lp in d.logprobs or ()]
-                logprobs = p.completion_logprobs(steps, self.g.s.token_text)
+                logprobs = r.completion_logprobs(steps, self.g.s.token_text)
             choices.append(
-                p.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+                r.CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
             )
-        return p.CompletionResponse(
+        return r.CompletionResponse(
             id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
         )
 
@@ -53,27 +53,27 @@ class ChatRender:
 
     def first(self) -> list[Any]:
         return [
-            p.ChatCompletionChunk(
+            r.ChatCompletionChunk(
                 id=self.g.rid,
                 model=self.model,
                 choices=[
-                    p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))
+                    r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content=""))
                 ],
             )
             for i in range(self.g.params.n)
         ]
 
     def chunk(self, delta: Delta) -> Any:
-        choice = p.ChatChunkChoice(
+        choice = r.ChatChunkChoice(
             index=delta.index,
-            delta=p.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
+            delta=r.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
             finish_reason=delta.finish_reason,
             logprobs=self.g.chat_logprobs(delta),
         )
-        return p.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
+        return r.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> Any:
-        return p.ChatCompletionChunk(
+        return r.ChatCompletionChunk(
             id=self.g.rid, model=self.model, choices=[], usage=self.g.usage()
         )
 
@@ -84,16 +84,16 @@ class ChatRender:
             logprobs = None
             if self.g.params.logprobs is not None:
                 steps = [lp for d in mine for lp in d.logprobs or ()]
-                logprobs = p.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
+                logprobs = r.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
             choices.append(
-                p.ChatChoice(
+                r.ChatChoice(
                     index=index,
-                    message=p.AssistantMessage(content=text),
+                    message=r.AssistantMessage(content=text),
                     finish_reason=finish,
                     logprobs=logprobs,
                 )
             )
-        return p.ChatCompletionResponse(
+        return r.ChatCompletionResponse(
             id=self.g.rid, model=self.model, choices=choices, usage=self.g.usage()
         )
 
