@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,7 +44,13 @@ class Server:
             ],
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # An empty cache: a cost model that another test of this session profiled for the
+            # same tiny model would turn on SLO routing (a request may then run whole on D).
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "PDSERVE_CACHE_DIR": tempfile.mkdtemp(prefix="pdserve-serve-test-"),
+            },
         )
         self.url = f"http://127.0.0.1:{self.port}"
         self._await("serving", 240)
