@@ -1,0 +1,1 @@
+"""Tiered KV pool (issue 15): host memory, local disk and Redis, keyed by chained block hashes."""
