@@ -11,13 +11,26 @@ import torch
 
 from kvpool_factories import BLOCK, blocks, chain, kvpool_threads, namespace
 from pdserve.kvpool import FakeKVPool, KVPool, PoolNamespace, TieredKVPool
+from pdserve.kvpool.disk import DiskTier
+from pdserve.kvpool.redis_tier import RedisTier
 from pdserve.kvpool.tiers import MemoryTier, Tier
 
 MB = 1 << 20
 TierFactory = Callable[[], Tier]
 
 
-@pytest.fixture(params=["fake", "memory"])
+def _tiers(kind: str, request: pytest.FixtureRequest) -> list[Tier]:
+    tiers: list[Tier] = []
+    if kind in ("memory", "all"):
+        tiers.append(MemoryTier(64 * MB))
+    if kind in ("disk", "all"):
+        tiers.append(DiskTier(request.getfixturevalue("tmp_path") / "pool", 64 * MB))
+    if kind in ("redis", "all"):
+        tiers.append(RedisTier(request.getfixturevalue("redis_url")))
+    return tiers
+
+
+@pytest.fixture(params=["fake", "memory", "disk", "redis", "all"])
 def make_pool(request: pytest.FixtureRequest) -> Iterator[Callable[[PoolNamespace], KVPool]]:
     pools: list[KVPool] = []
 
@@ -26,7 +39,7 @@ def make_pool(request: pytest.FixtureRequest) -> Iterator[Callable[[PoolNamespac
         if request.param == "fake":
             pool = FakeKVPool(ns)
         else:
-            pool = TieredKVPool(ns, [MemoryTier(64 * MB)])
+            pool = TieredKVPool(ns, _tiers(request.param, request))
         pools.append(pool)
         return pool
 

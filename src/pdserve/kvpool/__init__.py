@@ -16,10 +16,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from pdserve.kvpool.api import BlockHash, FakeKVPool, KVPool, KVPoolConfig, PoolNamespace
+from pdserve.kvpool.disk import DiskTier
 from pdserve.kvpool.pool import TieredKVPool
 from pdserve.kvpool.tiers import MemoryTier, Tier
 
 GB = 1 << 30
+DEFAULT_DISK_GB = 10.0
 
 __all__ = [
     "BlockHash",
@@ -33,9 +35,18 @@ __all__ = [
 
 
 def build_tiers(config: KVPoolConfig) -> list[Tier]:
+    """The configured tiers, fastest first. The disk tier's cap is `disk_gb`, or
+    DEFAULT_DISK_GB when only its directory is given."""
     tiers: list[Tier] = []
     if config.memory_gb > 0:
         tiers.append(MemoryTier(int(config.memory_gb * GB)))
+    if config.disk_dir is not None:
+        disk_gb = config.disk_gb if config.disk_gb > 0 else DEFAULT_DISK_GB
+        tiers.append(DiskTier(config.disk_dir, int(disk_gb * GB)))
+    if config.redis_url is not None:
+        from pdserve.kvpool.redis_tier import RedisTier  # the redis client only when used
+
+        tiers.append(RedisTier(config.redis_url))
     return tiers
 
 
