@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "w8g32")
 
 
 def check_quantization(name: str) -> None:
