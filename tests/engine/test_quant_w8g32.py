@@ -88,7 +88,7 @@ def test_w8g32_without_avx2_is_a_start_up_error(
 ) -> None:
     # What torch reports under ATEN_CPU_CAPABILITY=default or on a CPU without AVX2.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    with pytest.raises(ValueError, match="w8g32.*AVX2"):
+    with pytest.raises(ValueError, match=r"w8g32.*AVX2"):
         quant.check_supported("w8g32", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="AVX2"):
         LLM(str(tiny_llama_path), quantization="w8g32")

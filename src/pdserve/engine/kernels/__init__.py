@@ -1,9 +1,9 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached on disk.
 
 `paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` and `w8g32.cpp` (group-wise int8
-weight-only matmul, engine/quant.py) with `-O3 -mavx2 -mfma -mf16c` (never `-march=native`), so
-the same code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). The build takes ~1 minute
-once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
+weight-only matmul, engine/quant.py) with `-O3 -mavx2 -mfma -mf16c` (never `-march=native`),
+so the same code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). A build takes
+~1 minute once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
 `~/.cache/pdserve/kernels`) and reused by every later process.
 """
 
