@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
 import shlex
 import shutil
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     data = {"head": head.__dict__, "model": model, "rows": [r.__dict__ for r in rows]}
     _write_section(args.output, markdown)
     if args.json:
-        common.write_report(markdown, data, Path(os.devnull), args.json)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
     print(markdown)
     return 0
 
