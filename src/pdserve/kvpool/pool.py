@@ -33,7 +33,7 @@ from pdserve.kvpool.values import CorruptValue, decode_value, encode_value
 
 log = logging.getLogger("pdserve.kvpool")
 
-WRITE_BATCH = 16  # blocks per write-back pass (one Redis pipeline)
+WRITE_BATCH = 8  # blocks per write-back pass: one Redis pipeline of ~6 MB (default model)
 HOUSEKEEPING_S = 1.0  # how often an idle writer refreshes tiers' usage (Redis INFO)
 
 _Item = tuple[bytes, torch.Tensor]
