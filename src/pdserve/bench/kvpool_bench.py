@@ -336,7 +336,24 @@ def render(head: common.ReportHead, model: dict[str, Any], rows: list[Row], disk
             f"{r.get_block_ms_p50:.2f} ({r.get_block_ms_p90:.2f}) | {r.recompute_s * 1e3:.0f} | "
             f"{r.recompute_s / r.get_s:.1f}x |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *_summary(rows)]) + "\n"
+
+
+def _summary(rows: list[Row]) -> list[str]:
+    """What the table says, in words (regenerated with it)."""
+    if not rows:
+        return ["No tier was measured."]
+    slowest = min(rows, key=lambda r: r.recompute_s / r.get_s)
+    fastest = max(rows, key=lambda r: r.get_gbs)
+    calls = sorted(r.put_call_ms_p50 for r in rows)
+    return [
+        f"Every tier loads a prefix at least {slowest.recompute_s / slowest.get_s:.1f}x faster "
+        f"than recomputing it (slowest: {slowest.tier}/{slowest.codec} at {slowest.tokens} "
+        f"tokens); the fastest read is {fastest.tier}/{fastest.codec} at "
+        f"{fastest.get_gbs:.2f} GB/s. A `put()` costs its caller "
+        f"{calls[0]:.2f}-{calls[-1]:.2f} ms per block (median per row): the block's copy and "
+        "the hand-off to the write-back thread."
+    ]
 
 
 def _load(avg: list[float]) -> str:
