@@ -247,8 +247,10 @@ def test_redis_killed_and_restarted(pools: list[TieredKVPool], own_redis: RedisS
     hashes, _ = _fill(pool, 3)
     assert pool.lookup(hashes) == 3
     own_redis.kill()
-    # Every call returns at once with "nothing here" (the caller recomputes), counted.
+    # Every call returns at once with "nothing here" (the caller recomputes), counted; after
+    # the first failure the callers' reads do not even try (only the writer probes).
     assert pool.lookup(hashes) == 0 and pool.get(hashes, _later()) == []
+    assert tier.stats.skipped >= 1
     later, _ = _fill(pool, 2, seed=7)  # written nowhere; the writer does not hang either
     assert pool.lookup(later) == 0
     assert tier.stats.errors >= 1 and not tier.up

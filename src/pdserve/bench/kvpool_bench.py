@@ -323,7 +323,10 @@ def render(head: common.ReportHead, model: dict[str, Any], rows: list[Row], disk
         "on the write-back thread). Put = `put()` of every block + `flush()`; get = "
         "`lookup()` + `get()` of the whole run (read, checksum, decode); GB/s of raw KV bytes; "
         "medians of the repeats. Recompute = the engine's prefill step for the same tokens; "
-        "*speed-up* = recompute time / get time.",
+        "*speed-up* = recompute time / get time. Both share this run's load: on a small, busy "
+        "machine the prefill (compute-bound, every core) slows down more than the copies do, so "
+        "check the recompute column against `docs/benchmarks/engine.md` (a quiet machine) "
+        "before quoting a ratio.",
         "",
         "| tier | codec | tokens | KV MB | stored MB | put() call ms | put GB/s | get GB/s | "
         "get ms | get/block ms p50 (p90) | recompute ms | speed-up vs recompute |",
