@@ -159,3 +159,18 @@ def test_close_is_idempotent_and_put_after_close_is_refused(no_leaks: None) -> N
     pool.close()
     pool.close()
     assert pool.put(chain(1)[0], blocks(1)[0]) is False
+
+
+def test_a_missed_deadline_is_counted(no_leaks: None) -> None:
+    pool = TieredKVPool(namespace(), [MemoryTier(MB)])
+    try:
+        hashes, kvs = chain(2), blocks(2)
+        for h, kv in zip(hashes, kvs, strict=True):
+            pool.put(h, kv)
+        assert pool.flush()
+        assert pool.get(hashes, time.monotonic() - 1.0) == []
+        assert pool.stats()["deadline_misses"] == 1
+        assert pool.registry.get_sample_value("pdserve_kvpool_deadline_misses_total") == 1
+        assert len(pool.get(hashes, _later())) == 2 and pool.stats()["deadline_misses"] == 1
+    finally:
+        pool.close()
