@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -272,6 +273,21 @@ def test_redis_unreachable_from_the_start_is_not_fatal(pools: list[TieredKVPool]
     hashes, _ = _fill(pool, 2)
     assert pool.lookup(hashes) == 2  # the memory tier works
     assert tier.stats.errors == 1 and tier.stats.skipped > 0
+
+
+def test_redis_that_never_answers_costs_one_timeout(pools: list[TieredKVPool]) -> None:
+    """A server that accepts connections and says nothing (a hung host): the socket timeout
+    ends the first call, then the breaker answers callers without touching the network."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes handshakes; nobody ever replies
+        tier = RedisTier(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", timeout_s=0.1)
+        assert not tier.up and tier.stats.errors == 1  # the first INFO timed out
+        pool = _pool(pools, [tier])
+        hashes, _ = _fill(pool, 2)
+        assert pool.lookup(hashes) == 0 and pool.get(hashes, _later()) == []
+        assert tier.stats.skipped >= 2
+        pool.close()
 
 
 def test_bad_redis_url_is_a_value_error() -> None:
