@@ -174,3 +174,23 @@ def test_a_missed_deadline_is_counted(no_leaks: None) -> None:
         assert len(pool.get(hashes, _later())) == 2 and pool.stats()["deadline_misses"] == 1
     finally:
         pool.close()
+
+
+def test_workers_on_one_host_share_a_disk_directory(tmp_path: Path, no_leaks: None) -> None:
+    writer = TieredKVPool(namespace(), [DiskTier(tmp_path, 64 * MB)])
+    reader_disk = DiskTier(tmp_path, 64 * MB)  # started before anything was written
+    reader = TieredKVPool(namespace(), [reader_disk])
+    try:
+        hashes, kvs = chain(3), blocks(3)
+        for h, kv in zip(hashes, kvs, strict=True):
+            writer.put(h, kv)
+        assert writer.flush()
+        assert reader.lookup(hashes) == 3
+        got = reader.get(hashes, _later())
+        assert all(torch.equal(a, b) for a, b in zip(got, kvs, strict=True))
+        assert reader_disk.usage()["entries"] == 3  # adopted into its index
+        assert reader.put(hashes[0], kvs[0]) and reader.flush()
+        assert reader_disk.stats.puts == 0 and reader_disk.stats.present == 1
+    finally:
+        writer.close()
+        reader.close()
