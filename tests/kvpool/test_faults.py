@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import shutil
 import socket
 import threading
 import time
@@ -293,6 +294,28 @@ def test_redis_that_never_answers_costs_one_timeout(pools: list[TieredKVPool]) -
 def test_bad_redis_url_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="kv-pool-redis"):
         RedisTier("http://localhost:6379")
+
+
+def test_redis_over_maxmemory_evicts_and_the_pool_serves_shorter_runs(
+    pools: list[TieredKVPool],
+) -> None:
+    server = RedisServer(maxmemory="2mb")
+    server.start()
+    try:
+        tier = RedisTier(server.url)
+        pool = _pool(pools, [tier], queue_size=512)
+        hashes, kvs = _fill(pool, 200)  # ~3.3 MB of values into 2 MB
+        tier.refresh()
+        assert int(tier.usage()["server_evicted_keys"]) > 0  # type: ignore[call-overload]
+        assert tier.stats.errors == 0 and tier.stats.puts == 200
+        n = pool.lookup(hashes)
+        got = pool.get(hashes, _later())
+        assert len(got) <= n < 200  # LRU dropped some: a shorter run, never a wrong block
+        assert all(torch.equal(a, b) for a, b in zip(got, kvs, strict=False))
+        pool.close()
+    finally:
+        server.kill()
+        shutil.rmtree(server.workdir, ignore_errors=True)
 
 
 def test_redis_server_bounds_itself(redis_url: str) -> None:

@@ -161,11 +161,17 @@ class RedisTier:
         """Probe a down server and refresh the usage numbers (the writer calls this each second)."""
 
         def run() -> dict[str, Any]:
-            info = self.client.info("memory")
+            pipe = self.client.pipeline(transaction=False)
+            pipe.info("memory")
+            pipe.info("stats")
+            pipe.dbsize()
+            memory, stats, keys = pipe.execute()
             return {
-                "entries": int(self.client.dbsize()),
-                "bytes": int(info.get("used_memory", 0)),
-                "capacity_bytes": int(info.get("maxmemory", 0)) or None,
+                "entries": int(keys),
+                "bytes": int(memory.get("used_memory", 0)),
+                "capacity_bytes": int(memory.get("maxmemory", 0)) or None,
+                # server-wide (every worker sees the same number): stats() only, not a counter
+                "server_evicted_keys": int(stats.get("evicted_keys", 0)),
             }
 
         usage = self._call("info", run, None, probe=True)
