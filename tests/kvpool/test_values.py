@@ -1,0 +1,77 @@
+"""The stored value format against its goldens; a decoder that trusts nothing."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpool_golden import CODECS, GOLDEN_DIR, golden_block, golden_key
+from pdserve.kvpool.values import HEADER_BYTES, VERSION, CorruptValue, decode_value, encode_value
+
+
+def _golden(codec: str) -> bytes:
+    return (GOLDEN_DIR / f"value_v{VERSION}_{codec}.bin").read_bytes()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_encoding_matches_the_golden_byte_for_byte(codec: str) -> None:
+    assert encode_value(golden_key(codec), golden_block(), codec) == _golden(codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_golden_decodes(codec: str) -> None:
+    got = decode_value(golden_key(codec), _golden(codec))
+    want = golden_block()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if codec == "none":
+        assert torch.equal(got, want)
+    else:  # per (group, head) scale = absmax / 127: within half a step
+        assert (got - want).abs().max() <= want.abs().max() / 127 / 2 + 1e-6
+
+
+def test_every_truncation_is_refused() -> None:
+    value, key = _golden("none"), golden_key("none")
+    for n in range(len(value)):
+        with pytest.raises(CorruptValue):
+            decode_value(key, value[:n])
+    with pytest.raises(CorruptValue):
+        decode_value(key, value + b"\0")
+
+
+def test_every_bit_flip_is_refused() -> None:
+    value, key = bytearray(_golden("none")), golden_key("none")
+    for i in range(len(value)):
+        value[i] ^= 1 << (i % 8)
+        with pytest.raises(CorruptValue):
+            decode_value(key, bytes(value))
+        value[i] ^= 1 << (i % 8)
+    assert torch.equal(decode_value(key, bytes(value)), golden_block())
+
+
+def test_another_key_or_version_is_refused() -> None:
+    value, key = _golden("none"), golden_key("none")
+    with pytest.raises(CorruptValue, match="another key"):
+        decode_value(golden_key("int8"), value)  # same block, another namespace
+    newer = bytearray(value)
+    struct.pack_into("<H", newer, 8, VERSION + 1)
+    with pytest.raises(CorruptValue, match="version"):
+        decode_value(key, bytes(newer))
+    assert len(struct.pack("<8sHBBIHHHHQ", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0)) == HEADER_BYTES
+
+
+def test_encoding_refuses_what_it_cannot_store() -> None:
+    with pytest.raises(ValueError, match="block"):
+        encode_value(b"k", torch.zeros(2, 3, 4, 2, 4), "none")
+    with pytest.raises(ValueError, match="NaN"):
+        encode_value(b"k", torch.full((1, 2, 16, 1, 4), float("nan")), "int8")
+    with pytest.raises(ValueError, match="codec"):
+        encode_value(b"k", torch.zeros(1, 2, 16, 1, 4), "zstd")
+
+
+def test_goldens_are_committed() -> None:
+    assert sorted(p.name for p in Path(GOLDEN_DIR).glob("*.bin")) == [
+        f"value_v{VERSION}_{c}.bin" for c in sorted(CODECS)
+    ]
