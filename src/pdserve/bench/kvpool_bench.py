@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url",
         default=None,
-        help="an existing Redis (its data is flushed!); default: start redis-server on loopback",
+        help="an existing Redis (the bench deletes the keys it wrote); default: start "
+        "redis-server on loopback",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
@@ -100,6 +101,8 @@ class Row:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if min(args.tokens) < BLOCK_SIZE:
+        raise ValueError(f"--tokens must each be >= {BLOCK_SIZE} (one block)")
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     machine = common.machine_info(args.threads or torch.get_num_threads())
     engine = _engine(args)
@@ -180,7 +183,7 @@ def _measure(
     for rep in range(args.repeats + 1):  # the first is a warm-up
         hashes = hash_full_blocks([rep * 100_003 + i for i in range(n_tokens)], BLOCK_SIZE)
         with _tier(tier_name, args, redis_url) as tier:
-            pool = TieredKVPool(ns, [tier], queue_size=n_blocks + 1)
+            pool = TieredKVPool(ns, [tier], queue_size=n_blocks + 1, close_tiers=False)
             try:
                 rep_calls: list[float] = []
                 put_s = common.timed(functools.partial(_put_all, pool, hashes, kv, rep_calls))
@@ -190,6 +193,8 @@ def _measure(
                 stored = int(usage[tier_name]["bytes_written"])  # type: ignore[index]
             finally:
                 pool.close()
+                for h in hashes:  # a shared Redis keeps nothing of the bench's
+                    tier.delete(ns.key(h))
         if rep:
             puts.append(put_s)
             gets.append(get_s)
@@ -236,7 +241,9 @@ def _tier(name: str, args: argparse.Namespace, redis_url: str | None) -> Iterato
     from pdserve.kvpool.tiers import MemoryTier
 
     if name == "memory":
-        yield MemoryTier(4 << 30)
+        memory = MemoryTier(4 << 30)
+        yield memory
+        memory.close()
     elif name == "disk":
         root = Path(tempfile.mkdtemp(prefix="pdserve-kvpool-bench-", dir=args.disk_dir))
         try:
@@ -246,8 +253,10 @@ def _tier(name: str, args: argparse.Namespace, redis_url: str | None) -> Iterato
     else:
         assert redis_url is not None
         tier = RedisTier(redis_url, timeout_s=5.0)
-        tier.client.flushall()
-        yield tier
+        try:
+            yield tier
+        finally:
+            tier.close()
 
 
 @contextmanager

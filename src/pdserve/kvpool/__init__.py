@@ -7,8 +7,9 @@ Chunking: one stored value per engine block in every tier (a file per block on d
 block in Redis). `KVPool.put` hands the pool one block at a time, without its position in the
 chain, so the pool cannot align groups of blocks; and a block of the default model (SmolLM2:
 30 layers x 2 x 16 tokens x 3 heads x 64 dims x 4 B) is 720 KiB in float32 - near the 1-10 MB
-where Redis and files are efficient, though below it in bfloat16 (360 KiB) or int8 (~180 KiB). Lookups stay one round trip per tier however
-many blocks they ask about (a dict walk, an index walk, one Redis pipeline).
+where Redis and files are efficient, though below it in bfloat16 (360 KiB) or int8 (~180 KiB).
+Lookups stay one round trip per tier however many blocks they ask about (a dict walk, an index
+walk, one Redis pipeline).
 """
 
 from __future__ import annotations
