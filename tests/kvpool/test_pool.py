@@ -54,8 +54,7 @@ def test_build_pool_makes_the_configured_tiers_fastest_first(
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"memory_gb": -1.0}, ">= 0"), ({"disk_gb": 1.0}, "needs --kv-pool-disk")],
+    ("kwargs", "match"), [({"memory_gb": -1.0}, ">= 0"), ({"disk_gb": -2.0}, ">= 0")]
 )
 def test_bad_config_is_a_value_error(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
