@@ -101,6 +101,27 @@ def test_a_block_already_in_memory_is_not_copied_again(pools: list[TieredKVPool]
     assert pool.stats()["drops"] == 0
 
 
+def test_a_failing_write_keeps_the_writer_alive(
+    pools: list[TieredKVPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = _pool(pools, [MemoryTier(64 * MB)])
+    real = pool._write
+    calls = {"n": 0}
+
+    def flaky(batch: list[tuple[bytes, torch.Tensor]]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in a tier")
+        real(batch)
+
+    monkeypatch.setattr(pool, "_write", flaky)
+    first, _ = _fill(pool, 1)  # lost, counted
+    second, _ = _fill(pool, 1, seed=1)
+    assert pool.lookup(first) == 0 and pool.lookup(second) == 1
+    assert pool.stats()["write_errors"] == 1
+    assert _sample(pool, "pdserve_kvpool_write_errors_total") == 1
+
+
 # ---- failed and partial writes -----------------------------------------------------------------
 def test_failed_disk_write_is_never_visible(
     pools: list[TieredKVPool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

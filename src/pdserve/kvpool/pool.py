@@ -185,8 +185,13 @@ class TieredKVPool:
             except queue.Empty:  # idle: housekeeping only
                 pass
             if batch:
-                self._write(batch)
-                self._done(len(batch))
+                try:
+                    self._write(batch)
+                except Exception:  # a bug must not kill the writer (puts would pile up)
+                    self.write_errors += len(batch)
+                    log.exception("kvpool: write-back of %d blocks failed", len(batch))
+                finally:
+                    self._done(len(batch))
             if time.monotonic() - last_housekeeping >= HOUSEKEEPING_S:
                 self._housekeeping()
                 last_housekeeping = time.monotonic()
