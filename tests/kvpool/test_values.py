@@ -5,8 +5,11 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool_golden import CODECS, GOLDEN_DIR, golden_block, golden_key
 from pdserve.kvpool.values import HEADER_BYTES, VERSION, CorruptValue, decode_value, encode_value
@@ -69,6 +72,37 @@ def test_encoding_refuses_what_it_cannot_store() -> None:
         encode_value(b"k", torch.full((1, 2, 16, 1, 4), float("nan")), "int8")
     with pytest.raises(ValueError, match="codec"):
         encode_value(b"k", torch.zeros(1, 2, 16, 1, 4), "zstd")
+
+
+def _with_crc(body: bytes) -> bytes:
+    return body + struct.pack("<I", crc32c.crc32c(body))
+
+
+def test_a_bad_scale_under_a_valid_checksum_is_corrupt() -> None:
+    """A writer bug (a NaN scale, correctly checksummed) is CorruptValue, which the pool
+    deletes and counts - not a ValueError escaping to the engine."""
+    key, body = golden_key("int8"), bytearray(_golden("int8")[:-4])
+    first_scale = HEADER_BYTES + len(key)
+    struct.pack_into("<f", body, first_scale, float("nan"))
+    with pytest.raises(CorruptValue, match="does not decode"):
+        decode_value(key, _with_crc(bytes(body)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_mutations_under_a_valid_checksum_are_refused_or_exact(data: st.DataObject) -> None:
+    """Past the checksum (recomputed after the mutation), only CorruptValue or a tensor of the
+    header's shape comes out: a buggy writer can never crash a reader."""
+    codec = data.draw(st.sampled_from(CODECS))
+    body = bytearray(_golden(codec)[:-4])
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(body) - 1))
+        body[i] = data.draw(st.integers(0, 255))
+    try:
+        out = decode_value(golden_key(codec), _with_crc(bytes(body)))
+    except CorruptValue:
+        return
+    assert out.dim() == 5 and out.shape[1] == 2
 
 
 def test_goldens_are_committed() -> None:

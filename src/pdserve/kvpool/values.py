@@ -101,7 +101,10 @@ def decode_value(key: bytes, value: BytesLike) -> torch.Tensor:
     shape = (layers, 2, tokens, heads, dim)
     if _payload_size(codec, shape, dtype) != size:
         raise CorruptValue("payload length does not match the header's shape")
-    return _decode_payload(codec, view[HEADER_BYTES + key_len : end], shape, dtype)
+    try:
+        return _decode_payload(codec, view[HEADER_BYTES + key_len : end], shape, dtype)
+    except ValueError as e:  # e.g. a NaN scale under a valid checksum (a buggy writer)
+        raise CorruptValue(f"payload does not decode: {e}") from e
 
 
 def _decode_payload(
