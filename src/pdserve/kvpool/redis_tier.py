@@ -33,7 +33,7 @@ log = logging.getLogger("pdserve.kvpool")
 
 PREFIX = b"pdkv:"
 GET_BATCH = 8  # values per MGET (8 x 0.74 MB for the default model)
-FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
+FAILURES = (redis.RedisError, OSError)  # down, timed out, or refusing (e.g. OOM under noeviction)
 T = TypeVar("T")
 
 
