@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,7 @@ def test_build_pool_makes_the_configured_tiers_fastest_first(
         assert usage["memory"]["capacity_bytes"] == int(0.01 * (1 << 30))
         assert usage["disk"]["capacity_bytes"] == int(0.02 * (1 << 30))
         assert usage["redis"]["up"] is True and usage["redis"]["capacity_bytes"] > 0
+        assert json.loads(json.dumps(pool.stats()))["tiers"].keys() == usage.keys()  # /admin
     finally:
         pool.close()
 
