@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
 from pdserve.kvpool.api import BlockHash, PoolNamespace
 from pdserve.kvpool.metrics import PoolMetrics
@@ -235,10 +235,10 @@ class TieredKVPool:
                 refresh()
 
     @staticmethod
-    def _observe(hist: object, tier: Tier, t0: float, n: int) -> None:
+    def _observe(hist: Histogram, tier: Tier, t0: float, n: int) -> None:
         if n > 0:
             per_block = (time.perf_counter() - t0) / n
-            child = hist.labels(tier.name)  # type: ignore[attr-defined]
+            child = hist.labels(tier.name)
             for _ in range(n):
                 child.observe(per_block)
 
