@@ -9,6 +9,7 @@ so the same code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -26,6 +27,15 @@ W8G32_CFLAGS = [*CFLAGS, "-mf16c"]
 def cache_dir() -> Path:
     default = Path.home() / ".cache" / "pdserve" / "kernels"
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
+
+
+def build_dir(source: Path, flags: list[str]) -> Path:
+    """One build directory per (source text, flags): torch's loader keeps one build.ninja per
+    directory and rebuilds whenever the recorded source path differs, so checkouts at two paths
+    sharing a cache would rebuild each other's kernel on every start;
+    keyed by content, they share."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    return cache_dir() / f"{source.stem}-{digest}"
 
 
 def cpu_supported() -> bool:
@@ -46,7 +56,7 @@ def paged_attention_module() -> ModuleType:
                 )
             from torch.utils.cpp_extension import load
 
-            build = cache_dir()
+            build = build_dir(SOURCE, CFLAGS)
             build.mkdir(parents=True, exist_ok=True)
             _module = load(
                 name="pdserve_paged_attention",
@@ -70,8 +80,7 @@ def w8g32_module() -> ModuleType:
                 )
             from torch.utils.cpp_extension import load
 
-            # Own directory: torch's loader keeps one build.ninja per build directory.
-            build = cache_dir() / "w8g32"
+            build = build_dir(W8G32_SOURCE, W8G32_CFLAGS)
             build.mkdir(parents=True, exist_ok=True)
             _w8g32 = load(
                 name="pdserve_w8g32",
