@@ -39,8 +39,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+from pdserve.engine.grammar import check_spec
 from pdserve.engine.request import SamplingParams
-from pdserve.router import dashboard
+from pdserve.router import dashboard, structured, tools
 from pdserve.router import protocol as p
 from pdserve.router import responses as r
 from pdserve.router.core import Delta, RequestError
@@ -230,12 +231,17 @@ class _AppState:
             )
         return list(prompt)
 
-    async def chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+    async def chat_ids(
+        self, req: p.ChatCompletionRequest, tool_plan: tools.ToolPlan | None = None
+    ) -> list[int]:
         messages = req.template_messages()
+        extra = {}
+        if tool_plan is not None and tool_plan.template_tools() is not None:
+            extra["tools"] = tool_plan.template_tools()
 
         def encode() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **extra
             )
             return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -314,7 +320,8 @@ def create_app(
         s.check_model(req.model)
         ids = await s.completion_ids(req)
         context = s.check_prompt(ids)
-        params = s.check_params(req.to_sampling_params(context))
+        spec, _ = structured.request_spec(req.structured_fields())
+        params = s.check_params(req.to_sampling_params(context, spec))
         rid = f"cmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
@@ -325,16 +332,18 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         req = p.parse_request(p.ChatCompletionRequest, await request.body())
         s.check_model(req.model)
-        ids = await s.chat_ids(req)
+        plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        ids = await s.chat_ids(req, plan)
         context = s.check_prompt(ids)
         default = context.room if context is not None else DEFAULT_CHAT_MAX_TOKENS
-        params = s.check_params(req.to_sampling_params(default, context))
+        spec = _chat_constraint(req, plan)
+        params = s.check_params(req.to_sampling_params(default, context, spec))
         top_n = req.top_logprobs or 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, top_n, req.user)
         if req.stream:
-            return await _stream(g, req.include_usage, ChatRender(g, s.model_name))
-        return await _collect(g, ChatRender(g, s.model_name))
+            return await _stream(g, req.include_usage, ChatRender(g, s.model_name, plan))
+        return await _collect(g, ChatRender(g, s.model_name, plan))
 
     # ---- models, health, metrics, admin --------------------------------------------------------
     def model_card() -> r.ModelCard:
@@ -398,6 +407,27 @@ def create_app(
 
     dashboard.mount(app, board)  # GET /dashboard, GET /admin/dashboard.json
     return app
+
+
+def _chat_constraint(
+    req: p.ChatCompletionRequest, plan: tools.ToolPlan | None
+) -> dict[str, Any] | None:
+    """The grammar of a chat request: from tool_choice (required / a named function) or from
+    response_format / guided_*; not both."""
+    spec, source = structured.request_spec(req.structured_fields())
+    tool_spec = plan.spec() if plan is not None else None
+    if tool_spec is None:
+        return spec
+    if spec is not None:
+        raise p.InvalidRequest(
+            f"tool_choice {req.tool_choice!r} constrains the output already; drop {source}",
+            source,
+        )
+    try:
+        check_spec(tool_spec)
+    except ValueError as e:
+        raise p.InvalidRequest(f"tools: a function's parameters: {e}", "tools") from None
+    return tool_spec
 
 
 # ---- rendering: completions and chat, whole and streamed -------------------------------------
