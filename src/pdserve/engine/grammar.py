@@ -67,7 +67,10 @@ def _compiled(kind: str, value_json: str) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(value, dict | bool):
             raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=_JSON_OPTIONS)
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=_JSON_OPTIONS)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is invalid: {e}") from None
     elif kind == "json_object":
         if value is not True:
             raise ValueError("structured_outputs.json_object must be true")
