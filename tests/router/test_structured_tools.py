@@ -225,3 +225,37 @@ def test_tool_stream_holds_back_only_a_possible_tag() -> None:
     assert s.feed(" <tool_call>{bad json}</tool_call>") == " "
     rest, calls = s.finish()
     assert rest == "<tool_call>{bad json}</tool_call>" and calls == []  # not a call: content
+
+
+# ---- best_of --------------------------------------------------------------------------------
+def test_best_of_returns_the_n_most_likely_candidates(client, core) -> None:  # type: ignore[no-untyped-def]
+    scores = {0: -3.0, 1: -0.5, 2: -1.0}  # candidate -> logprob of each of its two tokens
+    core.script(
+        *[
+            Delta([10 * c + i], f"c{c}t{i}", [{10 * c + i: lp}], "length" if i else None, index=c)
+            for i in range(2)
+            for c, lp in scores.items()
+        ]
+    )
+    r = completion(client, max_tokens=2, n=2, best_of=3)
+    assert r.status_code == 200, r.text
+    params = core.calls[-1][2]
+    assert params.n == 3 and params.logprobs == 0  # three candidates, ranked by logprob
+    body = r.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "c1t0c1t1"), (1, "c2t0c2t1")]
+    assert all(c["logprobs"] is None for c in body["choices"])  # not asked for
+    assert body["usage"]["completion_tokens"] == 6  # every candidate's tokens, as OpenAI counts
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"n": 3, "best_of": 2}, "between n (3)"),
+        ({"best_of": 21}, "between n (1) and 20"),
+        ({"best_of": 2, "stream": True}, "cannot be streamed"),
+    ],
+)
+def test_bad_best_of_is_400(client, body, words) -> None:  # type: ignore[no-untyped-def]
+    r = completion(client, **body)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "best_of"

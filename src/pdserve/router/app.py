@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -326,7 +327,8 @@ def create_app(
         g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
             return await _stream(g, req.include_usage, CompletionRender(g, s.model_name))
-        return await _collect(g, CompletionRender(g, s.model_name))
+        best = BestOf(req.n or 1, req.logprobs) if params.n != (req.n or 1) else None
+        return await _collect(g, CompletionRender(g, s.model_name), best)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -431,8 +433,9 @@ def _chat_constraint(
 
 
 # ---- rendering: completions and chat, whole and streamed -------------------------------------
-async def _collect(g: _Generation, render: Render) -> Response:
-    """Run the request to its end; the client's disconnect aborts it."""
+async def _collect(g: _Generation, render: Render, best: BestOf | None = None) -> Response:
+    """Run the request to its end; the client's disconnect aborts it. `best`: keep only the
+    best_of candidates with the highest cumulative logprob."""
 
     async def run() -> list[Delta]:
         deltas = []
@@ -446,7 +449,33 @@ async def _collect(g: _Generation, render: Render) -> Response:
         return Response(status_code=499)
     finally:
         await g.aclose()
+    if best is not None:
+        deltas = best.pick(deltas)
+        g.params = dataclasses.replace(g.params, n=best.n, logprobs=best.logprobs)
     return JSONResponse(render.whole(deltas).model_dump())
+
+
+class BestOf:
+    """best_of on completions: the n candidates with the highest cumulative logprob, re-indexed
+    0..n-1 in rank order; their logprobs stay only when the client asked for them."""
+
+    def __init__(self, n: int, logprobs: int | None) -> None:
+        self.n, self.logprobs = n, logprobs
+
+    def pick(self, deltas: list[Delta]) -> list[Delta]:
+        score: dict[int, float] = {}
+        for d in deltas:
+            steps = zip(d.token_ids, d.logprobs or (), strict=False)
+            score[d.index] = score.get(d.index, 0.0) + sum(lp[t] for t, lp in steps)
+        ranked = sorted(score, key=lambda i: -score[i])[: self.n]
+        rank = {index: r for r, index in enumerate(ranked)}
+        return [
+            dataclasses.replace(
+                d, index=rank[d.index], logprobs=d.logprobs if self.logprobs is not None else None
+            )
+            for d in deltas
+            if d.index in rank
+        ]
 
 
 async def _stream(g: _Generation, include_usage: bool, render: Render) -> Response:

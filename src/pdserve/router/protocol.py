@@ -16,6 +16,7 @@ never clamped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -36,6 +37,7 @@ from pdserve.engine.request import SamplingParams
 GREEDY_EPS = 1e-5
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_BEST_OF = 20  # OpenAI's limit
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # The ints of a request travel to the workers as msgpack, 64-bit: a larger one (e.g. {"top_k":
 # 18446744073709551616}) made the router's send fail with OverflowError, a 500. Refused here: 400.
@@ -323,6 +325,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: WireInt | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
+    # best_of candidates are generated (n = best_of forked from one prefill), the n with the
+    # highest cumulative logprob are returned; usage counts every candidate's tokens, as OpenAI's
+    best_of: WireInt | None = None
+
+    @property
+    def candidates(self) -> int:
+        """How many choices to generate (best_of, else n)."""
+        n = 1 if self.n is None else self.n
+        return n if self.best_of is None else self.best_of
 
     @field_validator("prompt")
     @classmethod
@@ -350,7 +361,6 @@ class CompletionRequest(_SamplingFields):
     NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {
         **_REQUEST_NOOPS,
         "suffix": _falsy,
-        "best_of": _none_or(1),
     }
 
     def to_sampling_params(
@@ -359,7 +369,18 @@ class CompletionRequest(_SamplingFields):
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if context is not None:
             context.check(max_tokens, "prompt")
-        return self._params(max_tokens, self.logprobs, structured)
+        n = 1 if self.n is None else self.n
+        if self.candidates == n:
+            return self._params(max_tokens, self.logprobs, structured)
+        if not n <= self.candidates <= MAX_BEST_OF:
+            raise InvalidRequest(
+                f"best_of must be between n ({n}) and {MAX_BEST_OF}, got {self.best_of}", "best_of"
+            )
+        if self.stream:
+            raise InvalidRequest("best_of > n cannot be streamed", "best_of")
+        # every candidate's sampled-token logprob ranks it (logprobs 0 when not asked for)
+        params = self._params(max_tokens, self.logprobs or 0, structured)
+        return dataclasses.replace(params, n=self.candidates)
 
 
 class Context:
