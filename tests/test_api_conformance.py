@@ -197,12 +197,19 @@ def test_json_schema_on_every_route_validates_and_is_identical(routes) -> None: 
     assert len({tuple(v) for v in contents.values()}) == 1, contents
 
 
+def _object_or_its_prefix(text: str, finish: str) -> bool:
+    if finish == "stop":
+        return isinstance(json.loads(text), dict)
+    return text.startswith("{")
+
+
 @pytest.mark.parametrize(
     ("extra", "check"),
     [
-        ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: len(t) == 6 and t[3] == "-"),
-        ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
-        ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+        ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t, f: len(t) == 6 and t[3] == "-"),
+        ({"guided_choice": ["red", "green", "blue"]}, lambda t, f: t in ("red", "green", "blue")),
+        # any object: the random model may go on adding keys until max_tokens
+        ({"response_format": {"type": "json_object"}}, _object_or_its_prefix),
     ],
 )
 def test_guided_completions_on_every_route(routes, extra, check) -> None:  # type: ignore[no-untyped-def]
@@ -210,7 +217,9 @@ def test_guided_completions_on_every_route(routes, extra, check) -> None:  # typ
     texts = {name: r.choices[0].text for name, r in got.items()}
     assert len(set(texts.values())) == 1, texts
     for r in got.values():
-        assert r.choices[0].finish_reason == "stop" and check(r.choices[0].text)
+        finish = r.choices[0].finish_reason
+        assert finish in ("stop", "length") and check(r.choices[0].text, finish)
+        assert finish == "stop" or "json_object" in str(extra)
 
 
 def test_truncated_structured_output_says_length(routes) -> None:  # type: ignore[no-untyped-def]

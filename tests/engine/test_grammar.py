@@ -168,3 +168,12 @@ def test_a_replay_that_breaks_the_grammar_is_refused(tiny) -> None:  # type: ign
     with pytest.raises(ValueError, match="does not fit the grammar"):
         eng.admit_prefilled("bad", letter, len(prompt))
     assert_engine_idle(tiny)
+
+
+def test_the_constraint_travels_in_the_wire_params() -> None:
+    from pdserve.workers import messages as m
+
+    params = SamplingParams(structured_outputs={"json": {"type": "object"}}, n=2)
+    back = m.decode(m.encode(m.Prefill("r", [1, 2], params.to_wire(), "D0", "tcp://x", 1)))
+    assert m.sampling_params(back.params) == params  # type: ignore[attr-defined]
+    assert "structured_outputs" not in SamplingParams().to_wire()  # absent when unset
