@@ -177,3 +177,25 @@ def test_the_constraint_travels_in_the_wire_params() -> None:
     back = m.decode(m.encode(m.Prefill("r", [1, 2], params.to_wire(), "D0", "tcp://x", 1)))
     assert m.sampling_params(back.params) == params  # type: ignore[attr-defined]
     assert "structured_outputs" not in SamplingParams().to_wire()  # absent when unset
+
+
+def test_a_grammar_that_gives_up_ends_with_eos_not_a_crash() -> None:
+    from pdserve.engine.grammar import Matcher
+
+    class GaveUp:  # what llguidance does past a resource limit: an error state, nothing allowed
+        def compute_bitmask(self) -> bytes:
+            return bytes(4)
+
+        def is_error(self) -> bool:
+            return True
+
+        def get_error(self) -> str:
+            return "lexer fuel exhausted"
+
+        def is_stopped(self) -> bool:
+            return False
+
+    m = Matcher(GaveUp(), 32, eos_token_id=2)
+    assert m.allowed().nonzero().flatten().tolist() == [2]
+    assert m.done and m.error == "lexer fuel exhausted"
+    m.accept(2)  # no-op once given up

@@ -124,6 +124,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}  # n-choice request -> its forked choices
         self._forks = 0  # choices forked from another's KV (no prefill of their own)
+        self._grammar_errors = 0  # requests whose grammar hit a library limit (ended with EOS)
         # Choices admitted with tokens to emit before any step (decode side, n > 1): forks'
         # first tokens (sampled on P, never emitted there) and choices that ended at once.
         self._pending: list[str] = []
@@ -387,6 +388,10 @@ class LLMEngine:
         for t, s in zip(tracked, samples, strict=True):
             if t.matcher is not None:
                 t.matcher.accept(s.token_id)
+                if t.matcher.error is not None and not t.matcher.reported:
+                    t.matcher.reported = True
+                    self._grammar_errors += 1
+                    log.warning("%s: grammar gave up: %s", t.request.request_id, t.matcher.error)
         firsts = {}
         for row, r in enumerate(requests):
             n = r.sampling_params.n
@@ -547,6 +552,7 @@ class LLMEngine:
             **self._batch,
             **self._tokens,
             "forked_choices": self._forks,
+            "grammar_errors": self._grammar_errors,
             "fork_recomputes": self.scheduler.num_fork_recomputes,
             "held_for_transfer": len(self.scheduler.held),
             "reserved_for_transfer": len(self._reserved),

@@ -100,18 +100,29 @@ def _compiled(kind: str, value_json: str) -> str:
 class Matcher:
     """One request's grammar state: the tokens allowed next, and advancing by the sampled one."""
 
-    def __init__(self, inner: Any, vocab_size: int) -> None:
-        self._m, self._vocab = inner, vocab_size
+    def __init__(self, inner: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self._m, self._vocab, self._eos = inner, vocab_size, eos_token_id
+        self.error: str | None = None  # the library gave up (a resource limit): the request ends
+        self.reported = False  # the engine counted and logged the error
 
     def allowed(self) -> torch.Tensor:
         """Bool [vocab]: True where the grammar allows the token next."""
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool)
+        if self._m.is_error() or not mask.any():
+            # nothing is allowed (llguidance hit a limit): end the request with EOS rather than
+            # sample from all -inf; counted and logged by the engine, never silent
+            self.error = self._m.get_error() or "the grammar allows no token"
+            mask[:] = False
+            if self._eos is not None and self._eos < self._vocab:
+                mask[self._eos] = True
         return torch.from_numpy(mask)
 
     def accept(self, token: int) -> None:
         """Advance by a sampled token. A token the mask forbade is a bug (or a replay that does
         not fit the grammar): ValueError."""
+        if self.error is not None:
+            return
         if not self._m.consume_token(token):
             raise ValueError(f"token {token} does not fit the grammar: {self._m.get_error()}")
 
@@ -125,7 +136,7 @@ class Matcher:
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (the request stops here)."""
-        return bool(self._m.is_stopped())
+        return self.error is not None or bool(self._m.is_stopped())
 
 
 class GrammarBackend:
@@ -147,4 +158,4 @@ class GrammarBackend:
         inner = LLMatcher(self._tok, grammar, log_level=0)
         if inner.is_error():
             raise ValueError(f"structured_outputs: {inner.get_error()}")
-        return Matcher(inner, self._vocab)
+        return Matcher(inner, self._vocab, self._hf.eos_token_id)
