@@ -96,8 +96,8 @@ GRAMMAR_SCHEMA = {
     "properties": {
         "people": {
             "type": "array",
-            "minItems": 3,
-            "maxItems": 3,
+            "minItems": 2,
+            "maxItems": 2,
             "items": {
                 "type": "object",
                 "properties": {
@@ -121,12 +121,12 @@ def grammar_tpot(model: str | None, reps: int) -> None:
 
     llm = LLM(model)
     prompt = llm.engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "List three people with name, age and city as JSON."}],
+        [{"role": "user", "content": "List two people with name, age and city as JSON."}],
         tokenize=False,
         add_generation_prompt=True,
     )
     guided = SamplingParams(
-        max_tokens=200, temperature=0, structured_outputs={"json": GRAMMAR_SCHEMA}
+        max_tokens=96, temperature=0, structured_outputs={"json": GRAMMAR_SCHEMA}
     )
     llm.generate([prompt], guided, use_tqdm=False)  # warm-up: builds the llguidance tokenizer
     tpot: dict[str, list[float]] = {"json schema": [], "none": []}
@@ -134,10 +134,17 @@ def grammar_tpot(model: str | None, reps: int) -> None:
     for _ in range(reps):
         out = llm.generate([prompt], guided, use_tqdm=False)[0]
         tokens = len(out.outputs[0].token_ids)
-        json.loads(out.outputs[0].text)  # it parses, or this run is no measurement
+        finish = out.outputs[0].finish_reason
+        if finish == "stop":
+            json.loads(out.outputs[0].text)  # it parses, or this run is no measurement
         tpot["json schema"].append(_tpot(out))
         free = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         tpot["none"].append(_tpot(llm.generate([prompt], free, use_tqdm=False)[0]))
+        print(
+            f"  run: {tokens} tokens ({finish}), {tpot['json schema'][-1] * 1e3:.1f} vs "
+            f"{tpot['none'][-1] * 1e3:.1f} ms",
+            flush=True,
+        )
     for name, values in tpot.items():
         print(
             f"| {name} | {tokens} | {statistics.median(values) * 1e3:.2f} | "
