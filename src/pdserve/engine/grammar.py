@@ -119,19 +119,20 @@ class Matcher:
         return torch.from_numpy(mask)
 
     def accept(self, token: int) -> None:
-        """Advance by a sampled token. A token the mask forbade is a bug (or a replay that does
-        not fit the grammar): ValueError."""
-        if self.error is not None:
-            return
-        if not self._m.consume_token(token):
-            raise ValueError(f"token {token} does not fit the grammar: {self._m.get_error()}")
+        """Advance by a token sampled under this matcher's mask. Refused all the same (the
+        library hit a limit mid-token): the matcher gives up, the request ends at its next
+        step (counted by the engine) rather than failing the whole engine step."""
+        if self.error is None and not self._m.consume_token(token):
+            self.error = self._m.get_error() or f"token {token} refused"
 
     def replay(self, tokens: Sequence[int]) -> None:
-        """Catch up with tokens sampled elsewhere (P's hand-off tokens, a fork's first one)."""
+        """Catch up with tokens sampled elsewhere (P's hand-off tokens, a fork's first one); a
+        token that does not fit means P and D disagree: ValueError (the hand-off fails)."""
         for token in tokens:
             if self.done:
                 break  # EOS after a complete document: nothing left to follow
-            self.accept(token)
+            if not self._m.consume_token(token):
+                raise ValueError(f"token {token} does not fit the grammar: {self._m.get_error()}")
 
     @property
     def done(self) -> bool:
