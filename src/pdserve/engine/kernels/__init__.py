@@ -1,8 +1,9 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached on disk.
 
-`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` (never `-march=native`), so the same
-code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). The build takes ~1 minute
-once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
+`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` and `w8g32.cpp` (group-wise int8
+weight-only matmul, engine/quant.py) with `-O3 -mavx2 -mfma -mf16c` (never `-march=native`),
+so the same code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). A build takes
+~1 minute once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
 `~/.cache/pdserve/kernels`) and reused by every later process.
 """
 
@@ -15,8 +16,11 @@ from types import ModuleType
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
+_w8g32: ModuleType | None = None
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno"]
+W8G32_SOURCE = Path(__file__).with_name("w8g32.cpp")
+W8G32_CFLAGS = [*CFLAGS, "-mf16c"]
 
 
 def cache_dir() -> Path:
@@ -52,3 +56,34 @@ def paged_attention_module() -> ModuleType:
                 verbose=False,
             )
         return _module
+
+
+def w8g32_module() -> ModuleType:
+    """Build (once per source version) and import the group-wise int8 weight-only matmul."""
+    global _w8g32
+    with _lock:
+        if _w8g32 is None:
+            if not cpu_supported():
+                raise RuntimeError(
+                    "quantization 'w8g32' needs a CPU with AVX2 + FMA + F16C "
+                    f"(torch reports {_capability()}); use --quantization none"
+                )
+            from torch.utils.cpp_extension import load
+
+            # Own directory: torch's loader keeps one build.ninja per build directory.
+            build = cache_dir() / "w8g32"
+            build.mkdir(parents=True, exist_ok=True)
+            _w8g32 = load(
+                name="pdserve_w8g32",
+                sources=[str(W8G32_SOURCE)],
+                extra_cflags=W8G32_CFLAGS,
+                build_directory=str(build),
+                verbose=False,
+            )
+        return _w8g32
+
+
+def _capability() -> str:
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
