@@ -9,12 +9,15 @@ so the same code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
 import threading
 from pathlib import Path
 from types import ModuleType
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _w8g32: ModuleType | None = None
@@ -38,6 +41,33 @@ def build_dir(source: Path, flags: list[str]) -> Path:
     return cache_dir() / f"{source.stem}-{digest}"
 
 
+def build_and_load(name: str, source: Path, flags: list[str]) -> ModuleType:
+    """torch's loader, behind a lock the OS releases when its holder dies.
+
+    torch guards a build with a `lock` file it creates and removes; a build killed midway (a
+    worker SIGKILLed during start-up) leaves that file, and every later process then waits on it
+    forever. Under our flock no other pdserve process is building here, so a `lock` file found
+    then is stale: it is removed (and said) before torch runs.
+    """
+    from torch.utils.cpp_extension import load
+
+    build = build_dir(source, flags)
+    build.mkdir(parents=True, exist_ok=True)
+    with open(build / "pdserve.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing a stale kernel build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
+        return load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=flags,
+            build_directory=str(build),
+            verbose=False,
+        )
+
+
 def cpu_supported() -> bool:
     """The kernel needs AVX2 + FMA (both machine kinds have them)."""
     import torch
@@ -54,17 +84,7 @@ def paged_attention_module() -> ModuleType:
                 raise RuntimeError(
                     "the paged attention kernel needs a CPU with AVX2; use --attention gather"
                 )
-            from torch.utils.cpp_extension import load
-
-            build = build_dir(SOURCE, CFLAGS)
-            build.mkdir(parents=True, exist_ok=True)
-            _module = load(
-                name="pdserve_paged_attention",
-                sources=[str(SOURCE)],
-                extra_cflags=CFLAGS,
-                build_directory=str(build),
-                verbose=False,
-            )
+            _module = build_and_load("pdserve_paged_attention", SOURCE, CFLAGS)
         return _module
 
 
@@ -78,17 +98,7 @@ def w8g32_module() -> ModuleType:
                     "quantization 'w8g32' needs a CPU with AVX2 + FMA + F16C "
                     f"(torch reports {_capability()}); use --quantization none"
                 )
-            from torch.utils.cpp_extension import load
-
-            build = build_dir(W8G32_SOURCE, W8G32_CFLAGS)
-            build.mkdir(parents=True, exist_ok=True)
-            _w8g32 = load(
-                name="pdserve_w8g32",
-                sources=[str(W8G32_SOURCE)],
-                extra_cflags=W8G32_CFLAGS,
-                build_directory=str(build),
-                verbose=False,
-            )
+            _w8g32 = build_and_load("pdserve_w8g32", W8G32_SOURCE, W8G32_CFLAGS)
         return _w8g32
 
 
