@@ -79,7 +79,11 @@ class LocalCluster:
         prefill_args: dict[str, Any] | None = None,
         decode_args: dict[str, Any] | None = None,
         core_args: dict[str, Any] | None = None,
+        kv_pool: dict[str, Any] | None = None,
+        pool_factory: Any = None,
     ) -> None:
+        """`kv_pool`: WorkerConfig's kv_pool_* fields for every worker (the real tiers);
+        `pool_factory`: builds each inproc worker's pool instead (tests: one shared fake)."""
         if colocated == 0 and (prefill < 1 or decode < 1):
             raise ValueError("give at least one prefill and one decode worker, or colocated > 0")
         self.model, self.transport, self.kv_codec = model, transport, kv_codec
@@ -93,7 +97,9 @@ class LocalCluster:
             lease_s=lease_s,
             shm_mb=shm_mb,
             stream_kv=stream_kv,
+            **(kv_pool or {}),
         )
+        self.pool_factory = pool_factory
         # round robin: tests and benchmarks want a deterministic spread, and no 429s
         self.router_config = RouterConfig(
             policy="round_robin",
@@ -161,7 +167,9 @@ class LocalCluster:
         }
 
     def _spawn(self, role: str, worker_id: str) -> WorkerHandle:
-        spec = WorkerSpec(role, worker_id, self._engine_args(role), self.worker_config)
+        spec = WorkerSpec(
+            role, worker_id, self._engine_args(role), self.worker_config, self.pool_factory
+        )
         return WorkerHandle(launch(spec, self.ctx))
 
     def _connect(self, w: WorkerHandle, deadline: float) -> None:
