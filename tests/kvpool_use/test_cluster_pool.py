@@ -18,6 +18,7 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
 SYSTEM = list(range(100, 164))  # 64 tokens: 4 full blocks of 16
 BS = 16
+ONE: dict[str, Any] = {"colocated": 1, "prefill": 0, "decode": 0}  # one colocated worker
 
 
 class SharedPool:
@@ -34,7 +35,8 @@ class SharedPool:
 
 
 def _cluster(path: object, shared: SharedPool | None, **kw: Any) -> LocalCluster:
-    return LocalCluster(str(path), transport="inproc", threads=1, pool_factory=shared, **kw)
+    kw.setdefault("pool_factory", shared)
+    return LocalCluster(str(path), transport="inproc", threads=1, **kw)
 
 
 def _labels(out: Any, ev: tl.Ev) -> list[tuple[str, str]]:
@@ -114,3 +116,42 @@ def test_without_a_pool_nothing_changes(tiny_llama_path, ref) -> None:  # type: 
         assert c.core is not None and c.core.kvpool()["workers"] == {}
         assert all("kv_pool" not in s for s in c.worker_stats().values())
         assert_cluster_idle(c)
+
+
+def test_two_clusters_sharing_a_pool_reuse_each_others_prefixes(tiny_llama_path, ref) -> None:  # type: ignore[no-untyped-def]
+    a, b = [*SYSTEM, 1, 2, 3], [*SYSTEM, 4, 5]
+    want = [o.outputs[0].token_ids for o in ref.generate([a, b], PARAMS)]
+    shared = SharedPool()
+    with (
+        _cluster(tiny_llama_path, shared, name="A", **ONE) as one,
+        _cluster(tiny_llama_path, shared, name="B", **ONE) as two,
+    ):
+        (out_a,) = one.generate([a], PARAMS)
+        (out_b,) = two.generate([b], PARAMS)
+        assert [out_a.outputs[0].token_ids, out_b.outputs[0].token_ids] == want
+        assert _labels(out_a, tl.Ev.POOL_LOOKUP) == [("0 tokens", "AC0")]
+        assert _labels(out_b, tl.Ev.POOL_LOAD) == [("64 of 64 tokens", "BC0")]
+        assert two.worker_stats()["BC0"]["prefill_tokens"] == len(b) - 64
+        for c in (one, two):
+            assert_cluster_idle(c)
+
+
+def test_clusters_of_different_models_never_share(tiny_llama_path, tiny_qwen2_path) -> None:  # type: ignore[no-untyped-def]
+    store: dict = {}
+
+    def factory(config: KVPoolConfig, ns: PoolNamespace) -> FakeKVPool:
+        return FakeKVPool(ns, blocks=store)  # one store: only the namespace keeps them apart
+
+    prompt = [*SYSTEM, 1, 2, 3]
+    want = LLM(str(tiny_qwen2_path), block_size=BS).generate([prompt], PARAMS)
+    with (
+        _cluster(tiny_llama_path, None, name="L", **ONE, pool_factory=factory) as llama,
+        _cluster(tiny_qwen2_path, None, name="Q", **ONE, pool_factory=factory) as qwen,
+    ):
+        llama.generate([prompt], PARAMS)
+        assert len(store) >= 4
+        (out,) = qwen.generate([prompt], PARAMS)
+        assert out.outputs[0].token_ids == want[0].outputs[0].token_ids
+        assert _labels(out, tl.Ev.POOL_LOOKUP) == [("0 tokens", "QC0")]
+        for c in (llama, qwen):
+            assert_cluster_idle(c)
