@@ -59,6 +59,12 @@ class KVPoolConfig:
     disk_gb: float = 0.0
     redis_url: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.memory_gb < 0 or self.disk_gb < 0:
+            raise ValueError("--kv-pool-memory-gb and --kv-pool-disk-gb must be >= 0")
+        if self.disk_gb > 0 and self.disk_dir is None:
+            raise ValueError("--kv-pool-disk-gb needs --kv-pool-disk DIR")
+
     @property
     def enabled(self) -> bool:
         return self.memory_gb > 0 or self.disk_dir is not None or self.redis_url is not None
