@@ -157,15 +157,17 @@ class WorkerConfig:
     kv_pool_memory_gb: float = _f(0.0, "KV pool: host-memory tier of this worker, GiB (0: off)")
     kv_pool_disk: str | None = _f(None, "KV pool: local-disk tier in this folder (shared by "
                                   "the workers of a host that name the same one)")  # fmt: skip
-    kv_pool_disk_gb: float = _f(10.0, "KV pool: size cap of the disk tier, GiB")
+    kv_pool_disk_gb: float = _f(0.0, "KV pool: size cap of the disk tier, GiB (0: 10 GiB)")
     kv_pool_redis: str | None = _f(
         None, "KV pool: shared Redis tier, redis://HOST:PORT[/DB] (shared by every worker "
         "that names it)",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.kv_pool_memory_gb < 0 or self.kv_pool_disk_gb <= 0:
-            raise ValueError("kv_pool_memory_gb must be >= 0 and kv_pool_disk_gb > 0")
+        if self.kv_pool_memory_gb < 0 or self.kv_pool_disk_gb < 0:
+            raise ValueError("kv_pool_memory_gb and kv_pool_disk_gb must be >= 0")
+        if self.kv_pool_disk_gb > 0 and self.kv_pool_disk is None:
+            raise ValueError("kv_pool_disk_gb needs kv_pool_disk (a folder)")
         if self.kv_pool_redis is not None and not self.kv_pool_redis.startswith("redis://"):
             raise ValueError(
                 f"kv_pool_redis must look like redis://HOST:PORT[/DB], got {self.kv_pool_redis!r}"

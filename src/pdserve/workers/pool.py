@@ -17,6 +17,7 @@ from typing import Any
 from pdserve.config import WorkerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loader import ModelSource
+from pdserve.kvpool import build_pool
 from pdserve.kvpool.api import KVPool, KVPoolConfig, PoolNamespace
 from pdserve.transfer import wire
 
@@ -68,16 +69,8 @@ def namespace(engine: LLMEngine, codec: str = "none") -> PoolNamespace:
 
 
 def default_factory(config: KVPoolConfig, ns: PoolNamespace) -> KVPool | None:
-    """The pool's tiers from kvpool/ (`build_pool`)."""
-    try:
-        from pdserve.kvpool import build_pool  # type: ignore[attr-defined]
-    except ImportError:
-        raise ValueError(
-            "this build has no KV pool tiers yet (pdserve.kvpool.build_pool); drop the "
-            "--kv-pool-* flags"
-        ) from None
-    pool: KVPool | None = build_pool(config, ns)
-    return pool
+    """The pool's tiers from kvpool/ (memory, disk, Redis: whichever the flags name)."""
+    return build_pool(config, ns)
 
 
 def attach(

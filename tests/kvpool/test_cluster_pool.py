@@ -155,3 +155,66 @@ def test_clusters_of_different_models_never_share(tiny_llama_path, tiny_qwen2_pa
         assert _labels(out, tl.Ev.POOL_LOOKUP) == [("0 tokens", "QC0")]
         for c in (llama, qwen):
             assert_cluster_idle(c)
+
+
+# ---- worker processes sharing a real Redis (the redis_server fixture of tests/kvpool) ---------
+def _tcp(path: object, redis_url: str, **kw: Any) -> LocalCluster:
+    pool = {"kv_pool_redis": redis_url}
+    return LocalCluster(str(path), transport="tcp", threads=1, kv_pool=pool, **kw)
+
+
+def _redis_puts(c: LocalCluster, worker_id: str) -> int:
+    return int(c.worker_stats()[worker_id]["kv_pool"]["tiers"]["redis"]["puts"])
+
+
+def test_two_deployments_share_prefixes_through_redis_and_other_models_never(
+    tiny_llama_path, tiny_qwen2_path, ref, redis_url
+) -> None:  # type: ignore[no-untyped-def]
+    a, b = [*SYSTEM, 1, 2, 3], [*SYSTEM, 4, 5]
+    want = [o.outputs[0].token_ids for o in ref.generate([a, b], PARAMS)]
+    with (
+        _tcp(tiny_llama_path, redis_url, **ONE) as one,
+        _tcp(tiny_llama_path, redis_url, **ONE) as two,
+        _tcp(tiny_qwen2_path, redis_url, **ONE) as other,
+    ):
+        (out_a,) = one.generate([a], PARAMS)
+        eventually(lambda: _redis_puts(one, "C0") >= 4, what="the prefix written to Redis")
+        (out_b,) = two.generate([b], PARAMS)
+        assert [out_a.outputs[0].token_ids, out_b.outputs[0].token_ids] == want
+        assert _labels(out_b, tl.Ev.POOL_LOAD) == [("64 of 64 tokens", "C0")]
+        assert two.worker_stats()["C0"]["prefill_tokens"] == len(b) - 64
+        (out_q,) = other.generate([a], PARAMS)  # another model, the same Redis
+        assert _labels(out_q, tl.Ev.POOL_LOOKUP) == [("0 tokens", "C0")]
+        for c in (one, two, other):
+            assert_cluster_idle(c)
+
+
+def test_a_killed_decode_workers_request_resumes_from_redis(
+    tiny_llama_path, ref, redis_url
+) -> None:  # type: ignore[no-untyped-def]
+    prompt = [*SYSTEM, 5, 6, 7]
+    want = ref.generate([prompt], LONG)[0].outputs[0].token_ids
+    with _tcp(tiny_llama_path, redis_url, prefill=1, decode=2, deadline_s=2.0) as c:
+        assert c.core is not None
+        for d in ("D0", "D1"):
+            c.set_fault(d, "slow", count=-1, delay_s=0.03)
+        (rid,), fut = c.submit([prompt], LONG)
+        flight = eventually(lambda: c.core.flights.get(rid), what="the flight")  # type: ignore[union-attr]
+        eventually(lambda: len(flight.sent) >= 40, what="40 tokens streamed")
+        pair = c.pair_of(rid)
+        assert pair is not None and pair[1] is not None
+        c.kill(pair[1])
+        (out,) = fut.result(timeout=60)
+        assert out.error is None, out.error
+        assert out.outputs[0].token_ids == want  # nothing lost, nothing repeated
+        ((label, worker),) = _labels(out, tl.Ev.RECOVERED_FROM_POOL)
+        assert worker == "P0" and c.stats["recovered_from_pool"] == 1
+        assert label.startswith(f"loaded {c.stats['recovery_pool_loaded_tokens']}, ")
+        # D wrote its blocks as they filled (asynchronously: the last ones may not have
+        # landed before the kill); most of the generated context came back from Redis
+        assert c.stats["recovery_pool_loaded_tokens"] >= 16
+        assert c.stats["recovery_recomputed_tokens"] < 40
+        for d in ("D0", "D1"):
+            if d != pair[1]:
+                c.set_fault(d, "none")
+        assert_cluster_idle(c)
