@@ -516,7 +516,14 @@ class RouterCore:
             use = {k.removeprefix("kv_pool_"): v for k, v in s.items() if k.startswith("kv_pool_")}
             workers[w.worker_id] = {"pools": pools, "use": use, "tiers": s.get("kv_pool", {})}
         router = {k: v for k, v in self.counters.items() if "pool" in k}
-        return {"workers": workers, "index": self.routing.pools.stats(), "router": router}
+        # what the pool saves: prompt tokens every worker computed (with a pool or not)
+        computed = {w.worker_id: w.stats.get("prefill_tokens", 0) for w in self.workers}
+        return {
+            "workers": workers,
+            "index": self.routing.pools.stats(),
+            "router": router,
+            "prefill_tokens": computed,
+        }
 
     def worker_vitals(self) -> dict[str, dict[str, Any]]:
         """For the dashboard (router/dashboard.py): heartbeat age and last stats per worker."""
