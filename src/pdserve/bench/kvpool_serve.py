@@ -52,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recovery-kill-at", type=int, default=500, help="generated tokens")
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--skip-turns", action="store_true")
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--kv-cache-memory-gb", type=float, default=0.5, help="each worker's KV cache"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="markdown report")
     parser.add_argument("--json", type=Path, default=None, help="raw results")
@@ -75,7 +78,8 @@ class Server:
 def _serve_argv(args: argparse.Namespace, decode: int, pool: list[str]) -> list[str]:
     model = [args.model] if args.model else []
     return [*model, "--prefill", "1", "--decode", str(decode), "--threads", "1",
-            "--cost-model", "none", "--no-restart-workers", *pool]  # fmt: skip
+            "--cost-model", "none", "--no-restart-workers",
+            "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), *pool]  # fmt: skip
 
 
 @contextlib.contextmanager
