@@ -10,10 +10,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import assert_engine_idle
 from pdserve import LLM, SamplingParams
 from pdserve.kvpool.api import BlockHash, FakeKVPool
 from pdserve.workers.pool import namespace
+
+def assert_engine_idle(llm: LLM) -> None:
+    """Nothing alive, every KV block free (tests/conftest.py's check; this folder's conftest
+    shadows that module name)."""
+    eng = llm.engine
+    assert not eng.has_unfinished_requests() and not eng._live
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+    assert not eng.kv_manager.pinned()
+
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BS = 8

@@ -72,3 +72,19 @@ def test_kv_pool_flags_round_trip_and_bad_values_are_refused() -> None:
         WorkerConfig(kv_pool_redis="localhost:6379")
     with pytest.raises(ValueError, match="kv_pool_memory_gb"):
         WorkerConfig(kv_pool_memory_gb=-1)
+
+
+def test_router_metrics_export_each_workers_pool_tiers() -> None:
+    from types import SimpleNamespace
+
+    from pdserve.metrics.prometheus import Metrics
+
+    m = Metrics()
+    assert b"pdserve_kvpool_hit_blocks" not in m.render()  # no pool: nothing
+    tiers = {"redis": {"hit_blocks": 6, "lookup_blocks": 8, "bytes": 4096}}
+    stats = {"prefill_tokens": 10, "kv_pool": {"tiers": tiers}}
+    m.on_worker_stats(SimpleNamespace(worker_id="P0", role="prefill"), stats)
+    text = m.render().decode()
+    assert 'pdserve_kvpool_hit_blocks_total{role="prefill",tier="redis",worker="P0"} 6.0' in text
+    assert 'pdserve_kvpool_lookup_blocks_total{role="prefill",tier="redis",worker="P0"} 8.0' in text
+    assert 'pdserve_kvpool_used_bytes{role="prefill",tier="redis",worker="P0"} 4096.0' in text

@@ -133,7 +133,7 @@ class Streamed:
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, on_chunk: Any = None) -> Streamed:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": _model_id(url), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     out = Streamed()
     t0 = time.monotonic()
@@ -155,6 +155,15 @@ def stream(url: str, prompt: list[int], max_tokens: int, on_chunk: Any = None) -
             if on_chunk is not None:
                 on_chunk(out)
     return out
+
+
+_MODEL_IDS: dict[str, str] = {}
+
+
+def _model_id(url: str) -> str:
+    if url not in _MODEL_IDS:
+        _MODEL_IDS[url] = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    return _MODEL_IDS[url]
 
 
 def computed(url: str) -> int:
