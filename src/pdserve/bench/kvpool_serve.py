@@ -221,7 +221,9 @@ def run_turns(args: argparse.Namespace, pool: list[str], label: str) -> dict[str
 # ---- recovery ------------------------------------------------------------------------------------
 def _decode_pid(url: str, rid: str) -> int:
     events = httpx.get(f"{url}/v1/requests/{rid}/timeline", timeout=10).json()["events"]
-    route = next(e["worker"] for e in events if e["event"].startswith("route"))
+    # the last route: a spurious recovery earlier (a heartbeat missed on a loaded machine) may
+    # have moved the request already
+    route = [e["worker"] for e in events if e["event"].startswith("route")][-1]
     dec = route.split("->")[1]
     workers = httpx.get(f"{url}/admin/workers", timeout=10).json()
     return int(next(w["pid"] for w in workers if w["id"] == dec))
@@ -250,6 +252,7 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
         events = httpx.get(f"{url}/v1/requests/{got.rid}/timeline", timeout=10).json()["events"]
     next_token = next(t for t in got.stamps if t > killed["at"])
     recovered = [e["event"] for e in events if e["event"].startswith("recovered_from_pool")]
+    downs = [f"{e['event']} ({e['worker']})" for e in events if e["event"].startswith("worker_down")]
     return {
         "label": label,
         "context_at_kill": len(prompt) + args.recovery_kill_at,
@@ -258,6 +261,7 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
         "tokens": got.tokens,
         "complete": got.tokens == total,
         "recovered_from_pool": recovered,
+        "worker_down": downs,  # more than one: the machine missed heartbeats besides the kill
     }
 
 
@@ -304,7 +308,7 @@ def render(head: ReportHead, data: dict[str, Any]) -> str:
             lines.append(
                 f"| pool {r['label']} | {r['context_at_kill']} | "
                 f"{r['kill_to_next_token_s']:.2f} s | {r['recomputed_tokens']} | "
-                f"{r['complete']} | {'; '.join(r['recovered_from_pool']) or '-'} |"
+                f"{r['complete']} | {'; '.join(r['worker_down'] + r['recovered_from_pool'])} |"
             )
     return "\n".join(lines) + "\n"
 
