@@ -14,6 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.kvpool.api import BlockHash, FakeKVPool
 from pdserve.workers.pool import namespace
 
+
 def assert_engine_idle(llm: LLM) -> None:
     """Nothing alive, every KV block free (tests/conftest.py's check; this folder's conftest
     shadows that module name)."""

@@ -252,7 +252,9 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
         events = httpx.get(f"{url}/v1/requests/{got.rid}/timeline", timeout=10).json()["events"]
     next_token = next(t for t in got.stamps if t > killed["at"])
     recovered = [e["event"] for e in events if e["event"].startswith("recovered_from_pool")]
-    downs = [f"{e['event']} ({e['worker']})" for e in events if e["event"].startswith("worker_down")]
+    downs = [
+        f"{e['event']} ({e['worker']})" for e in events if e["event"].startswith("worker_down")
+    ]
     return {
         "label": label,
         "context_at_kill": len(prompt) + args.recovery_kill_at,
