@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.engine import LLMEngine
@@ -100,11 +99,3 @@ def pool_ids(cfg: WorkerConfig, ns: PoolNamespace, worker_id: str) -> list[str]:
     if cfg.kv_pool_redis is not None:
         ids.append(f"{digest}|redis|{cfg.kv_pool_redis}")
     return ids or [f"{digest}|custom"]  # a pool from a factory (tests): one per namespace
-
-
-def describe(pool: Any) -> dict[str, Any]:
-    """The pool's own stats, or why they are missing (never raises)."""
-    try:
-        return dict(pool.stats())
-    except Exception as e:
-        return {"error": str(e)}
