@@ -250,7 +250,11 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
         got = stream(url, prompt, total, maybe_kill)
         after = computed(url)
         events = httpx.get(f"{url}/v1/requests/{got.rid}/timeline", timeout=10).json()["events"]
-    next_token = next(t for t in got.stamps if t > killed["at"])
+    # Chunks the router had already sent arrive right after the kill; the recovery is the
+    # longest silence after it: its end is the first token of the new attempt.
+    after = [killed["at"], *(t for t in got.stamps if t > killed["at"])]
+    gaps = [(b - a, b) for a, b in zip(after, after[1:], strict=False)]
+    next_token = max(gaps)[1] if gaps else killed["at"]
     recovered = [e["event"] for e in events if e["event"].startswith("recovered_from_pool")]
     downs = [
         f"{e['event']} ({e['worker']})" for e in events if e["event"].startswith("worker_down")
