@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import shutil
@@ -253,7 +254,7 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
     # Chunks the router had already sent arrive right after the kill; the recovery is the
     # longest silence after it: its end is the first token of the new attempt.
     after = [killed["at"], *(t for t in got.stamps if t > killed["at"])]
-    gaps = [(b - a, b) for a, b in zip(after, after[1:], strict=False)]
+    gaps = [(b - a, b) for a, b in itertools.pairwise(after)]
     next_token = max(gaps)[1] if gaps else killed["at"]
     recovered = [e["event"] for e in events if e["event"].startswith("recovered_from_pool")]
     downs = [
