@@ -253,8 +253,8 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
         events = httpx.get(f"{url}/v1/requests/{got.rid}/timeline", timeout=10).json()["events"]
     # Chunks the router had already sent arrive right after the kill; the recovery is the
     # longest silence after it: its end is the first token of the new attempt.
-    after = [killed["at"], *(t for t in got.stamps if t > killed["at"])]
-    gaps = [(b - a, b) for a, b in itertools.pairwise(after)]
+    later = [killed["at"], *(t for t in got.stamps if t > killed["at"])]
+    gaps = [(b - a, b) for a, b in itertools.pairwise(later)]
     next_token = max(gaps)[1] if gaps else killed["at"]
     recovered = [e["event"] for e in events if e["event"].startswith("recovered_from_pool")]
     downs = [
