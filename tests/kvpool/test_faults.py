@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -97,6 +99,27 @@ def test_a_block_already_in_memory_is_not_copied_again(pools: list[TieredKVPool]
     for _ in range(5):  # a full queue would drop these if they were enqueued
         assert pool.put(hashes[0], kvs[0])
     assert pool.stats()["drops"] == 0
+
+
+def test_a_failing_write_keeps_the_writer_alive(
+    pools: list[TieredKVPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = _pool(pools, [MemoryTier(64 * MB)])
+    real = pool._write
+    calls = {"n": 0}
+
+    def flaky(batch: list[tuple[bytes, torch.Tensor]]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in a tier")
+        real(batch)
+
+    monkeypatch.setattr(pool, "_write", flaky)
+    first, _ = _fill(pool, 1)  # lost, counted
+    second, _ = _fill(pool, 1, seed=1)
+    assert pool.lookup(first) == 0 and pool.lookup(second) == 1
+    assert pool.stats()["write_errors"] == 1
+    assert _sample(pool, "pdserve_kvpool_write_errors_total") == 1
 
 
 # ---- failed and partial writes -----------------------------------------------------------------
@@ -247,8 +270,10 @@ def test_redis_killed_and_restarted(pools: list[TieredKVPool], own_redis: RedisS
     hashes, _ = _fill(pool, 3)
     assert pool.lookup(hashes) == 3
     own_redis.kill()
-    # Every call returns at once with "nothing here" (the caller recomputes), counted.
+    # Every call returns at once with "nothing here" (the caller recomputes), counted; after
+    # the first failure the callers' reads do not even try (only the writer probes).
     assert pool.lookup(hashes) == 0 and pool.get(hashes, _later()) == []
+    assert tier.stats.skipped >= 1
     later, _ = _fill(pool, 2, seed=7)  # written nowhere; the writer does not hang either
     assert pool.lookup(later) == 0
     assert tier.stats.errors >= 1 and not tier.up
@@ -272,9 +297,46 @@ def test_redis_unreachable_from_the_start_is_not_fatal(pools: list[TieredKVPool]
     assert tier.stats.errors == 1 and tier.stats.skipped > 0
 
 
+def test_redis_that_never_answers_costs_one_timeout(pools: list[TieredKVPool]) -> None:
+    """A server that accepts connections and says nothing (a hung host): the socket timeout
+    ends the first call, then the breaker answers callers without touching the network."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes handshakes; nobody ever replies
+        tier = RedisTier(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", timeout_s=0.1)
+        assert not tier.up and tier.stats.errors == 1  # the first INFO timed out
+        pool = _pool(pools, [tier])
+        hashes, _ = _fill(pool, 2)
+        assert pool.lookup(hashes) == 0 and pool.get(hashes, _later()) == []
+        assert tier.stats.skipped >= 2
+        pool.close()
+
+
 def test_bad_redis_url_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="kv-pool-redis"):
         RedisTier("http://localhost:6379")
+
+
+def test_redis_over_maxmemory_evicts_and_the_pool_serves_shorter_runs(
+    pools: list[TieredKVPool],
+) -> None:
+    server = RedisServer(maxmemory="2mb")
+    server.start()
+    try:
+        tier = RedisTier(server.url)
+        pool = _pool(pools, [tier], queue_size=512)
+        hashes, kvs = _fill(pool, 200)  # ~3.3 MB of values into 2 MB
+        tier.refresh()
+        assert int(tier.usage()["server_evicted_keys"]) > 0  # type: ignore[call-overload]
+        assert tier.stats.errors == 0 and tier.stats.puts == 200
+        n = pool.lookup(hashes)
+        got = pool.get(hashes, _later())
+        assert len(got) <= n < 200  # LRU dropped some: a shorter run, never a wrong block
+        assert all(torch.equal(a, b) for a, b in zip(got, kvs, strict=False))
+        pool.close()
+    finally:
+        server.kill()
+        shutil.rmtree(server.workdir, ignore_errors=True)
 
 
 def test_redis_server_bounds_itself(redis_url: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,13 +50,13 @@ def test_build_pool_makes_the_configured_tiers_fastest_first(
         assert usage["memory"]["capacity_bytes"] == int(0.01 * (1 << 30))
         assert usage["disk"]["capacity_bytes"] == int(0.02 * (1 << 30))
         assert usage["redis"]["up"] is True and usage["redis"]["capacity_bytes"] > 0
+        assert json.loads(json.dumps(pool.stats()))["tiers"].keys() == usage.keys()  # /admin
     finally:
         pool.close()
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"memory_gb": -1.0}, ">= 0"), ({"disk_gb": 1.0}, "needs --kv-pool-disk")],
+    ("kwargs", "match"), [({"memory_gb": -1.0}, ">= 0"), ({"disk_gb": -2.0}, ">= 0")]
 )
 def test_bad_config_is_a_value_error(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -159,3 +160,38 @@ def test_close_is_idempotent_and_put_after_close_is_refused(no_leaks: None) -> N
     pool.close()
     pool.close()
     assert pool.put(chain(1)[0], blocks(1)[0]) is False
+
+
+def test_a_missed_deadline_is_counted(no_leaks: None) -> None:
+    pool = TieredKVPool(namespace(), [MemoryTier(MB)])
+    try:
+        hashes, kvs = chain(2), blocks(2)
+        for h, kv in zip(hashes, kvs, strict=True):
+            pool.put(h, kv)
+        assert pool.flush()
+        assert pool.get(hashes, time.monotonic() - 1.0) == []
+        assert pool.stats()["deadline_misses"] == 1
+        assert pool.registry.get_sample_value("pdserve_kvpool_deadline_misses_total") == 1
+        assert len(pool.get(hashes, _later())) == 2 and pool.stats()["deadline_misses"] == 1
+    finally:
+        pool.close()
+
+
+def test_workers_on_one_host_share_a_disk_directory(tmp_path: Path, no_leaks: None) -> None:
+    writer = TieredKVPool(namespace(), [DiskTier(tmp_path, 64 * MB)])
+    reader_disk = DiskTier(tmp_path, 64 * MB)  # started before anything was written
+    reader = TieredKVPool(namespace(), [reader_disk])
+    try:
+        hashes, kvs = chain(3), blocks(3)
+        for h, kv in zip(hashes, kvs, strict=True):
+            writer.put(h, kv)
+        assert writer.flush()
+        assert reader.lookup(hashes) == 3
+        got = reader.get(hashes, _later())
+        assert all(torch.equal(a, b) for a, b in zip(got, kvs, strict=True))
+        assert reader_disk.usage()["entries"] == 3  # adopted into its index
+        assert reader.put(hashes[0], kvs[0]) and reader.flush()
+        assert reader_disk.stats.puts == 0 and reader_disk.stats.present == 1
+    finally:
+        writer.close()
+        reader.close()

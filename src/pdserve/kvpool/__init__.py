@@ -6,9 +6,10 @@ else a `TieredKVPool` over the configured tiers, fastest first (memory, disk, re
 Chunking: one stored value per engine block in every tier (a file per block on disk, a key per
 block in Redis). `KVPool.put` hands the pool one block at a time, without its position in the
 chain, so the pool cannot align groups of blocks; and a block of the default model (SmolLM2:
-30 layers x 2 x 16 tokens x 3 heads x 64 dims x 4 B) is 737 KB in float32 - already in the
-size range where Redis and files are efficient. Lookups stay one round trip per tier however
-many blocks they ask about (a dict walk, an index walk, one Redis pipeline).
+30 layers x 2 x 16 tokens x 3 heads x 64 dims x 4 B) is 720 KiB in float32 - near the 1-10 MB
+where Redis and files are efficient, though below it in bfloat16 (360 KiB) or int8 (~180 KiB).
+Lookups stay one round trip per tier however many blocks they ask about (a dict walk, an index
+walk, one Redis pipeline).
 """
 
 from __future__ import annotations

@@ -62,8 +62,6 @@ class KVPoolConfig:
     def __post_init__(self) -> None:
         if self.memory_gb < 0 or self.disk_gb < 0:
             raise ValueError("--kv-pool-memory-gb and --kv-pool-disk-gb must be >= 0")
-        if self.disk_gb > 0 and self.disk_dir is None:
-            raise ValueError("--kv-pool-disk-gb needs --kv-pool-disk DIR")
 
     @property
     def enabled(self) -> bool:

@@ -4,8 +4,11 @@ Files live at `ROOT/<namespace digest>/<2 hex>/<key hex>.kv`; a value is written
 `<name>.<pid>.<thread>.tmp` and renamed, so a reader sees a whole file or none (a crash leaves
 only a `.tmp`, removed at the next start). The in-process index (key -> size, in LRU order) is
 rebuilt from the directory at start, so the tier survives a worker restart; it answers
-`contains` without a system call. No fsync: a file torn by a power loss fails its checksum and is
-deleted when read.
+`contains` without a system call for what it knows, and one `stat` for the first key it does not
+(a file another worker on this host wrote into the same directory is adopted into the index).
+Workers sharing a directory each keep the cap by their own count and may evict each other's
+files; a reader that loses the race finds no file and stops its run (the caller recomputes).
+No fsync: a file torn by a power loss fails its checksum and is deleted when read.
 
 Disk full (or any other write error, e.g. a read-only directory) degrades the tier: it logs one
 error, counts it, and from then on answers as an empty tier that stores nothing.
@@ -86,12 +89,28 @@ class DiskTier:
             self.stats.add("skipped")
             return 0
         n = 0
-        with self._lock:
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
+        for key in keys:
+            if not self._known(key):
+                break
+            n += 1
         return n
+
+    def _known(self, key: bytes) -> bool:
+        """In the index, or a file another process on this host wrote (then adopted: one stat
+        per miss, so workers sharing a directory share its values)."""
+        with self._lock:
+            if key in self._index:
+                return True
+        try:
+            size = self.path(key).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._evict_for(size)
+                self._index[key] = size
+                self._bytes += size
+        return True
 
     def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
         if self.failed is not None:
@@ -99,10 +118,11 @@ class DiskTier:
             return []
         out: list[bytes] = []
         for key in keys:
+            if time.monotonic() > deadline or not self._known(key):
+                break
             with self._lock:
-                if key not in self._index or time.monotonic() > deadline:
-                    break
-                self._index.move_to_end(key)
+                if key in self._index:
+                    self._index.move_to_end(key)
             try:
                 out.append(self.path(key).read_bytes())
             except FileNotFoundError:  # removed behind our back (or evicted meanwhile)
@@ -121,10 +141,10 @@ class DiskTier:
             return 0
         written = 0
         for key, value in items:
+            if self._known(key):
+                self.stats.add("present")
+                continue
             with self._lock:
-                if key in self._index:
-                    self.stats.add("present")
-                    continue
                 if len(value) > self.capacity:
                     continue
                 self._evict_for(len(value))

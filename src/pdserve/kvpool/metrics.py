@@ -123,6 +123,11 @@ class _Collector:
             "pdserve_kvpool_queue_drops", "put() calls dropped: write-back queue full.", c["drops"]
         )
         yield CounterMetricFamily(
+            "pdserve_kvpool_write_errors",
+            "Blocks the write-back thread could not encode or write (not stored).",
+            c["write_errors"],
+        )
+        yield CounterMetricFamily(
             "pdserve_kvpool_deadline_misses",
             "get() calls that stopped at their deadline with blocks still to load.",
             c["deadline_misses"],

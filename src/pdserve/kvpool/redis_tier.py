@@ -7,9 +7,11 @@ and then `SET NX` of the absent keys. Redis applies a SET only once its whole va
 so a write cut off half-way is never visible.
 
 A dead or unreachable Redis must not stall the engine: sockets time out after `timeout_s`,
-redis-py's own retries are off, and the first failure opens a breaker - for `retry_s` every call
-returns "nothing here" at once (counted as skipped); afterwards the next call (or the writer's
-housekeeping `refresh`, once a second) tries again, and the tier is used as soon as Redis answers.
+redis-py's own retries are off, and the first failure opens a breaker. While it is open, the
+callers' reads (`contains`, `get_many`, `delete`) return "nothing here" at once (counted as
+skipped) and never probe; only the write-back thread does - its writes and its housekeeping
+`refresh` (once a second) try again every `retry_s` - and the tier is used again as soon as one
+of them gets an answer. So a caller pays at most the one timeout that found Redis gone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ log = logging.getLogger("pdserve.kvpool")
 
 PREFIX = b"pdkv:"
 GET_BATCH = 8  # values per MGET (8 x 0.74 MB for the default model)
-FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
+FAILURES = (redis.RedisError, OSError)  # down, timed out, or refusing (e.g. OOM under noeviction)
 T = TypeVar("T")
 
 
@@ -58,8 +60,10 @@ class RedisTier:
         self.refresh()
 
     # ---- the breaker ---------------------------------------------------------------------------
-    def _call(self, op: str, fn: Callable[[], T], default: T) -> T:
-        if time.monotonic() < self._down_until:
+    def _call(self, op: str, fn: Callable[[], T], default: T, probe: bool = False) -> T:
+        """fn() unless the breaker is open; `probe`: a background call that may test it."""
+        down = self._down_since is not None
+        if down and (not probe or time.monotonic() < self._down_until):
             self.stats.add("skipped")
             return default
         try:
@@ -145,7 +149,7 @@ class RedisTier:
             self.stats.add("bytes_written", sum(done))
             return len(done)
 
-        written = self._call("set", run, 0)
+        written = self._call("set", run, 0, probe=True)
         self.stats.add("puts", written)
         return written
 
@@ -157,17 +161,22 @@ class RedisTier:
         """Probe a down server and refresh the usage numbers (the writer calls this each second)."""
 
         def run() -> dict[str, Any]:
-            info = self.client.info("memory")
+            pipe = self.client.pipeline(transaction=False)
+            pipe.info("memory")
+            pipe.info("stats")
+            pipe.dbsize()
+            memory, stats, keys = pipe.execute()
             return {
-                "entries": int(self.client.dbsize()),
-                "bytes": int(info.get("used_memory", 0)),
-                "capacity_bytes": int(info.get("maxmemory", 0)) or None,
+                "entries": int(keys),
+                "bytes": int(memory.get("used_memory", 0)),
+                "capacity_bytes": int(memory.get("maxmemory", 0)) or None,
+                # server-wide (every worker sees the same number): stats() only, not a counter
+                "server_evicted_keys": int(stats.get("evicted_keys", 0)),
             }
 
-        if time.monotonic() >= self._down_until:
-            usage = self._call("info", run, None)
-            if usage is not None:
-                self._usage = usage
+        usage = self._call("info", run, None, probe=True)
+        if usage is not None:
+            self._usage = usage
 
     def usage(self) -> dict[str, object]:
         return {**self._usage, "up": self.up, "url": self.url}

@@ -70,16 +70,11 @@ def encode_value(key: bytes, kv: torch.Tensor, codec_name: str) -> bytes:
         MAGIC, VERSION, codec.codec_id, dtype_code(kv.dtype), tokens, layers, heads, dim,
         len(key), size,
     )  # fmt: skip
-    out = bytearray(len(header) + len(key) + size + _CRC.size)
-    out[: len(header)] = header
-    pos = len(header) + len(key)
-    out[len(header) : pos] = key
-    for part in _slices(kv):
-        encoded = codec.encode(part)
-        out[pos : pos + encoded.nbytes] = encoded
-        pos += encoded.nbytes
-    out[pos:] = _CRC.pack(crc32c.crc32c(memoryview(out)[:pos]))
-    return bytes(out)
+    parts: list[BytesLike] = [header, key, *(codec.encode(p) for p in _slices(kv))]
+    crc = 0
+    for part in parts:
+        crc = crc32c.crc32c(part, value=crc)
+    return b"".join([*parts, _CRC.pack(crc)])  # the one copy (raw payloads alias kv)
 
 
 def decode_value(key: bytes, value: BytesLike) -> torch.Tensor:
@@ -106,7 +101,10 @@ def decode_value(key: bytes, value: BytesLike) -> torch.Tensor:
     shape = (layers, 2, tokens, heads, dim)
     if _payload_size(codec, shape, dtype) != size:
         raise CorruptValue("payload length does not match the header's shape")
-    return _decode_payload(codec, view[HEADER_BYTES + key_len : end], shape, dtype)
+    try:
+        return _decode_payload(codec, view[HEADER_BYTES + key_len : end], shape, dtype)
+    except ValueError as e:  # e.g. a NaN scale under a valid checksum (a buggy writer)
+        raise CorruptValue(f"payload does not decode: {e}") from e
 
 
 def _decode_payload(
