@@ -139,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sched.add_arguments(sch)
+    from pdserve.bench import kvpool_serve
+
+    kvs = bench_sub.add_parser(
+        "kvpool-serve",
+        help="KV pool end to end: two serve instances sharing a pool (TTFT, prefill tokens), "
+        "recovery of a killed D; pool on vs off",
+        description=kvpool_serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    kvpool_serve.add_arguments(kvs)
     from pdserve.costmodel import plan, plan_cli
 
     plan_p = sub.add_parser(
@@ -269,6 +279,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return compare.run(args, argv if argv is not None else sys.argv[1:])
             if args.bench_command == "sched":
                 return sched.run(args, argv if argv is not None else sys.argv[1:])
+            if args.bench_command == "kvpool-serve":
+                from pdserve.bench import kvpool_serve
+
+                return kvpool_serve.run(args)
             runners = {
                 "engine": engine_bench.run,
                 "codec": codec_bench.run,

@@ -79,7 +79,13 @@ class LocalCluster:
         prefill_args: dict[str, Any] | None = None,
         decode_args: dict[str, Any] | None = None,
         core_args: dict[str, Any] | None = None,
+        kv_pool: dict[str, Any] | None = None,
+        pool_factory: Any = None,
+        name: str = "",
     ) -> None:
+        """`kv_pool`: WorkerConfig's kv_pool_* fields for every worker (the real tiers);
+        `pool_factory`: builds each inproc worker's pool instead (tests: one shared fake);
+        `name`: prefixes the worker ids (two inproc clusters in one process need it)."""
         if colocated == 0 and (prefill < 1 or decode < 1):
             raise ValueError("give at least one prefill and one decode worker, or colocated > 0")
         self.model, self.transport, self.kv_codec = model, transport, kv_codec
@@ -93,7 +99,9 @@ class LocalCluster:
             lease_s=lease_s,
             shm_mb=shm_mb,
             stream_kv=stream_kv,
+            **(kv_pool or {}),
         )
+        self.pool_factory, self.name = pool_factory, name
         # round robin: tests and benchmarks want a deterministic spread, and no 429s
         self.router_config = RouterConfig(
             policy="round_robin",
@@ -135,7 +143,7 @@ class LocalCluster:
         self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.model))
         for role, count in self.counts.items():
             for i in range(count):
-                self.workers.append(self._spawn(role, f"{role[0].upper()}{i}"))
+                self.workers.append(self._spawn(role, f"{self.name}{role[0].upper()}{i}"))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for w in self.workers:
             await_ready(w.launched, deadline)
@@ -161,7 +169,9 @@ class LocalCluster:
         }
 
     def _spawn(self, role: str, worker_id: str) -> WorkerHandle:
-        spec = WorkerSpec(role, worker_id, self._engine_args(role), self.worker_config)
+        spec = WorkerSpec(
+            role, worker_id, self._engine_args(role), self.worker_config, self.pool_factory
+        )
         return WorkerHandle(launch(spec, self.ctx))
 
     def _connect(self, w: WorkerHandle, deadline: float) -> None:

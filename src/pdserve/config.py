@@ -154,8 +154,25 @@ class WorkerConfig:
         "--slo-tpot",
     )
     cost_model: str | None = _f(None, "cost model JSON (pdserve bench profile) for --slo-tpot")
+    # The KV pool (issue 15): every tier is off unless its flag is given.
+    kv_pool_memory_gb: float = _f(0.0, "KV pool: host-memory tier of this worker, GiB (0: off)")
+    kv_pool_disk: str | None = _f(None, "KV pool: local-disk tier in this folder (shared by "
+                                  "the workers of a host that name the same one)")  # fmt: skip
+    kv_pool_disk_gb: float = _f(0.0, "KV pool: size cap of the disk tier, GiB (0: 10 GiB)")
+    kv_pool_redis: str | None = _f(
+        None, "KV pool: shared Redis tier, redis://HOST:PORT[/DB] (shared by every worker "
+        "that names it)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.kv_pool_memory_gb < 0 or self.kv_pool_disk_gb < 0:
+            raise ValueError("kv_pool_memory_gb and kv_pool_disk_gb must be >= 0")
+        if self.kv_pool_disk_gb > 0 and self.kv_pool_disk is None:
+            raise ValueError("kv_pool_disk_gb needs kv_pool_disk (a folder)")
+        if self.kv_pool_redis is not None and not self.kv_pool_redis.startswith("redis://"):
+            raise ValueError(
+                f"kv_pool_redis must look like redis://HOST:PORT[/DB], got {self.kv_pool_redis!r}"
+            )
         if self.deadline_s <= 0 or self.lease_s <= 0:
             raise ValueError("deadline and lease must be > 0 seconds")
         if self.slo_tpot_s is not None and self.slo_tpot_s <= 0:
@@ -201,6 +218,10 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 seconds")
         if self.max_inflight < 1 or self.handoff_tokens < 1:
             raise ValueError("max_inflight and handoff_tokens must be >= 1")
+
+
+# WorkerConfig's KV pool fields: `pdserve serve` takes them too and hands them to its workers.
+KV_POOL_FIELDS = ("kv_pool_memory_gb", "kv_pool_disk", "kv_pool_disk_gb", "kv_pool_redis")
 
 
 def _flag(f: dataclasses.Field) -> str:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ class WorkerSpec:
     worker_id: str
     engine_args: dict[str, Any] = field(default_factory=dict)
     config: WorkerConfig = field(default_factory=WorkerConfig)
+    # inproc workers only (tests): builds the KV pool instead of the config's --kv-pool-* tiers
+    pool_factory: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -71,6 +74,8 @@ def relaunch(w: Launched, ctx: zmq.Context | None = None) -> Launched:
 
 
 def launch(spec: WorkerSpec, ctx: zmq.Context | None = None) -> Launched:
+    if spec.pool_factory is not None and spec.config.transport != "inproc":
+        raise ValueError("a pool_factory reaches only inproc workers (threads of this process)")
     if spec.config.transport == "inproc":
         return _launch_thread(spec, ctx or zmq.Context.instance())
     # A session of its own: Ctrl-C in a terminal reaches only the parent, which drains and then
@@ -86,7 +91,12 @@ def _launch_thread(spec: WorkerSpec, ctx: zmq.Context) -> Launched:
     def main() -> None:
         try:
             w = Worker(
-                spec.role, spec.engine_args, worker_id=spec.worker_id, config=spec.config, ctx=ctx
+                spec.role,
+                spec.engine_args,
+                worker_id=spec.worker_id,
+                config=spec.config,
+                ctx=ctx,
+                pool_factory=spec.pool_factory,
             )
         except Exception as e:  # reported to the starting thread, which raises
             ready.put(e)

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from pdserve.config import (
+    KV_POOL_FIELDS,
     RouterConfig,
     WorkerConfig,
     add_config_args,
@@ -124,6 +125,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads per worker; default: cores / workers",
     )
     add_engine_overrides(parser, SERVE_ENGINE_ARGS)
+    # --kv-pool-*: WorkerConfig's pool fields, handed to every worker
+    others = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in KV_POOL_FIELDS)
+    add_config_args(parser, WorkerConfig, skip=others)
     parser.add_argument(
         "--stall-free",
         action=argparse.BooleanOptionalAction,
@@ -170,7 +174,10 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
             f"{role[0].upper()}{i}",
             engine,
             WorkerConfig(
-                transport=args.transport, kv_codec=args.kv_codec, deadline_s=args.deadline_s
+                transport=args.transport,
+                kv_codec=args.kv_codec,
+                deadline_s=args.deadline_s,
+                **{f: getattr(args, f) for f in KV_POOL_FIELDS},
             ),
         )
         for role, n in counts.items()

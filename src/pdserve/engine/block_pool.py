@@ -133,15 +133,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
-        """Register a full block's content; the first block with a given hash wins."""
+    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
+        """Register a full block's content; the first block with a given hash wins. True when
+        this call registered it."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self._record(block_hash, True)
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of free blocks; returns how many were dropped."""

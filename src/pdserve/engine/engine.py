@@ -24,10 +24,12 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.engine.pool_link import PoolLink, PoolUse
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
 from pdserve.engine.step_budget import StallFreeBudget
+from pdserve.kvpool.api import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class _Tracked:
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.sent_tokens = 0
         self.matcher: Matcher | None = None  # structured outputs: the grammar's state
+        self.pool_use: PoolUse | None = None  # what the KV pool loaded for it (reported once)
 
     @property
     def grammar_done(self) -> bool:
@@ -115,6 +118,7 @@ class LLMEngine:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
+        self.pool_link: PoolLink | None = None  # attach_pool
         self.sampler = Sampler(mc.seed)
         self.grammars = GrammarBackend(self.tokenizer, self.arch.vocab_size)
         self._live: dict[str, _Tracked] = {}
@@ -128,6 +132,13 @@ class LLMEngine:
         # Choices admitted with tokens to emit before any step (decode side, n > 1): forks'
         # first tokens (sampled on P, never emitted there) and choices that ended at once.
         self._pending: list[str] = []
+
+    def attach_pool(self, pool: KVPool) -> None:
+        """Load prompt prefixes from this KV pool and put every full block computed or received
+        here into it (engine/pool_link.py). Its namespace must describe this engine's KV."""
+        if self.pool_link is not None:
+            raise ValueError("a KV pool is attached already")
+        self.pool_link = PoolLink(pool, self.cache, self.kv_manager)
 
     def _build_model(self) -> LlamaModel:
         weights = loader.load_weights(self.source, self.arch, self.dtype)
@@ -331,7 +342,16 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         early = self._emit_pending()
+        link = self.pool_link
+        if link is not None and self.scheduler.waiting:
+            used = link.prefetch(
+                list(self.scheduler.waiting), self.scheduler.policy.max_num_batched_tokens
+            )
+            for rid, use in used.items():
+                self._live[rid].pool_use = use
         out = self.scheduler.schedule()
+        if link is not None:
+            link.release()
         if out.is_empty:
             return early
         self._count_batch(out)
@@ -346,6 +366,8 @@ class LLMEngine:
         for rid, tokens in firsts.items():
             self._fork_choices(rid, tokens, sampled)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
+        if link is not None:
+            link.after_step(set(out.preempted))
         return early + self._collect(out, sampled)
 
     def _emit_pending(self) -> list[RequestOutput]:
@@ -495,6 +517,7 @@ class LLMEngine:
         r = t.request
         t.metrics.num_cached_tokens = r.num_cached_tokens
         t.metrics.num_preemptions = r.num_preemptions
+        pool, t.pool_use = t.pool_use, None  # with the request's first output only
         completion = CompletionOutput(
             index=t.index,
             text=t.detok.text,
@@ -512,10 +535,13 @@ class LLMEngine:
             t.metrics,
             new_ids,
             new_text,
+            kv_pool=pool.wire() if pool is not None else None,
         )
 
     def _forget(self, rid: str) -> None:
         tracked = self._live.pop(rid, None)
+        if self.pool_link is not None:
+            self.pool_link.forget(rid)
         self.sampler.forget(rid)
         parent = rid if tracked is None or tracked.parent is None else tracked.parent
         choices = self._children.get(parent)
@@ -556,4 +582,16 @@ class LLMEngine:
             "fork_recomputes": self.scheduler.num_fork_recomputes,
             "held_for_transfer": len(self.scheduler.held),
             "reserved_for_transfer": len(self._reserved),
+            **self.pool_stats(),
         }
+
+    def pool_stats(self) -> dict[str, Any]:
+        """The KV pool as this engine used it (`kv_pool_*`; empty without a pool)."""
+        if self.pool_link is None:
+            return {}
+        own = {f"kv_pool_{k}": v for k, v in self.pool_link.stats.as_dict().items()}
+        try:
+            tiers = self.pool_link.pool.stats()
+        except Exception as e:  # stats must never take a worker down
+            tiers = {"error": str(e)}
+        return {**own, "kv_pool": tiers}

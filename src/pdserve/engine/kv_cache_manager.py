@@ -56,6 +56,12 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a request already registered
         self.stats = PrefixCacheStats()
+        # KV pool (engine/pool_link.py): blocks registered since the last drain, whose KV the
+        # current step writes (request id, block index, block id, hash), and blocks held for a
+        # request whose prefix was just loaded from the pool, until it is scheduled.
+        self.track_registered = False
+        self._registered: list[tuple[str, int, int, BlockHash]] = []
+        self._pins: dict[str, list[Block]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -205,7 +211,8 @@ class KVCacheManager:
         hashes = self._request_hashes(request)
         blocks = self._blocks[rid]
         for i in range(done, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]) and self.track_registered:
+                self._registered.append((rid, i, blocks[i].block_id, hashes[i]))
         self._num_cached[rid] = num_full
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
@@ -234,6 +241,53 @@ class KVCacheManager:
         (copy,) = self.pool.get_new_blocks(1)
         self._blocks[child_id].append(copy)
         return parent[num_full].block_id, copy.block_id
+
+    # ---- KV pool (engine/pool_link.py) ------------------------------------------------------
+    def take_registered(self) -> list[tuple[str, int, int, BlockHash]]:
+        """Blocks registered since the last call: (request id, index, block id, hash)."""
+        out, self._registered = self._registered, []
+        return out
+
+    def block_holds(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Whether block `block_id` still holds the KV named `block_hash`."""
+        return self.pool.blocks[block_id].block_hash == block_hash
+
+    def pool_candidates(self, request: Request) -> tuple[int, list[BlockHash]]:
+        """(leading full blocks cached here, hashes of the full blocks after them) of the
+        request's tokens but the last (which the model must compute)."""
+        if not self.enable_prefix_caching:
+            return 0, []
+        hashes = self._request_hashes(request)[: max(0, request.num_tokens - 1) // self.block_size]
+        local = len(self._lookup(request, request.num_tokens - 1).blocks)
+        return local, hashes[local:]
+
+    def import_blocks(self, request: Request, hashes: list[BlockHash]) -> list[int]:
+        """Fresh blocks for KV loaded from elsewhere (the pool) that continues the request's
+        cached prefix, registered under `hashes` and held (with that prefix) until `unpin`, so
+        no allocation evicts them before the request is scheduled and finds them as a prefix
+        hit. Takes fewer (maybe none) when free blocks are short; returns their ids in order.
+        The caller writes their KV before the next step."""
+        rid = request.request_id
+        if rid in self._pins or rid in self._blocks:
+            raise ValueError(f"request {rid!r} already holds blocks")
+        local = self._lookup(request, request.num_tokens - 1).blocks
+        reclaimable = sum(1 for b in local if b.ref_cnt == 0)
+        n = max(0, min(len(hashes), self.pool.num_free_blocks - reclaimable - 1))
+        self.pool.touch(local)  # before taking new blocks, so eviction cannot pick them
+        fresh = self.pool.get_new_blocks(n)
+        for block, block_hash in zip(fresh, hashes, strict=False):
+            self.pool.cache_block(block, block_hash)
+        self._pins[rid] = [*local, *fresh]
+        return [b.block_id for b in fresh]
+
+    def unpin(self, request_id: str) -> None:
+        """Drop `import_blocks`' hold (the request's own blocks now reference what it uses)."""
+        blocks = self._pins.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def pinned(self) -> list[str]:
+        return list(self._pins)
 
     def free(self, request_id: str) -> None:
         """Release every block of a request; tail blocks first so they are evicted first."""

@@ -39,3 +39,6 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error"), if it did
     # (event, where, time.monotonic()) of the request's stages across workers, in time order.
     timeline: list[tuple[str, str, float]] = field(default_factory=list)
+    # What the KV pool loaded for this request on this engine (its first output only):
+    # lookup_at, hit_tokens, loaded_tokens, local_tokens, load_s (engine/pool_link.py).
+    kv_pool: dict[str, float] | None = None

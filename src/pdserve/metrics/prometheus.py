@@ -135,7 +135,35 @@ class _WorkerCollector(Collector):
             for key, direction in HANDOFF_STATS.items():
                 h.add_metric([worker, role, direction], _number(s.get(key)) or 0.0)
         out.append(h)
-        return out
+        return out + self._kv_pool_families(labels)
+
+    def _kv_pool_families(self, labels: list[str]) -> list[Metric]:
+        """Each worker's KV pool tiers (stats["kv_pool"]["tiers"], kvpool/ `stats()`), under the
+        pool's own metric names with a worker label: the router's /metrics and its dashboard
+        see every worker's pool (a worker process serves no /metrics of its own)."""
+        tiers = {
+            key: s["kv_pool"].get("tiers", {})
+            for key, s in self.stats.items()
+            if isinstance(s.get("kv_pool"), dict)
+        }
+        if not tiers:
+            return []
+        lab = [*labels, "tier"]
+        hits = CounterMetricFamily(
+            "pdserve_kvpool_hit_blocks", "Blocks lookup() found in the tier.", labels=lab
+        )
+        asked = CounterMetricFamily(
+            "pdserve_kvpool_lookup_blocks", "Blocks asked of the tier by lookup().", labels=lab
+        )
+        used = GaugeMetricFamily("pdserve_kvpool_used_bytes", "Bytes the tier holds.", labels=lab)
+        for (worker, role), by_tier in tiers.items():
+            for tier, t in by_tier.items():
+                key = [worker, role, str(tier)]
+                hits.add_metric(key, _number(t.get("hit_blocks")) or 0.0)
+                asked.add_metric(key, _number(t.get("lookup_blocks")) or 0.0)
+                if _number(t.get("bytes")) is not None:
+                    used.add_metric(key, _number(t.get("bytes")))  # type: ignore[arg-type]
+        return [hits, asked, used]
 
 
 def _number(v: Any) -> float | None:

@@ -4,8 +4,9 @@
     uvicorn.run(app, port=8000)
 
 Routes: POST /v1/completions and /v1/chat/completions (SSE when `stream`), GET /v1/models,
-GET /health, GET /metrics, GET /admin/workers, GET /v1/requests/{id}/timeline, and the live
-dashboard: GET /dashboard (the page) and GET /admin/dashboard.json (its data; router/dashboard.py).
+GET /health, GET /metrics, GET /admin/workers, GET /admin/kvpool, GET /v1/requests/{id}/timeline,
+and the live dashboard: GET /dashboard (the page) and GET /admin/dashboard.json (its data;
+router/dashboard.py).
 The response `id` is the request id the core used, so a request's timeline is reachable by it.
 
 Every error is OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 for bad
@@ -387,6 +388,13 @@ def create_app(
     @app.get("/admin/workers")
     async def workers() -> list[dict[str, Any]]:
         return list(core.worker_table())
+
+    @app.get("/admin/kvpool")
+    async def kvpool() -> dict[str, Any]:
+        """Per worker: its KV pools, what the pool did for its requests and the tiers' own
+        stats (from the stats each worker reports); the router's pool index and counters."""
+        report = getattr(core, "kvpool", None)
+        return report() if report is not None else {"workers": {}, "index": {}, "router": {}}
 
     @app.get("/v1/requests/{rid}/timeline")
     async def timeline(rid: str) -> JSONResponse:

@@ -314,6 +314,8 @@ class RouterCore:
             return
         if isinstance(msg, m.KVEvents):
             self.prefix.apply(msg)
+            if w.info is not None and w.info.kv_pools and msg.stored:
+                self.routing.pools.add(w.info.kv_pools, msg.block_size, msg.stored)
             if self.prefix.needs_resync(msg.worker_id):  # a lost message: ask for a snapshot
                 self.events.count("prefix_resyncs")
                 self._send(w, m.Hello("router"))
@@ -363,6 +365,8 @@ class RouterCore:
 
     def _deliver(self, flight: Flight, msg: m.Tokens) -> None:
         now = time.monotonic()
+        if msg.pool is not None:
+            self._note_pool(flight, msg.worker, msg.pool, now)
         if msg.token_ids:
             flight.first_at = flight.first_at or now
             flight.last_at = now
@@ -393,6 +397,32 @@ class RouterCore:
             first, second = flight.pair or (None, None)
             if second is not None and first is not None and msg.worker == first.worker_id:
                 self._send(second, m.Abort(flight.wire_rid))  # done on P: free D's reservation
+
+    def _note_pool(self, flight: Flight, worker: str, pool: dict[str, float], now: float) -> None:
+        """The prefilling worker's KV pool report (with its first tokens): lookup and load in
+        the timeline and counters; after a recovery, what the pool saved of the context."""
+        hit, loaded = int(pool.get("hit_tokens", 0)), int(pool.get("loaded_tokens", 0))
+        at = float(pool.get("lookup_at", now))
+        flight.timeline.append((labelled(Ev.POOL_LOOKUP, f"{hit} tokens"), worker, at))
+        self.events.count("pool_lookups")
+        self.events.count("pool_hit_tokens", hit)
+        if hit:
+            load_s = float(pool.get("load_s", 0.0))
+            what = f"{loaded} of {hit} tokens"
+            flight.timeline.append((labelled(Ev.POOL_LOAD, what), worker, at + load_s))
+            self.events.count("pool_loaded_tokens", loaded)
+            self.events.count("pool_short_tokens", hit - loaded)  # recomputed instead
+        if flight.recoveries and loaded and flight.pool_recovered != flight.attempt:
+            # this attempt's prompt: the request's prompt + the tokens streamed before it
+            context = len(flight.prompt_ids) + len(flight.sent)
+            local = int(pool.get("local_tokens", 0))
+            recomputed = max(0, context - local - loaded)
+            flight.pool_recovered = flight.attempt
+            what = f"loaded {loaded}, recomputed {recomputed} of {context} tokens"
+            flight.timeline.append((labelled(Ev.RECOVERED_FROM_POOL, what), worker, now))
+            self.events.count("recovered_from_pool")
+            self.events.count("recovery_pool_loaded_tokens", loaded)
+            self.events.count("recovery_recomputed_tokens", recomputed)
 
     def _on_transfer(self, flight: Flight, msg: m.TransferReport) -> None:
         if self.planner is not None and msg.side == Side.RECV:
@@ -473,6 +503,27 @@ class RouterCore:
 
     def worker_table(self) -> list[dict[str, Any]]:
         return self.links.table()
+
+    def kvpool(self) -> dict[str, Any]:
+        """GET /admin/kvpool: per worker with a KV pool, its pool ids, the engine's use of it
+        (`kv_pool_*` of its last stats) and the tiers' stats; the pool index; the counters."""
+        workers = {}
+        for w in self.workers:
+            pools = w.info.kv_pools if w.info is not None else []
+            if not pools:
+                continue
+            s = w.stats
+            use = {k.removeprefix("kv_pool_"): v for k, v in s.items() if k.startswith("kv_pool_")}
+            workers[w.worker_id] = {"pools": pools, "use": use, "tiers": s.get("kv_pool", {})}
+        router = {k: v for k, v in self.counters.items() if "pool" in k}
+        # what the pool saves: prompt tokens every worker computed (with a pool or not)
+        computed = {w.worker_id: w.stats.get("prefill_tokens", 0) for w in self.workers}
+        return {
+            "workers": workers,
+            "index": self.routing.pools.stats(),
+            "router": router,
+            "prefill_tokens": computed,
+        }
 
     def worker_vitals(self) -> dict[str, dict[str, Any]]:
         """For the dashboard (router/dashboard.py): heartbeat age and last stats per worker."""

@@ -91,6 +91,7 @@ class Flight:
     last_at: float | None = None
     choices_done: set[int] = field(default_factory=set)  # n > 1: the choices that ended
     sent_other: bool = False  # n > 1: tokens of choices other than 0 were streamed
+    pool_recovered: int = 0  # the attempt whose `recovered_from_pool` is in the timeline
 
     @property
     def wire_rid(self) -> str:

@@ -17,6 +17,7 @@ from pdserve.router.events import RouterEvents
 from pdserve.router.flight import Flight, RequestError, WorkerState
 from pdserve.router.links import ROLES, Links
 from pdserve.router.policies import WorkerLoad, make_policy
+from pdserve.router.pool_index import PoolIndex
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.timeline import TIMELINE_KEEP, Ev, labelled
 
@@ -36,6 +37,7 @@ class Routing:
         self.links, self.events, self.planner = links, events, planner
         self.prefix_routing = prefix_routing
         self.prefix = PrefixIndex()
+        self.pools = PoolIndex()  # what the workers' KV pools hold (their stored hashes)
         # conversation (OpenAI `user`) -> (worker that served its last turn, its tokens)
         self.sessions: collections.OrderedDict[str, tuple[str, list[int]]] = (
             collections.OrderedDict()
@@ -78,6 +80,7 @@ class Routing:
         for w in byid.values():
             w.load.worker_id = w.worker_id
         cached = self.cached(prompt, flight.session, byid) if self.prefix_routing else {}
+        pooled = self.pooled(prompt, byid) if self.prefix_routing else {}
         max_tokens = flight.params.max_tokens - len(flight.sent)
         loads = {wid: w.load for wid, w in byid.items()}
         decision = self.planner.decide(
@@ -89,6 +92,7 @@ class Routing:
             time.monotonic(),
             admit_all=not admit,
             streams=flight.params.n,
+            pooled=pooled,
         )
         if decision.chosen is None:
             raise self._reject(flight, decision)
@@ -134,6 +138,11 @@ class Routing:
             cached[last[0]] = max(cached.get(last[0], 0), common // bs * bs)
         return cached
 
+    def pooled(self, prompt: list[int], byid: dict[str, WorkerState]) -> dict[str, int]:
+        """Prompt tokens each worker could load from its KV pools (the pool index)."""
+        workers = {wid: w.info.kv_pools for wid, w in byid.items() if w.info and w.info.kv_pools}
+        return self.pools.match(prompt, workers) if workers else {}
+
     def remember_session(self, flight: Flight) -> None:
         """A finished turn of a conversation: its next turn prefers the worker holding its KV."""
         if not flight.session or flight.pair is None:
@@ -175,7 +184,8 @@ class Routing:
         n = len(flight.prompt_ids) + len(flight.sent)
         out = max(1, min(flight.params.max_tokens - len(flight.sent), self.planner.expected_output))
         cached = pred.cached_first if pred is not None else 0
-        prefill = self.planner.prefill_time(n, cached, first.load)
+        pooled = pred.pooled_first if pred is not None else 0
+        prefill = self.planner.prefill_time(n, cached, first.load, pooled)
         streams = flight.params.n  # n choices decode as n sequences
         if second is None:
             first.load.add(slo.Job(flight.rid, prefill, n, out, True, now, streams=streams))

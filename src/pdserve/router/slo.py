@@ -130,6 +130,8 @@ class Prediction:
     cached_decode: int  # ... and the decode worker (KV it need not receive)
     miss: str | None = None  # first SLO this route misses: slo_ttft | slo_tpot | slo_tpot_running
     misses: int = 0  # SLOs missed: this request's (TTFT, TPOT) + running requests pushed over
+    pooled_first: int = 0  # prompt tokens after `cached_first` the prefilling worker loads
+    # from its KV pool instead of computing them
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,10 @@ class SloPlanner:
         expected_output: int = 256,
         kv_bytes_per_token: float = 0.0,
         handoff_overhead_s: float = 0.002,
+        pool_bytes_per_s: float = 1e9,
     ) -> None:
+        """`pool_bytes_per_s`: how fast a worker loads KV from its pool (the load of a pool hit
+        costs its bytes at this rate, against the prefill it saves)."""
         if mode not in MODES:
             raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {mode!r}")
         for name, v in (("slo_ttft", slo_ttft_s), ("slo_tpot", slo_tpot_s)):
@@ -184,6 +189,7 @@ class SloPlanner:
         # messages of a hand-off (ExpectKV, KVWant/Ready/Done/Ack) beyond the bytes: on a tie,
         # the route that uses one worker wins
         self.handoff_overhead_s = handoff_overhead_s
+        self.pool_bytes_per_s = pool_bytes_per_s
         self.calibration = Calibration()
 
     def observe_transfer(self, nbytes: int, tokens: int) -> None:
@@ -217,12 +223,15 @@ class SloPlanner:
         *,
         admit_all: bool = False,
         streams: int = 1,
+        pooled: dict[str, int] | None = None,
     ) -> Decision:
-        """Predict every route; choose the cheapest feasible one, or reject."""
+        """Predict every route; choose the cheapest feasible one, or reject. `pooled`: per
+        worker, the prompt's leading tokens it could load from its KV pool."""
         if not routes:
             return Decision(None, "unavailable", 1)
         preds = [
-            self.predict(prompt_len, max_tokens, r, loads, cached, now, streams) for r in routes
+            self.predict(prompt_len, max_tokens, r, loads, cached, now, streams, pooled)
+            for r in routes
         ]
         feasible = [p for p in preds if p.miss is None]
         if feasible:
@@ -247,14 +256,22 @@ class SloPlanner:
         cached: dict[str, int],
         now: float,
         streams: int = 1,
+        pooled: dict[str, int] | None = None,
     ) -> Prediction:
-        """`streams`: the request's decode sequences (n choices share one prefill)."""
+        """`streams`: the request's decode sequences (n choices share one prefill); `pooled`:
+        per worker, prompt tokens it could load from its KV pool (used when loading them is
+        predicted faster than computing them)."""
         first = loads[route.first]
         dec = loads[route.decode] if route.decode is not None else first
         c_first = min(cached.get(route.first, 0), prompt_len - 1)
         c_dec = min(cached.get(dec.worker_id, 0), prompt_len - 1)
         out = max(1, min(max_tokens, self.expected_output))
+        p_first = max(0, min((pooled or {}).get(route.first, 0), prompt_len - 1) - c_first)
         prefill = self.prefill_time(prompt_len, c_first, first)
+        if p_first:
+            with_pool = self.prefill_time(prompt_len, c_first, first, p_first)
+            p_first = p_first if with_pool < prefill else 0
+            prefill = min(prefill, with_pool)
         ttft = (first.prefill_backlog(now) + prefill) * self.calibration.ttft
         # D's view: its queued prefills stall every decode step; a local prefill is one more
         local = route.kind != "remote"
@@ -275,17 +292,25 @@ class SloPlanner:
             self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
         )
         cost = ttft + out * tpot + added
-        return Prediction(route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed)
+        return Prediction(
+            route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed, p_first
+        )
 
-    def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad) -> float:
-        """This prompt's prefill on `w`, in chunks beside w's decodes (one step each)."""
+    def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad, pooled: int = 0) -> float:
+        """This prompt's prefill on `w`, in chunks beside w's decodes (one step each); `pooled`
+        tokens after the `cached` ones are loaded from the KV pool (their bytes at
+        `pool_bytes_per_s`) rather than computed."""
+        load = pooled * self.kv_bytes_per_token / self.pool_bytes_per_s
+        cached += pooled
         new = prompt_len - cached
         batch = w.decode_streams()
         if batch == 0:
-            return self.model.prefill_s(new, cached)
+            return self.model.prefill_s(new, cached) + load
         chunks = math.ceil(new / max(1, self.token_budget - batch))
-        return self.model.prefill_s(new, cached) + chunks * self.model.decode_step_s(
-            batch, w.context_sum()
+        return (
+            self.model.prefill_s(new, cached)
+            + load
+            + chunks * self.model.decode_step_s(batch, w.context_sum())
         )
 
     def _running(

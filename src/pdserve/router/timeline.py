@@ -38,6 +38,10 @@ class Ev(StrEnum):
     REJECTED = "rejected"  # labelled with the reason
     FAILED = "failed"  # labelled with the worker's reason
     WORKER_DOWN = "worker_down"  # labelled with no_heartbeat | stuck
+    # the KV pool (issue 15), from the prefilling worker's report: labelled with token counts
+    POOL_LOOKUP = "pool_lookup"  # tokens the pool held after the worker's own prefix cache
+    POOL_LOAD = "pool_load"  # tokens loaded of those (the rest were recomputed)
+    RECOVERED_FROM_POOL = "recovered_from_pool"  # a recovery: tokens loaded vs recomputed
     # how the request ended (the outcome)
     FINISH = "finish"
     ABORTED = "aborted"
@@ -155,6 +159,7 @@ class Timelines:
             "tpot_s": round(pred.tpot_s, 6),
             "cached_prefill_tokens": pred.cached_first,
             "cached_decode_tokens": pred.cached_decode,
+            "pooled_prefill_tokens": pred.pooled_first,
             "actual_ttft_s": None if ttft is None else round(ttft, 6),
             "actual_tpot_s": None if tpot is None else round(tpot, 6),
         }

@@ -141,6 +141,9 @@ class WorkerInfo:
     fingerprint: bytes
     model: str
     hb_endpoint: str = ""  # heartbeat socket: Ping -> Pong, answered even mid engine step
+    # KV pools this worker reads and writes (workers/pool.py `pool_ids`); the router's pool
+    # index counts a block stored by any worker of a pool as held by every worker of it
+    kv_pools: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,9 @@ class Tokens:
     # Stage stamps (prefill_start, first_token) on the last message of this worker's part.
     times: dict[str, float] | None = None
     index: int = 0  # the choice of an n-choice request; `finished` ends that choice only
+    # With the request's first tokens from a worker with a KV pool: what the pool did for it
+    # (lookup_at, hit_tokens, loaded_tokens, local_tokens, load_s; engine/pool_link.py)
+    pool: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

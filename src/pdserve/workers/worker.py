@@ -43,6 +43,7 @@ from pdserve.transfer.transports import (
 )
 from pdserve.workers import auth
 from pdserve.workers import messages as m
+from pdserve.workers import pool as kvpool
 from pdserve.workers.decode import DecodeSide
 from pdserve.workers.heartbeat import Heartbeat
 from pdserve.workers.prefill import PrefillSide
@@ -62,7 +63,10 @@ class Worker:
         worker_id: str | None = None,
         config: WorkerConfig | None = None,
         ctx: zmq.Context | None = None,
+        pool_factory: kvpool.PoolFactory | None = None,
     ) -> None:
+        """`pool_factory`: builds the KV pool instead of the `--kv-pool-*` flags' tiers (tests
+        share one in-process pool between inproc workers)."""
         self.config = cfg = config or WorkerConfig()
         host, port, kv_port, transport = cfg.host, cfg.port, cfg.kv_port, cfg.transport
         kv_codec, deadline_s, lease_s = cfg.kv_codec, cfg.deadline_s, cfg.lease_s
@@ -80,6 +84,10 @@ class Worker:
         budget = stall_free_budget(engine_config, cfg.slo_tpot_s, cfg.cost_model)
         self.engine = LLMEngine(engine_config, budget)
         self.fingerprint = wire.layout_fingerprint(self.engine.arch, self.engine.dtype)
+        self.kv_pool = kvpool.attach(self.engine, cfg, pool_factory)
+        self.kv_pools = (
+            kvpool.pool_ids(cfg, self.kv_pool.namespace, self.worker_id) if self.kv_pool else []
+        )
         self.ctx = ctx or zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -245,6 +253,7 @@ class Worker:
             self.fingerprint,
             str(e.source.path),
             self.heartbeat.endpoint,
+            list(self.kv_pools),
         )
 
     # ---- prefix-cache events -----------------------------------------------------------------
@@ -348,6 +357,7 @@ class Worker:
                 time=time.monotonic(),
                 times=_stage_times(out) if out.finished else None,
                 index=c.index,
+                pool=out.kv_pool,
             ),
         )
         if out.finished and c.index == 0:
@@ -387,6 +397,8 @@ class Worker:
         }
 
     def close(self) -> None:
+        if self.kv_pool is not None:
+            self.kv_pool.close()
         self.heartbeat.close()
         self.prefill.close()
         self.decode.shm.close()

@@ -1,0 +1,101 @@
+"""A worker's KV pool: its namespace (what must match for two workers to share entries) and
+how it is built from the `--kv-pool-*` flags (the tiers live in kvpool/; engine/pool_link.py
+is how the engine uses the pool).
+
+The namespace: the model's fingerprint (weight files' sizes and first and last MiB, plus the
+weight quantization, which changes the KV), the KV dtype, `transfer.wire.layout_fingerprint`
+(layers, KV heads, head dim, dtype), the block size and the codec the values are stored with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.config import WorkerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.loader import ModelSource
+from pdserve.kvpool import build_pool
+from pdserve.kvpool.api import KVPool, KVPoolConfig, PoolNamespace
+from pdserve.transfer import wire
+
+PoolFactory = Callable[[KVPoolConfig, PoolNamespace], "KVPool | None"]
+_SAMPLE = 1 << 20  # bytes read from each end of a weight file
+
+
+def pool_config(cfg: WorkerConfig) -> KVPoolConfig:
+    return KVPoolConfig(
+        memory_gb=cfg.kv_pool_memory_gb,
+        disk_dir=cfg.kv_pool_disk,
+        disk_gb=cfg.kv_pool_disk_gb,
+        redis_url=cfg.kv_pool_redis,
+    )
+
+
+def model_fingerprint(source: ModelSource, quantization: str = "none") -> str:
+    """Equal for the same weights wherever they are stored (a copy at another path, on another
+    host), different for other weights: sizes and both ends of every weight file."""
+    h = hashlib.sha256()
+    weights = (".safetensors", ".json")  # safetensors shards, config.json
+    files = (
+        [source.path]
+        if source.kind == "gguf"
+        else sorted(p for p in source.path.iterdir() if p.name.endswith(weights))
+    )
+    for path in files:
+        h.update(_file_sample(path))
+    return f"{source.kind}:{h.hexdigest()[:32]}:q={quantization}"
+
+
+def _file_sample(path: Path) -> bytes:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(_SAMPLE)
+        f.seek(max(0, size - _SAMPLE))
+        tail = f.read(_SAMPLE)
+    return f"{path.name}|{size}|".encode() + hashlib.sha256(head + tail).digest()
+
+
+def namespace(engine: LLMEngine, codec: str = "none") -> PoolNamespace:
+    return PoolNamespace(
+        model=model_fingerprint(engine.source, engine.quantization),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        layout=wire.layout_fingerprint(engine.arch, engine.dtype).hex(),
+        block_size=engine.cache.block_size,
+        codec=codec,
+    )
+
+
+def default_factory(config: KVPoolConfig, ns: PoolNamespace) -> KVPool | None:
+    """The pool's tiers from kvpool/ (memory, disk, Redis: whichever the flags name)."""
+    return build_pool(config, ns)
+
+
+def attach(
+    engine: LLMEngine, cfg: WorkerConfig, factory: PoolFactory | None = None
+) -> KVPool | None:
+    """Build the pool the flags ask for (none without them) and attach it to the engine."""
+    config = pool_config(cfg)
+    if not config.enabled and factory is None:
+        return None
+    pool = (factory or default_factory)(config, namespace(engine))
+    if pool is not None:
+        engine.attach_pool(pool)
+    return pool
+
+
+def pool_ids(cfg: WorkerConfig, ns: PoolNamespace, worker_id: str) -> list[str]:
+    # only called for a worker that has a pool
+    """Names of the pools this worker reads and writes, for the router's pool index: the
+    memory tier is the worker's own, the disk tier is shared by a host's workers naming the
+    same folder, the Redis tier by everyone naming the same server."""
+    digest = ns.digest().hex()
+    ids = []
+    if cfg.kv_pool_memory_gb > 0:
+        ids.append(f"{digest}|memory|{worker_id}")
+    if cfg.kv_pool_disk is not None:
+        ids.append(f"{digest}|disk|{Path(cfg.kv_pool_disk).resolve()}")
+    if cfg.kv_pool_redis is not None:
+        ids.append(f"{digest}|redis|{cfg.kv_pool_redis}")
+    return ids or [f"{digest}|custom"]  # a pool from a factory (tests): one per namespace

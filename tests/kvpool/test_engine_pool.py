@@ -1,0 +1,151 @@
+"""The engine with a KV pool (FakeKVPool, tiny models): the same greedy tokens with and without
+it, a fresh engine computes only what the pool does not hold, a pool that delivers less than it
+promised is recomputed (counted), and different models never share entries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.kvpool.api import BlockHash, FakeKVPool
+from pdserve.workers.pool import namespace
+
+
+def assert_engine_idle(llm: LLM) -> None:
+    """Nothing alive, every KV block free (tests/conftest.py's check; this folder's conftest
+    shadows that module name)."""
+    eng = llm.engine
+    assert not eng.has_unfinished_requests() and not eng._live
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+    assert not eng.kv_manager.pinned()
+
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+BS = 8
+
+
+def _llm(path: object) -> LLM:
+    return LLM(str(path), block_size=BS, num_blocks=128)
+
+
+def _prompt(n: int, seed: int = 3) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49000, (n,), generator=g).tolist()
+
+
+def _prefilled(llm: LLM) -> int:
+    return int(llm.engine.stats()["prefill_tokens"])
+
+
+@dataclass
+class ShortPool(FakeKVPool):
+    """Promises every block it holds but delivers at most `deliver` (a deadline or a corrupt
+    entry cutting the load short)."""
+
+    deliver: int = 0
+
+    def get(self, hashes: Sequence[BlockHash], deadline: float) -> list[torch.Tensor]:
+        return super().get(hashes, deadline)[: self.deliver]
+
+
+def test_fresh_engine_loads_the_prefix_and_computes_only_the_tail(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    ref, a, b = _llm(tiny_llama_path), _llm(tiny_llama_path), _llm(tiny_llama_path)
+    pool = FakeKVPool(namespace(a.engine))
+    a.engine.attach_pool(pool)
+    b.engine.attach_pool(pool)
+    system = _prompt(64)  # 8 full blocks
+    first, second = system + _prompt(5, 7), system + _prompt(9, 8)
+    want = [ref.generate([p], PARAMS)[0].outputs[0].token_ids for p in (first, second)]
+
+    got_a = a.generate([first], PARAMS)[0]
+    assert got_a.outputs[0].token_ids == want[0]
+    assert pool.puts >= 8  # every full block a computed went in (prompt and generated)
+
+    before = _prefilled(b)
+    out = b.generate([second], PARAMS)[0]
+    assert out.outputs[0].token_ids == want[1]  # loaded KV gives the same greedy tokens
+    # b computed only the tail after the 64 pooled tokens (+ one decode token per step)
+    assert _prefilled(b) - before == len(second) - 64
+    s = b.engine.stats()
+    assert s["kv_pool_loaded_tokens"] == 64 and s["kv_pool_recomputed_tokens"] == 0
+    assert out.metrics is not None and out.metrics.num_cached_tokens == 64
+    for llm in (ref, a, b):
+        assert_engine_idle(llm)
+
+
+def test_the_first_output_reports_what_the_pool_loaded(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    a, b = _llm(tiny_llama_path), _llm(tiny_llama_path)
+    pool = FakeKVPool(namespace(a.engine))
+    a.engine.attach_pool(pool)
+    b.engine.attach_pool(pool)
+    prompt = _prompt(40)
+    a.generate([prompt], PARAMS)
+    eng = b.engine
+    eng.add_request(prompt, PARAMS, "r")
+    reports = []
+    while eng.has_unfinished_requests():
+        reports += [o.kv_pool for o in eng.step()]
+    assert reports[0] is not None and all(r is None for r in reports[1:])
+    assert reports[0]["hit_tokens"] == 32 and reports[0]["loaded_tokens"] == 32
+    assert_engine_idle(b)
+
+
+@pytest.mark.parametrize("deliver", [0, 2])
+def test_a_pool_that_delivers_less_than_promised_is_recomputed(tiny_llama_path, deliver) -> None:  # type: ignore[no-untyped-def]
+    ref, a, b = _llm(tiny_llama_path), _llm(tiny_llama_path), _llm(tiny_llama_path)
+    ns = namespace(a.engine)
+    full = FakeKVPool(ns)
+    a.engine.attach_pool(full)
+    short = ShortPool(ns, blocks=full.blocks, deliver=deliver)
+    b.engine.attach_pool(short)
+    prompt = _prompt(50)
+    want = ref.generate([prompt], PARAMS)[0].outputs[0].token_ids
+    a.generate([prompt], PARAMS)
+    before = _prefilled(b)
+    assert b.generate([prompt], PARAMS)[0].outputs[0].token_ids == want
+    s = b.engine.stats()
+    assert s["kv_pool_hit_tokens"] == 48  # 6 full blocks promised
+    assert s["kv_pool_loaded_tokens"] == deliver * BS
+    assert s["kv_pool_recomputed_tokens"] == 48 - deliver * BS  # counted
+    assert _prefilled(b) - before == len(prompt) - deliver * BS
+    for llm in (ref, a, b):
+        assert_engine_idle(llm)
+
+
+def test_a_block_of_the_wrong_shape_is_never_used(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    ref, b = _llm(tiny_llama_path), _llm(tiny_llama_path)
+    ns = namespace(b.engine)
+    pool = FakeKVPool(ns)
+    b.engine.attach_pool(pool)
+    prompt = _prompt(30)
+    from pdserve.engine.block_pool import hash_full_blocks
+
+    for h in hash_full_blocks(prompt, BS):
+        pool.blocks[ns.key(h)] = torch.zeros(1, 2, 3)  # a bad entry under the right key
+    want = ref.generate([prompt], PARAMS)[0].outputs[0].token_ids
+    assert b.generate([prompt], PARAMS)[0].outputs[0].token_ids == want
+    s = b.engine.stats()
+    assert s["kv_pool_loaded_tokens"] == 0 and s["kv_pool_recomputed_tokens"] == 24
+    assert s["kv_pool_errors"] == 1
+    assert_engine_idle(b)
+
+
+def test_different_models_never_share_entries(tiny_llama_path, tiny_qwen2_path) -> None:  # type: ignore[no-untyped-def]
+    llama, qwen = _llm(tiny_llama_path), _llm(tiny_qwen2_path)
+    ns_l, ns_q = namespace(llama.engine), namespace(qwen.engine)
+    assert ns_l.layout == ns_q.layout  # same KV shape: only the model fingerprint differs
+    assert ns_l.digest() != ns_q.digest()
+    shared = FakeKVPool(ns_l)
+    llama.engine.attach_pool(shared)
+    qwen.engine.attach_pool(FakeKVPool(ns_q, blocks=shared.blocks))  # one store, two models
+    prompt = _prompt(40)
+    llama.generate([prompt], PARAMS)
+    assert len(shared.blocks) > 0
+    qwen.generate([prompt], PARAMS)
+    assert qwen.engine.stats()["kv_pool_hit_tokens"] == 0
+    for llm in (llama, qwen):
+        assert_engine_idle(llm)
