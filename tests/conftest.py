@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import TINY_VOCAB, assert_engine_idle
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests never see this host's saved cost models (one turns on SLO routing for a server started
 # without flags, so a request may run whole on D) nor leave theirs behind for later runs.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
-
-TINY_VOCAB = 49152  # the SmolLM2 tokenizer's, so tiny models take real text prompts
 
 
 def _save_tiny(folder: Path, kind: str, tokenizer) -> Path:  # type: ignore[no-untyped-def]
@@ -108,14 +108,6 @@ def smollm2():  # type: ignore[no-untyped-def]
     from pdserve import LLM
 
     return LLM()
-
-
-def assert_engine_idle(llm) -> None:  # type: ignore[no-untyped-def]
-    """Leak check for a whole engine: nothing alive, every KV block free."""
-    eng = llm.engine
-    assert not eng.has_unfinished_requests()
-    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
-    assert not eng._live
 
 
 # ---- which tests are slow: decided here, in one place -------------------------------------------

@@ -305,3 +305,14 @@ def assert_cluster_idle(cluster: Any) -> None:
         assert s["transfers_out"] == 0 and s["transfers_in"] == 0, (wid, s)
         assert s.get("held_for_transfer", 0) == 0, (wid, s)
         assert s.get("reserved_for_transfer", 0) == 0, (wid, s)
+
+
+TINY_VOCAB = 49152  # the SmolLM2 tokenizer's, so tiny models take real text prompts
+
+
+def assert_engine_idle(llm) -> None:  # type: ignore[no-untyped-def]
+    """Leak check for a whole engine: nothing alive, every KV block free."""
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+    assert not eng._live

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_engine_idle
+from factories import assert_engine_idle
 from pdserve import LLM, SamplingParams
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_engine_handoff import _handoff
 
-from conftest import assert_engine_idle
+from factories import assert_engine_idle
 from pdserve import LLM, SamplingParams
 from pdserve.engine.grammar import check_spec
 from pdserve.engine.sampler import Sampler

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_engine_idle
 from factories import (
+    assert_engine_idle,
     assert_no_leaks,
     make_kv,
     make_request,

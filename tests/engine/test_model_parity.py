@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_engine_idle
+from factories import assert_engine_idle
 from pdserve import LLM, SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 

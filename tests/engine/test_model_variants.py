@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, assert_engine_idle
+from factories import TINY_VOCAB, assert_engine_idle
 from pdserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

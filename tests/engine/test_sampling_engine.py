@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import assert_engine_idle
+from factories import assert_engine_idle
 from pdserve import LLM, SamplingParams
 from pdserve.engine.sampler import _filter
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import assert_engine_idle
+from factories import assert_engine_idle
 from pdserve import SamplingParams
 
 
