@@ -103,11 +103,12 @@ class ProbeSampler:
         request_ids: list[str],
         params: list[SamplingParams],
         histories: Sequence[History] | None = None,
+        masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampleResult]:
         import torch
 
         assert self.inner is not None
-        results = self.inner.sample(logits, request_ids, params, histories)
+        results = self.inner.sample(logits, request_ids, params, histories, masks)
         for row, (rid, result) in enumerate(zip(request_ids, results, strict=True)):
             pos = self._position[rid]
             self._position[rid] += 1
