@@ -11,15 +11,14 @@ order and the last one changes the cluster (it removes the D node).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import ray
-from factories import assert_cluster_idle, eventually
 from ray.cluster_utils import Cluster
 
+from factories import assert_cluster_idle, eventually
 from pdserve.cluster import LocalCluster
 from pdserve.engine.request import SamplingParams
 from pdserve.ray.cluster import RayCluster
@@ -126,9 +125,7 @@ def test_scaling_decode_one_to_two_and_back_under_load_loses_none(
     assert rows(on_ray)["D1"]["ray_node"] == nodes["decode"].node_id[:12]
     assert rows(on_ray)["D1"]["origin"] == "admin"
     _, second = on_ray.submit(PROMPTS * 2, load)
-    eventually(
-        lambda: on_ray.worker_stats().get("D1", {}).get("running", 0), 60, "D1 serving"
-    )
+    eventually(lambda: on_ray.worker_stats().get("D1", {}).get("running", 0), 60, "D1 serving")
     on_ray.resize({"decode": 1})  # drains one of them while requests run
     eventually(lambda: len(healthy(on_ray, "decode")) == 1, 120, "one D drained")
     assert_all_served(first.result(300) + second.result(300))
@@ -144,8 +141,10 @@ def test_losing_the_decode_node_mid_stream_loses_no_request(
     cluster = nodes["cluster"]
     rids, job = on_ray.submit(PROMPTS, GREEDY)
     eventually(
-        lambda: any(on_ray.pair_of(r) == ("P0", "D0") for r in rids)
-        and on_ray.stats["kv_recv_bytes"] > 0,
+        lambda: (
+            any(on_ray.pair_of(r) == ("P0", "D0") for r in rids)
+            and on_ray.stats["kv_recv_bytes"] > 0
+        ),
         60,
         "requests streaming through D0",
     )
