@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,6 +113,19 @@ def test_p_and_d_on_their_nodes_answer_as_a_local_cluster(
     assert_all_served(outs, reference)
     assert on_ray.stats["kv_recv_bytes"] > 0  # the requests went P -> D over ZeroMQ
     assert on_ray.stats["local_fallbacks"] == 0
+
+
+def test_the_secret_is_in_no_command_line_environment_or_ray_log(
+    on_ray: RayCluster, nodes: dict[str, Any]
+) -> None:
+    assert_all_served(on_ray.generate(PROMPTS[:2], GREEDY))  # tagged messages flowed
+    for row in on_ray.table():
+        for part in ("cmdline", "environ"):
+            assert SECRET not in Path(f"/proc/{row['pid']}/{part}").read_bytes(), (row, part)
+    session = Path(nodes["cluster"].head_node.get_session_dir_path())
+    logs = [f for f in session.rglob("*") if f.is_file() and f.stat().st_size < 64 << 20]
+    assert any(f.suffix in (".log", ".out", ".err") for f in logs)
+    assert [f for f in logs if SECRET in f.read_bytes()] == []
 
 
 def test_scaling_decode_one_to_two_and_back_under_load_loses_none(

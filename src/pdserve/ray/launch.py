@@ -21,6 +21,7 @@ from collections import Counter
 from pdserve import serve
 from pdserve.ray.placement import ray_address
 from pdserve.ray.pools import PoolSpec, RayPools
+from pdserve.ray.scaling import PoolAutoscaler
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     try:
-        pools = RayPools(spec, secret)
+        autoscaler = PoolAutoscaler(floor=counts) if args.autobalance else None
+        pools = RayPools(spec, secret, autoscaler)
         endpoints = pools.start(counts)
         serve.log.info("%d worker actors ready on Ray", len(endpoints))
         return asyncio.run(

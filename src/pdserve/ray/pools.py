@@ -24,11 +24,13 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import WorkerConfig
 from pdserve.ray.placement import MAX_POOL, RESOURCES, fits, placement
+from pdserve.ray.scaling import POOLS, PoolAutoscaler
 from pdserve.router.flight import RequestError
 
 log = logging.getLogger("pdserve.ray")
@@ -79,7 +81,9 @@ def actor_class() -> Any:
 class RayPools:
     """Worker actors of one deployment; `attach(core)` before anything joins or resizes."""
 
-    def __init__(self, spec: PoolSpec, secret: bytes | None) -> None:
+    def __init__(
+        self, spec: PoolSpec, secret: bytes | None, autoscaler: PoolAutoscaler | None = None
+    ) -> None:
         import ray
 
         self.ray, self.spec, self._secret = ray, spec, secret
@@ -88,6 +92,7 @@ class RayPools:
         self._cls = actor_class()
         self._ids = {role: itertools.count() for role in RESOURCES}
         self._tasks: set[asyncio.Task] = set()
+        self.autoscaler = autoscaler  # --autobalance: grow/shrink pools (scaling.py)
 
     # ---- start ---------------------------------------------------------------------------------
     def start(self, counts: dict[str, int], timeout_s: float | None = None) -> list[str]:
@@ -132,6 +137,8 @@ class RayPools:
         for mem in self.members:
             core.links.placement[mem.worker_id] = mem.placement_row()
             mem.watcher = self._spawn(self._watch(mem))
+        if self.autoscaler is not None:
+            self._spawn(self._autoscale(self.autoscaler, core.config.autobalance_interval_s))
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -256,6 +263,23 @@ class RayPools:
             self.members.remove(mem)
         if self.core is not None:
             self.core.links.placement.pop(mem.worker_id, None)
+
+    async def _autoscale(self, policy: PoolAutoscaler, interval_s: float) -> None:
+        """Each `interval_s`: grow a saturated pool when Ray has room, shrink an idle one."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if any(mem.state in ("starting", "draining") for mem in self.members):
+                continue  # one change at a time: let the last settle
+            now = time.monotonic()
+            room = await asyncio.to_thread(lambda: {r: self.room(r) for r in POOLS})
+            move = policy.observe(now, self.core.pool_sample(now), room)
+            if move is None:
+                continue
+            kind, role = move
+            self._count(f"autoscale_{kind}_{role}")
+            n = self.live_counts()[role] + (1 if kind == "grow" else -1)
+            with contextlib.suppress(RequestError):
+                self.resize({role: n}, by="autobalance")
 
     # ---- status and the end --------------------------------------------------------------------
     def live_counts(self) -> dict[str, int]:
