@@ -11,6 +11,7 @@ order and the last one changes the cluster (it removes the D node).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,12 @@ from ray.cluster_utils import Cluster
 
 from factories import assert_cluster_idle, eventually
 from pdserve.cluster import LocalCluster
+from pdserve.costmodel.model import CostModel
 from pdserve.engine.request import SamplingParams
 from pdserve.ray.cluster import RayCluster
 from pdserve.ray.pools import PoolSpec
+from pdserve.ray.scaling import PoolAutoscaler
+from pdserve.router.slo import SloPlanner
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 
@@ -39,12 +43,19 @@ FAST_FAILURE = {
 }
 
 
+# Small KV caches (the default 1 GB each would be most of the memory budget).
+ENGINE = {"kv_cache_memory_gb": 0.05}
+
+
 def decode_node(cluster: Cluster) -> Any:
     return cluster.add_node(num_cpus=2, resources={"pdserve_decode": 2}, object_store_memory=STORE)
 
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[dict[str, Any]]:
+    # Ray's memory monitor kills actors when the *machine* is nearly full, whoever fills it; on
+    # a shared test machine that is other jobs. Ray's processes read this at start-up.
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray's spelling)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -69,18 +80,21 @@ def nodes() -> Iterator[dict[str, Any]]:
         ray.shutdown()
         cluster.shutdown()
         m.set_key(None)
+        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path: Any) -> list[list[int]]:
-    """Greedy tokens of the prompts on a LocalCluster (1P + 1D worker processes)."""
-    with LocalCluster(str(tiny_llama_path), prefill=1, decode=1, threads=1) as local:
+    """Greedy tokens of the prompts on a LocalCluster (1P + 1D; threads of this process)."""
+    with LocalCluster(
+        str(tiny_llama_path), 1, 1, transport="inproc", threads=1, engine_args=ENGINE
+    ) as local:
         return [o.outputs[0].token_ids for o in local.generate(PROMPTS, GREEDY)]
 
 
 @pytest.fixture
 def on_ray(nodes: dict[str, Any], tiny_llama_path: Any) -> Iterator[RayCluster]:
-    spec = PoolSpec(engine_args={"model": str(tiny_llama_path)}, drain_timeout_s=60.0)
+    spec = PoolSpec(engine_args={"model": str(tiny_llama_path), **ENGINE}, drain_timeout_s=60.0)
     with RayCluster(str(tiny_llama_path), spec=spec, secret=SECRET) as c:
         yield c
         assert_cluster_idle(c)  # every worker still up holds no KV, request or transfer
@@ -147,6 +161,35 @@ def test_scaling_decode_one_to_two_and_back_under_load_loses_none(
     counters = on_ray.stats
     assert counters["pool_added_decode"] == 1 and counters["pool_drained_decode"] == 1
     assert counters["requests_error"] == 0
+
+
+def test_autobalance_grows_a_saturated_decode_pool_and_shrinks_it_back(
+    nodes: dict[str, Any], tiny_llama_path: Any
+) -> None:
+    # a cost model whose decode step grows 0.2 s per request: a dozen decodes saturate one D
+    model = CostModel((0.0, 1e-4, 0.0), (0.005, 0.2, 0.0), (0.0, 1e12))
+    planner = SloPlanner(model, slo_tpot_s=0.5, admission=False, mode="always")
+    policy = PoolAutoscaler(floor={"prefill": 1, "decode": 1}, sustain_s=1, cooldown_s=2)
+    spec = PoolSpec(engine_args={"model": str(tiny_llama_path), **ENGINE})
+    with RayCluster(
+        str(tiny_llama_path),
+        spec=spec,
+        secret=SECRET,
+        autoscaler=policy,
+        core_args={"planner": planner},
+    ) as c:
+        c.set_fault("D0", "slow", count=-1, delay_s=0.05)  # so the load lasts a while
+        load = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        _, job = c.submit(PROMPTS * 2, load)
+        eventually(lambda: c.stats["autoscale_grow_decode"] == 1, 60, "the decode pool grows")
+        eventually(lambda: healthy(c, "decode") == ["D0", "D1"], 120, "D1 joins")
+        assert rows(c)["D1"]["origin"] == "autobalance"
+        assert_all_served(job.result(300))
+        c.set_fault("D0", "none")
+        eventually(lambda: c.stats["autoscale_shrink_decode"] == 1, 60, "the idle pool shrinks")
+        eventually(lambda: len(healthy(c, "decode")) == 1, 60, "back to one D")
+        assert c.stats["pool_added_decode"] == 1 and c.stats["pool_drained_decode"] == 1
+        assert_cluster_idle(c)
 
 
 def test_losing_the_decode_node_mid_stream_loses_no_request(

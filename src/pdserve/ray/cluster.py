@@ -17,6 +17,7 @@ import zmq
 from pdserve.cluster import STARTUP_TIMEOUT_S, LocalCluster
 from pdserve.engine import loader
 from pdserve.ray.pools import PoolSpec, RayPools
+from pdserve.ray.scaling import PoolAutoscaler
 from pdserve.router.core import RouterCore
 from pdserve.workers import messages as m
 
@@ -31,19 +32,20 @@ class RayCluster(LocalCluster):
         *,
         spec: PoolSpec | None = None,
         secret: bytes | None = None,
+        autoscaler: PoolAutoscaler | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, prefill, decode, colocated, **kwargs)
         self.spec = spec or PoolSpec(
             engine_args={"model": model, **self.engine_args}, worker_config=self.worker_config
         )
-        self.secret = secret
+        self.secret, self.autoscaler = secret, autoscaler
         self.pools: RayPools | None = None
 
     def start(self) -> None:
         m.set_key(self.secret)
         self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.model))
-        self.pools = RayPools(self.spec, self.secret)
+        self.pools = RayPools(self.spec, self.secret, self.autoscaler)
         counts = {role: n for role, n in self.counts.items() if n}
         endpoints = self.pools.start(counts, timeout_s=STARTUP_TIMEOUT_S)
         self._loop = asyncio.new_event_loop()
@@ -96,19 +98,29 @@ class RayCluster(LocalCluster):
         if self._loop is None:  # closed: no worker left to ask
             return out
         for row in self.table():
-            if not row["healthy"]:
-                continue
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(row["url"])
-                sock.send(m.encode(m.GetStats()))
-                deadline = time.monotonic() + 10
-                while sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                    msg = m.decode(sock.recv())
-                    if isinstance(msg, m.Stats):
-                        out[row["id"]] = msg.stats
-                        break
-            finally:
-                sock.close(0)
+            if row["healthy"]:
+                stats = self._ask(row["url"], m.GetStats(), m.Stats)
+                if stats is not None:
+                    out[row["id"]] = stats.stats
         return out
+
+    def set_fault(self, worker_id: str, mode: str, count: int = 1, delay_s: float = 0.0) -> None:
+        row = next(r for r in self.table() if r["id"] == worker_id)
+        self._ask(row["url"], m.SetFault(mode, count, delay_s), None)
+
+    def _ask(self, url: str, msg: object, reply: type | None) -> Any:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        try:
+            sock.connect(url)
+            sock.send(m.encode(msg))
+            deadline = time.monotonic() + 10
+            while reply is not None and sock.poll(
+                int(max(0.0, deadline - time.monotonic()) * 1000)
+            ):
+                got = m.decode(sock.recv())
+                if isinstance(got, reply):
+                    return got
+            return None
+        finally:
+            sock.close()
