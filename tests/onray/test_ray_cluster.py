@@ -85,10 +85,8 @@ def nodes() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path: Any) -> list[list[int]]:
-    """Greedy tokens of the prompts on a LocalCluster (1P + 1D; threads of this process)."""
-    with LocalCluster(
-        str(tiny_llama_path), 1, 1, transport="inproc", threads=1, engine_args=ENGINE
-    ) as local:
+    """Greedy tokens of the prompts on a LocalCluster (1P + 1D worker processes)."""
+    with LocalCluster(str(tiny_llama_path), 1, 1, threads=1, engine_args=ENGINE) as local:
         return [o.outputs[0].token_ids for o in local.generate(PROMPTS, GREEDY)]
 
 
