@@ -45,6 +45,8 @@ FAST_FAILURE = {
 }
 
 
+# Three raylets, their agents and the workers share two busy cores here: a heartbeat may lag.
+LIVENESS = {"liveness_timeout_s": 6.0}
 # Small KV caches (the default 1 GB each would be most of the memory budget).
 ENGINE = {"kv_cache_memory_gb": 0.05}
 
@@ -95,10 +97,13 @@ def reference(tiny_llama_path: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def shared(nodes: dict[str, Any], tiny_llama_path: Any) -> Iterator[RayCluster]:
-    """One RayCluster for the module's tests (starting workers is most of their time)."""
+def shared(
+    nodes: dict[str, Any], tiny_llama_path: Any, reference: list[list[int]]
+) -> Iterator[RayCluster]:
+    """One RayCluster for the module's tests (starting workers is most of their time). After
+    the reference: a LocalCluster sets this process's message key from the environment."""
     spec = PoolSpec(engine_args={"model": str(tiny_llama_path), **ENGINE}, drain_timeout_s=60.0)
-    with RayCluster(str(tiny_llama_path), spec=spec, secret=SECRET) as c:
+    with RayCluster(str(tiny_llama_path), spec=spec, secret=SECRET, core_args=LIVENESS) as c:
         yield c
 
 
@@ -126,6 +131,7 @@ def assert_all_served(outs: list[Any], reference: list[list[int]] | None = None)
 def test_p_and_d_on_their_nodes_answer_as_a_local_cluster(
     on_ray: RayCluster, nodes: dict[str, Any], reference: list[list[int]]
 ) -> None:
+    eventually(lambda: healthy(on_ray, "prefill") + healthy(on_ray, "decode") == ["P0", "D0"])
     table = rows(on_ray)
     assert table["P0"]["ray_node"] == nodes["prefill"].node_id[:12]
     assert table["D0"]["ray_node"] == nodes["decode"].node_id[:12]
@@ -184,7 +190,7 @@ def test_autobalance_grows_a_saturated_decode_pool_and_shrinks_it_back(
         spec=spec,
         secret=SECRET,
         autoscaler=policy,
-        core_args={"planner": planner},
+        core_args={"planner": planner, **LIVENESS},
     ) as c:
         c.set_fault("D0", "slow", count=-1, delay_s=0.05)  # so the load lasts a while
         load = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
