@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup chromium serve demo test test-fast lint format bench bench-peers bench-compare clean
+.PHONY: setup chromium redis serve demo test test-fast lint format bench bench-peers bench-compare clean
 
 setup: $(STAMP)
 
@@ -32,10 +32,15 @@ demo: setup
 chromium:
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 
-test: setup chromium
+# The KV pool's Redis tier tests (tests/kvpool/) start their own redis-server on a random
+# loopback port; without one they fail rather than skip.
+redis:
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+
+test: setup chromium redis
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: setup
+test-fast: setup redis
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup

@@ -28,6 +28,11 @@ RULES = [
     ),
     ("metrics", ("pdserve.router", "pdserve.workers", "pdserve.engine"), "metrics is a leaf"),
     ("workloads", ("pdserve.bench", "pdserve.sim"), "request streams serve bench and sim"),
+    (
+        "kvpool",
+        ("pdserve.router", "pdserve.workers", "pdserve.bench"),
+        "the pool is a library its users call",
+    ),
 ]
 # Exceptions by design: the timeline vocabulary imports nothing from the router at run time.
 ALLOWED = {"pdserve.router.timeline"}

@@ -121,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     profile.add_arguments(prof)
+    from pdserve.bench import kvpool_bench
+
+    kvp = bench_sub.add_parser(
+        "kvpool",
+        help="KV pool tiers (memory, disk, Redis): bandwidth vs recomputing the tokens",
+        description=kvpool_bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    kvpool_bench.add_arguments(kvp)
     from pdserve.bench import sched
 
     sch = bench_sub.add_parser(
@@ -244,7 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(args, engine_kwargs_from_args(args))
         if args.command == "bench":
-            from pdserve.bench import attention_bench, compare, profile, quant_bench, sched
+            from pdserve.bench import (
+                attention_bench,
+                compare,
+                kvpool_bench,
+                profile,
+                quant_bench,
+                sched,
+            )
             from pdserve.bench.load import serve_bench
             from pdserve.bench.micro import codec_bench, engine_bench
             from pdserve.bench.transfer import transfer_bench
@@ -261,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "profile": profile.run,
                 "quant": quant_bench.run,
                 "attention": attention_bench.run,
+                "kvpool": kvpool_bench.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

@@ -5,6 +5,7 @@ worker events, the KV-pool panel's presence rule."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -227,17 +228,50 @@ def test_segments_of_a_disaggregated_request() -> None:
 def test_kv_pool_panel_only_with_its_metrics(core: FakeCore, metrics: Metrics) -> None:
     board = d.Dashboard(core, metrics)
     assert board.snapshot(now=1.0)["kv_pool"] is None
-    hit = Gauge("pdserve_kv_pool_hit_rate", "h", ["tier"], registry=metrics.registry)
-    size = Gauge("pdserve_kv_pool_bytes", "b", ["tier"], registry=metrics.registry)
-    hit.labels("cpu").set(0.4)
-    size.labels("cpu").set(2048)
+    hit = Gauge("pdserve_kvpool_hit_rate", "h", ["tier"], registry=metrics.registry)
+    size = Gauge("pdserve_kvpool_used_bytes", "b", ["tier"], registry=metrics.registry)
+    hit.labels("memory").set(0.4)
+    size.labels("memory").set(2048)
     size.labels("disk").set(1 << 20)
     pool = d.Snapshot.model_validate(board.snapshot(now=2.0)).kv_pool
     assert pool is not None
     assert [(t.tier, t.hit_rate, t.bytes) for t in pool] == [
-        ("cpu", 0.4, 2048.0),
+        ("memory", 0.4, 2048.0),
         ("disk", None, float(1 << 20)),
     ]
+
+
+def test_kv_pool_panel_reads_a_real_pools_metrics(
+    core: FakeCore, metrics: Metrics, tmp_path: Path
+) -> None:
+    import time
+
+    import torch
+
+    from pdserve.kvpool import PoolNamespace, TieredKVPool
+    from pdserve.kvpool.disk import DiskTier
+    from pdserve.kvpool.tiers import MemoryTier
+
+    ns = PoolNamespace("m", "float32", "00", block_size=4)
+    tiers = [MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)]
+    pool = TieredKVPool(ns, tiers, registry=metrics.registry)
+    try:
+        pool.put(b"a" * 32, torch.ones(1, 2, 4, 1, 2))
+        assert pool.flush()
+        assert pool.lookup([b"a" * 32, b"b" * 32]) == 1
+        assert len(pool.get([b"a" * 32], time.monotonic() + 10)) == 1
+        board = d.Dashboard(core, metrics)
+        rows = d.Snapshot.model_validate(board.snapshot(now=1.0)).kv_pool
+        assert rows is not None
+        by_tier = {t.tier: t for t in rows}
+        assert by_tier["memory"].hit_rate == 0.5 and by_tier["disk"].hit_rate == 0.0
+        assert (
+            by_tier["memory"].bytes
+            == by_tier["disk"].bytes
+            == pool.stats()["tiers"]["memory"]["bytes"]
+        )  # type: ignore[index]
+    finally:
+        pool.close()
 
 
 def test_recent_ring_is_bounded(metrics: Metrics) -> None:

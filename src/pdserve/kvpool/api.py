@@ -59,6 +59,10 @@ class KVPoolConfig:
     disk_gb: float = 0.0
     redis_url: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.memory_gb < 0 or self.disk_gb < 0:
+            raise ValueError("--kv-pool-memory-gb and --kv-pool-disk-gb must be >= 0")
+
     @property
     def enabled(self) -> bool:
         return self.memory_gb > 0 or self.disk_dir is not None or self.redis_url is not None

@@ -14,8 +14,11 @@ worker name.
 A snapshot is built at most once per `CACHE_S` however many pages poll; the schema of the JSON
 is the pydantic model `Snapshot` (tests validate against it).
 
-The KV-pool panel appears only when the registry has `pdserve_kv_pool_*{tier=...}` metrics
-(`pdserve_kv_pool_hit_rate`, `pdserve_kv_pool_bytes`): the KV pool itself is not built yet.
+The KV-pool panel appears only when the registry has the pool's `pdserve_kvpool_*{tier=...}`
+metrics (kvpool/metrics.py): per tier, the hit rate is hit_blocks / lookup_blocks summed over
+every pool reporting (the `pdserve_kvpool_hit_rate` gauge when only it is there) and the bytes
+are `pdserve_kvpool_used_bytes` summed - except the shared Redis tier, which every worker
+reports whole (its max is taken).
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ CACHE_S = 0.5  # a snapshot is shared by every poll within this long
 SERIES_KEEP = 600  # series points kept (10 minutes at 1 s)
 EVENTS_KEEP = 200  # worker events kept
 WATERFALL_N = 30  # requests in the waterfall
+KVPOOL_SERIES = (
+    "pdserve_kvpool_hit_blocks_total",
+    "pdserve_kvpool_lookup_blocks_total",
+    "pdserve_kvpool_hit_rate",
+    "pdserve_kvpool_used_bytes",
+)
+SHARED_TIERS = ("redis",)  # one server behind every worker: each reports all of it
 DEGRADED_HEARTBEAT_S = 1.5  # older than 3 heartbeats (0.5 s), not yet down (2 s): degraded
 
 State = Literal["ready", "draining", "down", "degraded"]
@@ -252,14 +262,31 @@ def totals(samples: dict) -> dict[str, Any]:
 
 
 def kv_pool(samples: dict) -> list[dict[str, Any]] | None:
-    """Per-tier hit rate and bytes, when a KV pool exports `pdserve_kv_pool_*{tier}`."""
-    tiers: dict[str, dict[str, Any]] = {}
-    for name, key in (("pdserve_kv_pool_hit_rate", "hit_rate"), ("pdserve_kv_pool_bytes", "bytes")):
+    """Per-tier hit rate and bytes, when a KV pool exports `pdserve_kvpool_*{tier}`."""
+    sums: dict[str, dict[str, float]] = {}
+    counts: dict[tuple[str, str], int] = collections.Counter()
+    for name in KVPOOL_SERIES:
         for labels, v in samples.get(name, []):
             tier = labels.get("tier")
-            if tier is not None:
-                tiers.setdefault(tier, {"tier": tier, "hit_rate": None, "bytes": None})[key] = v
-    return list(tiers.values()) or None
+            if tier is None:
+                continue
+            acc = sums.setdefault(tier, {})
+            shared = tier in SHARED_TIERS and name == "pdserve_kvpool_used_bytes"
+            acc[name] = max(acc.get(name, v), v) if shared else acc.get(name, 0.0) + v
+            counts[tier, name] += 1
+    out = []
+    for tier, acc in sums.items():
+        hits, asked = (
+            acc.get("pdserve_kvpool_hit_blocks_total", 0.0),
+            acc.get("pdserve_kvpool_lookup_blocks_total"),
+        )
+        rate = acc.get("pdserve_kvpool_hit_rate")
+        if asked:
+            hit_rate: float | None = hits / asked
+        else:  # only the gauge (or nothing asked yet): its mean over the pools reporting it
+            hit_rate = None if rate is None else rate / counts[tier, "pdserve_kvpool_hit_rate"]
+        out.append({"tier": tier, "hit_rate": hit_rate, "bytes": acc.get(KVPOOL_SERIES[3])})
+    return out or None
 
 
 # ---- the dashboard -----------------------------------------------------------------------------

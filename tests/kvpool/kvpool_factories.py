@@ -1,0 +1,32 @@
+"""Small factories shared by the pool's tests: namespaces, block chains and their KV."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from pdserve.engine.block_pool import hash_full_blocks
+from pdserve.kvpool import PoolNamespace
+
+BLOCK = 16
+SHAPE = (2, 2, BLOCK, 2, 8)  # [layers, K|V, block_size, kv_heads, head_dim]
+
+
+def namespace(model: str = "tiny-a", codec: str = "none") -> PoolNamespace:
+    return PoolNamespace(model=model, dtype="float32", layout="00ff", block_size=BLOCK, codec=codec)
+
+
+def chain(n: int, seed: int = 0) -> list[bytes]:
+    """The chained hashes of n full blocks of a prompt."""
+    tokens = [(seed * 7919 + i) % 49152 for i in range(n * BLOCK)]
+    return hash_full_blocks(tokens, BLOCK)
+
+
+def blocks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=g) for _ in range(n)]
+
+
+def kvpool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvpool")]
