@@ -72,6 +72,36 @@ def tiny_qwen2_path(tmp_path_factory, default_tokenizer) -> Path:  # type: ignor
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", default_tokenizer)
 
 
+# A Hermes/Qwen-style chat template that knows tools (written for the tests): the tools go into
+# the system turn, calls are `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n"
+    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n{% endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}</tool_call>'
+    "{%- endfor %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(default_tokenizer):  # type: ignore[no-untyped-def]
+    """The default tokenizer with TOOL_TEMPLATE as its chat template."""
+    import copy
+
+    tok = copy.deepcopy(default_tokenizer)
+    tok.chat_template = TOOL_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_llama_path(tmp_path_factory, tool_tokenizer) -> Path:  # type: ignore[no-untyped-def]
+    """The tiny Llama with a chat template that knows tools."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-tool-llama"), "llama", tool_tokenizer)
+
+
 @pytest.fixture(scope="session")
 def smollm2():  # type: ignore[no-untyped-def]
     """The default model, loaded once (about 10 s)."""

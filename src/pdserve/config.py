@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "w8g32")
 
 
 def check_quantization(name: str) -> None:
@@ -41,7 +41,8 @@ class ModelConfig:
     quantization: str = _f(
         "none",
         "projection weights: none (as --dtype) | int8 (int8 per output channel, int8 "
-        "activations per token; CPU, float32 only)",
+        "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
+        "channel, float32 activations); quantized: CPU, float32 only",
     )
     device: str = _f("cpu", "torch device: cpu | cuda | cuda:N")
     max_model_len: int | None = _f(None, "context cap in tokens; default: the model's own")

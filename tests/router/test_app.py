@@ -502,12 +502,16 @@ def test_openai_errors(oai: openai.OpenAI, server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="Unrecognized request argument") as bad:
         oai.completions.create(model=MODEL, prompt="x", extra_body={"frobnicate": 1})
     assert bad.value.param == "frobnicate"  # type: ignore[attr-defined]
-    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+    with pytest.raises(openai.BadRequestError, match="response_format is invalid") as bad:
         oai.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
-            response_format={"type": "json_object"},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
         )
+    assert bad.value.param == "response_format"  # type: ignore[attr-defined]
     n3 = oai.completions.create(model=MODEL, prompt="x", n=3, max_tokens=2)
     assert [c.index for c in n3.choices] == [0, 1, 2] and n3.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError) as bad:

@@ -220,9 +220,9 @@ def test_max_tokens_beyond_the_context_is_openais_400() -> None:
     ("body", "param", "code", "words"),
     [
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter", "Unrecognized request argument"),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", None, "not supported"),
-        ({"tool_choice": "auto"}, "tool_choice", None, "not supported"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter", "not supported"),
+        ({"function_call": "auto"}, "function_call", None, "not supported"),
+        ({"audio": {"voice": "x"}}, "audio", None, "not supported"),
         ({"store": True}, "store", None, "not supported"),
         ({"stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats", None, ""),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value", "at most 4"),
@@ -252,9 +252,18 @@ def test_history_as_the_openai_client_sends_it_back() -> None:
         "role": "assistant",
         "content": "y",
     }
-    msgs[1]["tool_calls"] = [{"id": "c", "type": "function"}]  # type: ignore[list-item]
-    e = refused(p.ChatCompletionRequest, model="m", messages=msgs)
-    assert e.param == "tool_calls" and "not supported" in e.message
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    msgs[1]["tool_calls"] = [call]  # type: ignore[list-item]
+    msgs.append({"role": "tool", "tool_call_id": "c", "content": "42"})
+    out = parse(p.ChatCompletionRequest, model="m", messages=msgs).template_messages()
+    # templates take the arguments as an object; the tool's answer keeps its call id
+    assert out[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    assert out[2] == {"role": "tool", "content": "42", "tool_call_id": "c"}
+
+
+def test_tools_stay_refused_on_completions() -> None:
+    e = refused(p.CompletionRequest, model="m", prompt="x", tools=[{"type": "function"}])
+    assert (e.param, e.code) == ("tools", "unsupported_parameter")
 
 
 def test_penalties_and_bias_reach_the_sampling_params() -> None:

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples-out", type=Path, default=None, help="raw samples as JSON")
     parser.add_argument("--quick", action="store_true", help="a few small points (seconds)")
     parser.add_argument(
-        "--quantization", default="none", help="projection weights: none | int8 (none)"
+        "--quantization", default="none", help="projection weights: none | int8 | w8g32 (none)"
     )
 
 

@@ -18,7 +18,10 @@ Candidates (`--variants`):
   * w8-fake: int8 weights per output channel, float32 activations (fake-quantized: weight
     error alone);
   * w8g32-fake: int8 weights with one scale per 32 inputs and int8 activations per token,
-    fake-quantized (what group-wise scales would buy; no fast kernel runs it).
+    fake-quantized (what group-wise scales would buy; no fast kernel runs it);
+  * w8g32: what `--quantization w8g32` runs (the real kernel, kernels/w8g32.cpp): int8 weights,
+    one fp16 scale per 32 inputs per output channel, float32 activations, LM head included;
+  * w8g32-head-f32: the same with the LM head left in float32.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
 agreement; `logits_all` over prompt + reference tokens for the KL. Its Q4_1 matmuls quantize
 activations to 8 bits per block of 32 (Q8_1) and use the file's own 4-bit weights.
@@ -47,7 +50,16 @@ if TYPE_CHECKING:
     from pdserve.engine.llm import LLM
 
 DEFAULT_OUTPUT = Path("docs/benchmarks/quant.md")
-VARIANTS = ("int8", "int8-head-f32", "int8-act8", "w8-fake", "w8g32-fake")
+VARIANTS = (
+    "int8",
+    "int8-head-f32",
+    "int8-act8",
+    "w8-fake",
+    "w8g32-fake",
+    "w8g32",
+    "w8g32-head-f32",
+)
+HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
 
 
@@ -123,8 +135,10 @@ class _FakeQuant:
 
 
 def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    from pdserve.engine.quant import Int8Linear
+    from pdserve.engine.quant import Int8Linear, W8G32Linear
 
+    if variant in ("w8g32", "w8g32-head-f32"):
+        return W8G32Linear(w, bias)
     if variant in ("int8", "int8-head-f32"):
         return Int8Linear(w, bias)
     if variant == "int8-act8":
@@ -147,7 +161,7 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
         for proj in LAYER_PROJECTIONS:
             bias = layer.qkv_bias if proj == "qkv" else None
             layer.quantized[proj] = _projection(variant, getattr(layer, proj), bias)
-    head = variant is not None and variant != "int8-head-f32"
+    head = variant is not None and variant not in HEAD_F32
     model.quantized_head = _projection(variant, model.lm_head, None) if head else None  # type: ignore[arg-type]
 
 

@@ -18,6 +18,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import loader, quant
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.grammar import GrammarBackend, Matcher
 from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
@@ -53,6 +54,11 @@ class _Tracked:
         )
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.sent_tokens = 0
+        self.matcher: Matcher | None = None  # structured outputs: the grammar's state
+
+    @property
+    def grammar_done(self) -> bool:
+        return self.matcher is not None and self.matcher.done
 
 
 _Sample = tuple[int, dict[int, float] | None]  # a sampled token and its logprobs
@@ -110,6 +116,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.sampler = Sampler(mc.seed)
+        self.grammars = GrammarBackend(self.tokenizer, self.arch.vocab_size)
         self._live: dict[str, _Tracked] = {}
         self._reserved: dict[str, _Tracked] = {}  # decode side: KV on its way from P
         self._batch = {"batch_requests": 0, "batch_tokens": 0}  # the last step's
@@ -117,6 +124,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}  # n-choice request -> its forked choices
         self._forks = 0  # choices forked from another's KV (no prefill of their own)
+        self._grammar_errors = 0  # requests whose grammar hit a library limit (ended with EOS)
         # Choices admitted with tokens to emit before any step (decode side, n > 1): forks'
         # first tokens (sampled on P, never emitted there) and choices that ended at once.
         self._pending: list[str] = []
@@ -177,7 +185,10 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         request = Request(rid, ids, params, self.eos_token_ids, max_model_len=self.max_model_len)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings)
-        return _Tracked(request, text, detok)
+        tracked = _Tracked(request, text, detok)
+        if params.structured_outputs is not None:
+            tracked.matcher = self.grammars.matcher(params.structured_outputs)
+        return tracked
 
     # ---- KV hand-off (used by prefill and decode workers) ------------------------------------
     def reserve_kv(
@@ -224,6 +235,12 @@ class LLMEngine:
                 "all but the last must be computed"
             )
         request.num_computed_tokens = num_kv_tokens
+        if tracked.matcher is not None:
+            try:  # the grammar's state crosses P -> D by replaying P's tokens
+                tracked.matcher.replay(output_token_ids)
+            except ValueError:
+                self.kv_manager.free(request_id)
+                raise
         tracked.detok.add(list(output_token_ids))  # P already emitted this text
         tracked.sent_tokens = len(output_token_ids)
         if len(fork_tokens) != request.sampling_params.n - 1 or (
@@ -243,6 +260,8 @@ class LLMEngine:
             # P hands an n-choice request over whatever its first tokens were: choice 0 may
             # have ended on its first token (forks were taken from its KV above)
             status = request.check_stop()
+            if status is None and tracked.grammar_done:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None or tracked.detok.stop_hit is not None:
                 if status is not None:
                     self.scheduler.finish_request(request_id, status)
@@ -355,13 +374,24 @@ class LLMEngine:
         result = self.runner.execute(out)
         if not result.request_ids:
             return {}, {}
-        requests = [self._live[r].request for r in result.request_ids]
+        tracked = [self._live[r] for r in result.request_ids]
+        requests = [t.request for t in tracked]
         params = [r.sampling_params for r in requests]  # choice 0 samples with the seed
         histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
-        samples = self.sampler.sample(result.logits, result.request_ids, params, histories)
+        masks = [t.matcher.allowed() if t.matcher is not None else None for t in tracked]
+        samples = self.sampler.sample(
+            result.logits, result.request_ids, params, histories, masks=masks
+        )
         sampled = {
             r: (s.token_id, s.logprobs) for r, s in zip(result.request_ids, samples, strict=True)
         }
+        for t, s in zip(tracked, samples, strict=True):
+            if t.matcher is not None:
+                t.matcher.accept(s.token_id)
+                if t.matcher.error is not None and not t.matcher.reported:
+                    t.matcher.reported = True
+                    self._grammar_errors += 1
+                    log.warning("%s: grammar gave up: %s", t.request.request_id, t.matcher.error)
         firsts = {}
         for row, r in enumerate(requests):
             n = r.sampling_params.n
@@ -372,6 +402,7 @@ class LLMEngine:
                     rids,
                     [r.sampling_params.for_choice(i) for i in range(1, n)],
                     [(r.prompt_token_ids, ())] * (n - 1),
+                    masks=[masks[row]] * (n - 1),  # every choice starts the grammar afresh
                 )
                 firsts[r.request_id] = [(s.token_id, s.logprobs) for s in more]
         return sampled, firsts
@@ -411,6 +442,9 @@ class LLMEngine:
             index,
             p.request_id,
         )
+        if p.sampling_params.structured_outputs is not None:
+            child.matcher = self.grammars.matcher(p.sampling_params.structured_outputs)
+            child.matcher.replay([token])
         self._live[rid] = child
         self._children.setdefault(p.request_id, []).append(rid)
         copy = self.scheduler.fork(p, request)
@@ -418,6 +452,8 @@ class LLMEngine:
             self._copy_block(*copy)
         self._forks += 1
         status = request.check_stop()
+        if status is None and child.grammar_done:
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish_request(rid, status)
         return child
@@ -446,6 +482,8 @@ class LLMEngine:
         new_text = tracked.detok.add(new_ids)
         if tracked.detok.stop_hit is not None and not request.finished:
             request.stop_reason = tracked.detok.stop_hit
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        elif tracked.grammar_done and not request.finished:  # the document is complete
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         output = self._output(tracked, new_ids, new_text)
         if request.finished:
@@ -514,6 +552,7 @@ class LLMEngine:
             **self._batch,
             **self._tokens,
             "forked_choices": self._forks,
+            "grammar_errors": self._grammar_errors,
             "fork_recomputes": self.scheduler.num_fork_recomputes,
             "held_for_transfer": len(self.scheduler.held),
             "reserved_for_transfer": len(self._reserved),

@@ -38,6 +38,9 @@ class SamplingParams:
     # Choices from one prompt: one prefill, then n sequences forked from its KV, choice i
     # sampled with seed + i (when seeded).
     n: int = 1
+    # A grammar the output must follow (engine/grammar.py): exactly one of json (a schema),
+    # json_object, regex, choice, grammar (Lark); vLLM's names.
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +78,10 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}"
             )
+        if self.structured_outputs is not None:
+            from pdserve.engine.grammar import check_spec
+
+            check_spec(self.structured_outputs)
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(
@@ -122,6 +129,7 @@ _EXTRAS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "logit_bias": None,
     "n": 1,
+    "structured_outputs": None,
 }
 
 

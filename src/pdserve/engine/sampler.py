@@ -39,17 +39,24 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         histories: Sequence[History] | None = None,
+        masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampleResult]:
         """`histories[i]`: (prompt ids, output ids so far) of row i; needed for penalties and for
-        the position a seeded draw is keyed on (taken as 0 without it)."""
+        the position a seeded draw is keyed on (taken as 0 without it). `masks[i]`: bool
+        [vocab], the tokens a grammar allows row i (structured outputs), applied first: before
+        penalties, temperature and top-k/p, so they only choose among allowed tokens."""
         logits = logits.float().cpu()
         greedy = logits.argmax(dim=-1).tolist()
         results = []
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             history = histories[row] if histories is not None else ((), ())
             row_logits = logits[row]
+            mask = masks[row] if masks is not None else None
+            if mask is not None:
+                row_logits = row_logits.masked_fill(~mask, float("-inf"))
             if p.penalized:
                 row_logits = apply_penalties(row_logits, p, history)
+            if p.penalized or mask is not None:
                 token = int(row_logits.argmax()) if p.greedy else -1
             else:
                 token = greedy[row]
@@ -131,5 +138,6 @@ def _logprobs(logits: torch.Tensor, token: int, n: int | None) -> dict[int, floa
     out = {token: float(logp[token])}
     if n > 0:
         values, ids = torch.topk(logp, n)
-        out.update(zip(ids.tolist(), values.tolist(), strict=True))
+        # a grammar's mask leaves -inf behind: not a number JSON can carry, nor a candidate
+        out.update((i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v > -1e30)
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -40,8 +41,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+from pdserve.engine.grammar import check_spec
 from pdserve.engine.request import SamplingParams
-from pdserve.router import dashboard, pools
+from pdserve.router import dashboard, pools, structured, tools
 from pdserve.router import protocol as p
 from pdserve.router import responses as r
 from pdserve.router.core import Delta, RequestError
@@ -231,12 +233,17 @@ class _AppState:
             )
         return list(prompt)
 
-    async def chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+    async def chat_ids(
+        self, req: p.ChatCompletionRequest, tool_plan: tools.ToolPlan | None = None
+    ) -> list[int]:
         messages = req.template_messages()
+        extra = {}
+        if tool_plan is not None and tool_plan.template_tools() is not None:
+            extra["tools"] = tool_plan.template_tools()
 
         def encode() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **extra
             )
             return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -317,27 +324,31 @@ def create_app(
         s.check_model(req.model)
         ids = await s.completion_ids(req)
         context = s.check_prompt(ids)
-        params = s.check_params(req.to_sampling_params(context))
+        spec, _ = structured.request_spec(req.structured_fields())
+        params = s.check_params(req.to_sampling_params(context, spec))
         rid = f"cmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, req.logprobs or 0, req.user)
         if req.stream:
             return await _stream(g, req.include_usage, CompletionRender(g, s.model_name))
-        return await _collect(g, CompletionRender(g, s.model_name))
+        best = BestOf(req.n or 1, req.logprobs) if params.n != (req.n or 1) else None
+        return await _collect(g, CompletionRender(g, s.model_name), best)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         req = p.parse_request(p.ChatCompletionRequest, await request.body())
         s.check_model(req.model)
-        ids = await s.chat_ids(req)
+        plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        ids = await s.chat_ids(req, plan)
         context = s.check_prompt(ids)
         default = context.room if context is not None else DEFAULT_CHAT_MAX_TOKENS
-        params = s.check_params(req.to_sampling_params(default, context))
+        spec = _chat_constraint(req, plan)
+        params = s.check_params(req.to_sampling_params(default, context, spec))
         top_n = req.top_logprobs or 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         g = _Generation(s, request, rid, ids, params, top_n, req.user)
         if req.stream:
-            return await _stream(g, req.include_usage, ChatRender(g, s.model_name))
-        return await _collect(g, ChatRender(g, s.model_name))
+            return await _stream(g, req.include_usage, ChatRender(g, s.model_name, plan))
+        return await _collect(g, ChatRender(g, s.model_name, plan))
 
     # ---- models, health, metrics, admin --------------------------------------------------------
     def model_card() -> r.ModelCard:
@@ -404,9 +415,31 @@ def create_app(
     return app
 
 
+def _chat_constraint(
+    req: p.ChatCompletionRequest, plan: tools.ToolPlan | None
+) -> dict[str, Any] | None:
+    """The grammar of a chat request: from tool_choice (required / a named function) or from
+    response_format / guided_*; not both."""
+    spec, source = structured.request_spec(req.structured_fields())
+    tool_spec = plan.spec() if plan is not None else None
+    if tool_spec is None:
+        return spec
+    if spec is not None:
+        raise p.InvalidRequest(
+            f"tool_choice {req.tool_choice!r} constrains the output already; drop {source}",
+            source,
+        )
+    try:
+        check_spec(tool_spec)
+    except ValueError as e:
+        raise p.InvalidRequest(f"tools: a function's parameters: {e}", "tools") from None
+    return tool_spec
+
+
 # ---- rendering: completions and chat, whole and streamed -------------------------------------
-async def _collect(g: _Generation, render: Render) -> Response:
-    """Run the request to its end; the client's disconnect aborts it."""
+async def _collect(g: _Generation, render: Render, best: BestOf | None = None) -> Response:
+    """Run the request to its end; the client's disconnect aborts it. `best`: keep only the
+    best_of candidates with the highest cumulative logprob."""
 
     async def run() -> list[Delta]:
         deltas = []
@@ -420,7 +453,33 @@ async def _collect(g: _Generation, render: Render) -> Response:
         return Response(status_code=499)
     finally:
         await g.aclose()
+    if best is not None:
+        deltas = best.pick(deltas)
+        g.params = dataclasses.replace(g.params, n=best.n, logprobs=best.logprobs)
     return JSONResponse(render.whole(deltas).model_dump())
+
+
+class BestOf:
+    """best_of on completions: the n candidates with the highest cumulative logprob, re-indexed
+    0..n-1 in rank order; their logprobs stay only when the client asked for them."""
+
+    def __init__(self, n: int, logprobs: int | None) -> None:
+        self.n, self.logprobs = n, logprobs
+
+    def pick(self, deltas: list[Delta]) -> list[Delta]:
+        score: dict[int, float] = {}
+        for d in deltas:
+            steps = zip(d.token_ids, d.logprobs or (), strict=False)
+            score[d.index] = score.get(d.index, 0.0) + sum(lp[t] for t, lp in steps)
+        ranked = sorted(score, key=lambda i: -score[i])[: self.n]
+        rank = {index: r for r, index in enumerate(ranked)}
+        return [
+            dataclasses.replace(
+                d, index=rank[d.index], logprobs=d.logprobs if self.logprobs is not None else None
+            )
+            for d in deltas
+            if d.index in rank
+        ]
 
 
 async def _stream(g: _Generation, include_usage: bool, render: Render) -> Response:

@@ -2,11 +2,12 @@
 (responses.py has the response and streaming-chunk models).
 
 Requests are strict: a field pdserve does not know is a 400 in OpenAI's words ("Unrecognized
-request argument supplied: X"), and an OpenAI field it knows but does not serve (`tools`,
-`response_format` other than text, `echo`, ...) is a 400 naming it unless it carries its no-op
-default (clients often send `tools: []` or `response_format: {"type": "text"}`). Nothing is
-ignored silently. vLLM's extensions pdserve serves are accepted (`top_k`, `ignore_eos`,
-`stop_token_ids`, `repetition_penalty`). `to_sampling_params` turns a request into the engine's
+request argument supplied: X"), and an OpenAI field it knows but does not serve (`tools` on
+completions, `echo`, ...) is a 400 naming it unless it carries its no-op default (clients often
+send `tools: []`). Nothing is ignored silently. vLLM's extensions pdserve serves are accepted
+(`top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `guided_*`,
+`structured_outputs`); structured.py and tools.py turn the constraint fields into a grammar.
+`to_sampling_params` turns a request into the engine's
 `SamplingParams`; its validation errors become `InvalidRequest` with the parameter name, and a
 max_tokens that does not fit the context beside the prompt is a 400 (`context_length_exceeded`),
 never clamped.
@@ -14,6 +15,9 @@ never clamped.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -33,6 +37,7 @@ from pdserve.engine.request import SamplingParams
 GREEDY_EPS = 1e-5
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_BEST_OF = 20  # OpenAI's limit
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # The ints of a request travel to the workers as msgpack, 64-bit: a larger one (e.g. {"top_k":
 # 18446744073709551616}) made the router's send fail with OverflowError, a 500. Refused here: 400.
@@ -139,10 +144,6 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or v in values
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
 class _Strict(BaseModel):
     """Every field a client sends is served, refused by name, or accepted only at its no-op
     value (`NOOP_DEFAULTS`: name -> accepts the value); never dropped silently."""
@@ -195,7 +196,6 @@ _NOOP_HINTS = {
     "annotations": "[]",
 }
 _REQUEST_NOOPS: dict[str, Callable[[Any], bool]] = {
-    "response_format": _text_format,
     "tools": _falsy,
     "tool_choice": _none_or("none"),
     "functions": _falsy,
@@ -241,13 +241,26 @@ class _SamplingFields(_Strict):
     frequency_penalty: FiniteFloat | None = 0.0
     repetition_penalty: FiniteFloat | None = 1.0  # extension
     logit_bias: dict[str, FiniteFloat] | None = None
+    # Structured outputs (at most one; router/structured.py): OpenAI's and vLLM's spellings.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # extension
+    guided_regex: str | None = None  # extension
+    guided_choice: list[str] | None = None  # extension
+    guided_grammar: str | None = None  # extension (Lark)
+    structured_outputs: dict[str, Any] | None = None  # extension: {json|regex|choice|...: ...}
     NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = _REQUEST_NOOPS
+
+    def structured_fields(self) -> dict[str, Any]:
+        """The fields that constrain the output, by name (None when absent)."""
+        return {name: getattr(self, name) for name in _STRUCTURED_FIELDS}
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int, logprobs: int | None, structured: dict[str, Any] | None
+    ) -> SamplingParams:
         temperature = 1.0 if self.temperature is None else self.temperature
         if 0 <= temperature < GREEDY_EPS:
             temperature = 0.0
@@ -269,11 +282,20 @@ class _SamplingFields(_Strict):
                 ),
                 logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
                 n=1 if self.n is None else self.n,
+                structured_outputs=structured,
             )
         except ValueError as e:
             raise InvalidRequest(str(e), _param_of(str(e))) from None
 
 
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 _PARAM_NAMES = (
     "max_tokens",
     "temperature",
@@ -303,6 +325,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: WireInt | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
+    # best_of candidates are generated (n = best_of forked from one prefill), the n with the
+    # highest cumulative logprob are returned; usage counts every candidate's tokens, as OpenAI's
+    best_of: WireInt | None = None
+
+    @property
+    def candidates(self) -> int:
+        """How many choices to generate (best_of, else n)."""
+        n = 1 if self.n is None else self.n
+        return n if self.best_of is None else self.best_of
 
     @field_validator("prompt")
     @classmethod
@@ -330,14 +361,26 @@ class CompletionRequest(_SamplingFields):
     NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {
         **_REQUEST_NOOPS,
         "suffix": _falsy,
-        "best_of": _none_or(1),
     }
 
-    def to_sampling_params(self, context: Context | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, context: Context | None = None, structured: dict[str, Any] | None = None
+    ) -> SamplingParams:
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if context is not None:
             context.check(max_tokens, "prompt")
-        return self._params(max_tokens, self.logprobs)
+        n = 1 if self.n is None else self.n
+        if self.candidates == n:
+            return self._params(max_tokens, self.logprobs, structured)
+        if not n <= self.candidates <= MAX_BEST_OF:
+            raise InvalidRequest(
+                f"best_of must be between n ({n}) and {MAX_BEST_OF}, got {self.best_of}", "best_of"
+            )
+        if self.stream:
+            raise InvalidRequest("best_of > n cannot be streamed", "best_of")
+        # every candidate's sampled-token logprob ranks it (logprobs 0 when not asked for)
+        params = self._params(max_tokens, self.logprobs or 0, structured)
+        return dataclasses.replace(params, n=self.candidates)
 
 
 class Context:
@@ -381,7 +424,6 @@ class ContentPart(BaseModel):
 class ChatMessage(_Strict):
     NOOP_DEFAULTS: ClassVar[dict[str, Callable[[Any], bool]]] = {
         # what the openai client's own assistant message holds when sent back as history
-        "tool_calls": _falsy,
         "refusal": _none,
         "annotations": _falsy,
         "audio": _none,
@@ -390,6 +432,8 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back as history
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if self.content is None:
@@ -421,15 +465,31 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("messages must not be empty")
         return v
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them (text only; 'developer' is 'system')."""
-        return [
-            {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
-            for msg in self.messages
-        ]
+    tools: list[Any] | None = None  # router/tools.py checks them
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them (text; 'developer' is 'system'; tool calls
+        with their arguments as objects, as Hermes/Qwen templates render them)."""
+        out = []
+        for msg in self.messages:
+            item: dict[str, Any] = {
+                "role": "system" if msg.role == "developer" else msg.role,
+                "content": msg.text(),
+            }
+            if msg.tool_calls:
+                item["tool_calls"] = [_template_call(c) for c in msg.tool_calls]
+            if msg.tool_call_id is not None:
+                item["tool_call_id"] = msg.tool_call_id
+            out.append(item)
+        return out
 
     def to_sampling_params(
-        self, max_tokens_default: int, context: Context | None = None
+        self,
+        max_tokens_default: int,
+        context: Context | None = None,
+        structured: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """`max_tokens_default` when the client gives neither limit (the context's room)."""
         if self.top_logprobs and not self.logprobs:
@@ -442,11 +502,22 @@ class ChatCompletionRequest(_SamplingFields):
             context.check(max_tokens, "messages")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._params(max_tokens, logprobs)
+            return self._params(max_tokens, logprobs, structured)
         except InvalidRequest as e:
             if e.param == "max_tokens" and self.max_completion_tokens is not None:
                 e.param = "max_completion_tokens"
             raise
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as templates take it: function.arguments as an object when it is
+    JSON text (the openai client sends text)."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: the template gets the text
+            fn["arguments"] = json.loads(args)
+    return {**call, "function": fn}
 
 
 # ---- responses ---------------------------------------------------------------------------------

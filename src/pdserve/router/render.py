@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.router import responses as r
 from pdserve.router.core import Delta
+from pdserve.router.tools import ToolPlan, ToolStream, call_deltas
 
 if TYPE_CHECKING:
     from pdserve.router.app import _Generation
@@ -48,8 +49,9 @@ class CompletionRender:
 
 
 class ChatRender:
-    def __init__(self, g: _Generation, model: str) -> None:
-        self.g, self.model = g, model
+    def __init__(self, g: _Generation, model: str, plan: ToolPlan | None = None) -> None:
+        self.g, self.model, self.plan = g, model, plan
+        self.streams = [ToolStream(plan) for _ in range(g.params.n)] if plan else []
 
     def first(self) -> list[Any]:
         return [
@@ -64,10 +66,19 @@ class ChatRender:
         ]
 
     def chunk(self, delta: Delta) -> Any:
+        content = delta.text if delta.text or delta.token_ids else None
+        calls: list[r.ToolCall] = []
+        if self.streams:
+            stream = self.streams[delta.index]
+            content = stream.feed(delta.text)
+            if delta.finish_reason is not None:
+                rest, calls = stream.finish()
+                content += rest
+            content = content or None
         choice = r.ChatChunkChoice(
             index=delta.index,
-            delta=r.ChatDelta(content=delta.text if delta.text or delta.token_ids else None),
-            finish_reason=delta.finish_reason,
+            delta=r.ChatDelta(content=content, tool_calls=call_deltas(calls) if calls else None),
+            finish_reason=_finish(delta.finish_reason, calls),
             logprobs=self.g.chat_logprobs(delta),
         )
         return r.ChatCompletionChunk(id=self.g.rid, model=self.model, choices=[choice])
@@ -85,11 +96,15 @@ class ChatRender:
             if self.g.params.logprobs is not None:
                 steps = [lp for d in mine for lp in d.logprobs or ()]
                 logprobs = r.chat_logprobs(steps, self.g.s.token_text, self.g.top_n)
+            content: str | None = text
+            calls: list[r.ToolCall] = []
+            if self.plan is not None:
+                content, calls = self.plan.parse(text)
             choices.append(
                 r.ChatChoice(
                     index=index,
-                    message=r.AssistantMessage(content=text),
-                    finish_reason=finish,
+                    message=r.AssistantMessage(content=content, tool_calls=calls or None),
+                    finish_reason=_finish(finish, calls),
                     logprobs=logprobs,
                 )
             )
@@ -99,6 +114,11 @@ class ChatRender:
 
 
 Render = CompletionRender | ChatRender
+
+
+def _finish(reason: str | None, calls: list[r.ToolCall]) -> str | None:
+    """A choice that stopped with tool calls ended to call them (truncated: still "length")."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _by_choice(deltas: list[Delta], n: int) -> list[list[Delta]]:

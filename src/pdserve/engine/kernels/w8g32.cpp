@@ -1,0 +1,221 @@
+// Group-wise int8 weight-only matmul for CPU: y = x @ W (+ bias), x float32 [M, K],
+// W int8 with one fp16 scale per 32 inputs per output channel.
+//
+// Layout (made by pack()): outputs in tiles of 16 channels; a tile's weights are
+// q[tile][k][16] int8 (one 16-byte row per input k, read front to back: pure streaming) and its
+// scales s[tile][group][16] fp16. Per group of 32 inputs a tile accumulates x[k] * q[k] in float
+// registers (int8 -> float in-register: vpmovsxbd + vcvtdq2ps), then adds group_sum * scale
+// into the running total, so the scale costs one FMA per 32 inputs, not one per weight.
+// Decode (few rows) is bound by reading the int8 weights: 1/4 of float32's bytes.
+// Prefill (many rows) calls dequantize() into a float scratch and leaves the GEMM to torch/MKL.
+// Built with -mavx2 -mfma -mf16c only (never -march=native): one binary for AVX2-only AMD EPYC
+// and AVX-512 Xeon.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTile = 16;   // output channels per tile (two 8-float registers)
+constexpr int64_t kGroup = 32;  // inputs per scale
+constexpr int64_t kRows = 4;    // rows of x sharing one pass over a tile
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// 16 int8 weights at p -> two float registers. Two 8-byte sign-extending loads
+// (vpmovsxbd ymm, m64) rather than one 16-byte load + shift: one shuffle-port uop fewer.
+inline void load_w(const int8_t* p, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  hi = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+}
+
+// Rows [r0, r0 + nr) (nr <= kRows) of x against one tile; writes 16 outputs per row to out
+// (row stride kTile), before bias and before trimming a partial tile.
+template <int NR>
+void tile_rows(const float* x, int64_t ldx, const int8_t* q, const at::Half* s, int64_t K,
+               float* out) {
+  __m256 tot[NR][2];
+  for (int r = 0; r < NR; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+  const int64_t groups = ceil_div(K, kGroup);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 wlo, whi;
+      load_w(q + k * kTile, wlo, whi);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, wlo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, whi, acc[r][1]);
+      }
+    }
+    const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile));
+    const __m256 slo = _mm256_cvtph_ps(sh);
+    const __m256 shi = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile + 8)));
+    for (int r = 0; r < NR; ++r) {
+      tot[r][0] = _mm256_fmadd_ps(acc[r][0], slo, tot[r][0]);
+      tot[r][1] = _mm256_fmadd_ps(acc[r][1], shi, tot[r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm256_storeu_ps(out + r * kTile, tot[r][0]);
+    _mm256_storeu_ps(out + r * kTile + 8, tot[r][1]);
+  }
+}
+
+void check_packed(const torch::Tensor& q, const torch::Tensor& s, int64_t K, int64_t N) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 3, "q: int8 [T,K,16]");
+  TORCH_CHECK(s.dtype() == torch::kHalf && s.is_contiguous() && s.dim() == 3, "s: fp16 [T,G,16]");
+  TORCH_CHECK(q.size(0) == ceil_div(N, kTile) && q.size(1) == K && q.size(2) == kTile,
+              "q shape does not match K, N");
+  TORCH_CHECK(s.size(0) == q.size(0) && s.size(1) == ceil_div(K, kGroup) && s.size(2) == kTile,
+              "s shape does not match K, N");
+}
+
+}  // namespace
+
+// w: float32 [K, N] (y = x @ w). Returns (q int8 [T, K, 16], s fp16 [T, G, 16]); a partial last
+// tile / group is zero-padded (padding weights are 0, so they add nothing).
+std::vector<torch::Tensor> pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat, "w: float32 [K, N]");
+  w = w.contiguous();
+  const int64_t K = w.size(0), N = w.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
+  auto q = torch::zeros({T, K, kTile}, torch::kInt8);
+  auto s = torch::zeros({T, G, kTile}, torch::kHalf);
+  const float* wp = w.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  at::Half* sp = s.data_ptr<at::Half>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c) {
+        const int64_t n = t * kTile + c;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+          float amax = 0.f;
+          for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(wp[k * N + n]));
+          // The scale is stored as fp16; quantize against the rounded scale so that
+          // dequantization (q * fp16 scale) is what the weights were rounded to.
+          const at::Half sh = static_cast<at::Half>(std::max(amax / 127.f, 1e-7f));
+          const float scale = static_cast<float>(sh);
+          sp[(t * G + g) * kTile + c] = sh;
+          for (int64_t k = k0; k < k1; ++k) {
+            const float v = std::nearbyint(wp[k * N + n] / scale);
+            qp[(t * K + k) * kTile + c] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+          }
+        }
+      }
+    }
+  });
+  return {q, s};
+}
+
+// x float32 [M, K] -> y float32 [M, N] (+ bias [N]). Work items: (tile, block of kRows rows),
+// spread over torch's intra-op threads (torch.get_num_threads()).
+torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t N,
+                     c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile);
+  check_packed(q, s, K, N);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias: float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, torch::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t G = ceil_div(K, kGroup), row_blocks = ceil_div(M, kRows);
+  // Tile-major order: consecutive items reuse the same tile while it is in cache.
+  at::parallel_for(0, T * row_blocks, 1, [&](int64_t a, int64_t b) {
+    float out[kRows * kTile];
+    for (int64_t item = a; item < b; ++item) {
+      const int64_t t = item / row_blocks, r0 = (item % row_blocks) * kRows;
+      const int64_t nr = std::min(kRows, M - r0);
+      const float* xr = xp + r0 * K;
+      const int8_t* qt = qp + t * K * kTile;
+      const at::Half* st = sp + t * G * kTile;
+      switch (nr) {
+        case 4: tile_rows<4>(xr, K, qt, st, K, out); break;
+        case 3: tile_rows<3>(xr, K, qt, st, K, out); break;
+        case 2: tile_rows<2>(xr, K, qt, st, K, out); break;
+        default: tile_rows<1>(xr, K, qt, st, K, out); break;
+      }
+      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
+      for (int64_t r = 0; r < nr; ++r) {
+        float* dst = yp + (r0 + r) * N + n0;
+        const float* src = out + r * kTile;
+        if (bp) {
+          for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + bp[n0 + c];
+        } else {
+          std::memcpy(dst, src, nc * sizeof(float));
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// Columns [n0, n1) of the float32 weight, [K, n1 - n0], with n0 a multiple of 16: the scratch
+// that prefill hands to torch's GEMM.
+// `out` (float32 [K, n1 - n0], contiguous) is the caller's reused scratch: a fresh 16 MB buffer
+// per call would cost more in page faults than the dequantization itself.
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, int64_t N, int64_t n0, int64_t n1,
+                         torch::Tensor w) {
+  const int64_t K = q.size(1);
+  check_packed(q, s, K, N);
+  TORCH_CHECK(n0 % kTile == 0 && 0 <= n0 && n0 < n1 && n1 <= N, "bad column range");
+  const int64_t W = n1 - n0, G = ceil_div(K, kGroup), t0 = n0 / kTile, t1 = ceil_div(n1, kTile);
+  TORCH_CHECK(w.dtype() == torch::kFloat && w.is_contiguous() && w.dim() == 2 && w.size(0) == K &&
+                  w.size(1) == W, "out: float32 [K, n1 - n0], contiguous");
+  float* wp = w.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  // Blocks of 8 tiles (128 columns): per input k, 8 sequential read streams and one 512-byte
+  // contiguous write.
+  constexpr int64_t kBlock = 8;
+  at::parallel_for(0, ceil_div(t1 - t0, kBlock), 1, [&](int64_t ba, int64_t bb) {
+    for (int64_t blk = ba; blk < bb; ++blk) {
+      const int64_t ta = t0 + blk * kBlock, tb = std::min(t1, ta + kBlock);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t g = k / kGroup;
+        for (int64_t t = ta; t < tb; ++t) {
+          __m256 lo, hi;
+          load_w(qp + (t * K + k) * kTile, lo, hi);
+          const at::Half* st = sp + (t * G + g) * kTile;
+          lo = _mm256_mul_ps(lo, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st))));
+          hi = _mm256_mul_ps(hi, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(st + 8))));
+          float* dst = wp + k * W + (t * kTile - n0);
+          const int64_t nc = std::min(kTile, n1 - t * kTile);
+          if (nc == kTile) {
+            _mm256_storeu_ps(dst, lo);
+            _mm256_storeu_ps(dst + 8, hi);
+          } else {
+            float tmp[kTile];
+            _mm256_storeu_ps(tmp, lo);
+            _mm256_storeu_ps(tmp + 8, hi);
+            std::memcpy(dst, tmp, nc * sizeof(float));
+          }
+        }
+      }
+    }
+  });
+  return w;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "float32 [K, N] -> (int8 tiles [T, K, 16], fp16 scales [T, G, 16])");
+  m.def("matmul", &matmul, "x [M, K] @ packed W [K, N] (+ bias)");
+  m.def("dequantize", &dequantize, "columns [n0, n1) of the packed weight into out, float32 [K, n]");
+}

@@ -1,0 +1,96 @@
+"""`quantization="w8g32"`: the C++ kernel against a dequantized reference (decode and prefill
+paths, odd shapes, bias), the tiny models' greedy agreement with float32, and the start-up
+error on a CPU the kernel cannot run on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import assert_engine_idle
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import quant
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far", "1, 2, 3, 4,"]
+
+
+def _reference(w: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Group-wise int8 dequantization of [in, out] computed in Python: one scale per `group`
+    inputs per output column, scales rounded to fp16 as the kernel stores them."""
+    k, n = w.shape
+    pad = -k % group
+    wp = torch.cat([w, w.new_zeros(pad, n)]) if pad else w
+    blocks = wp.reshape(-1, group, n)
+    scale = (blocks.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-7).half().float()
+    q = torch.round(blocks / scale).clamp(-127, 127)
+    return (q * scale).reshape(-1, n)[:k]
+
+
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (96, 160), (33, 17), (70, 5)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_w8g32_kernel_matches_the_dequantized_reference(k: int, n: int, rows: int) -> None:
+    torch.manual_seed(k * 1000 + n + rows)
+    w, b = torch.randn(k, n) * 0.05, torch.randn(n)
+    ref_w = _reference(w)
+    for bias in (None, b):
+        lin = quant.W8G32Linear(w, bias)
+        torch.testing.assert_close(lin.dequantized(), ref_w, rtol=0, atol=1e-6)
+        x = torch.randn(rows, k)
+        want = x @ ref_w if bias is None else x @ ref_w + bias
+        # rows <= 16 run the streaming kernel, more rows the dequantize + GEMM path.
+        torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
+    groups, tiles = -(-k // 32), -(-n // 16)
+    assert lin.nbytes == tiles * 16 * k + tiles * groups * 16 * 2 + n * 4  # int8, fp16, bias
+
+
+def test_w8g32_prefill_in_column_chunks_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The LM head is dequantized chunk by chunk; force chunking on a small matrix.
+    monkeypatch.setattr(quant, "W8G32_SCRATCH", 64 * 48)
+    torch.manual_seed(5)
+    w, b = torch.randn(64, 200) * 0.05, torch.randn(200)
+    lin = quant.W8G32Linear(w, b)
+    assert lin._chunk < 200
+    x = torch.randn(40, 64)
+    torch.testing.assert_close(lin(x), x @ _reference(w) + b, rtol=1e-4, atol=1e-4)
+
+
+def test_w8g32_rejects_a_wrong_input_width() -> None:
+    lin = quant.W8G32Linear(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="takes 64"):
+        lin(torch.randn(2, 63))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_w8g32_engine_agrees_with_float32(fixture: str, request: pytest.FixtureRequest) -> None:
+    path = str(request.getfixturevalue(fixture))
+    f32 = LLM(path, block_size=8, num_blocks=64)
+    w8 = LLM(path, block_size=8, num_blocks=64, quantization="w8g32")
+    model = w8.engine.model
+    assert all(isinstance(p, quant.W8G32Linear) for p in model.layers[0].quantized.values())
+    assert isinstance(model.quantized_head, quant.W8G32Linear)
+    assert model.layers[0].qkv.numel() == 0 and model.lm_head.numel() == 0  # float copies freed
+    assert quant.projection_bytes(model) < 0.32 * quant.projection_bytes(f32.engine.model)
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in f32.generate(PROMPTS, p)]
+    got = [o.outputs[0].token_ids for o in w8.generate(PROMPTS, p)]
+    prefix = 0
+    for a, b in zip(ref, got, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefix += same
+    # Random tiny weights have flat logits (near ties), so this is looser than the real model.
+    assert prefix / sum(map(len, ref)) >= 0.6
+    assert w8.engine.stats()["quantization"] == "w8g32"
+    assert_engine_idle(w8)
+
+
+def test_w8g32_without_avx2_is_a_start_up_error(
+    tiny_llama_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What torch reports under ATEN_CPU_CAPABILITY=default or on a CPU without AVX2.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(ValueError, match=r"w8g32.*AVX2"):
+        quant.check_supported("w8g32", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="AVX2"):
+        LLM(str(tiny_llama_path), quantization="w8g32")
+    with pytest.raises(ValueError, match="float32"):
+        quant.check_supported("w8g32", torch.device("cpu"), torch.bfloat16)
