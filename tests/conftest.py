@@ -125,6 +125,7 @@ SLOW_MODULES = {
     "test_serve.py",  # `pdserve serve` subprocesses
     "test_api_conformance.py",  # `pdserve serve` colocated and 1P1D, the openai client
     "test_smollm2.py",  # the default model
+    "test_ray_cluster.py",  # a multi-node Ray cluster with worker actors
 }
 SLOW_FIXTURES = {"smollm2"}  # the default model, about 10 s to load
 SLOW_TESTS = {

@@ -21,7 +21,11 @@ RULES = [
     ),
     ("transfer", ("pdserve.workers", "pdserve.router"), "transports know no worker"),
     ("costmodel", ("pdserve.router", "pdserve.bench", "pdserve.serve"), "serve/plan/sim use it"),
-    ("router", ("pdserve.launcher", "pdserve.serve", "pdserve.cluster"), "composition roots spawn"),
+    (
+        "router",
+        ("pdserve.launcher", "pdserve.serve", "pdserve.cluster", "pdserve.ray"),
+        "composition roots spawn",
+    ),
     ("metrics", ("pdserve.router", "pdserve.workers", "pdserve.engine"), "metrics is a leaf"),
     ("workloads", ("pdserve.bench", "pdserve.sim"), "request streams serve bench and sim"),
     (

@@ -141,7 +141,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="restart a worker process that exits, on the same addresses",
     )
+    add_ray_arguments(parser)
     add_common_arguments(parser)
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("ray (pdserve/ray/)")
+    group.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="auto|ADDRESS",
+        help="run each worker as a Ray actor: 'auto' starts Ray on this machine, an address "
+        "(ray://host:10001, host:6379) joins a cluster; Ray places (custom resources "
+        "pdserve_prefill / pdserve_decode, else CPUs), restarts and resizes (POST "
+        "/admin/pools) the workers; the router stays here",
+    )
+    group.add_argument(
+        "--ray-cpus-per-worker",
+        type=float,
+        default=None,
+        help="Ray CPUs each worker actor reserves, also its torch threads (default: with "
+        "--ray auto, cores / workers; else 1)",
+    )
+    group.add_argument(
+        "--ray-max-restarts",
+        type=int,
+        default=-1,
+        help="times Ray restarts a dead worker actor (-1: always)",
+    )
+    group.add_argument(
+        "--ray-dashboard",
+        action="store_true",
+        help="start Ray's dashboard with --ray auto (off by default)",
+    )
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,6 +296,10 @@ def _use_secret(args: argparse.Namespace, endpoints: list[str]) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", None) is not None:
+        from pdserve.ray import launch as ray_launch
+
+        return ray_launch.run(args)
     _setup_logging()
     specs = _worker_specs(args)
     _use_secret(args, [s.config.host for s in specs])
@@ -319,7 +357,10 @@ async def _serve_router(
     supervised: list[Launched] | None = None,
     ctx: zmq.Context | None = None,
     cost_model: CostModel | None = None,
+    pools: Any = None,
 ) -> int:
+    """The router in front of `endpoints`; `supervised` workers are restarted when they exit;
+    `pools` (pdserve.ray.pools.RayPools) supervises and resizes Ray worker actors instead."""
     import uvicorn
 
     from pdserve.metrics.prometheus import Metrics
@@ -337,6 +378,8 @@ async def _serve_router(
         autobalancer=Autobalancer() if args.autobalance else None,
     )
     await core.start()
+    if pools is not None:
+        await pools.attach(core)
     supervisor = None
     if supervised is not None and ctx is not None:
         supervisor = asyncio.create_task(_supervise(supervised, ctx, core))
@@ -354,6 +397,7 @@ async def _serve_router(
             api_key=args.api_key,
             max_model_len=arch.max_position_embeddings,
             metrics=metrics,
+            scaler=pools,
         )
         _warn_if_exposed(args.host, args.api_key)
         config = uvicorn.Config(
@@ -373,6 +417,8 @@ async def _serve_router(
     finally:
         if supervisor is not None:
             supervisor.cancel()
+        if pools is not None:
+            await pools.close()
         await core.close()
     return 0
 

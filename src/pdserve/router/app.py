@@ -4,9 +4,9 @@
     uvicorn.run(app, port=8000)
 
 Routes: POST /v1/completions and /v1/chat/completions (SSE when `stream`), GET /v1/models,
-GET /health, GET /metrics, GET /admin/workers, GET /admin/kvpool, GET /v1/requests/{id}/timeline,
-and the live dashboard: GET /dashboard (the page) and GET /admin/dashboard.json (its data;
-router/dashboard.py).
+GET /health, GET /metrics, GET /admin/workers, GET /admin/kvpool, GET/POST /admin/pools
+(router/pools.py), GET /v1/requests/{id}/timeline, and the live dashboard: GET /dashboard (the
+page) and GET /admin/dashboard.json (its data; router/dashboard.py).
 The response `id` is the request id the core used, so a request's timeline is reachable by it.
 
 Every error is OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 for bad
@@ -43,7 +43,7 @@ from starlette.types import Send
 
 from pdserve.engine.grammar import check_spec
 from pdserve.engine.request import SamplingParams
-from pdserve.router import dashboard, structured, tools
+from pdserve.router import dashboard, pools, structured, tools
 from pdserve.router import protocol as p
 from pdserve.router import responses as r
 from pdserve.router.core import Delta, RequestError
@@ -263,11 +263,13 @@ def create_app(
     max_body_bytes: int = 4 << 20,
     max_model_len: int | None = None,
     metrics: Any = None,
+    scaler: Any = None,
 ) -> FastAPI:
     """The HTTP app over `core` (a RouterCore or anything with its interface).
 
     `metrics` (a `pdserve.metrics.Metrics`) is served at /metrics, fed per delta by the app, and
-    attached to the core (`core.metrics`) when the core has none yet.
+    attached to the core (`core.metrics`) when the core has none yet. `scaler` (router/pools.py)
+    resizes the pools at /admin/pools when the deployment can start and stop workers.
     """
     if metrics is not None and getattr(core, "metrics", None) is None:
         core.metrics = metrics
@@ -416,6 +418,7 @@ def create_app(
         return JSONResponse(row)
 
     dashboard.mount(app, board)  # GET /dashboard, GET /admin/dashboard.json
+    pools.mount(app, scaler)  # GET/POST /admin/pools
     return app
 
 

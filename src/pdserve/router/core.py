@@ -97,6 +97,7 @@ class RouterCore:
         )
         self.timelines = Timelines(self.events)
         self._tasks: list[asyncio.Task] = []
+        self._readers: dict[int, asyncio.Task] = {}  # id(WorkerState) -> its event reader
 
     @property
     def metrics(self) -> MetricsHooks | None:
@@ -117,26 +118,74 @@ class RouterCore:
             await w.sock.send(m.encode(m.Hello("router")))
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            while w.info is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not await w.sock.poll(int(left * 1000)):
-                    raise RuntimeError(f"worker at {w.endpoint} did not answer within {timeout_s}s")
-                msg = m.decode(await w.sock.recv())
-                if isinstance(msg, m.WorkerInfo):
-                    w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
-        self._tasks = [asyncio.create_task(self._reader(w)) for w in self.workers]
+            await self._greet(w, deadline, timeout_s)
+        for w in self.workers:
+            self._watch(w)
         poll = self.links.poll_stats(self.config.stats_interval_s, self.config.deadline_s)
         self._tasks.append(asyncio.create_task(poll))
-        for w in self.workers:
-            assert w.info is not None
-            if w.info.hb_endpoint:
-                self.liveness.connect(w, w.info.hb_endpoint)
         self._tasks.append(asyncio.create_task(self.liveness.run()))
         if self.roles.autobalancer is not None:
             self._tasks.append(asyncio.create_task(self.roles.autobalance()))
 
+    async def _greet(self, w: WorkerState, deadline: float, timeout_s: float) -> None:
+        """Wait for the worker's answer to Hello (its WorkerInfo)."""
+        while w.info is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await w.sock.poll(int(left * 1000)):
+                raise RuntimeError(f"worker at {w.endpoint} did not answer within {timeout_s}s")
+            msg = m.decode(await w.sock.recv())
+            if isinstance(msg, m.WorkerInfo):
+                w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
+
+    def _watch(self, w: WorkerState) -> None:
+        """Read the worker's events and ping its heartbeat socket."""
+        self._readers[id(w)] = asyncio.create_task(self._reader(w))
+        assert w.info is not None
+        if w.info.hb_endpoint:
+            self.liveness.connect(w, w.info.hb_endpoint)
+
+    # ---- workers joining and leaving after start-up (pools resized by pdserve.ray) ---------
+    async def add_worker(self, endpoint: str, timeout_s: float = 60.0) -> WorkerState:
+        """Connect a worker that started after the router did; it enters routing once it has
+        answered Hello. RuntimeError if it does not answer within `timeout_s`."""
+        w = self.links.add(endpoint)
+        try:
+            await w.sock.send(m.encode(m.Hello("router")))
+            await self._greet(w, time.monotonic() + timeout_s, timeout_s)
+        except BaseException:
+            self.links.remove(w)
+            raise
+        self._watch(w)
+        self.events.count("workers_added")
+        return w
+
+    def remove_worker(self, w: WorkerState, reason: str = "removed") -> None:
+        """Take `w` out of the router for good; a request still on it is recovered first (as
+        when a worker dies), so none is lost."""
+        if w.healthy and self._busy(w):
+            self.worker_down(w, reason)
+        w.healthy, w.down_reason = False, reason
+        reader = self._readers.pop(id(w), None)
+        if reader is not None:
+            reader.cancel()
+        self.liveness.disconnect(w)
+        self.prefix.drop(w.worker_id)
+        self.links.remove(w)
+        self.events.count("workers_removed")
+
+    async def drain_worker(self, w: WorkerState, timeout_s: float) -> bool:
+        """Stop routing new requests to `w` and wait until none of its own is in flight (or
+        `timeout_s` passes: False). The caller removes it; it stays out of routing."""
+        w.draining = True
+        ends = time.monotonic() + timeout_s
+        while self._busy(w) and w.healthy:
+            if time.monotonic() > ends:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def close(self) -> None:
-        tasks = [*self._tasks, *self.liveness.tasks()]
+        tasks = [*self._tasks, *self._readers.values(), *self.liveness.tasks()]
         for t in tasks:
             t.cancel()
         for t in tasks:

@@ -28,6 +28,23 @@ class Links:
         self._owns_ctx = ctx is None
         self.events = events
         self.workers = [WorkerState(e, self.socket(e)) for e in endpoints]
+        # per worker id, what the process that placed it knows (node, actor, restarts): shown
+        # beside the router's own columns in /admin/workers
+        self.placement: dict[str, dict[str, Any]] = {}
+
+    def add(self, endpoint: str) -> WorkerState:
+        """A worker that joins after start-up (a pool grew, or one came back elsewhere)."""
+        w = WorkerState(endpoint, self.socket(endpoint))
+        self.workers.append(w)  # in place: the core and its modules hold this list
+        return w
+
+    def remove(self, w: WorkerState) -> None:
+        """Forget a worker for good (drained and stopped, or replaced by a new incarnation)."""
+        self.workers.remove(w)
+        w.sock.close(0)
+        if w.hb is not None:
+            w.hb.close(0)
+            w.hb = None
 
     def socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -85,6 +102,7 @@ class Links:
                     "kv_blocks_used": s.get("kv_blocks_used", 0),
                     "kv_blocks_total": s.get("kv_blocks_total", 0),
                     "quantization": s.get("quantization"),
+                    **self.placement.get(w.worker_id, {}),
                 }
             )
         return rows

@@ -48,6 +48,12 @@ class Liveness:
         w.hb, w.last_pong = self.links.socket(endpoint), time.monotonic()
         self._readers[w.endpoint] = asyncio.create_task(self._reader(w))
 
+    def disconnect(self, w: WorkerState) -> None:
+        """Stop watching `w` (it leaves the router)."""
+        old = self._readers.pop(w.endpoint, None)
+        if old is not None:
+            old.cancel()
+
     def tasks(self) -> list[asyncio.Task]:
         return list(self._readers.values())
 
