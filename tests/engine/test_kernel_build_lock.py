@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
-import pytest
+import types
+
+import torch.utils.cpp_extension
 
 from pdserve.engine import kernels
 
 
-@pytest.mark.skipif(
-    not kernels.cpu_supported(), reason="the kernels need AVX2 (both CI kinds have it)"
-)
-def test_a_stale_torch_build_lock_is_removed(tmp_path, monkeypatch):
+def test_a_stale_torch_build_lock_is_removed_before_torch_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     build = kernels.build_dir(kernels.SOURCE, kernels.CFLAGS)
     build.mkdir(parents=True)
-    (build / "lock").touch()  # what a SIGKILLed build leaves behind
+    (build / "lock").touch()  # what a SIGKILLed build leaves behind: torch would wait forever
+    seen = {}
+
+    def fake_load(name, sources, extra_cflags, build_directory, verbose):  # type: ignore[no-untyped-def]
+        seen["lock_left"] = (build / "lock").exists()
+        seen["dir"] = build_directory
+        return types.SimpleNamespace(name=name)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
     module = kernels.build_and_load("pdserve_paged_attention", kernels.SOURCE, kernels.CFLAGS)
-    assert hasattr(module, "__file__")
-    assert not (build / "lock").exists()
+    assert module.name == "pdserve_paged_attention"
+    assert seen == {"lock_left": False, "dir": str(build)}
+
+
+def test_build_dirs_are_keyed_by_source_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    a = kernels.build_dir(kernels.SOURCE, kernels.CFLAGS)
+    assert a == kernels.build_dir(kernels.SOURCE, list(kernels.CFLAGS))
+    assert a != kernels.build_dir(kernels.SOURCE, [*kernels.CFLAGS, "-DX"])
+    assert a != kernels.build_dir(kernels.W8G32_SOURCE, kernels.CFLAGS)
