@@ -38,7 +38,8 @@ redis:
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
 test: setup chromium redis
-	$(PY) -m pytest -q -p no:cacheprovider
+	# --durations: the slowest tests in every CI log, to keep the suite under ~20 minutes.
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup redis
 	$(PY) -m pytest -q -m "not slow"
