@@ -56,7 +56,10 @@ def test_a_worker_added_later_serves_and_a_drained_one_leaves_without_losing_req
         running = [asyncio.ensure_future(tokens(core, f"late{i}", [9, 9, i])) for i in range(2)]
         w = core.links.find("D1")
         assert w is not None
-        await asyncio.sleep(0.01)
+        for _ in range(400):  # until a request is running on D1 (2 s at most)
+            if core._busy(w):
+                break
+            await asyncio.sleep(0.005)
         assert core._busy(w)
         drained = await core.drain_worker(w, timeout_s=10)
         assert drained and not core._busy(w)
