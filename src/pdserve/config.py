@@ -163,10 +163,16 @@ class WorkerConfig:
         None, "KV pool: shared Redis tier, redis://HOST:PORT[/DB] (shared by every worker "
         "that names it)",
     )  # fmt: skip
+    kv_pool_chunk_mb: float = _f(
+        2.0, "KV pool: target size of a stored value, MiB: the whole number of blocks nearest "
+        "it (1-16) makes one chunk (default model: 3 blocks)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.kv_pool_memory_gb < 0 or self.kv_pool_disk_gb < 0:
             raise ValueError("kv_pool_memory_gb and kv_pool_disk_gb must be >= 0")
+        if not self.kv_pool_chunk_mb > 0:
+            raise ValueError("kv_pool_chunk_mb must be > 0")
         if self.kv_pool_disk_gb > 0 and self.kv_pool_disk is None:
             raise ValueError("kv_pool_disk_gb needs kv_pool_disk (a folder)")
         if self.kv_pool_redis is not None and not self.kv_pool_redis.startswith("redis://"):
@@ -221,7 +227,13 @@ class RouterConfig:
 
 
 # WorkerConfig's KV pool fields: `pdserve serve` takes them too and hands them to its workers.
-KV_POOL_FIELDS = ("kv_pool_memory_gb", "kv_pool_disk", "kv_pool_disk_gb", "kv_pool_redis")
+KV_POOL_FIELDS = (
+    "kv_pool_memory_gb",
+    "kv_pool_disk",
+    "kv_pool_disk_gb",
+    "kv_pool_redis",
+    "kv_pool_chunk_mb",
+)
 
 
 def _flag(f: dataclasses.Field) -> str:

@@ -362,12 +362,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         sampled, firsts = self._run(out)
         self._observe_step(out, time.perf_counter() - t0)
+        if link is not None:  # the KV is written; finishing requests still hold their blocks
+            link.after_step(set(out.preempted))
         # Fork before the parent's update: a parent that stops on its first token frees its KV.
         for rid, tokens in firsts.items():
             self._fork_choices(rid, tokens, sampled)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
-        if link is not None:
-            link.after_step(set(out.preempted))
         return early + self._collect(out, sampled)
 
     def _emit_pending(self) -> list[RequestOutput]:

@@ -248,6 +248,18 @@ class KVCacheManager:
         out, self._registered = self._registered, []
         return out
 
+    def registered_blocks(
+        self, request_id: str, start: int, end: int
+    ) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the request's blocks [start, end) while each is registered (a
+        full block in the prefix cache); stops at the first that is not."""
+        out: list[tuple[int, BlockHash]] = []
+        for block in self._blocks.get(request_id, [])[start:end]:
+            if block.block_hash is None:
+                break
+            out.append((block.block_id, block.block_hash))
+        return out
+
     def block_holds(self, block_id: int, block_hash: BlockHash) -> bool:
         """Whether block `block_id` still holds the KV named `block_hash`."""
         return self.pool.blocks[block_id].block_hash == block_hash

@@ -9,10 +9,18 @@ the scheduler has run once: it then finds them as an ordinary prefix hit and mar
 computed. Whatever the lookup promised but `get` did not return (late, missing, corrupt) is
 recomputed, and counted (`recomputed_tokens`). At most the last prompt token is always computed.
 
-Put (`after_step`): blocks the KV manager registered during the step (prompt blocks P computed,
-a decode worker's received prompt blocks on its first step, generated blocks as they fill) are
-copied out as one tensor [layers, 2, block_size, kv_heads, head_dim] each and handed to
-`pool.put`, which never blocks (a full write-back queue drops and counts).
+Put (`after_step`, right after the model ran): the pool stores chunks of C =
+`namespace.chunk_blocks` blocks aligned on multiples of C (kvpool/api.py), so blocks the KV
+manager registered during the step (prompt blocks P computed, a decode worker's received prompt
+blocks on its first step, generated blocks as they fill) join their request's *open chunk*
+(block ids and hashes only, no copy). When a registered block ends a chunk (index % C == C-1),
+the chunk - with any leading blocks of it the request found cached rather than computed - is
+copied out, one tensor [layers, 2, block_size, kv_heads, head_dim] per block, and handed to
+`pool.put`, which never blocks (a full write-back queue drops and counts). The open rest is put
+as a partial chunk when the request ends (`forget`: finished or aborted) or is preempted, from
+the blocks that still hold their hashes. Trade-off: up to C-1 of a running request's newest
+blocks are in no pool until then - a D killed mid-answer loses them, and the request's recovery
+recomputes them (the kvpool-serve recovery benchmark reports loaded vs recomputed tokens).
 
 Nothing here changes what the engine computes: a pool hit is KV that some worker with the same
 namespace (model, dtype, layout, block size, codec) computed for the same chained hash.
@@ -29,7 +37,7 @@ import torch
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
-from pdserve.kvpool.api import KVPool
+from pdserve.kvpool.api import BlockHash, KVPool
 
 # Loading deadline: a fixed allowance plus a per-token one (1500 tokens: 0.25 + 0.15 s).
 LOAD_BASE_S = 0.25
@@ -81,6 +89,8 @@ class PoolLink:
     per_token_s: float = LOAD_PER_TOKEN_S
     stats: PoolLinkStats = field(default_factory=PoolLinkStats)
     _probed: set[str] = field(default_factory=set)
+    # request id -> (index, block id, hash) of its open chunk's blocks, from an aligned start
+    _open: dict[str, list[tuple[int, int, BlockHash]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.kv.enable_prefix_caching:
@@ -170,23 +180,61 @@ class PoolLink:
             self.kv.unpin(rid)
 
     def forget(self, request_id: str) -> None:
+        """The request ended (finished or aborted): put its open chunk, forget it."""
         self._probed.discard(request_id)
         self.kv.unpin(request_id)
+        self._put_open(request_id)
 
     # ---- put ---------------------------------------------------------------------------------
     def after_step(self, skip: set[str]) -> None:
-        """Put the blocks registered during the step (their KV is written now); `skip`: requests
-        preempted in the step (their blocks were freed before the model wrote them)."""
-        for rid, _, block_id, block_hash in self.kv.take_registered():
+        """Right after the model wrote this step's KV: add the blocks registered during the step
+        to their requests' open chunks and put each chunk that fills. `skip`: requests preempted
+        in the step (their blocks were freed before the model wrote them): their open chunks
+        are put as they are."""
+        for rid in skip:
+            self._put_open(rid)
+        for rid, index, block_id, block_hash in self.kv.take_registered():
             if rid in skip or not self.kv.block_holds(block_id, block_hash):
                 continue
-            try:
-                ok = self.pool.put(block_hash, self.read_block(block_id))
-            except Exception as e:
-                self._error(e)
-                continue
-            self.stats.put_blocks += ok
-            self.stats.put_drops += not ok
+            self._add(rid, index, block_id, block_hash)
+
+    def _add(self, rid: str, index: int, block_id: int, block_hash: BlockHash) -> None:
+        c = self.pool.namespace.chunk_blocks
+        start = index - index % c
+        blocks = self._open.pop(rid, [])
+        if not blocks or blocks[0][0] != start or blocks[-1][0] != index - 1:
+            # The chunk's blocks before this one were found cached (or came before a
+            # preemption): the request holds them now.
+            held = self.kv.registered_blocks(rid, start, index)
+            blocks = [(start + i, bid, h) for i, (bid, h) in enumerate(held)]
+            if len(blocks) != index - start:
+                return  # a gap: this chunk cannot be formed (counted nowhere: nothing lost)
+        blocks.append((index, block_id, block_hash))
+        if len(blocks) == c:
+            self._put(blocks)
+        else:
+            self._open[rid] = blocks
+
+    def _put_open(self, rid: str) -> None:
+        """Put the request's open chunk as a partial one: its leading blocks that still hold
+        their KV (a preempted request's blocks are free, and may be reused by now)."""
+        blocks = self._open.pop(rid, [])
+        valid = 0
+        while valid < len(blocks) and self.kv.block_holds(blocks[valid][1], blocks[valid][2]):
+            valid += 1
+        if valid:
+            self._put(blocks[:valid])
+
+    def _put(self, blocks: list[tuple[int, int, BlockHash]]) -> None:
+        try:
+            ok = self.pool.put(
+                blocks[0][0], [h for _, _, h in blocks], [self.read_block(b) for _, b, _ in blocks]
+            )
+        except Exception as e:
+            self._error(e)
+            return
+        self.stats.put_blocks += len(blocks) if ok else 0
+        self.stats.put_drops += 0 if ok else len(blocks)
 
     def read_block(self, block_id: int) -> torch.Tensor:
         return torch.stack(

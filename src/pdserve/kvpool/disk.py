@@ -1,11 +1,12 @@
-"""Local disk tier: one file per block value, under a byte cap with LRU eviction.
+"""Local disk tier: one file per value (a chunk of blocks), under a byte cap with LRU eviction.
 
 Files live at `ROOT/<namespace digest>/<2 hex>/<key hex>.kv`; a value is written to
 `<name>.<pid>.<thread>.tmp` and renamed, so a reader sees a whole file or none (a crash leaves
 only a `.tmp`, removed at the next start). The in-process index (key -> size, in LRU order) is
 rebuilt from the directory at start, so the tier survives a worker restart; it answers
-`contains` without a system call for what it knows, and one `stat` for the first key it does not
-(a file another worker on this host wrote into the same directory is adopted into the index).
+`exists` without a system call for what it knows, and one `stat` for each key it does not (a
+file another worker on this host wrote into the same directory is adopted into the index; most
+keys a lookup asks about are not chunk ends, so a long prompt costs ~one stat per block).
 Workers sharing a directory each keep the cap by their own count and may evict each other's
 files; a reader that loses the race finds no file and stops its run (the caller recomputes).
 No fsync: a file torn by a power loss fails its checksum and is deleted when read.
@@ -84,16 +85,11 @@ class DiskTier:
             log.error("kvpool disk tier at %s disabled (%s); running without it", self.root, err)
 
     # ---- reads ---------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[bytes]) -> int:
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if self.failed is not None:
             self.stats.add("skipped")
-            return 0
-        n = 0
-        for key in keys:
-            if not self._known(key):
-                break
-            n += 1
-        return n
+            return [False] * len(keys)
+        return [self._known(key) for key in keys]
 
     def _known(self, key: bytes) -> bool:
         """In the index, or a file another process on this host wrote (then adopted: one stat

@@ -29,7 +29,7 @@ COUNTERS = {
     "get_blocks": ("get_blocks", "Blocks get() loaded from the tier and verified."),
     "bytes_read": ("read_bytes", "Bytes get() read from the tier."),
     "bytes_written": ("written_bytes", "Bytes written to the tier."),
-    "puts": ("puts", "Values written to the tier."),
+    "puts": ("puts", "Values (chunks of blocks) written to the tier."),
     "present": ("present", "Writes skipped because the tier already had the key."),
     "evictions": ("evictions", "Values evicted to stay under the tier's capacity."),
     "corrupt": ("corrupt", "Values that failed verification (deleted, recomputed)."),
@@ -117,14 +117,19 @@ class _Collector:
     def _pool(self) -> Iterable[Metric]:
         c = self.pool_counters()
         yield GaugeMetricFamily(
-            "pdserve_kvpool_queue_depth", "Blocks waiting in the write-back queue.", c["queued"]
+            "pdserve_kvpool_chunk_blocks", "Blocks per stored value (a chunk).", c["chunk_blocks"]
+        )
+        yield GaugeMetricFamily(
+            "pdserve_kvpool_queue_depth", "Chunks waiting in the write-back queue.", c["queued"]
         )
         yield CounterMetricFamily(
-            "pdserve_kvpool_queue_drops", "put() calls dropped: write-back queue full.", c["drops"]
+            "pdserve_kvpool_queue_drops",
+            "put() calls (chunks) dropped: write-back queue full.",
+            c["drops"],
         )
         yield CounterMetricFamily(
             "pdserve_kvpool_write_errors",
-            "Blocks the write-back thread could not encode or write (not stored).",
+            "Chunks the write-back thread could not encode or write (not stored).",
             c["write_errors"],
         )
         yield CounterMetricFamily(

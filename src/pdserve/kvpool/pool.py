@@ -1,17 +1,25 @@
 """`TieredKVPool`: the KVPool of api.py over an ordered list of tiers (memory, disk, redis).
 
-Life of a block:
-1. `put(hash, kv)` (engine thread): a block already in the memory tier is done; else, when the
-   write-back queue has room, a CPU copy of kv joins the queue (the engine reuses its block as
-   soon as put returns); when it is full the block is dropped and counted. Nothing else.
-2. The write-back thread takes up to `WRITE_BATCH` blocks, encodes each once (values.py) and
-   hands the batch to every tier in order; each tier writes only the keys it lacks and makes
-   each value visible whole (memory: one dict insert; disk: temp file + rename; Redis: SET).
-3. `lookup(hashes)` asks the tiers in order for the rest of the leading run: memory for all,
-   disk for what memory lacked after its run, then Redis - one round trip per tier.
-4. `get(hashes, deadline)` reads the run the same way, verifies every value (checksum, key
-   echo, shape) and stops at the first missing, late or corrupt one; a corrupt value is deleted
-   from its tier and counted. Blocks found below the memory tier are promoted into it.
+Every tier stores the same values: chunks of up to C = `namespace.chunk_blocks` blocks under the
+key of their last block (api.py). The memory tier chunks too: one format and one run logic for
+all tiers, and a lower tier's hit is promoted into memory as the very bytes it read.
+
+Life of a chunk:
+1. `put(first, hashes, kvs)` (engine thread): a chunk already in the memory tier is done; else,
+   when the write-back queue has room, one CPU copy of its blocks joins the queue (the engine
+   reuses its blocks as soon as put returns); when it is full the chunk is dropped and counted.
+2. The write-back thread takes up to WRITE_BATCH blocks' worth of chunks, encodes each once
+   (values.py) and hands the batch to every tier in order; each tier writes only the keys it
+   lacks and makes each value visible whole (memory: one dict insert; disk: temp file + rename;
+   Redis: SET).
+3. `lookup(hashes)` asks each tier, in order, whether each candidate chunk end is stored (one
+   round trip), from where the run so far may still grow: after a full chunk its end, after a
+   partial one its start (a lower tier may hold the full chunk over the same start). A tier's
+   run replaces what it outgrows.
+4. `get(hashes, deadline)` reads the chunks of that run the same way (memory first, the rest
+   from the next tier...), verifies every value (checksum, key echo, first block and count,
+   shape) and stops at the first missing, late or corrupt one; a corrupt value is deleted from
+   its tier and counted. Chunks found below the memory tier are promoted into it.
 """
 
 from __future__ import annotations
@@ -26,31 +34,38 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 
-from pdserve.kvpool.api import BlockHash, PoolNamespace
+from pdserve.kvpool.api import (
+    BlockHash,
+    PoolNamespace,
+    check_chunk,
+    chunk_spans,
+    leading_chunks,
+)
 from pdserve.kvpool.metrics import PoolMetrics
 from pdserve.kvpool.tiers import MemoryTier, Tier
 from pdserve.kvpool.values import CorruptValue, decode_value, encode_value
 
 log = logging.getLogger("pdserve.kvpool")
 
-WRITE_BATCH = 8  # blocks per write-back pass: one Redis pipeline of ~6 MB (default model)
+WRITE_BATCH = 8  # blocks per write-back pass (at least one chunk): ~6 MB (default model)
 HOUSEKEEPING_S = 1.0  # how often an idle writer refreshes tiers' usage (Redis INFO)
 
-_Item = tuple[bytes, torch.Tensor]
+_Item = tuple[bytes, int, torch.Tensor]  # key, first block, chunk [blocks, layers, 2, ...]
 
 
-def snapshot(kv: torch.Tensor) -> torch.Tensor:
-    """A private CPU copy of a block: the engine reuses its block as soon as put() returns.
+def snapshot(kvs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A private CPU copy of a chunk's blocks, stacked: the engine reuses its blocks as soon as
+    put() returns.
 
     On CPU the copy goes through numpy (one thread): torch's own copy may fan out to its
     intra-op threads, and with the engine's threads busy on a small machine waiting for them
     took 10-15 ms per 0.7 MB block instead of 0.02 ms (measured under load on 2 cores)."""
-    src = kv.detach()
-    if src.device.type != "cpu":
-        return src.to("cpu")
-    bf16 = src.dtype == torch.bfloat16
-    arr = (src.view(torch.int16) if bf16 else src).numpy()
-    out = torch.from_numpy(np.array(arr, copy=True, order="C"))
+    srcs = [kv.detach() for kv in kvs]
+    if srcs[0].device.type != "cpu":
+        return torch.stack(srcs).to("cpu")
+    bf16 = srcs[0].dtype == torch.bfloat16
+    arrs = [(src.view(torch.int16) if bf16 else src).numpy() for src in srcs]
+    out = torch.from_numpy(np.stack(arrs))  # one copy into a new C-contiguous array
     return out.view(torch.bfloat16) if bf16 else out
 
 
@@ -64,7 +79,9 @@ class TieredKVPool:
         registry: CollectorRegistry | None = None,
         close_tiers: bool = True,
     ) -> None:
-        """`close_tiers=False`: the tiers are shared with another pool, which closes them."""
+        """`queue_size`: the write-back queue's bound in blocks (it holds queue_size // C
+        chunks, at least one); `close_tiers=False`: the tiers are shared with another pool,
+        which closes them."""
         if not tiers:
             raise ValueError("a TieredKVPool needs at least one tier")
         if queue_size < 1:
@@ -72,7 +89,9 @@ class TieredKVPool:
         self.namespace = namespace
         self.tiers = list(tiers)
         self.memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
-        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[_Item | None] = queue.Queue(
+            maxsize=max(1, queue_size // namespace.chunk_blocks)
+        )
         self._idle = threading.Condition()
         self._pending = 0  # enqueued and not yet written everywhere
         self._closed = False
@@ -87,40 +106,54 @@ class TieredKVPool:
     # ---- reads ---------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         keys = [self.namespace.key(h) for h in hashes]
-        n = 0
+        c = self.namespace.chunk_blocks
+        run: list[tuple[int, int, Tier]] = []  # chunks [start, end) and the tier holding each
+        end = grow = 0  # blocks covered; the aligned block from which the run may still grow
         for tier in self.tiers:
-            if n == len(keys):
+            if grow == len(keys):
                 break
-            found = tier.contains(keys[n:])
+            present = tier.exists(keys[grow:])
             tier.stats.add("lookups")
-            tier.stats.add("lookup_blocks", len(keys) - n)
-            tier.stats.add("hit_blocks", found)
-            n += found
-        return n
+            tier.stats.add("lookup_blocks", len(keys) - grow)
+            found = leading_chunks(present, grow, c)
+            if not found or found[-1][1] <= end:
+                continue
+            run = [r for r in run if r[0] < grow] + [(p, e, tier) for p, e in found]
+            end = found[-1][1]
+            p, e = found[-1]
+            grow = e if e - p == c else p
+        for p, e, tier in run:
+            tier.stats.add("hit_blocks", e - p)
+        return end
 
     def get(self, hashes: Sequence[BlockHash], deadline: float) -> list[torch.Tensor]:
-        keys = [self.namespace.key(h) for h in hashes]
+        spans = chunk_spans(len(hashes), self.namespace.chunk_blocks)
+        keys = [self.namespace.key(hashes[e - 1]) for _, e in spans]
         out: list[torch.Tensor] = []
         promote: list[tuple[bytes, bytes]] = []
+        done = 0  # chunks loaded
         for tier in self.tiers:
-            if len(out) == len(keys) or time.monotonic() > deadline:
+            if done == len(keys) or time.monotonic() > deadline:
                 break
-            rest = keys[len(out) :]
+            rest = keys[done:]
             t0 = time.perf_counter()
             values = tier.get_many(rest, deadline)
-            self._observe(self.metrics.get_seconds, tier, t0, len(values))
+            n_blocks = sum(e - p for p, e in spans[done : done + len(values)])
+            self._observe(self.metrics.get_seconds, tier, t0, n_blocks)
             for key, value in zip(rest, values, strict=False):
+                p, e = spans[done]
                 try:
-                    kv = decode_value(key, value)
-                except CorruptValue as e:
-                    self._corrupt(tier, key, e)
+                    chunk = decode_value(key, value, p, e - p)
+                except CorruptValue as err:
+                    self._corrupt(tier, key, err)
                     return self._finish(out, promote)
-                out.append(kv)
-                tier.stats.add("get_blocks")
+                out += chunk.unbind(0)  # views of one new tensor: the caller's
+                done += 1
+                tier.stats.add("get_blocks", e - p)
                 tier.stats.add("bytes_read", len(value))
                 if tier is not self.memory:
                     promote.append((key, value))
-        if len(out) < len(keys) and time.monotonic() > deadline:
+        if done < len(keys) and time.monotonic() > deadline:
             self.deadline_misses += 1
         return self._finish(out, promote)
 
@@ -139,12 +172,14 @@ class TieredKVPool:
         )
 
     # ---- writes --------------------------------------------------------------------------------
-    def put(self, block_hash: BlockHash, kv: torch.Tensor) -> bool:
-        self._check_block(kv)
-        key = self.namespace.key(block_hash)
+    def put(self, first: int, hashes: Sequence[BlockHash], kvs: Sequence[torch.Tensor]) -> bool:
+        check_chunk(self.namespace, first, hashes, len(kvs))
+        for kv in kvs:
+            self._check_block(kv)
+        key = self.namespace.key(hashes[-1])
         if self._closed:
             return False
-        if self.memory is not None and self.memory.contains([key]):
+        if self.memory is not None and self.memory.exists([key])[0]:
             self.memory.stats.add("present")
             return True
         if self._queue.full():
@@ -153,7 +188,7 @@ class TieredKVPool:
         with self._idle:
             self._pending += 1
         try:
-            self._queue.put_nowait((key, snapshot(kv)))
+            self._queue.put_nowait((key, first, snapshot(kvs)))
         except queue.Full:  # another thread filled it since the check
             self.drops += 1
             self._done(1)
@@ -189,7 +224,7 @@ class TieredKVPool:
                     self._write(batch)
                 except Exception:  # a bug must not kill the writer (puts would pile up)
                     self.write_errors += len(batch)
-                    log.exception("kvpool: write-back of %d blocks failed", len(batch))
+                    log.exception("kvpool: write-back of %d chunks failed", len(batch))
                 finally:
                     self._done(len(batch))
             if time.monotonic() - last_housekeeping >= HOUSEKEEPING_S:
@@ -198,7 +233,7 @@ class TieredKVPool:
 
     def _drain(self, batch: list[_Item]) -> bool:
         """Fill `batch` from the queue without waiting; True when the stop sentinel came."""
-        while len(batch) < WRITE_BATCH:
+        while sum(len(kv) for _, _, kv in batch) < WRITE_BATCH:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -210,12 +245,14 @@ class TieredKVPool:
 
     def _write(self, batch: list[_Item]) -> None:
         items: list[tuple[bytes, bytes]] = []
-        for key, kv in batch:
+        blocks: dict[bytes, int] = {}
+        for key, first, kv in batch:
             try:
-                items.append((key, encode_value(key, kv, self.namespace.codec)))
+                items.append((key, encode_value(key, kv, first, self.namespace.codec)))
+                blocks[key] = len(kv)
             except ValueError as e:  # e.g. NaN KV under a quantizing codec
                 self.write_errors += 1
-                log.warning("kvpool: a block could not be encoded (%s); not stored", e)
+                log.warning("kvpool: a chunk could not be encoded (%s); not stored", e)
         for tier in self.tiers:
             if not items:
                 return
@@ -226,7 +263,9 @@ class TieredKVPool:
                 tier.stats.add("errors")
                 log.exception("kvpool %s: write failed", tier.name)
                 continue
-            self._observe(self.metrics.put_seconds, tier, t0, written)
+            # per block: the batch's time over its blocks (written ones; a skip costs little)
+            share = sum(blocks.values()) // max(1, len(items))
+            self._observe(self.metrics.put_seconds, tier, t0, written * share)
 
     def _housekeeping(self) -> None:
         for tier in self.tiers:
@@ -261,6 +300,7 @@ class TieredKVPool:
     # ---- state ---------------------------------------------------------------------------------
     def _counters(self) -> dict[str, int]:
         return {
+            "chunk_blocks": self.namespace.chunk_blocks,
             "queued": self._queue.qsize(),
             "drops": self.drops,
             "deadline_misses": self.deadline_misses,
@@ -272,7 +312,8 @@ class TieredKVPool:
         ns = self.namespace
         return {
             "namespace": {"model": ns.model, "dtype": ns.dtype, "layout": ns.layout,
-                          "block_size": ns.block_size, "codec": ns.codec},
+                          "block_size": ns.block_size, "codec": ns.codec,
+                          "chunk_blocks": ns.chunk_blocks},
             "tiers": tiers,
             **self._counters(),
             "queue_capacity": self._queue.maxsize,

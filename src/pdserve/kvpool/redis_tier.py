@@ -1,14 +1,15 @@
-"""Shared Redis tier: one key per block value (`pdkv:` + pool key), shared by every worker.
+"""Shared Redis tier: one key per value, a chunk of blocks (`pdkv:` + pool key), shared by
+every worker.
 
 Redis bounds itself (`maxmemory` + `allkeys-lru`, no persistence: the server's own eviction is
-this tier's LRU). Every call is one round trip: `contains` pipelines EXISTS, `get_many` MGETs
+this tier's LRU). Every call is one round trip: `exists` pipelines EXISTS, `get_many` MGETs
 `GET_BATCH` keys at a time (checking the deadline between batches), `put_many` pipelines EXISTS
 and then `SET NX` of the absent keys. Redis applies a SET only once its whole value has arrived,
 so a write cut off half-way is never visible.
 
 A dead or unreachable Redis must not stall the engine: sockets time out after `timeout_s`,
 redis-py's own retries are off, and the first failure opens a breaker. While it is open, the
-callers' reads (`contains`, `get_many`, `delete`) return "nothing here" at once (counted as
+callers' reads (`exists`, `get_many`, `delete`) return "nothing here" at once (counted as
 skipped) and never probe; only the write-back thread does - its writes and its housekeeping
 `refresh` (once a second) try again every `retry_s` - and the tier is used again as soon as one
 of them gets an answer. So a caller pays at most the one timeout that found Redis gone.
@@ -32,7 +33,7 @@ from pdserve.kvpool.tiers import TierStats
 log = logging.getLogger("pdserve.kvpool")
 
 PREFIX = b"pdkv:"
-GET_BATCH = 8  # values per MGET (8 x 0.74 MB for the default model)
+GET_BATCH = 8  # values per MGET (8 chunks of ~2.2 MB for the default model: ~17 MB)
 FAILURES = (redis.RedisError, OSError)  # down, timed out, or refusing (e.g. OOM under noeviction)
 T = TypeVar("T")
 
@@ -98,22 +99,17 @@ class RedisTier:
         return self._down_since is None
 
     # ---- reads ---------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[bytes]) -> int:
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
-            return 0
+            return []
 
-        def run() -> int:
+        def run() -> list[bool]:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(PREFIX + key)
-            n = 0
-            for present in pipe.execute():
-                if not present:
-                    break
-                n += 1
-            return n
+            return [bool(present) for present in pipe.execute()]
 
-        return self._call("exists", run, 0)
+        return self._call("exists", run, [False] * len(keys))
 
     def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
         out: list[bytes] = []

@@ -1,6 +1,7 @@
 """What every pool tier offers (`Tier`), its plain counters (`TierStats`), and the memory tier.
 
-Tiers store opaque values (kvpool/values.py) under full pool keys; they never decode. Every
+Tiers store opaque values (kvpool/values.py: one chunk of blocks each) under full pool keys; they
+never decode, and know nothing of chunks (the pool turns presence into runs of blocks). Every
 method is thread-safe: the engine's thread reads while the write-back thread writes.
 """
 
@@ -21,10 +22,10 @@ class TierStats:
     lookups: int = 0  # lookup() calls that reached this tier
     lookup_blocks: int = 0  # blocks asked of it by lookup()
     hit_blocks: int = 0  # of those, found (its part of the leading run)
-    get_blocks: int = 0  # blocks read by get() and verified
+    get_blocks: int = 0  # blocks read by get() and verified (in chunks: values x their blocks)
     bytes_read: int = 0
     bytes_written: int = 0
-    puts: int = 0  # values written
+    puts: int = 0  # values (chunks) written
     present: int = 0  # writes skipped: the key was already there
     evictions: int = 0
     corrupt: int = 0  # values that failed verification (deleted)
@@ -44,8 +45,9 @@ class Tier(Protocol):
     name: str
     stats: TierStats
 
-    def contains(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are present; one round trip at most; 0 when the tier is down."""
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present; one round trip at most; all False when the tier is
+        down."""
         ...
 
     def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
@@ -81,14 +83,9 @@ class MemoryTier:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def contains(self, keys: Sequence[bytes]) -> int:
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._values:
-                    break
-                n += 1
-            return n
+            return [key in self._values for key in keys]
 
     def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes]:
         out: list[bytes] = []

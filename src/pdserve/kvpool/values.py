@@ -1,13 +1,20 @@
-"""The one stored value format of every tier: one block's KV, self-describing and checksummed.
+"""The one stored value format of every tier: one *chunk* of consecutive blocks of a chain,
+self-describing and checksummed.
 
-    header  magic b"PDKVPOOL", version u16, codec id u8, dtype code u8, tokens u32, layers u16,
-            kv_heads u16, head_dim u16, key length u16, payload length u64   (little-endian)
-    key     the full pool key (namespace digest + block hash), echoed
-    payload the block [layers, 2, tokens, kv_heads, head_dim] through the namespace's codec
+    header  magic b"PDKVPOOL", version u16, codec id u8, dtype code u8, tokens u32 (the block
+            size), layers u16, kv_heads u16, head_dim u16, key length u16, payload length u64,
+            first u32 (the chunk's first block's position in its chain), blocks u16
+            (little-endian)
+    key     the full pool key (namespace digest + chained hash of the chunk's LAST block), echoed
+    payload the chunk [blocks, layers, 2, tokens, kv_heads, head_dim] through the namespace's codec
     crc     crc32c (u32) of everything before it
 
-`decode_value` checks all of it against the key asked for: a value of another namespace, a
-truncated file, a flipped bit or an unknown version raises `CorruptValue` and is never served.
+`decode_value` checks all of it against the key, first block and block count asked for: a value
+of another namespace or chunk layout, a truncated file, a flipped bit or an unknown version
+raises `CorruptValue` and is never served. Version 1 (one block per value, no first/blocks)
+is refused like any unknown version; its keys live under another namespace digest
+(`PoolNamespace.digest`), so a version-2 pool never even asks for them - they are a miss that
+ages out of the tiers' LRU, not an error.
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ from pdserve.transfer.codecs import (
 )
 
 MAGIC = b"PDKVPOOL"
-VERSION = 1
-_HEADER = struct.Struct("<8sHBBIHHHHQ")
+VERSION = 2
+_HEADER = struct.Struct("<8sHBBIHHHHQIH")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size
 
@@ -42,33 +49,37 @@ def _slices(kv: torch.Tensor) -> list[torch.Tensor]:
     """The tensors a codec encodes, [n_tokens, kv_heads, head_dim] each.
 
     A quantizing codec's scale groups are GROUP_TOKENS tokens: when the block size is a multiple
-    of it, the whole block goes at once (no group crosses a layer); else each (layer, K|V) slice
-    goes alone so no scale is shared between layers."""
-    layers, two, tokens, heads, dim = kv.shape
+    of it, the whole chunk goes at once (no group crosses a block or layer); else each
+    (block, layer, K|V) slice goes alone so no scale is shared between them."""
+    blocks, layers, two, tokens, heads, dim = kv.shape
     if tokens % GROUP_TOKENS == 0:
-        return [kv.reshape(layers * two * tokens, heads, dim)]
-    return [kv[layer, i] for layer in range(layers) for i in range(two)]
+        return [kv.reshape(blocks * layers * two * tokens, heads, dim)]
+    return [kv[b, layer, i] for b in range(blocks) for layer in range(layers) for i in range(two)]
 
 
 def _payload_size(codec: KVCodec, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    layers, two, tokens, heads, dim = shape
+    blocks, layers, two, tokens, heads, dim = shape
     if tokens % GROUP_TOKENS == 0:
-        return codec.encoded_size(layers * two * tokens, heads, dim, dtype)
-    return layers * two * codec.encoded_size(tokens, heads, dim, dtype)
+        return codec.encoded_size(blocks * layers * two * tokens, heads, dim, dtype)
+    return blocks * layers * two * codec.encoded_size(tokens, heads, dim, dtype)
 
 
-def encode_value(key: bytes, kv: torch.Tensor, codec_name: str) -> bytes:
-    """The stored bytes of one block kv [layers, 2, tokens, kv_heads, head_dim] (CPU)."""
-    if kv.dim() != 5 or kv.shape[1] != 2:
+def encode_value(key: bytes, kv: torch.Tensor, first: int, codec_name: str) -> bytes:
+    """The stored bytes of a chunk kv [blocks, layers, 2, tokens, kv_heads, head_dim] (CPU)
+    whose first block is block `first` of its chain."""
+    if kv.dim() != 6 or kv.shape[2] != 2 or not 0 < kv.shape[0] < 1 << 16:
         raise ValueError(
-            f"a pool block is [layers, 2, block_size, kv_heads, head_dim], got {tuple(kv.shape)}"
+            "a pool chunk is [blocks, layers, 2, block_size, kv_heads, head_dim], got "
+            f"{tuple(kv.shape)}"
         )
+    if not 0 <= first < 1 << 32:
+        raise ValueError(f"a chunk's first block position must be in [0, 2**32), got {first}")
     codec = get_codec(codec_name)
-    layers, _, tokens, heads, dim = kv.shape
+    blocks, layers, _, tokens, heads, dim = kv.shape
     size = _payload_size(codec, tuple(kv.shape), kv.dtype)
     header = _HEADER.pack(
         MAGIC, VERSION, codec.codec_id, dtype_code(kv.dtype), tokens, layers, heads, dim,
-        len(key), size,
+        len(key), size, first, blocks,
     )  # fmt: skip
     parts: list[BytesLike] = [header, key, *(codec.encode(p) for p in _slices(kv))]
     crc = 0
@@ -77,14 +88,17 @@ def encode_value(key: bytes, kv: torch.Tensor, codec_name: str) -> bytes:
     return b"".join([*parts, _CRC.pack(crc)])  # the one copy (raw payloads alias kv)
 
 
-def decode_value(key: bytes, value: BytesLike) -> torch.Tensor:
-    """The block stored in `value` under `key`; CorruptValue unless every check passes."""
+def decode_value(key: bytes, value: BytesLike, first: int, blocks: int) -> torch.Tensor:
+    """The chunk [blocks, layers, 2, tokens, heads, dim] stored in `value` under `key`, which
+    must start at block `first` and hold `blocks` blocks; CorruptValue unless every check
+    passes."""
     view = memoryview(value).cast("B")
     if view.nbytes < HEADER_BYTES + _CRC.size:
         raise CorruptValue(f"value of {view.nbytes} bytes is shorter than a header")
-    magic, version, codec_id, dcode, tokens, layers, heads, dim, key_len, size = (
+    magic, version, codec_id, dcode, tokens, layers, heads, dim, key_len, size, *rest = (
         _HEADER.unpack_from(view)
     )
+    v_first, v_blocks = rest
     if magic != MAGIC or version != VERSION:
         raise CorruptValue(f"not a pool value of version {VERSION} (magic {magic!r} v{version})")
     if bytes(view[HEADER_BYTES : HEADER_BYTES + key_len]) != key:
@@ -97,8 +111,13 @@ def decode_value(key: bytes, value: BytesLike) -> torch.Tensor:
         raise CorruptValue("checksum mismatch")
     if codec_id not in CODECS_BY_ID or dcode not in WIRE_DTYPES:
         raise CorruptValue(f"unknown codec {codec_id} or dtype {dcode}")
+    if (v_first, v_blocks) != (first, blocks):
+        raise CorruptValue(
+            f"the value holds blocks {v_first}..{v_first + v_blocks - 1}, the key names "
+            f"{first}..{first + blocks - 1}"
+        )
     codec, dtype = CODECS_BY_ID[codec_id], WIRE_DTYPES[dcode]
-    shape = (layers, 2, tokens, heads, dim)
+    shape = (blocks, layers, 2, tokens, heads, dim)
     if _payload_size(codec, shape, dtype) != size:
         raise CorruptValue("payload length does not match the header's shape")
     try:
@@ -110,18 +129,23 @@ def decode_value(key: bytes, value: BytesLike) -> torch.Tensor:
 def _decode_payload(
     codec: KVCodec, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
-    layers, two, tokens, heads, dim = shape
+    blocks, layers, two, tokens, heads, dim = shape
     if tokens % GROUP_TOKENS == 0:
         # A new tensor: decode copies out of read-only bytes (RawCodec) or dequantizes.
-        return codec.decode(payload, layers * two * tokens, heads, dim, dtype).reshape(shape)
+        rows = blocks * layers * two * tokens
+        return codec.decode(payload, rows, heads, dim, dtype).reshape(shape)
     step = codec.encoded_size(tokens, heads, dim, dtype)
     parts = [
         codec.decode(payload[i * step : (i + 1) * step], tokens, heads, dim, dtype)
-        for i in range(layers * two)
+        for i in range(blocks * layers * two)
     ]
     return torch.stack(parts).reshape(shape)
 
 
-def value_nbytes(key_len: int, shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> int:
-    """The stored size of one block (for capacity planning and benchmarks)."""
-    return HEADER_BYTES + key_len + _payload_size(get_codec(codec), shape, dtype) + _CRC.size
+def value_nbytes(
+    key_len: int, shape: tuple[int, ...], dtype: torch.dtype, codec: str, blocks: int = 1
+) -> int:
+    """The stored size of a chunk of `blocks` blocks of `shape` [layers, 2, tokens, heads, dim]
+    (capacity planning, the chunk size, benchmarks)."""
+    payload = _payload_size(get_codec(codec), (blocks, *shape), dtype)
+    return HEADER_BYTES + key_len + payload + _CRC.size

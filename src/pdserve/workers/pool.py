@@ -4,7 +4,9 @@ is how the engine uses the pool).
 
 The namespace: the model's fingerprint (weight files' sizes and first and last MiB, plus the
 weight quantization, which changes the KV), the KV dtype, `transfer.wire.layout_fingerprint`
-(layers, KV heads, head dim, dtype), the block size and the codec the values are stored with.
+(layers, KV heads, head dim, dtype), the block size, the codec the values are stored with and
+the chunk size (blocks per stored value: the whole number nearest `--kv-pool-chunk-mb` of stored
+bytes, kvpool/api.py `chunk_blocks_for`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from pdserve.config import WorkerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loader import ModelSource
 from pdserve.kvpool import build_pool
-from pdserve.kvpool.api import KVPool, KVPoolConfig, PoolNamespace
+from pdserve.kvpool.api import (
+    DEFAULT_CHUNK_MB,
+    KVPool,
+    KVPoolConfig,
+    PoolNamespace,
+    chunk_blocks_for,
+)
+from pdserve.kvpool.values import value_nbytes
 from pdserve.transfer import wire
 
 PoolFactory = Callable[[KVPoolConfig, PoolNamespace], "KVPool | None"]
@@ -30,6 +39,7 @@ def pool_config(cfg: WorkerConfig) -> KVPoolConfig:
         disk_dir=cfg.kv_pool_disk,
         disk_gb=cfg.kv_pool_disk_gb,
         redis_url=cfg.kv_pool_redis,
+        chunk_mb=cfg.kv_pool_chunk_mb,
     )
 
 
@@ -57,13 +67,19 @@ def _file_sample(path: Path) -> bytes:
     return f"{path.name}|{size}|".encode() + hashlib.sha256(head + tail).digest()
 
 
-def namespace(engine: LLMEngine, codec: str = "none") -> PoolNamespace:
+def namespace(
+    engine: LLMEngine, codec: str = "none", chunk_mb: float = DEFAULT_CHUNK_MB
+) -> PoolNamespace:
+    k = engine.cache.layers[0][0]  # [blocks, block_size, kv_heads, head_dim]
+    block = (len(engine.cache.layers), 2, k.shape[1], k.shape[2], k.shape[3])
+    block_bytes = value_nbytes(48, block, engine.dtype, codec)  # 48: a pool key
     return PoolNamespace(
         model=model_fingerprint(engine.source, engine.quantization),
         dtype=str(engine.dtype).removeprefix("torch."),
         layout=wire.layout_fingerprint(engine.arch, engine.dtype).hex(),
         block_size=engine.cache.block_size,
         codec=codec,
+        chunk_blocks=chunk_blocks_for(chunk_mb, block_bytes),
     )
 
 
@@ -79,7 +95,7 @@ def attach(
     config = pool_config(cfg)
     if not config.enabled and factory is None:
         return None
-    pool = (factory or default_factory)(config, namespace(engine))
+    pool = (factory or default_factory)(config, namespace(engine, chunk_mb=config.chunk_mb))
     if pool is not None:
         engine.attach_pool(pool)
     return pool
