@@ -7,14 +7,31 @@ import threading
 import torch
 
 from pdserve.engine.block_pool import hash_full_blocks
-from pdserve.kvpool import PoolNamespace
+from pdserve.kvpool import KVPool, PoolNamespace
 
 BLOCK = 16
 SHAPE = (2, 2, BLOCK, 2, 8)  # [layers, K|V, block_size, kv_heads, head_dim]
 
 
-def namespace(model: str = "tiny-a", codec: str = "none") -> PoolNamespace:
-    return PoolNamespace(model=model, dtype="float32", layout="00ff", block_size=BLOCK, codec=codec)
+def namespace(model: str = "tiny-a", codec: str = "none", chunk_blocks: int = 1) -> PoolNamespace:
+    return PoolNamespace(
+        model=model,
+        dtype="float32",
+        layout="00ff",
+        block_size=BLOCK,
+        codec=codec,
+        chunk_blocks=chunk_blocks,
+    )
+
+
+def put_chain(pool: KVPool, hashes: list[bytes], kvs: list[torch.Tensor], start: int = 0) -> bool:
+    """Put blocks start.. of a chain as the engine does: its chunks, the last one partial when
+    the chain ends inside one (`start` a multiple of C). True when every put was accepted."""
+    c = pool.namespace.chunk_blocks
+    ok = True
+    for p in range(start, len(hashes), c):
+        ok = pool.put(p, hashes[p : p + c], kvs[p : p + c]) and ok
+    return ok
 
 
 def chain(n: int, seed: int = 0) -> list[bytes]:

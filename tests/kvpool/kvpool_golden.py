@@ -11,17 +11,20 @@ from pathlib import Path
 import torch
 
 from pdserve.kvpool import PoolNamespace
-from pdserve.kvpool.values import encode_value
+from pdserve.kvpool.values import VERSION, encode_value
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 NAMESPACE = PoolNamespace("golden-model", "float32", "0123abcd", block_size=4, codec="none")
-BLOCK_HASH = bytes(range(32))
+BLOCK_HASH = bytes(range(32))  # the chunk's last block's hash
 CODECS = ("none", "int8")
+FIRST, BLOCKS = 6, 2  # the golden chunk: blocks 6-7 of a chain (C = 4 or 8: a partial chunk)
 
 
 def golden_block() -> torch.Tensor:
-    """[layers=2, K|V, block_size=4, kv_heads=2, head_dim=4]: exact in float32 and int8."""
-    return (torch.arange(2 * 2 * 4 * 2 * 4, dtype=torch.float32).reshape(2, 2, 4, 2, 4) - 60) / 8
+    """A chunk [blocks=2, layers=2, K|V, block_size=4, kv_heads=2, head_dim=4]: exact in
+    float32 and int8."""
+    n = 2 * 2 * 2 * 4 * 2 * 4
+    return (torch.arange(n, dtype=torch.float32).reshape(2, 2, 2, 4, 2, 4) - 120) / 16
 
 
 def golden_key(codec: str) -> bytes:
@@ -32,8 +35,8 @@ def golden_key(codec: str) -> bytes:
 def main() -> None:
     GOLDEN_DIR.mkdir(exist_ok=True)
     for codec in CODECS:
-        path = GOLDEN_DIR / f"value_v1_{codec}.bin"
-        path.write_bytes(encode_value(golden_key(codec), golden_block(), codec))
+        path = GOLDEN_DIR / f"value_v{VERSION}_{codec}.bin"
+        path.write_bytes(encode_value(golden_key(codec), golden_block(), FIRST, codec))
         print(path)
 
 

@@ -18,7 +18,7 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvpool_factories import blocks, chain, kvpool_threads, namespace
+from kvpool_factories import blocks, chain, kvpool_threads, namespace, put_chain
 from kvpool_redis import RedisServer
 from pdserve.kvpool import TieredKVPool
 from pdserve.kvpool.disk import DiskTier
@@ -41,16 +41,18 @@ def pools() -> Iterator[list[TieredKVPool]]:
     assert kvpool_threads() == []
 
 
-def _pool(made: list[TieredKVPool], tiers: Sequence[Tier], **kw: object) -> TieredKVPool:
-    pool = TieredKVPool(namespace(), tiers, **kw)  # type: ignore[arg-type]
+def _pool(
+    made: list[TieredKVPool], tiers: Sequence[Tier], chunk_blocks: int = 1, **kw: object
+) -> TieredKVPool:
+    ns = namespace(chunk_blocks=chunk_blocks)
+    pool = TieredKVPool(ns, tiers, **kw)  # type: ignore[arg-type]
     made.append(pool)
     return pool
 
 
 def _fill(pool: TieredKVPool, n: int, seed: int = 0) -> tuple[list[bytes], list[torch.Tensor]]:
     hashes, kvs = chain(n, seed), blocks(n, seed)
-    for h, kv in zip(hashes, kvs, strict=True):
-        assert pool.put(h, kv)
+    assert put_chain(pool, hashes, kvs)
     assert pool.flush(10.0)
     return hashes, kvs
 
@@ -78,26 +80,31 @@ class GatedTier(MemoryTier):
 
 
 def test_full_queue_drops_and_counts_without_blocking(pools: list[TieredKVPool]) -> None:
+    """C=2, a queue of 4 blocks: 2 chunks wait while the writer is stuck on a third."""
     tier = GatedTier()
-    pool = _pool(pools, [tier], queue_size=2)
-    hashes, kvs = chain(5), blocks(5)
-    assert pool.put(hashes[0], kvs[0])
-    assert tier.writing.wait(10.0)  # the writer holds block 0, stuck in the tier
-    assert pool.put(hashes[1], kvs[1]) and pool.put(hashes[2], kvs[2])  # the queue is full
-    assert not pool.put(hashes[3], kvs[3]) and not pool.put(hashes[4], kvs[4])
+    pool = _pool(pools, [tier], chunk_blocks=2, queue_size=4)
+    hashes, kvs = chain(10), blocks(10)
+
+    def put(p: int) -> bool:
+        return pool.put(p, hashes[p : p + 2], kvs[p : p + 2])
+
+    assert put(0)
+    assert tier.writing.wait(10.0)  # the writer holds chunk [0-1], stuck in the tier
+    assert put(2) and put(4)  # the queue is full
+    assert not put(6) and not put(8)
     assert pool.stats()["drops"] == 2 and _sample(pool, "pdserve_kvpool_queue_drops_total") == 2
     assert _sample(pool, "pdserve_kvpool_queue_depth") == 2
     assert pool.lookup(hashes) == 0  # nothing is visible before it is written
     tier.gate.set()
     assert pool.flush(10.0)
-    assert pool.lookup(hashes) == 3
+    assert pool.lookup(hashes) == 6
 
 
 def test_a_block_already_in_memory_is_not_copied_again(pools: list[TieredKVPool]) -> None:
     pool = _pool(pools, [MemoryTier(64 * MB)], queue_size=1)
     hashes, kvs = _fill(pool, 1)
     for _ in range(5):  # a full queue would drop these if they were enqueued
-        assert pool.put(hashes[0], kvs[0])
+        assert pool.put(0, hashes, kvs)
     assert pool.stats()["drops"] == 0
 
 
@@ -108,7 +115,7 @@ def test_a_failing_write_keeps_the_writer_alive(
     real = pool._write
     calls = {"n": 0}
 
-    def flaky(batch: list[tuple[bytes, torch.Tensor]]) -> None:
+    def flaky(batch: list[tuple[bytes, int, torch.Tensor]]) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug in a tier")
@@ -147,7 +154,7 @@ def test_partial_file_left_by_a_crash_is_never_served(tmp_path: Path) -> None:
     tmp = path.with_name(path.name + ".123.456.tmp")
     tmp.write_bytes(b"PDKVPOOL half a value")  # a writer died before its rename
     again = DiskTier(tmp_path, 64 * MB)  # the next start
-    assert again.contains([key]) == 0 and again.get_many([key], _later()) == []
+    assert again.exists([key]) == [False] and again.get_many([key], _later()) == []
     assert tmp.exists()  # fresh: maybe a live writer's; removed once stale
 
 
@@ -169,9 +176,9 @@ def test_corrupt_value_is_deleted_counted_and_ends_the_run(
         tier = DiskTier(tmp_path, 64 * MB)
     else:
         tier = RedisTier(request.getfixturevalue("redis_url"))
-    pool = _pool(pools, [tier])
-    hashes, kvs = _fill(pool, 4)
-    bad = pool.namespace.key(hashes[2])
+    pool = _pool(pools, [tier], chunk_blocks=2)
+    hashes, kvs = _fill(pool, 4)  # chunks [0-1] and [2-3]: the second is corrupted
+    bad = pool.namespace.key(hashes[3])
     if how == "memory-flip":
         assert isinstance(tier, MemoryTier)
         _corrupt_memory(tier, bad)
@@ -192,7 +199,7 @@ def test_corrupt_value_is_deleted_counted_and_ends_the_run(
     assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, kvs, strict=False))
     assert tier.stats.corrupt == 1
     assert _sample(pool, "pdserve_kvpool_corrupt_total", tier.name) == 1
-    assert pool.lookup(hashes) == 2  # deleted: the caller recomputes block 2 and rewrites it
+    assert pool.lookup(hashes) == 2  # deleted: the caller recomputes blocks 2-3, rewrites them
 
 
 def test_value_under_another_key_is_refused(pools: list[TieredKVPool]) -> None:
@@ -215,7 +222,7 @@ def test_disk_full_degrades_to_no_disk_tier_logged_once(
     memory, disk = MemoryTier(64 * MB), DiskTier(tmp_path, 64 * MB)
     pool = _pool(pools, [memory, disk])
     first, _ = _fill(pool, 2, seed=1)
-    assert disk.contains([pool.namespace.key(h) for h in first]) == 2
+    assert all(disk.exists([pool.namespace.key(h) for h in first]))
 
     def full(self: DiskTier, key: bytes, value: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -240,7 +247,7 @@ def test_unusable_disk_dir_degrades_at_start(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     disk = DiskTier(tmp_path / "a-file" / "pool", 64 * MB)
     assert disk.failed is not None and disk.usage()["up"] is False
-    assert disk.put_many([(b"k", b"v")]) == 0 and disk.contains([b"k"]) == 0
+    assert disk.put_many([(b"k", b"v")]) == 0 and disk.exists([b"k"]) == [False]
 
 
 def test_disk_cap_evicts_least_recently_used(pools: list[TieredKVPool], tmp_path: Path) -> None:
@@ -254,13 +261,13 @@ def test_disk_cap_evicts_least_recently_used(pools: list[TieredKVPool], tmp_path
     pool.get(hashes[:1], _later())  # block 0 is now the most recently used
     more, _ = _fill(pool, 1, seed=5)
     keys = [pool.namespace.key(h) for h in hashes]
-    assert disk.contains(keys[:1]) == 1 and disk.contains(keys[1:]) == 0
-    assert disk.contains([pool.namespace.key(more[0])]) == 1
+    assert disk.exists(keys) == [True, False]
+    assert disk.exists([pool.namespace.key(more[0])]) == [True]
     assert not disk.path(keys[1]).exists() and disk.stats.evictions == 1
     assert disk.usage()["entries"] == 2
     # A restart indexes the files it finds: the tier survives its worker.
     again = DiskTier(tmp_path / "pool", int(one * 2.5))
-    assert again.contains(keys[:1]) == 1 and again.usage()["bytes"] == disk.usage()["bytes"]
+    assert again.exists(keys[:1]) == [True] and again.usage()["bytes"] == disk.usage()["bytes"]
 
 
 # ---- Redis down and back -----------------------------------------------------------------------

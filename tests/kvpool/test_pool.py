@@ -11,7 +11,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvpool_factories import SHAPE, blocks, chain, kvpool_threads, namespace
+from kvpool_factories import SHAPE, blocks, chain, kvpool_threads, namespace, put_chain
 from pdserve.kvpool import KVPoolConfig, TieredKVPool, build_pool
 from pdserve.kvpool.disk import DiskTier
 from pdserve.kvpool.redis_tier import RedisTier
@@ -68,8 +68,7 @@ def test_lower_tier_hits_are_promoted_to_memory(tmp_path: Path, no_leaks: None) 
     pool = TieredKVPool(namespace(), [memory, disk])
     try:
         hashes, kvs = chain(4), blocks(4)
-        for h, kv in zip(hashes, kvs, strict=True):
-            pool.put(h, kv)
+        assert put_chain(pool, hashes, kvs)
         assert pool.flush()
         memory.close()  # as if evicted from memory: the disk still has them
         assert pool.lookup(hashes) == 4
@@ -78,7 +77,7 @@ def test_lower_tier_hits_are_promoted_to_memory(tmp_path: Path, no_leaks: None) 
         assert all(torch.equal(a, b) for a, b in zip(got, kvs, strict=True))
         assert disk.stats.get_blocks == 4
         keys = [pool.namespace.key(h) for h in hashes]
-        assert memory.contains(keys) == 4  # promoted
+        assert all(memory.exists(keys))  # promoted
         pool.get(hashes, _later())
         assert disk.stats.get_blocks == 4 and memory.stats.get_blocks == 4
     finally:
@@ -91,8 +90,7 @@ def test_a_run_continues_in_the_next_tier(tmp_path: Path, no_leaks: None) -> Non
     pool = TieredKVPool(namespace(), [memory, disk])
     try:
         hashes, kvs = chain(4), blocks(4)
-        for h, kv in zip(hashes, kvs, strict=True):
-            pool.put(h, kv)
+        assert put_chain(pool, hashes, kvs)
         assert pool.flush()
         keys = [pool.namespace.key(h) for h in hashes]
         memory.delete(keys[2])
@@ -110,8 +108,7 @@ def test_int8_namespace_stores_a_quarter_and_decodes_close(redis_url: str, no_le
     pool = TieredKVPool(ns, [MemoryTier(64 * MB), RedisTier(redis_url)])
     try:
         hashes, kvs = chain(2), blocks(2)
-        for h, kv in zip(hashes, kvs, strict=True):
-            pool.put(h, kv)
+        assert put_chain(pool, hashes, kvs)
         assert pool.flush()
         got = pool.get(hashes, _later())
         assert len(got) == 2
@@ -130,8 +127,7 @@ def test_metric_names_per_tier(tmp_path: Path, no_leaks: None) -> None:
     pool = TieredKVPool(namespace(), [MemoryTier(64 * MB), DiskTier(tmp_path, 64 * MB)])
     try:
         hashes, kvs = chain(3), blocks(3)
-        for h, kv in zip(hashes, kvs, strict=True):
-            pool.put(h, kv)
+        assert put_chain(pool, hashes, kvs)
         assert pool.flush()
         pool.lookup(hashes + chain(1, seed=3))
         pool.get(hashes, _later())
@@ -159,15 +155,14 @@ def test_close_is_idempotent_and_put_after_close_is_refused(no_leaks: None) -> N
     pool = TieredKVPool(namespace(), [MemoryTier(MB)])
     pool.close()
     pool.close()
-    assert pool.put(chain(1)[0], blocks(1)[0]) is False
+    assert pool.put(0, chain(1), blocks(1)) is False
 
 
 def test_a_missed_deadline_is_counted(no_leaks: None) -> None:
     pool = TieredKVPool(namespace(), [MemoryTier(MB)])
     try:
         hashes, kvs = chain(2), blocks(2)
-        for h, kv in zip(hashes, kvs, strict=True):
-            pool.put(h, kv)
+        assert put_chain(pool, hashes, kvs)
         assert pool.flush()
         assert pool.get(hashes, time.monotonic() - 1.0) == []
         assert pool.stats()["deadline_misses"] == 1
@@ -183,15 +178,57 @@ def test_workers_on_one_host_share_a_disk_directory(tmp_path: Path, no_leaks: No
     reader = TieredKVPool(namespace(), [reader_disk])
     try:
         hashes, kvs = chain(3), blocks(3)
-        for h, kv in zip(hashes, kvs, strict=True):
-            writer.put(h, kv)
+        assert put_chain(writer, hashes, kvs)
         assert writer.flush()
         assert reader.lookup(hashes) == 3
         got = reader.get(hashes, _later())
         assert all(torch.equal(a, b) for a, b in zip(got, kvs, strict=True))
         assert reader_disk.usage()["entries"] == 3  # adopted into its index
-        assert reader.put(hashes[0], kvs[0]) and reader.flush()
+        assert reader.put(0, hashes[:1], kvs[:1]) and reader.flush()
         assert reader_disk.stats.puts == 0 and reader_disk.stats.present == 1
     finally:
         writer.close()
         reader.close()
+
+
+def test_chunks_across_tiers(tmp_path: Path, no_leaks: None) -> None:
+    """C=3. Memory holds [0-2] and a partial [3-4]; the disk holds [0-2] and the full [3-5]:
+    the run is 6 (the disk's full chunk outgrows memory's partial one), read [0-2] from memory
+    and [3-5] from the disk, which is then promoted."""
+    memory, disk = MemoryTier(64 * MB), DiskTier(tmp_path, 64 * MB)
+    ns = namespace(chunk_blocks=3)
+    mem_only = TieredKVPool(ns, [memory], close_tiers=False)
+    disk_only = TieredKVPool(ns, [disk], close_tiers=False)
+    pool = TieredKVPool(ns, [memory, disk])
+    try:
+        hashes, kvs = chain(6), blocks(6)
+        assert put_chain(mem_only, hashes[:5], kvs[:5]) and mem_only.flush()
+        assert put_chain(disk_only, hashes, kvs) and disk_only.flush()
+        assert pool.lookup(hashes) == 6
+        assert memory.stats.hit_blocks == 3 and disk.stats.hit_blocks == 3
+        assert memory.stats.lookup_blocks == 6 and disk.stats.lookup_blocks == 3
+        got = pool.get(hashes, _later())
+        assert len(got) == 6 and all(map(torch.equal, got, kvs))
+        assert memory.stats.get_blocks == 3 and disk.stats.get_blocks == 3
+        assert memory.exists([ns.key(hashes[5])]) == [True]  # promoted as one chunk
+        assert pool.lookup(hashes[:5]) == 5  # the partial chunk is still memory's
+    finally:
+        for p in (mem_only, disk_only, pool):
+            p.close()
+
+
+def test_chunk_values_hold_their_blocks(no_leaks: None) -> None:
+    """One value per chunk: 7 blocks at C=3 are 3 entries, of 3, 3 and 1 blocks."""
+    ns = namespace(chunk_blocks=3)
+    memory = MemoryTier(64 * MB)
+    pool = TieredKVPool(ns, [memory])
+    try:
+        hashes, kvs = chain(7), blocks(7)
+        assert put_chain(pool, hashes, kvs) and pool.flush()
+        one = value_nbytes(len(ns.key(hashes[0])), SHAPE, torch.float32, "none")
+        three = value_nbytes(len(ns.key(hashes[0])), SHAPE, torch.float32, "none", blocks=3)
+        assert memory.usage()["entries"] == 3 and memory.usage()["bytes"] == 2 * three + one
+        assert pool.stats()["namespace"]["chunk_blocks"] == 3  # type: ignore[index]
+        assert pool.registry.get_sample_value("pdserve_kvpool_chunk_blocks") == 3
+    finally:
+        pool.close()

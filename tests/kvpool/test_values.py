@@ -11,8 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_golden import CODECS, GOLDEN_DIR, golden_block, golden_key
+from kvpool_golden import BLOCKS, CODECS, FIRST, GOLDEN_DIR, golden_block, golden_key
 from pdserve.kvpool.values import HEADER_BYTES, VERSION, CorruptValue, decode_value, encode_value
+
+OLD = GOLDEN_DIR / "value_v1_none.bin"  # a version-1 value (one block, no chunk fields)
+
+
+def decode(key: bytes, value: bytes) -> torch.Tensor:
+    return decode_value(key, value, FIRST, BLOCKS)
 
 
 def _golden(codec: str) -> bytes:
@@ -21,12 +27,12 @@ def _golden(codec: str) -> bytes:
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_encoding_matches_the_golden_byte_for_byte(codec: str) -> None:
-    assert encode_value(golden_key(codec), golden_block(), codec) == _golden(codec)
+    assert encode_value(golden_key(codec), golden_block(), FIRST, codec) == _golden(codec)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_the_golden_decodes(codec: str) -> None:
-    got = decode_value(golden_key(codec), _golden(codec))
+    got = decode(golden_key(codec), _golden(codec))
     want = golden_block()
     assert got.shape == want.shape and got.dtype == want.dtype
     if codec == "none":
@@ -39,9 +45,9 @@ def test_every_truncation_is_refused() -> None:
     value, key = _golden("none"), golden_key("none")
     for n in range(len(value)):
         with pytest.raises(CorruptValue):
-            decode_value(key, value[:n])
+            decode(key, value[:n])
     with pytest.raises(CorruptValue):
-        decode_value(key, value + b"\0")
+        decode(key, value + b"\0")
 
 
 def test_every_bit_flip_is_refused() -> None:
@@ -49,29 +55,50 @@ def test_every_bit_flip_is_refused() -> None:
     for i in range(len(value)):
         value[i] ^= 1 << (i % 8)
         with pytest.raises(CorruptValue):
-            decode_value(key, bytes(value))
+            decode(key, bytes(value))
         value[i] ^= 1 << (i % 8)
-    assert torch.equal(decode_value(key, bytes(value)), golden_block())
+    assert torch.equal(decode(key, bytes(value)), golden_block())
 
 
 def test_another_key_or_version_is_refused() -> None:
     value, key = _golden("none"), golden_key("none")
     with pytest.raises(CorruptValue, match="another key"):
-        decode_value(golden_key("int8"), value)  # same block, another namespace
+        decode(golden_key("int8"), value)  # same block, another namespace
     newer = bytearray(value)
     struct.pack_into("<H", newer, 8, VERSION + 1)
     with pytest.raises(CorruptValue, match="version"):
-        decode_value(key, bytes(newer))
-    assert len(struct.pack("<8sHBBIHHHHQ", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0)) == HEADER_BYTES
+        decode(key, bytes(newer))
+    assert len(struct.pack("<8sHBBIHHHHQIH", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)) == HEADER_BYTES
+
+
+def test_another_chunk_layout_is_refused() -> None:
+    """The key names a chunk's last block; the reader also asks for its first block and count
+    (another chunk size would put other blocks under the same key)."""
+    value, key = _golden("none"), golden_key("none")
+    with pytest.raises(CorruptValue, match="holds blocks 6..7"):
+        decode_value(key, value, FIRST - 1, BLOCKS + 1)
+    with pytest.raises(CorruptValue, match="holds blocks"):
+        decode_value(key, value, FIRST, BLOCKS - 1)
+
+
+def test_a_version_1_value_is_refused() -> None:
+    """Values of the per-block format (kept as a fixture) never decode as chunks. They are not
+    even asked for: their keys are under another namespace digest (pdkvpool/1)."""
+    with pytest.raises(CorruptValue, match="version"):
+        decode_value(golden_key("none"), OLD.read_bytes(), 0, 1)
 
 
 def test_encoding_refuses_what_it_cannot_store() -> None:
-    with pytest.raises(ValueError, match="block"):
-        encode_value(b"k", torch.zeros(2, 3, 4, 2, 4), "none")
+    with pytest.raises(ValueError, match="chunk"):
+        encode_value(b"k", torch.zeros(1, 2, 3, 4, 2, 4), 0, "none")
+    with pytest.raises(ValueError, match="chunk"):
+        encode_value(b"k", torch.zeros(2, 2, 4, 2, 4), 0, "none")  # a block, not a chunk
+    with pytest.raises(ValueError, match="first"):
+        encode_value(b"k", torch.zeros(1, 1, 2, 16, 1, 4), -1, "none")
     with pytest.raises(ValueError, match="NaN"):
-        encode_value(b"k", torch.full((1, 2, 16, 1, 4), float("nan")), "int8")
+        encode_value(b"k", torch.full((1, 1, 2, 16, 1, 4), float("nan")), 0, "int8")
     with pytest.raises(ValueError, match="codec"):
-        encode_value(b"k", torch.zeros(1, 2, 16, 1, 4), "zstd")
+        encode_value(b"k", torch.zeros(1, 1, 2, 16, 1, 4), 0, "zstd")
 
 
 def _with_crc(body: bytes) -> bytes:
@@ -85,7 +112,7 @@ def test_a_bad_scale_under_a_valid_checksum_is_corrupt() -> None:
     first_scale = HEADER_BYTES + len(key)
     struct.pack_into("<f", body, first_scale, float("nan"))
     with pytest.raises(CorruptValue, match="does not decode"):
-        decode_value(key, _with_crc(bytes(body)))
+        decode(key, _with_crc(bytes(body)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -99,13 +126,14 @@ def test_mutations_under_a_valid_checksum_are_refused_or_exact(data: st.DataObje
         i = data.draw(st.integers(0, len(body) - 1))
         body[i] = data.draw(st.integers(0, 255))
     try:
-        out = decode_value(golden_key(codec), _with_crc(bytes(body)))
+        out = decode(golden_key(codec), _with_crc(bytes(body)))
     except CorruptValue:
         return
-    assert out.dim() == 5 and out.shape[1] == 2
+    assert out.shape[:3] == (BLOCKS, 2, 2) and out.dim() == 6
 
 
 def test_goldens_are_committed() -> None:
     assert sorted(p.name for p in Path(GOLDEN_DIR).glob("*.bin")) == [
-        f"value_v{VERSION}_{c}.bin" for c in sorted(CODECS)
+        OLD.name,
+        *(f"value_v{VERSION}_{c}.bin" for c in sorted(CODECS)),
     ]
