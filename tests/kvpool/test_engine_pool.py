@@ -1,18 +1,21 @@
 """The engine with a KV pool (FakeKVPool, tiny models): the same greedy tokens with and without
-it, a fresh engine computes only what the pool does not hold, a pool that delivers less than it
-promised is recomputed (counted), and different models never share entries."""
+it, a fresh engine computes only what the pool does not hold (in whole chunks), a pool that
+delivers less than it promised is recomputed (counted), and different models never share
+entries. Chunk sizes are set here: a tiny model's blocks are so small that --kv-pool-chunk-mb
+would give the maximum."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kvpool.api import BlockHash, FakeKVPool
-from pdserve.workers.pool import namespace
+from pdserve.engine.engine import LLMEngine
+from pdserve.kvpool.api import BlockHash, FakeKVPool, PoolNamespace
+from pdserve.workers import pool as worker_pool
 
 
 def assert_engine_idle(llm: LLM) -> None:
@@ -26,6 +29,10 @@ def assert_engine_idle(llm: LLM) -> None:
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BS = 8
+
+
+def namespace(engine: LLMEngine, chunk_blocks: int = 4) -> PoolNamespace:
+    return replace(worker_pool.namespace(engine), chunk_blocks=chunk_blocks)
 
 
 def _llm(path: object) -> LLM:
@@ -52,9 +59,14 @@ class ShortPool(FakeKVPool):
         return super().get(hashes, deadline)[: self.deliver]
 
 
-def test_fresh_engine_loads_the_prefix_and_computes_only_the_tail(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("c", "pooled"), [(4, 64), (3, 48)])
+def test_fresh_engine_loads_the_prefix_and_computes_only_the_tail(
+    tiny_llama_path, c, pooled
+) -> None:  # type: ignore[no-untyped-def]
+    """The 64-token system prompt is blocks 0-7. At C=4 they are two whole chunks of a's; at
+    C=3 a stored [6-8] with its own block 8, so b finds [0-2], [3-5] and computes the rest."""
     ref, a, b = _llm(tiny_llama_path), _llm(tiny_llama_path), _llm(tiny_llama_path)
-    pool = FakeKVPool(namespace(a.engine))
+    pool = FakeKVPool(namespace(a.engine, c))
     a.engine.attach_pool(pool)
     b.engine.attach_pool(pool)
     system = _prompt(64)  # 8 full blocks
@@ -63,16 +75,19 @@ def test_fresh_engine_loads_the_prefix_and_computes_only_the_tail(tiny_llama_pat
 
     got_a = a.generate([first], PARAMS)[0]
     assert got_a.outputs[0].token_ids == want[0]
-    assert pool.puts >= 8  # every full block a computed went in (prompt and generated)
+    # every full block a computed went in (prompt and generated: 78 tokens, 9 blocks), as
+    # chunks filled and the tail when a finished
+    assert pool.put_blocks == 9 and pool.puts == -(-9 // c)
+    assert a.engine.stats()["kv_pool_put_blocks"] == 9
 
     before = _prefilled(b)
     out = b.generate([second], PARAMS)[0]
     assert out.outputs[0].token_ids == want[1]  # loaded KV gives the same greedy tokens
-    # b computed only the tail after the 64 pooled tokens (+ one decode token per step)
-    assert _prefilled(b) - before == len(second) - 64
+    # b computed only the tail after the pooled tokens (+ one decode token per step)
+    assert _prefilled(b) - before == len(second) - pooled
     s = b.engine.stats()
-    assert s["kv_pool_loaded_tokens"] == 64 and s["kv_pool_recomputed_tokens"] == 0
-    assert out.metrics is not None and out.metrics.num_cached_tokens == 64
+    assert s["kv_pool_loaded_tokens"] == pooled and s["kv_pool_recomputed_tokens"] == 0
+    assert out.metrics is not None and out.metrics.num_cached_tokens == pooled
     for llm in (ref, a, b):
         assert_engine_idle(llm)
 
@@ -97,7 +112,7 @@ def test_the_first_output_reports_what_the_pool_loaded(tiny_llama_path) -> None:
 @pytest.mark.parametrize("deliver", [0, 2])
 def test_a_pool_that_delivers_less_than_promised_is_recomputed(tiny_llama_path, deliver) -> None:  # type: ignore[no-untyped-def]
     ref, a, b = _llm(tiny_llama_path), _llm(tiny_llama_path), _llm(tiny_llama_path)
-    ns = namespace(a.engine)
+    ns = namespace(a.engine, chunk_blocks=2)  # a stores [0-1], [2-3], [4-5] and [6]
     full = FakeKVPool(ns)
     a.engine.attach_pool(full)
     short = ShortPool(ns, blocks=full.blocks, deliver=deliver)
@@ -125,7 +140,7 @@ def test_a_block_of_the_wrong_shape_is_never_used(tiny_llama_path) -> None:  # t
     from pdserve.engine.block_pool import hash_full_blocks
 
     for h in hash_full_blocks(prompt, BS):
-        pool.blocks[ns.key(h)] = torch.zeros(1, 2, 3)  # a bad entry under the right key
+        pool.blocks[ns.key(h)] = [torch.zeros(1, 2, 3)]  # a bad entry under the right key
     want = ref.generate([prompt], PARAMS)[0].outputs[0].token_ids
     assert b.generate([prompt], PARAMS)[0].outputs[0].token_ids == want
     s = b.engine.stats()

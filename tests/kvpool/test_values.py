@@ -75,7 +75,7 @@ def test_another_chunk_layout_is_refused() -> None:
     """The key names a chunk's last block; the reader also asks for its first block and count
     (another chunk size would put other blocks under the same key)."""
     value, key = _golden("none"), golden_key("none")
-    with pytest.raises(CorruptValue, match="holds blocks 6..7"):
+    with pytest.raises(CorruptValue, match=r"holds blocks 6\.\.7"):
         decode_value(key, value, FIRST - 1, BLOCKS + 1)
     with pytest.raises(CorruptValue, match="holds blocks"):
         decode_value(key, value, FIRST, BLOCKS - 1)
