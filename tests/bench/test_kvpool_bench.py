@@ -9,9 +9,9 @@ from pdserve.bench import common, kvpool_bench
 
 def _row(tier: str) -> kvpool_bench.Row:
     return kvpool_bench.Row(
-        tier=tier, codec="none", tokens=256, blocks=16, kv_mb=11.25, stored_mb=11.3, put_s=0.05,
-        get_s=0.01, get_block_ms_p50=0.5, get_block_ms_p90=0.9, put_call_ms_p50=0.2,
-        recompute_s=0.5,
+        tier=tier, codec="none", tokens=256, blocks=16, chunk_blocks=3, chunk_mb=2.11,
+        kv_mb=11.25, stored_mb=11.3, put_s=0.05, get_s=0.01, get_chunk_ms_p50=0.5,
+        get_chunk_ms_p90=0.9, put_call_ms_p50=0.2, recompute_s=0.5,
     )  # fmt: skip
 
 
@@ -19,7 +19,7 @@ def _render() -> str:
     machine = {"cpu": "Xeon", "cores": 2, "threads": 1, "load_average": [1.0, 1.0, 1.0],
                "load_average_end": [2.0, 1.5, 1.0]}  # fmt: skip
     head = common.ReportHead("2026-12-01", "pdserve bench kvpool", machine)
-    model = {"name": "m", "block_shape": [30, 2, 16, 3, 64], "dtype": "float32"}
+    model = {"name": "m", "block_shape": [30, 2, 16, 3, 64], "dtype": "float32", "chunk_mb": 2.0}
     return kvpool_bench.render(head, model, [_row("memory"), _row("redis")], "/tmp")
 
 
@@ -27,10 +27,12 @@ def test_rows_show_bandwidth_and_the_speedup_over_recompute() -> None:
     page = _render()
     assert page.startswith(kvpool_bench.SECTION + "\n")
     assert "Xeon" in page and "1.00 / 1.00 / 1.00" in page and "720 KB raw" in page
+    assert "chunks of C blocks" in page and "nearest 2.0 MiB" in page
     memory = next(line for line in page.splitlines() if line.startswith("| memory"))
     cells = [c.strip() for c in memory.strip("|").split("|")]
-    assert cells[5] == "0.20"  # put() call ms
-    assert cells[6] == f"{11.25 * (1 << 20) / 0.05 / 1e9:.2f}"  # put GB/s
+    assert cells[2:4] == ["3", "2.11"]  # C, a full chunk's stored MB
+    assert cells[7] == "0.20"  # put() call ms
+    assert cells[8] == f"{11.25 * (1 << 20) / 0.05 / 1e9:.2f}"  # put GB/s
     assert cells[-1] == "50.0x"  # 0.5 s recompute / 0.01 s get
 
 

@@ -12,6 +12,7 @@ from factories import assert_cluster_idle, eventually
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import LocalCluster
 from pdserve.kvpool.api import FakeKVPool, KVPoolConfig, PoolNamespace
+from pdserve.kvpool.values import value_nbytes
 from pdserve.router import timeline as tl
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -19,6 +20,7 @@ LONG = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
 SYSTEM = list(range(100, 164))  # 64 tokens: 4 full blocks of 16
 BS = 16
 ONE: dict[str, Any] = {"colocated": 1, "prefill": 0, "decode": 0}  # one colocated worker
+CHUNK: dict[str, float] = {}  # --kv-pool-chunk-mb of 2-block chunks for the tiny model
 
 
 class SharedPool:
@@ -36,6 +38,7 @@ class SharedPool:
 
 def _cluster(path: object, shared: SharedPool | None, **kw: Any) -> LocalCluster:
     kw.setdefault("pool_factory", shared)
+    kw.setdefault("kv_pool", {"kv_pool_chunk_mb": CHUNK["mb"]})
     return LocalCluster(str(path), transport="inproc", threads=1, **kw)
 
 
@@ -46,6 +49,16 @@ def _labels(out: Any, ev: tl.Ev) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def ref(tiny_llama_path):  # type: ignore[no-untyped-def]
     return LLM(str(tiny_llama_path), block_size=BS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_block_chunks(ref) -> None:  # type: ignore[no-untyped-def]
+    """Chunks of 2 blocks: a tiny model's block is a few KiB, so the default 2 MiB would make
+    chunks of the maximum 16 blocks, longer than these prompts."""
+    eng = ref.engine
+    k = eng.cache.layers[0][0]
+    shape = (len(eng.cache.layers), 2, BS, k.shape[2], k.shape[3])
+    CHUNK["mb"] = 2 * value_nbytes(48, shape, eng.dtype, "none") / (1 << 20)
 
 
 def test_second_prefill_worker_loads_the_first_ones_prefix(tiny_llama_path, ref) -> None:  # type: ignore[no-untyped-def]
@@ -97,9 +110,10 @@ def test_a_request_whose_decode_worker_goes_down_resumes_from_the_pool(
         assert c.stats["recovered_from_pool"] == 1
         loaded = c.stats["recovery_pool_loaded_tokens"]
         recomputed = c.stats["recovery_recomputed_tokens"]
-        # P0 holds the prompt itself; the pool gave the generated blocks D had written, so
-        # only the tail after the last full block was computed again
-        assert loaded >= 32 and recomputed < BS
+        # P0 holds the prompt itself; the pool gave the generated blocks D had written in
+        # whole 2-block chunks, so only D's open chunk (at most one full block) and the tail
+        # after the last full block were computed again
+        assert loaded >= 32 and recomputed < 2 * BS
         assert label.startswith(f"loaded {loaded}, recomputed {recomputed} of ")
         for d in ("D0", "D1"):
             c.set_fault(d, "none")
@@ -149,7 +163,7 @@ def test_clusters_of_different_models_never_share(tiny_llama_path, tiny_qwen2_pa
         _cluster(tiny_qwen2_path, None, name="Q", **ONE, pool_factory=factory) as qwen,
     ):
         llama.generate([prompt], PARAMS)
-        assert len(store) >= 4
+        assert sum(map(len, store.values())) >= 4  # blocks, in 2-block chunks
         (out,) = qwen.generate([prompt], PARAMS)
         assert out.outputs[0].token_ids == want[0].outputs[0].token_ids
         assert _labels(out, tl.Ev.POOL_LOOKUP) == [("0 tokens", "QC0")]
@@ -159,7 +173,7 @@ def test_clusters_of_different_models_never_share(tiny_llama_path, tiny_qwen2_pa
 
 # ---- worker processes sharing a real Redis (the redis_server fixture of tests/kvpool) ---------
 def _tcp(path: object, redis_url: str, **kw: Any) -> LocalCluster:
-    pool = {"kv_pool_redis": redis_url}
+    pool = {"kv_pool_redis": redis_url, "kv_pool_chunk_mb": CHUNK["mb"]}
     return LocalCluster(str(path), transport="tcp", threads=1, kv_pool=pool, **kw)
 
 
@@ -178,7 +192,8 @@ def test_two_deployments_share_prefixes_through_redis_and_other_models_never(
         _tcp(tiny_qwen2_path, redis_url, **ONE) as other,
     ):
         (out_a,) = one.generate([a], PARAMS)
-        eventually(lambda: _redis_puts(one, "C0") >= 4, what="the prefix written to Redis")
+        # the 4 prefix blocks are 2 values (2-block chunks)
+        eventually(lambda: _redis_puts(one, "C0") >= 2, what="the prefix written to Redis")
         (out_b,) = two.generate([b], PARAMS)
         assert [out_a.outputs[0].token_ids, out_b.outputs[0].token_ids] == want
         assert _labels(out_b, tl.Ev.POOL_LOAD) == [("64 of 64 tokens", "C0")]

@@ -256,7 +256,7 @@ def test_kv_pool_panel_reads_a_real_pools_metrics(
     tiers = [MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)]
     pool = TieredKVPool(ns, tiers, registry=metrics.registry)
     try:
-        pool.put(b"a" * 32, torch.ones(1, 2, 4, 1, 2))
+        pool.put(0, [b"a" * 32], [torch.ones(1, 2, 4, 1, 2)])
         assert pool.flush()
         assert pool.lookup([b"a" * 32, b"b" * 32]) == 1
         assert len(pool.get([b"a" * 32], time.monotonic() + 10)) == 1

@@ -2,12 +2,14 @@
 
 For each token count, tier (memory, disk, Redis on loopback) and storage codec, the prompt's
 blocks (the default model's block shape and KV dtype, random values) go through a
-`TieredKVPool` holding that tier alone:
-- put: `put()` of every block, then `flush()` - the engine-side copy, encoding, checksum and the
+`TieredKVPool` holding that tier alone, stored as the engine stores them: chunks of C blocks
+(C from `--chunk-mb`, as `--kv-pool-chunk-mb` sets it for a worker), the last one partial:
+- put: `put()` of every chunk, then `flush()` - the engine-side copy, encoding, checksum and the
   tier's write, all of it (fresh keys each repeat: a tier skips keys it has);
 - get: `lookup()` + `get()` of the whole run - the tier's read, verification and decoding into
   new tensors (what a worker then copies into its KV cache is not counted);
-- per-block get latency: `lookup()` + `get()` of one block at a time.
+- per-chunk get latency: `lookup()` + `get()` of the first chunk alone (one value), as many
+  times as the prompt has chunks.
 Recompute is the engine's own prefill step for the same number of tokens (prefix caching off).
 GB/s count the KV's raw bytes (float32 tensor bytes), whatever the codec stores. The disk is read
 right after it was written: the page cache is warm, as it is for a pool's hot prefixes.
@@ -37,6 +39,7 @@ from typing import Any
 
 from pdserve import argtypes
 from pdserve.bench import common
+from pdserve.kvpool.api import DEFAULT_CHUNK_MB
 
 DEFAULT_OUTPUT = Path("docs/benchmarks/kvpool.md")
 SECTION = "## Tier bandwidth"
@@ -62,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=argtypes.positive_int, default=5, help="default: 5")
     parser.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=DEFAULT_CHUNK_MB,
+        help=f"target stored size of a chunk, MiB (as --kv-pool-chunk-mb; default "
+        f"{DEFAULT_CHUNK_MB}: 3 blocks of the default model in float32)",
+    )
+    parser.add_argument(
         "--disk-dir", default=None, help="disk tier directory (default: a new one under $TMPDIR)"
     )
     parser.add_argument(
@@ -80,13 +90,15 @@ class Row:
     codec: str
     tokens: int
     blocks: int
+    chunk_blocks: int  # C: blocks per stored value
+    chunk_mb: float  # a full chunk's stored size
     kv_mb: float  # raw KV bytes moved
     stored_mb: float  # what the tier holds for them
     put_s: float  # medians over repeats
     get_s: float
-    get_block_ms_p50: float
-    get_block_ms_p90: float
-    put_call_ms_p50: float  # the caller's time in one put() (the write happens behind it)
+    get_chunk_ms_p50: float
+    get_chunk_ms_p90: float
+    put_call_ms_p50: float  # the caller's time in one put() of a chunk (the write is behind it)
     recompute_s: float
 
     @property
@@ -125,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                     )
     machine["load_average_end"] = list(os.getloadavg())
     model = {"name": arch.name, "block_shape": list(shape), "dtype": dtype}
+    model["chunk_mb"] = args.chunk_mb
     head = common.ReportHead(date, _command(args), machine)
     markdown = render(head, model, rows, args.disk_dir or tempfile.gettempdir())
     data = {"head": head.__dict__, "model": model, "rows": [r.__dict__ for r in rows]}
@@ -174,54 +187,64 @@ def _measure(
 
     from pdserve.engine.block_pool import hash_full_blocks
     from pdserve.kvpool import PoolNamespace, TieredKVPool
+    from pdserve.kvpool.api import chunk_blocks_for, chunk_spans
+    from pdserve.kvpool.values import value_nbytes
 
-    ns = PoolNamespace("bench", dtype, "bench", BLOCK_SIZE, codec)
+    torch_dtype = getattr(torch, dtype)
+    block_bytes = value_nbytes(48, shape, torch_dtype, codec)
+    c = chunk_blocks_for(args.chunk_mb, block_bytes)
+    ns = PoolNamespace("bench", dtype, "bench", BLOCK_SIZE, codec, chunk_blocks=c)
     n_blocks = n_tokens // BLOCK_SIZE
-    kv = [torch.randn(shape, dtype=getattr(torch, dtype)) for _ in range(n_blocks)]
+    kv = [torch.randn(shape, dtype=torch_dtype) for _ in range(n_blocks)]
+    spans = chunk_spans(n_blocks, c)
     puts, gets, per_block, calls = [], [], [], []
     stored = 0
     for rep in range(args.repeats + 1):  # the first is a warm-up
         hashes = hash_full_blocks([rep * 100_003 + i for i in range(n_tokens)], BLOCK_SIZE)
         with _tier(tier_name, args, redis_url) as tier:
-            pool = TieredKVPool(ns, [tier], queue_size=n_blocks + 1, close_tiers=False)
+            pool = TieredKVPool(ns, [tier], queue_size=n_blocks + c, close_tiers=False)
             try:
                 rep_calls: list[float] = []
                 put_s = common.timed(functools.partial(_put_all, pool, hashes, kv, rep_calls))
                 get_s = common.timed(functools.partial(_get_all, pool, hashes))
-                block_s = [common.timed(functools.partial(_get_all, pool, [h])) for h in hashes]
+                first = hashes[: spans[0][1]]
+                block_s = [common.timed(functools.partial(_get_all, pool, first)) for _ in spans]
                 usage = pool.stats()["tiers"]
                 stored = int(usage[tier_name]["bytes_written"])  # type: ignore[index]
             finally:
                 pool.close()
-                for h in hashes:  # a shared Redis keeps nothing of the bench's
-                    tier.delete(ns.key(h))
+                for _, end in spans:  # a shared Redis keeps nothing of the bench's
+                    tier.delete(ns.key(hashes[end - 1]))
         if rep:
             puts.append(put_s)
             gets.append(get_s)
             per_block += block_s
             calls += rep_calls
-    q = statistics.quantiles(per_block, n=10)
+    q = statistics.quantiles(per_block, n=10) if len(per_block) > 1 else per_block
     return Row(
         tier=tier_name,
         codec=codec,
         tokens=n_tokens,
         blocks=n_blocks,
+        chunk_blocks=c,
+        chunk_mb=value_nbytes(48, shape, torch_dtype, codec, blocks=c) / MB,
         kv_mb=sum(t.numel() * t.element_size() for t in kv) / MB,
         stored_mb=stored / MB,
         put_s=statistics.median(puts),
         get_s=statistics.median(gets),
-        get_block_ms_p50=statistics.median(per_block) * 1e3,
-        get_block_ms_p90=q[-1] * 1e3,
+        get_chunk_ms_p50=statistics.median(per_block) * 1e3,
+        get_chunk_ms_p90=q[-1] * 1e3 if len(per_block) > 1 else per_block[0] * 1e3,
         put_call_ms_p50=statistics.median(calls) * 1e3,
         recompute_s=recompute_s,
     )
 
 
 def _put_all(pool: Any, hashes: list[bytes], kv: list[Any], calls: list[float]) -> None:
-    for h, block in zip(hashes, kv, strict=True):
+    c = pool.namespace.chunk_blocks
+    for p in range(0, len(hashes), c):
         t0 = time.perf_counter()
-        if not pool.put(h, block):
-            raise RuntimeError("the bench's write-back queue dropped a block")
+        if not pool.put(p, hashes[p : p + c], kv[p : p + c]):
+            raise RuntimeError("the bench's write-back queue dropped a chunk")
         calls.append(time.perf_counter() - t0)
     if not pool.flush(600.0):
         raise RuntimeError("the pool did not flush within 600 s")
@@ -311,7 +334,7 @@ def _command(args: argparse.Namespace) -> str:
         return invoked
     parts = ["pdserve", "bench", "kvpool", "--tokens", ",".join(map(str, args.tokens))]
     parts += ["--tiers", ",".join(args.tiers), "--codecs", ",".join(args.codecs)]
-    parts += ["--repeats", str(args.repeats)]
+    parts += ["--repeats", str(args.repeats), "--chunk-mb", str(args.chunk_mb)]
     return shlex.join(parts)
 
 
@@ -328,24 +351,29 @@ def render(head: common.ReportHead, model: dict[str, Any], rows: list[Row], disk
         f"({_block_kb(model):.0f} KB raw). Disk tier under {disk} ({_fs(disk)}); Redis: "
         "redis-server on loopback, no persistence.",
         "",
-        "*put() call* = the caller's time in one `put()` (median; the write happens behind it "
-        "on the write-back thread). Put = `put()` of every block + `flush()`; get = "
-        "`lookup()` + `get()` of the whole run (read, checksum, decode); GB/s of raw KV bytes; "
+        "Values are chunks of C blocks (C = the whole number of blocks nearest "
+        f"{model.get('chunk_mb', DEFAULT_CHUNK_MB)} MiB stored, per codec; *chunk MB* = a "
+        "full chunk's stored size), "
+        "the last one of a prompt partial. *put() call* = the caller's time in one `put()` of "
+        "a chunk (median; the write happens behind it on the write-back thread). Put = `put()` "
+        "of every chunk + `flush()`; get = `lookup()` + `get()` of the whole run (read, "
+        "checksum, decode); get/chunk = the same for one chunk; GB/s of raw KV bytes; "
         "medians of the repeats. Recompute = the engine's prefill step for the same tokens; "
         "*speed-up* = recompute time / get time. Both share this run's load: on a small, busy "
         "machine the prefill (compute-bound, every core) slows down more than the copies do, so "
         "check the recompute column against `docs/benchmarks/engine.md` (a quiet machine) "
         "before quoting a ratio.",
         "",
-        "| tier | codec | tokens | KV MB | stored MB | put() call ms | put GB/s | get GB/s | "
-        "get ms | get/block ms p50 (p90) | recompute ms | speed-up vs recompute |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tier | codec | C | chunk MB | tokens | KV MB | stored MB | put() call ms | put GB/s | "
+        "get GB/s | get ms | get/chunk ms p50 (p90) | recompute ms | speed-up vs recompute |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.tier} | {r.codec} | {r.tokens} | {r.kv_mb:.1f} | {r.stored_mb:.1f} | "
+            f"| {r.tier} | {r.codec} | {r.chunk_blocks} | {r.chunk_mb:.2f} | {r.tokens} | "
+            f"{r.kv_mb:.1f} | {r.stored_mb:.1f} | "
             f"{r.put_call_ms_p50:.2f} | {r.put_gbs:.2f} | {r.get_gbs:.2f} | {r.get_s * 1e3:.1f} | "
-            f"{r.get_block_ms_p50:.2f} ({r.get_block_ms_p90:.2f}) | {r.recompute_s * 1e3:.0f} | "
+            f"{r.get_chunk_ms_p50:.2f} ({r.get_chunk_ms_p90:.2f}) | {r.recompute_s * 1e3:.0f} | "
             f"{r.recompute_s / r.get_s:.1f}x |"
         )
     return "\n".join([*lines, "", *_summary(rows)]) + "\n"
@@ -363,7 +391,7 @@ def _summary(rows: list[Row]) -> list[str]:
         f"than recomputing it (slowest: {slowest.tier}/{slowest.codec} at {slowest.tokens} "
         f"tokens); the fastest read is {fastest.tier}/{fastest.codec} at "
         f"{fastest.get_gbs:.2f} GB/s. A `put()` costs its caller "
-        f"{calls[0]:.2f}-{calls[-1]:.2f} ms per block (median per row): the block's copy and "
+        f"{calls[0]:.2f}-{calls[-1]:.2f} ms per chunk (median per row): the chunk's copy and "
         "the hand-off to the write-back thread."
     ]
 
