@@ -164,3 +164,23 @@ def test_different_models_never_share_entries(tiny_llama_path, tiny_qwen2_path) 
     assert qwen.engine.stats()["kv_pool_hit_tokens"] == 0
     for llm in (llama, qwen):
         assert_engine_idle(llm)
+
+
+def test_an_aborted_request_puts_its_open_chunk(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    """C=4, a 50-token prompt (6 full blocks): the prefill step puts [0-3] as it fills; [4-5]
+    stays open until the request ends - here by an abort - and then goes as a partial chunk."""
+    from pdserve.engine.block_pool import hash_full_blocks
+
+    a = _llm(tiny_llama_path)
+    pool = FakeKVPool(namespace(a.engine, chunk_blocks=4))
+    a.engine.attach_pool(pool)
+    prompt = _prompt(50)
+    eng = a.engine
+    eng.add_request(prompt, PARAMS, "r")
+    eng.step()  # the whole prompt: blocks 0-5 registered
+    assert (pool.puts, pool.put_blocks) == (1, 4)
+    eng.abort_request("r")
+    assert (pool.puts, pool.put_blocks) == (2, 6)
+    assert pool.lookup(hash_full_blocks(prompt, BS)) == 6
+    assert eng.stats()["kv_pool_put_blocks"] == 6
+    assert_engine_idle(a)
