@@ -23,7 +23,8 @@ blocks are in no pool until then - a D killed mid-answer loses them, and the req
 recomputes them (the kvpool-serve recovery benchmark reports loaded vs recomputed tokens).
 
 Nothing here changes what the engine computes: a pool hit is KV that some worker with the same
-namespace (model, dtype, layout, block size, codec) computed for the same chained hash.
+namespace (model, dtype, layout, block size, codec, chunk size) computed for the same chained
+hash.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class PoolLinkStats:
     recomputed_tokens: int = 0  # promised by lookup, not delivered by get: computed instead
     load_seconds: float = 0.0
     put_blocks: int = 0
-    put_drops: int = 0
+    put_drops: int = 0  # blocks of chunks the write-back queue dropped
+    put_gaps: int = 0  # blocks not put: a chunk's leading blocks were no longer registered
     errors: int = 0  # a pool call raised: treated as a miss, counted
     last_error: str = ""
 
@@ -207,8 +209,9 @@ class PoolLink:
             # preemption): the request holds them now.
             held = self.kv.registered_blocks(rid, start, index)
             blocks = [(start + i, bid, h) for i, (bid, h) in enumerate(held)]
-            if len(blocks) != index - start:
-                return  # a gap: this chunk cannot be formed (counted nowhere: nothing lost)
+            if len(blocks) != index - start:  # not expected: a block before a registered one
+                self.stats.put_gaps += 1  # is full and registered; counted if it ever happens
+                return
         blocks.append((index, block_id, block_hash))
         if len(blocks) == c:
             self._put(blocks)
