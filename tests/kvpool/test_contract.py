@@ -128,6 +128,19 @@ def test_a_partial_chunk_ends_the_run(make_pool: Callable[[PoolNamespace], KVPoo
     assert pool.lookup(hashes) == 2
 
 
+def test_a_run_from_a_later_block(make_pool: Callable[[PoolNamespace], KVPool]) -> None:
+    """C=3. A caller whose local cache holds blocks 0-3 asks from block 4 (start=4): the chunk
+    [3-5] is read whole and its block 3 dropped."""
+    pool = make_pool(namespace(chunk_blocks=3))
+    hashes, kvs = chain(9), blocks(9)
+    _put(pool, hashes, kvs)
+    assert pool.lookup(hashes[4:], start=4) == 5
+    assert _same(pool.get(hashes[4:], _later(), start=4), kvs[4:])
+    assert pool.lookup(hashes[4:8], start=4) == 2  # [6-8] is not addressed by blocks 4-7
+    assert _same(pool.get(hashes[4:6], _later(), start=4), kvs[4:6])
+    assert pool.lookup(hashes[6:], start=6) == 3 and pool.lookup(hashes[:4]) == 3
+
+
 def test_returned_blocks_are_the_callers(make_pool: Callable[[PoolNamespace], KVPool]) -> None:
     pool = make_pool(namespace(chunk_blocks=2))
     hashes, kvs = chain(2), blocks(2)

@@ -55,8 +55,10 @@ class ShortPool(FakeKVPool):
 
     deliver: int = 0
 
-    def get(self, hashes: Sequence[BlockHash], deadline: float) -> list[torch.Tensor]:
-        return super().get(hashes, deadline)[: self.deliver]
+    def get(
+        self, hashes: Sequence[BlockHash], deadline: float, start: int = 0
+    ) -> list[torch.Tensor]:
+        return super().get(hashes, deadline, start)[: self.deliver]
 
 
 @pytest.mark.parametrize(("c", "pooled"), [(4, 64), (3, 48)])

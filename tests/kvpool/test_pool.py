@@ -217,6 +217,27 @@ def test_chunks_across_tiers(tmp_path: Path, no_leaks: None) -> None:
             p.close()
 
 
+def test_chunks_across_tiers_from_a_later_block(tmp_path: Path, no_leaks: None) -> None:
+    """C=3, from block 4: memory's partial [3-4] gives block 4, the disk's full [3-5] outgrows
+    it (block 3 read and dropped), and the run goes on in the disk."""
+    memory, disk = MemoryTier(64 * MB), DiskTier(tmp_path, 64 * MB)
+    ns = namespace(chunk_blocks=3)
+    mem_only = TieredKVPool(ns, [memory], close_tiers=False)
+    disk_only = TieredKVPool(ns, [disk], close_tiers=False)
+    pool = TieredKVPool(ns, [memory, disk])
+    try:
+        hashes, kvs = chain(9), blocks(9)
+        assert put_chain(mem_only, hashes[:5], kvs[:5]) and mem_only.flush()
+        assert put_chain(disk_only, hashes, kvs, start=3) and disk_only.flush()
+        assert pool.lookup(hashes[4:], start=4) == 5
+        assert memory.stats.hit_blocks == 0 and disk.stats.hit_blocks == 5
+        got = pool.get(hashes[4:], _later(), start=4)
+        assert len(got) == 5 and all(map(torch.equal, got, kvs[4:]))
+    finally:
+        for p in (mem_only, disk_only, pool):
+            p.close()
+
+
 def test_chunk_values_hold_their_blocks(no_leaks: None) -> None:
     """One value per chunk: 7 blocks at C=3 are 3 entries, of 3, 3 and 1 blocks."""
     ns = namespace(chunk_blocks=3)

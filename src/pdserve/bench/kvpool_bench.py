@@ -196,7 +196,7 @@ def _measure(
     ns = PoolNamespace("bench", dtype, "bench", BLOCK_SIZE, codec, chunk_blocks=c)
     n_blocks = n_tokens // BLOCK_SIZE
     kv = [torch.randn(shape, dtype=torch_dtype) for _ in range(n_blocks)]
-    spans = chunk_spans(n_blocks, c)
+    spans = chunk_spans(0, n_blocks, c)
     puts, gets, per_block, calls = [], [], [], []
     stored = 0
     for rep in range(args.repeats + 1):  # the first is a warm-up

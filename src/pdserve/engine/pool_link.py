@@ -131,7 +131,7 @@ class PoolLink:
         now = time.monotonic()
         self.stats.lookups += 1
         try:
-            n = self.pool.lookup(hashes)
+            n = self.pool.lookup(hashes, start=local)  # hashes begin at block `local`
         except Exception as e:  # a tier that fails is a miss, never a failed request
             self._error(e)
             return None
@@ -141,7 +141,7 @@ class PoolLink:
             return use
         deadline = now + self.base_s + self.per_token_s * n * bs
         try:
-            kvs = self.pool.get(hashes[:n], deadline)
+            kvs = self.pool.get(hashes[:n], deadline, start=local)
         except Exception as e:
             self._error(e)
             kvs = []

@@ -17,15 +17,18 @@ part of a chunk with what was stored recomputes up to C-1 blocks of it. Callers 
 blocks.
 
 Contract every implementation keeps (tests/kvpool/ checks the real tiers and `FakeKVPool` alike):
-- `lookup(hashes)` returns how many *leading* blocks are present (across all tiers): the run of
-  chunks from block 0 where, at each aligned start p, the longest chunk stored over p is taken
-  and the run goes on only past a full one. It never loads data and costs at most one round
-  trip per tier.
-- `get(hashes, deadline)` reads the chunks a run of exactly `len(hashes)` blocks is made of (full
-  chunks, then a partial one to the end): pass it `hashes[:lookup(hashes)]`. It returns the
-  leading run of blocks it could load and verify before the monotonic `deadline`; it stops at
-  the first chunk missing, corrupt or late. A corrupt entry is deleted and counted. The caller
-  recomputes whatever was not returned - never wrong tokens.
+- `hashes[i]` names block `start + i` of its chain: `start` (default 0) is where the caller's
+  blocks begin, e.g. after its local prefix cache. Chunk alignment depends on it: a caller that
+  passes hashes from block k > 0 MUST pass start=k.
+- `lookup(hashes, start)` returns how many *leading* blocks are present (across all tiers): the
+  run of chunks where, at each aligned start p, the longest chunk stored over p is taken and
+  the run goes on only past a full one (the first chunk may begin before `start`). It never
+  loads data and costs at most one round trip per tier.
+- `get(hashes, deadline, start)` reads the chunks a run of exactly `len(hashes)` blocks is made
+  of (full chunks, then a partial one to the end): pass it `hashes[:lookup(hashes, start)]`. It
+  returns the leading run of blocks it could load and verify before the monotonic `deadline`;
+  it stops at the first chunk missing, corrupt or late. A corrupt entry is deleted and counted.
+  The caller recomputes whatever was not returned - never wrong tokens.
 - `put(first, hashes, kvs)` stores one chunk: blocks first..first+len-1 of a chain (`hashes[i]`
   names block first+i), `first` a multiple of C, 1..C blocks. It never blocks a step: it enqueues
   a write-back and returns False (counted as a drop) when the queue is full. Entries become
@@ -107,9 +110,19 @@ def chunk_blocks_for(chunk_mb: float, block_value_bytes: int) -> int:
     return max(1, min(MAX_CHUNK_BLOCKS, round(chunk_mb * (1 << 20) / block_value_bytes)))
 
 
-def chunk_spans(n: int, chunk_blocks: int) -> list[tuple[int, int]]:
-    """The chunks [start, end) a run of exactly n blocks is made of: full ones, then the rest."""
-    return [(p, min(p + chunk_blocks, n)) for p in range(0, n, chunk_blocks)]
+def chunk_spans(start: int, end: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """The chunks [p, e) a run of blocks [start, end) is read from: aligned, full ones, the last
+    one ending at `end` (partial when `end` is not aligned); the first one begins at or before
+    `start` (its blocks before `start` are read and dropped)."""
+    base = start - start % chunk_blocks
+    return [(p, min(p + chunk_blocks, end)) for p in range(base, end, chunk_blocks)]
+
+
+def chunk_run(present: Sequence[bool], start: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """`leading_chunks` for blocks from any `start` (present[i]: a chunk ending at block start+i
+    is stored): from the aligned block at or before `start`, whose chunk must reach `start`."""
+    base = start - start % chunk_blocks
+    return leading_chunks([False] * (start - base) + list(present), base, chunk_blocks)
 
 
 def leading_chunks(present: Sequence[bool], start: int, chunk_blocks: int) -> list[tuple[int, int]]:
@@ -135,9 +148,11 @@ def leading_chunks(present: Sequence[bool], start: int, chunk_blocks: int) -> li
 class KVPool(Protocol):
     namespace: PoolNamespace
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int: ...
+    def lookup(self, hashes: Sequence[BlockHash], start: int = 0) -> int: ...
 
-    def get(self, hashes: Sequence[BlockHash], deadline: float) -> list[torch.Tensor]: ...
+    def get(
+        self, hashes: Sequence[BlockHash], deadline: float, start: int = 0
+    ) -> list[torch.Tensor]: ...
 
     def put(self, first: int, hashes: Sequence[BlockHash], kvs: Sequence[torch.Tensor]) -> bool: ...
 
@@ -170,21 +185,24 @@ class FakeKVPool:
     drops: int = 0
     gets: int = 0
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+    def lookup(self, hashes: Sequence[BlockHash], start: int = 0) -> int:
         present = [self.namespace.key(h) in self.blocks for h in hashes]
-        run = leading_chunks(present, 0, self.namespace.chunk_blocks)
-        return run[-1][1] if run else 0
+        run = chunk_run(present, start, self.namespace.chunk_blocks)
+        return run[-1][1] - start if run else 0
 
-    def get(self, hashes: Sequence[BlockHash], deadline: float) -> list[torch.Tensor]:
+    def get(
+        self, hashes: Sequence[BlockHash], deadline: float, start: int = 0
+    ) -> list[torch.Tensor]:
         self.gets += 1
         out: list[torch.Tensor] = []
-        for p, end in chunk_spans(len(hashes), self.namespace.chunk_blocks):
-            chunk = self.blocks.get(self.namespace.key(hashes[end - 1]))
+        for p, end in chunk_spans(start, start + len(hashes), self.namespace.chunk_blocks):
+            chunk = self.blocks.get(self.namespace.key(hashes[end - 1 - start]))
             if chunk is None:
                 break
-            out += [kv.clone() for kv in chunk]
             if len(chunk) != end - p:  # a bad entry: returned as is, the caller must check
+                out += [kv.clone() for kv in chunk]
                 break
+            out += [kv.clone() for kv in chunk[max(p, start) - p :]]
         return out
 
     def put(self, first: int, hashes: Sequence[BlockHash], kvs: Sequence[torch.Tensor]) -> bool:

@@ -38,8 +38,8 @@ from pdserve.kvpool.api import (
     BlockHash,
     PoolNamespace,
     check_chunk,
+    chunk_run,
     chunk_spans,
-    leading_chunks,
 )
 from pdserve.kvpool.metrics import PoolMetrics
 from pdserve.kvpool.tiers import MemoryTier, Tier
@@ -104,31 +104,34 @@ class TieredKVPool:
         self._thread.start()
 
     # ---- reads ---------------------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+    def lookup(self, hashes: Sequence[BlockHash], start: int = 0) -> int:
         keys = [self.namespace.key(h) for h in hashes]
-        c = self.namespace.chunk_blocks
-        run: list[tuple[int, int, Tier]] = []  # chunks [start, end) and the tier holding each
-        end = grow = 0  # blocks covered; the aligned block from which the run may still grow
+        c, stop = self.namespace.chunk_blocks, start + len(keys)
+        run: list[tuple[int, int, Tier]] = []  # chunks [p, e) (clipped at start), their tiers
+        end = start  # blocks [start, end) covered so far
+        grow = start - start % c  # the aligned block from which the run may still grow
         for tier in self.tiers:
-            if grow == len(keys):
+            lo = max(grow, start)  # the first block to ask about
+            if lo >= stop:
                 break
-            present = tier.exists(keys[grow:])
+            present = tier.exists(keys[lo - start :])
             tier.stats.add("lookups")
-            tier.stats.add("lookup_blocks", len(keys) - grow)
-            found = leading_chunks(present, grow, c)
+            tier.stats.add("lookup_blocks", stop - lo)
+            found = chunk_run(present, lo, c)
             if not found or found[-1][1] <= end:
                 continue
-            run = [r for r in run if r[0] < grow] + [(p, e, tier) for p, e in found]
-            end = found[-1][1]
-            p, e = found[-1]
-            grow = e if e - p == c else p
+            run = [r for r in run if r[0] < grow] + [(max(p, start), e, tier) for p, e in found]
+            p, end = found[-1]
+            grow = end if end - p == c else p
         for p, e, tier in run:
             tier.stats.add("hit_blocks", e - p)
-        return end
+        return end - start
 
-    def get(self, hashes: Sequence[BlockHash], deadline: float) -> list[torch.Tensor]:
-        spans = chunk_spans(len(hashes), self.namespace.chunk_blocks)
-        keys = [self.namespace.key(hashes[e - 1]) for _, e in spans]
+    def get(
+        self, hashes: Sequence[BlockHash], deadline: float, start: int = 0
+    ) -> list[torch.Tensor]:
+        spans = chunk_spans(start, start + len(hashes), self.namespace.chunk_blocks)
+        keys = [self.namespace.key(hashes[e - 1 - start]) for _, e in spans]
         out: list[torch.Tensor] = []
         promote: list[tuple[bytes, bytes]] = []
         done = 0  # chunks loaded
@@ -147,7 +150,8 @@ class TieredKVPool:
                 except CorruptValue as err:
                     self._corrupt(tier, key, err)
                     return self._finish(out, promote)
-                out += chunk.unbind(0)  # views of one new tensor: the caller's
+                # views of one new tensor (the caller's); blocks before `start` are dropped
+                out += chunk[max(p, start) - p :].unbind(0)
                 done += 1
                 tier.stats.add("get_blocks", e - p)
                 tier.stats.add("bytes_read", len(value))
