@@ -152,8 +152,9 @@ def measure(
 
     Phases of `shapes.seconds` each: A prefills alone; A decodes alone; A prefills while B
     decodes; both prefill; both decode. Each worker loops its step for the phase and returns
-    every step's time; the first and last step of a busy phase are dropped (the neighbour may
-    not have started yet or already stopped). Returns the samples and the fitted `Contention`.
+    every step's time. Both start within a message of each other; the last step of a busy
+    phase is dropped (it may end after the neighbour stopped). A busy phase lasts at least 8
+    lone steps of its slower kind. Returns the samples and the fitted `Contention`.
     """
     import multiprocessing as mp
     import os
@@ -176,9 +177,11 @@ def measure(
         for kind in KINDS:
             alone[kind] = _phase(pipes, [kind, None], shapes.seconds)[0]
         for a, b in (("prefill", "decode"), ("prefill", "prefill"), ("decode", "decode")):
-            ta, tb = _phase(pipes, [a, b], shapes.seconds)
-            together.setdefault((a, b), []).extend(ta[1:-1] or ta)
-            together.setdefault((b, a), []).extend(tb[1:-1] or tb)
+            # long enough for >= 4 of the slower step even at a 2x slowdown
+            longest = max(statistics.median(alone[a]), statistics.median(alone[b]))
+            ta, tb = _phase(pipes, [a, b], max(shapes.seconds, 8 * longest))
+            together.setdefault((a, b), []).extend(ta[:-1] or ta)
+            together.setdefault((b, a), []).extend(tb[:-1] or tb)
         for pipe in pipes:
             pipe.send(("stop", 0.0))
     finally:
