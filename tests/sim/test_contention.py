@@ -150,3 +150,27 @@ def test_concurrent_profile_measures_two_engines(tiny_llama_path) -> None:  # ty
     assert set(got["alone"]) == {"prefill", "decode"} and all(got["alone"].values())
     assert {"decode_by_prefill", "prefill_by_decode"} <= set(got["together"])
     assert all(c.table(k, o) >= 1.0 for k in ("prefill", "decode") for o in ("prefill", "decode"))
+
+
+def test_validation_report_puts_errors_beside_the_aa_spread() -> None:
+    from pdserve.sim.validate import compare, report
+
+    def summary(ttft: float, tpot: float, att: float) -> dict:  # type: ignore[type-arg]
+        return {
+            "ttft_s": {"p50": ttft, "p90": 2 * ttft},
+            "tpot_s": {"p50": tpot, "p90": 2 * tpot},
+            "attainment": att,
+        }
+
+    real_a, real_b, sim = summary(1.0, 0.1, 0.5), summary(1.2, 0.1, 0.5), summary(0.9, 0.12, 0.6)
+    vs = compare(real_a, sim)
+    assert vs["ttft_p50_err"] == pytest.approx(-0.1) and vs["tpot_p90_err"] == pytest.approx(0.2)
+    assert vs["attainment_diff_pts"] == pytest.approx(10.0)
+    row = {"case": "c", "real": [real_a, real_b], "sim": sim, "vs": vs, "vs_independent": vs,
+           "vs_calibrated": vs, "aa": compare(real_a, real_b)}  # fmt: skip
+    other = {**row, "case": "d"}
+    del other["aa"]
+    lines = report([row, other]).splitlines()
+    assert lines[2] == "| c | TTFT p50 ms | 1000 | 900 | -10% | -10% | -10% | +20% |"
+    assert lines[6] == "| c | attainment | 50% | 60% | +10 pts | +10 pts | +10 pts | +0 pts |"
+    assert lines[7].endswith("| +20% (first config's) |")
