@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -133,15 +134,24 @@ def run_real(
     for r in probes:
         records[r.rid] = Record(r.rid, len(r.prompt), r.max_tokens, None)
 
+    marks = [time.monotonic()]
+
     async def all_of() -> None:
         for r in probes:
             await one(r, time.monotonic())
         t0 = time.monotonic()
+        marks.append(t0)
         await asyncio.gather(*(one(r, t0) for r in requests))
 
     with cluster:
         assert cluster._loop is not None
+        marks.append(time.monotonic())
         asyncio.run_coroutine_threadsafe(all_of(), cluster._loop).result(timeout=900)
+        marks.append(time.monotonic())
+    marks.append(time.monotonic())
+    steps = [b - a for a, b in itertools.pairwise(marks)]
+    print("real run: start {:.0f} s, probes {:.0f} s, requests {:.0f} s, close {:.0f} s".format(
+        *steps), flush=True)  # fmt: skip
     return [records[r.rid] for r in requests], [records[r.rid] for r in probes]
 
 
