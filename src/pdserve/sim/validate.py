@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--rate", type=float, default=0.25, help="requests/s (0.25)")
+    p.add_argument("--rate", type=float, default=0.3, help="requests/s (0.3)")
     p.add_argument("--slo-ttft", type=float, default=3.0)
     p.add_argument("--slo-tpot", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
