@@ -36,7 +36,7 @@ from typing import Any
 
 from pdserve.engine.request import SamplingParams
 from pdserve.sim.cluster import Record, SimRequest
-from pdserve.sim.deploy import Deployment, simulate, summarize
+from pdserve.sim.deploy import Deployment, build, simulate, summarize
 from pdserve.sim.workload import arrivals, requests_from_items
 
 
@@ -218,7 +218,11 @@ def run_case(
         recs, probes = run_real(d, requests, probe_len=args.input_len)
         reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
         cal_d, factors = calibrated(d, probes, args.out.parent)
-        cals.append({"factors": factors, "sim": simulate(cal_d, requests)})
+        # step times from the calibrated model; the planner predicts from the profiled one,
+        # as the real router did
+        cal = build(cal_d)
+        cal.planner_model = build(d).planner_model
+        cals.append({"factors": factors, "sim": simulate(cal_d, requests, built=cal)})
         print(case.name, "real TTFT", json.dumps(reals[-1]["ttft_s"]), factors, flush=True)
     row: dict[str, Any] = {
         "case": case.name,
