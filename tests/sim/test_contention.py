@@ -4,6 +4,7 @@ sharing and a two-worker simulation computed by hand, and (slow) the concurrent 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,23 @@ def test_validation_report_puts_errors_beside_the_aa_spread() -> None:
     assert lines[2] == "| c | TTFT p50 ms | 1000 | 900 | -10% | -10% | -10% | +20% |"
     assert lines[6] == "| c | attainment | 50% | 60% | +10 pts | +10 pts | +10 pts | +0 pts |"
     assert lines[7].endswith("| +20% (first config's) |")
+
+
+def test_cpu_deployment_reads_the_contention_from_the_cost_model_file(tmp_path: Path) -> None:
+    from pdserve.sim.deploy import Deployment, simulate
+
+    path = tmp_path / "cm.json"
+    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=1000)
+    reqs = [SimRequest(f"r{i}", 0.1 * i, [100 + 50 * i + j for j in range(64)], 4)
+            for i in range(4)]  # fmt: skip
+    d = Deployment(hardware="cpu", model="default", prefill=0, decode=0, colocated=2,
+                   cost_model=path)  # fmt: skip
+    old = simulate(d, reqs)
+    assert "factor 1" in old["contention"]
+    assert old["ttft_s"] == simulate(replace(d, shared_host=False), reqs)["ttft_s"]
+    FACTORS.save_into(path)
+    shared = simulate(d, reqs)
+    alone = simulate(replace(d, shared_host=False), reqs)
+    assert "x3.00 beside a prefill" in shared["contention"] and "contention" not in alone
+    assert shared["ttft_s"]["p50"] > alone["ttft_s"]["p50"]
+    assert shared["utilization"]["colocated"] > alone["utilization"]["colocated"]
