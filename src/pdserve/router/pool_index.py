@@ -21,6 +21,7 @@ pool hit).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -100,16 +101,18 @@ class PoolIndex:
 
 
 class PoolBandwidth:
-    """Per worker, bytes/s of its pool loads: a moving average over the loads it reports, from
-    `prior` (worth one load: the first report moves it half-way, later ones by `alpha`). A
-    load's time includes the lookup round trip and writing the blocks, so it is what a pool hit
-    really costs the prefill; small loads (mostly that fixed cost) pull the estimate down."""
+    """Per worker, bytes/s of its pool loads: a moving average of log(rate) over the loads it
+    reports, from `prior` (worth one load: the first report moves it half-way, later ones by
+    `alpha`). In logs, so a prior off by orders of magnitude (1 GB/s vs a loaded disk) is
+    corrected within a few loads in either direction. A load's time includes the lookup round
+    trip and writing the blocks, so it is what a pool hit really costs the prefill; small loads
+    (mostly that fixed cost) pull the estimate down."""
 
     def __init__(self, prior: float = 1e9, alpha: float = 0.2) -> None:
         if not prior > 0:
             raise ValueError(f"the pool bandwidth prior must be > 0 bytes/s, got {prior}")
         self.prior, self.alpha = prior, alpha
-        self._rate: dict[str, float] = {}
+        self._log_rate: dict[str, float] = {}
         self._samples: dict[str, int] = {}
 
     def observe(self, worker: str, tokens: int, seconds: float, bytes_per_token: float) -> bool:
@@ -119,16 +122,17 @@ class PoolBandwidth:
             return False
         n = self._samples.get(worker, 0)
         a = max(self.alpha, 1 / (n + 2))
-        sample = tokens * bytes_per_token / seconds
-        self._rate[worker] = (1 - a) * self.rate(worker) + a * sample
+        sample = math.log(tokens * bytes_per_token / seconds)
+        self._log_rate[worker] = (1 - a) * math.log(self.rate(worker)) + a * sample
         self._samples[worker] = n + 1
         return True
 
     def rate(self, worker: str) -> float:
-        return self._rate.get(worker, self.prior)
+        log_rate = self._log_rate.get(worker)
+        return self.prior if log_rate is None else math.exp(log_rate)
 
     def stats(self) -> dict[str, Any]:
         workers = {
-            w: {"bytes_per_s": round(r), "loads": self._samples[w]} for w, r in self._rate.items()
+            w: {"bytes_per_s": round(self.rate(w)), "loads": n} for w, n in self._samples.items()
         }
         return {"prior_bytes_per_s": self.prior, "workers": workers}
