@@ -207,3 +207,16 @@ def test_a_dead_ds_request_resumes_on_the_d_whose_pool_holds_its_context() -> No
     assert fb.events.counters["recovery_pool_too_little"] == 1
     no_pool = _worker("D3", "decode", [])
     assert fb.recovery_target(flight, dead, [p0, dead, no_pool]) is None  # no pool: via P
+
+
+def test_serve_flag_sets_the_planners_pool_bandwidth_prior() -> None:
+    import argparse
+
+    from pdserve import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_common_arguments(parser)
+    planner = serve._planner(parser.parse_args(["--kv-pool-gbps", "0.5"]), MODEL)
+    assert planner is not None and planner.pool_bandwidth.rate("P0") == 0.5e9
+    with pytest.raises(ValueError, match="prior must be > 0"):
+        serve._planner(parser.parse_args(["--kv-pool-gbps", "0"]), MODEL)
