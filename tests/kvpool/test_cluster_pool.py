@@ -67,6 +67,8 @@ def test_second_prefill_worker_loads_the_first_ones_prefix(tiny_llama_path, ref)
         assert c.core is not None
         report = c.core.kvpool()
         assert set(report["workers"]) == {"P0", "P1", "D0"}
+        # the index was right (no pool eviction): nothing corrected
+        assert report["index_corrections"] == 0 and "prior_bytes_per_s" in report["bandwidth"]
         # the router polls each worker's stats every second
         eventually(lambda: c.core.kvpool()["workers"][p_b]["use"].get("loaded_tokens") == 64)  # type: ignore[union-attr]
         assert_cluster_idle(c)
@@ -107,6 +109,25 @@ def test_a_request_whose_decode_worker_goes_down_resumes_from_the_pool(
         assert c.worker_stats()[survivor]["kv_pool_loaded_tokens"] == loaded
         for d in ("D0", "D1"):
             c.set_fault(d, "none")
+        assert_cluster_idle(c)
+
+
+def test_a_pool_eviction_the_index_did_not_see_is_corrected_by_the_next_lookup(
+    tiny_llama_path, ref
+) -> None:  # type: ignore[no-untyped-def]
+    a, b = [*SYSTEM, 7, 8, 9], [*SYSTEM, 20, 21]
+    shared = SharedPool()
+    with _cluster(tiny_llama_path, shared, prefill=2, decode=1) as c:
+        assert c.core is not None
+        c.generate([a], PARAMS)  # P0 computes SYSTEM and puts its 4 blocks
+        index = c.core.routing.pools
+        eventually(lambda: max(index.stats().values(), default=0) >= 4, what="the index")
+        assert shared.pool is not None
+        shared.pool.close()  # the pool evicts everything (Redis allkeys-lru, a tier's cap)
+        (out,) = c.generate([b], PARAMS)  # round robin: P1, whose lookup finds nothing
+        assert _labels(out, tl.Ev.POOL_LOOKUP)[0][0] == "0 tokens"
+        assert c.stats["pool_index_corrections"] == 1
+        assert c.core.kvpool()["index_corrections"] == 1
         assert_cluster_idle(c)
 
 

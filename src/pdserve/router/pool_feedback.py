@@ -116,8 +116,11 @@ class PoolFeedback:
     def _check_index(self, flight: Flight, worker: str, found: int) -> None:
         """The lookup found `found` leading tokens (local cache + pool run): if the index had
         predicted more for this worker, its pools no longer hold the rest."""
-        expected, flight.pool_expected = flight.pool_expected, None
-        if expected is None or expected[0] != worker or found >= expected[1]:
+        expected = flight.pool_expected
+        if expected is None or expected[0] != worker:
+            return
+        flight.pool_expected = None  # one report per attempt
+        if found >= expected[1]:
             return
         first = flight.pair[0] if flight.pair is not None else None
         if first is None or first.worker_id != worker or first.info is None:
