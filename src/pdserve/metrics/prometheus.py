@@ -271,7 +271,8 @@ class Metrics:
         self.routes = Counter(
             "pdserve_route_decisions",
             "Dispatches by route: remote (P then D), local (whole on a decode worker), "
-            "colocated, fallback (a role's pool empty), recompute (D recomputes the KV).",
+            "colocated, fallback (a role's pool empty), recompute (D recomputes the KV), "
+            "pool_resume (a dead D's request resumed on another D from its KV pool).",
             ["route"],
             registry=r,
         )
