@@ -303,7 +303,11 @@ class SloPlanner:
         """This prompt's prefill on `w`, in chunks beside w's decodes (one step each); `pooled`
         tokens after the `cached` ones are loaded from the KV pool (their bytes at w's measured
         pool bandwidth) rather than computed."""
-        load = pooled * self.kv_bytes_per_token / self.pool_bandwidth.rate(w.worker_id)
+        load = (
+            pooled * self.kv_bytes_per_token / self.pool_bandwidth.rate(w.worker_id)
+            if pooled
+            else 0.0
+        )
         cached += pooled
         new = prompt_len - cached
         batch = w.decode_streams()
