@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import zmq.asyncio
 from fake_workers import FakeWorker
@@ -12,15 +13,21 @@ from test_scheduling import MODEL, collect, prompt
 
 from factories import eventually_async
 from pdserve.router.core import RouterCore
+from pdserve.router.slo import SloPlanner
 
 
-async def _recover(pools: dict[str, list[str]]) -> tuple[RouterCore, dict[str, FakeWorker], str]:
+async def _recover(
+    pools: dict[str, list[str]], booked: list[float] | None = None, **core_kw: Any
+) -> tuple[RouterCore, dict[str, FakeWorker], str]:
     """1 P + 2 D named `pools`; a request streams 40 tokens, its D goes down after 5. Returns
-    the core (closed), the fakes and the surviving D's id."""
+    the core (closed), the fakes and the surviving D's id; `booked`: gets the prefill seconds
+    the planner booked on the survivor for the recovery."""
     ctx = zmq.asyncio.Context()
     roles = {"P0": "prefill", "D0": "decode", "D1": "decode"}
     fakes = {w: FakeWorker(w, r, ctx, MODEL, kv_pools=pools.get(w, [])) for w, r in roles.items()}
-    core = RouterCore([f.endpoint for f in fakes.values()], ctx=ctx, stats_interval_s=0.2)
+    core = RouterCore(
+        [f.endpoint for f in fakes.values()], ctx=ctx, stats_interval_s=0.2, **core_kw
+    )
     await core.start(timeout_s=5)
     try:
         task = asyncio.create_task(collect(core, "r1", prompt(67), 40))
@@ -29,6 +36,9 @@ async def _recover(pools: dict[str, list[str]]) -> tuple[RouterCore, dict[str, F
         assert flight.pair is not None and flight.pair[1] is not None
         dead = flight.pair[1]
         core.worker_down(dead, "test")
+        if booked is not None:
+            survivor_load = next(p for p in flight.pair if p is not None).load
+            booked.append(survivor_load.jobs["r1"].prefill_s)
         assert len(await asyncio.wait_for(task, 20)) == 40  # nothing lost, nothing repeated
         survivor = "D1" if dead.worker_id == "D0" else "D0"
         return core, fakes, survivor
@@ -56,3 +66,13 @@ def test_without_a_pool_on_the_surviving_d_a_p_prefills_the_recovery() -> None:
     assert fakes[survivor].handled.count("ExpectKV") == 1
     assert fakes["P0"].handled.count("Prefill") == 2
     assert core.counters["route_pool_resume"] == 0
+
+
+def test_the_planner_books_a_pool_resume_as_loading_the_pooled_context() -> None:
+    planner = SloPlanner(MODEL, kv_bytes_per_token=1000, mode="always")  # P, then D
+    booked: list[float] = []
+    pools = {w: ["redis"] for w in ("P0", "D0", "D1")}
+    asyncio.run(_recover(pools, booked, planner=planner))
+    # 72 tokens of context, 64 of them in the pool: ~8 computed, not 72
+    (prefill,) = booked
+    assert prefill < MODEL.prefill_s(20, 64) < MODEL.prefill_s(72)

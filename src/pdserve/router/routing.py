@@ -198,6 +198,9 @@ class Routing:
         out = max(1, min(flight.params.max_tokens - len(flight.sent), self.planner.expected_output))
         cached = pred.cached_first if pred is not None else 0
         pooled = pred.pooled_first if pred is not None else 0
+        if pred is None:  # a route the caller chose (a recovery): what its pool gives it
+            found = self.pooled(flight.prompt_ids + flight.sent, {first.worker_id: first})
+            pooled = min(found.get(first.worker_id, 0), n - 1)
         prefill = self.planner.prefill_time(n, cached, first.load, pooled)
         streams = flight.params.n  # n choices decode as n sequences
         if second is None:
