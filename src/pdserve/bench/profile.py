@@ -34,6 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default="none", help="projection weights: none | int8 | w8g32 (none)"
     )
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="also time two workers sharing this host (two processes, ~20 s): the slowdown "
+        "`pdserve sim --hardware cpu` applies while another worker is mid-step",
+    )
+    parser.add_argument(
+        "--contention-seconds", type=float, default=3.0, help="per contention phase (3)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +61,27 @@ def run(args: argparse.Namespace) -> int:
         raw = {k: result[k] for k in ("prefill", "decode", "transfer")}
         args.samples_out.write_text(json.dumps({**raw, "about": about}, indent=1) + "\n")
     print(render(result, out))
+    if args.contention:
+        print(_contention(args, out))
     return 0
+
+
+def _contention(args: argparse.Namespace, out: Path) -> str:
+    """The concurrent profile (`costmodel.contention.measure`), stored in the same file."""
+    from pdserve.costmodel.contention import Shapes, measure
+
+    if not args.contention_seconds > 0:
+        raise ValueError("--contention-seconds must be > 0")
+    prompt = min(256, args.max_prompt // 2)
+    shapes = Shapes(prompt, 2 if args.quick else 4, prompt, args.contention_seconds)
+    got = measure(args.model, args.threads, shapes, quantization=args.quantization)
+    got["contention"].save_into(out)
+    alone = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in got["alone"].items()}
+    return (
+        f"{got['contention'].note}\n(alone: prefill {shapes.prompt} tokens "
+        f"{alone['prefill']:.1f} ms, decode {shapes.batch} x {shapes.context} "
+        f"{alone['decode']:.1f} ms; {got['seconds']:.0f} s; stored in {out})"
+    )
 
 
 def render(result: dict[str, Any], out: Path) -> str:

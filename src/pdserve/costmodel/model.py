@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: may carry a "contention" section (costmodel/contention.py); 1 still loads
+READABLE_VERSIONS = (1, 2)
 
 
 def _prefill_row(new: float, cached: float) -> list[float]:
@@ -168,7 +169,7 @@ class CostModel:
             body = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read a cost model from {path}: {e}") from None
-        if not isinstance(body, dict) or body.get("version") != VERSION:
+        if not isinstance(body, dict) or body.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"{path} is not a version-{VERSION} cost model")
         try:
             prefill = tuple(float(x) for x in body["prefill"])

@@ -70,6 +70,8 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=_pos_int, default=256, help="running requests cap per worker")
     a("--cost-model", type=Path, default=None, help="cpu: the profiled cost model JSON")
     a("--kv-cache-gb", type=_pos_float, default=1.0, help="cpu: KV memory per worker")
+    a("--no-contention", action="store_true",
+      help="cpu: workers as independent machines (ignore the profiled contention)")  # fmt: skip
     a("--slo-ttft", type=_pos_float, default=None, help="TTFT SLO, s")
     a("--slo-tpot", type=_pos_float, default=None, help="TPOT SLO, s")
 
@@ -137,6 +139,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         expected_output=args.output_len,
         cost_model=args.cost_model,
         kv_cache_gb=args.kv_cache_gb,
+        shared_host=not args.no_contention,
         message_s=args.message_ms / 1e3,
     )
 

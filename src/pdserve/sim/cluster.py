@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.costmodel.contention import Contention
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
@@ -41,7 +42,8 @@ from pdserve.router import balancer, slo
 from pdserve.router.policies import WorkerLoad as PolicyLoad
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.sim.steptime import Link, StepModel, instance_kv_blocks
+from pdserve.sim.host import Host, step_kind
+from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
 from pdserve.workers.messages import KVEvents
 
 TOKEN = 7  # every sampled token (never an eos: requests stop at max_tokens, ignore_eos)
@@ -255,14 +257,13 @@ class SimWorker:
         for s in out.scheduled:
             if s.start_pos == 0 or s.num_tokens > 1:
                 self.log.append((self.sim.now, "prefill", s.request_id))
-        dur = self.step.step_s(rows)
         self.busy, t0 = True, self.sim.now
         self.steps += 1
-        self.busy_s += dur
-        self.sim.at(t0 + dur, lambda: self._step_done(out, t0, dur))
+        self.sim.run_step(self.wid, rows, self.step.step_s(rows), lambda: self._step_done(out, t0))
 
-    def _step_done(self, out: SchedulerOutput, t0: float, dur: float) -> None:
-        self.busy = False
+    def _step_done(self, out: SchedulerOutput, t0: float) -> None:
+        self.busy, dur = False, self.sim.now - t0  # longer than step_s when the host is shared
+        self.busy_s += dur
         for s in out.scheduled:
             o = self.outgoing.get(s.request_id)
             if o is not None:
@@ -339,11 +340,13 @@ class Simulation:
         link: Link,
         planner_model: slo.CostModel | None = None,
         prefill_step: StepModel | None = None,
+        contention: Contention | None = None,  # the workers share one CPU host (sim/host.py)
     ) -> None:
         self.config, self.link = config, link
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
+        self.host = None if contention is None else Host(contention, self.at, lambda: self.now)
         self.workers: list[SimWorker] = []
         p_policy = config.prefill_policy or config.policy
         for role, n, model, pol in (
@@ -406,6 +409,13 @@ class Simulation:
             fn()
         return [self.records[r.rid] for r in requests]
 
+    def run_step(self, wid: str, rows: list[Row], work: float, done: Callable[[], None]) -> None:
+        """A step of `work` s alone; on a shared host, stretched while others are mid-step."""
+        if self.host is None:
+            self.at(self.now + work, done)
+        else:
+            self.host.start(self.now, wid, step_kind(rows), work, done)
+
     def count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
 
@@ -420,7 +430,8 @@ class Simulation:
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"
             self.count(f"rejected_{rec.rejected}")
-            self._next(req)
+            if req.conversation >= 0:  # the conversation's next turn
+                self._next_by_conv(req.conversation)
             return
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
@@ -548,10 +559,6 @@ class Simulation:
             self._next_by_conv(conv)
 
     # ---- conversations -------------------------------------------------------------------
-    def _next(self, req: SimRequest) -> None:
-        if req.conversation >= 0:
-            self._next_by_conv(req.conversation)
-
     def _next_by_conv(self, conv: int) -> None:
         queue = self._next_turn.get(conv)
         if not queue:

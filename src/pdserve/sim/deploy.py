@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
@@ -57,6 +58,7 @@ class Deployment:
     expected_output: int = 256
     cost_model: Path | None = None  # cpu: the profiled CostModel file
     kv_cache_gb: float = 1.0  # cpu: the engine's default KV memory
+    shared_host: bool = True  # cpu: workers share this host's cores (the profiled contention)
     message_s: float = 0.0
 
     @property
@@ -78,9 +80,10 @@ class Built:
     prefill_step: Any
     link: Link
     planner_model: CostModel | None = field(default=None)
+    contention: Contention | None = None  # cpu: the workers share one host
 
 
-def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
+def cost_model_path(d: Deployment) -> Path:
     from pdserve.costmodel.model import default_path
 
     path = d.cost_model
@@ -88,6 +91,11 @@ def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
         from pdserve.costmodel.profile import model_path
 
         path = default_path(model_path(None if d.model == "default" else d.model), 1)
+    return Path(path)
+
+
+def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
+    path = cost_model_path(d)
     if not Path(path).is_file():
         raise ValueError(
             f"no cost model at {path}: run `pdserve bench profile --threads 1` or pass --cost-model"
@@ -139,7 +147,10 @@ def build(d: Deployment) -> Built:
         message_s=d.message_s,
     )
     planner_model = planner_cost_model(step, link=link) if d.planner else None
-    return Built(config, step, pstep, link, planner_model)
+    contention = None
+    if d.hardware == "cpu" and d.shared_host:
+        contention = Contention.load(cost_model_path(d))
+    return Built(config, step, pstep, link, planner_model, contention)
 
 
 def simulate(
@@ -150,13 +161,15 @@ def simulate(
 ) -> dict[str, Any]:
     """Run and summarize; requests arriving before `warmup_s` run but are not counted."""
     b = built or build(d)
-    sim = Simulation(b.config, b.step, b.link, b.planner_model, prefill_step=b.prefill_step)
+    sim = Simulation(b.config, b.step, b.link, b.planner_model, b.prefill_step, b.contention)
     records = [r for r in sim.run(requests) if r.arrival >= warmup_s]
     out = summarize(records, d.slo_ttft_s, d.slo_tpot_s, d.gpus)
     out["deployment"] = d.label()
     out["counters"] = dict(sorted(sim.counters.items()))
     out["utilization"] = utilization(sim)
     out["preemptions"] = sum(w.sched.num_preemptions for w in sim.workers)
+    if b.contention is not None:
+        out["contention"] = b.contention.note
     return out
 
 
@@ -259,4 +272,6 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
     ]
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
+    if s.get("contention"):
+        lines.append(s["contention"])
     return "\n".join(lines)

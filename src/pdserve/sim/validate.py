@@ -1,20 +1,34 @@
 """Simulated vs real on this machine: the same request list through a real `LocalCluster` and
-through the simulator with this host's profiled cost model (docs/benchmarks/sim.md).
+through the simulator with this host's cost model, profiled right before (docs/benchmarks/sim.md).
 
-    python -m pdserve.sim.validate --out /tmp/sim_validation.json
+    python -m pdserve.sim.validate --out docs/benchmarks/sim/validation.json
 
-Each configuration runs for real (worker processes, the default model, 1 thread each) and is
-simulated; the first configuration runs twice for real (A/A), so the run-to-run spread of the
-real system is measured beside the simulator's error. Real TTFT and TPOT are taken at the
-router: the arrival of each delta from `RouterCore.generate`, as the simulator's are.
+1. Profile: `pdserve bench profile --threads 1 --max-prompt 512 --contention` into the output
+   folder (skipped with `--cost-model`), so the model and its contention factors are measured
+   at the load the runs see.
+2. Each configuration runs for real (worker processes, the default model, 1 thread each): two
+   lone probe requests first (how fast the machine is right now), then the request list. The
+   first configuration runs twice (A/A; `--aa all`: every one), so the run-to-run spread of the
+   real system is measured beside the simulator's error.
+3. Each run is simulated three ways: with the profile and its contention term ("sim"), as
+   independent machines (`shared_host=False`, what the simulator did before the contention
+   term) and calibrated (prefill and decode terms scaled by the probes' measured / predicted
+   TTFT and TPOT, contention on).
+
+Real TTFT and TPOT are taken at the router: the arrival of each delta from
+`RouterCore.generate`, as the simulator's are. The report prints, per configuration and metric,
+real, simulated, the error and the A/A spread side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +36,7 @@ from typing import Any
 
 from pdserve.engine.request import SamplingParams
 from pdserve.sim.cluster import Record, SimRequest
-from pdserve.sim.deploy import Deployment, simulate, summarize
+from pdserve.sim.deploy import Deployment, build, simulate, summarize
 from pdserve.sim.workload import arrivals, requests_from_items
 
 
@@ -120,25 +134,36 @@ def run_real(
     for r in probes:
         records[r.rid] = Record(r.rid, len(r.prompt), r.max_tokens, None)
 
+    marks = [time.monotonic()]
+
     async def all_of() -> None:
         for r in probes:
             await one(r, time.monotonic())
         t0 = time.monotonic()
+        marks.append(t0)
         await asyncio.gather(*(one(r, t0) for r in requests))
 
     with cluster:
         assert cluster._loop is not None
+        marks.append(time.monotonic())
         asyncio.run_coroutine_threadsafe(all_of(), cluster._loop).result(timeout=900)
+        marks.append(time.monotonic())
+    marks.append(time.monotonic())
+    steps = [b - a for a, b in itertools.pairwise(marks)]
+    print("real run: start {:.0f} s, probes {:.0f} s, requests {:.0f} s, close {:.0f} s".format(
+        *steps), flush=True)  # fmt: skip
     return [records[r.rid] for r in requests], [records[r.rid] for r in probes]
 
 
 def calibrated(d: Deployment, probes: list[Record], folder: Path) -> tuple[Deployment, dict]:
     """The cost model scaled so that a lone request's TTFT and TPOT match the probes (prefill
-    terms by the TTFT ratio, decode terms by the TPOT ratio), saved beside the run."""
-    from pdserve.costmodel.model import CostModel, default_path
-    from pdserve.costmodel.profile import model_path
+    terms by the TTFT ratio, decode terms by the TPOT ratio), saved beside the run with the
+    profile's contention section."""
+    from pdserve.costmodel.contention import Contention
+    from pdserve.costmodel.model import CostModel
+    from pdserve.sim.deploy import cost_model_path
 
-    path = d.cost_model or default_path(model_path(None), 1)
+    path = cost_model_path(d)
     model = CostModel.load(path)
     ttft = sorted(r.ttft for r in probes if r.ttft)[0]
     tpot = sorted(r.tpot for r in probes if r.tpot)[0]
@@ -153,75 +178,160 @@ def calibrated(d: Deployment, probes: list[Record], folder: Path) -> tuple[Deplo
     )
     out = folder / f"calibrated-{time.monotonic_ns()}.json"
     scaled.save(out, **CostModel.load_about(path))
+    contention = Contention.load(path)
+    if contention.measured:
+        contention.save_into(out)
     return replace(d, cost_model=out), {"prefill_x": k_p, "decode_x": k_d}
 
 
+METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
+
+
 def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    """Relative error per metric ((sim - real) / real) and the attainment gap in points."""
     out: dict[str, Any] = {}
-    for metric in ("ttft_s", "tpot_s"):
-        for q in ("p50", "p90"):
-            a, b = real[metric][q], sim[metric][q]
-            out[f"{metric[:4]}_{q}_err"] = None if not a or b is None else (b - a) / a
+    for metric, q in METRICS:
+        a, b = real[metric][q], sim[metric][q]
+        out[f"{metric[:4]}_{q}_err"] = None if not a or b is None else (b - a) / a
     out["attainment_diff_pts"] = 100 * (sim["attainment"] - real["attainment"])
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--num-requests", type=int, default=16)
+def profile(folder: Path, seconds: float) -> Path:
+    """A fresh cost model with its contention section, measured now (a subprocess: its engines
+    and threads are gone before the clusters start)."""
+    out = folder / f"costmodel-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.json"
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "profile", "--threads", "1"]
+    cmd += ["--max-prompt", "512", "--contention", "--contention-seconds", str(seconds)]
+    subprocess.run([*cmd, "--out", str(out)], check=True)
+    return out
+
+
+def run_case(
+    case: Case, requests: list[SimRequest], args: argparse.Namespace, repeats: int
+) -> dict[str, Any]:
+    d = replace(case.deployment, expected_output=args.output_len, cost_model=args.cost_model)
+    sim = simulate(d, requests)
+    independent = simulate(replace(d, shared_host=False), requests)
+    reals, cals = [], []
+    for _ in range(repeats):
+        recs, probes = run_real(d, requests, probe_len=args.input_len)
+        reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
+        cal_d, factors = calibrated(d, probes, args.out.parent)
+        # step times from the calibrated model; the planner predicts from the profiled one,
+        # as the real router did
+        cal = build(cal_d)
+        cal.planner_model = build(d).planner_model
+        cals.append({"factors": factors, "sim": simulate(cal_d, requests, built=cal)})
+        print(case.name, "real TTFT", json.dumps(reals[-1]["ttft_s"]), factors, flush=True)
+    row: dict[str, Any] = {
+        "case": case.name,
+        "sim": sim,
+        "sim_independent": independent,
+        "real": reals,
+        "calibrated": cals,
+        "vs": compare(reals[0], sim),
+        "vs_independent": compare(reals[0], independent),
+        "vs_calibrated": compare(reals[0], cals[0]["sim"]),
+    }
+    if len(reals) == 2:
+        row["aa"] = compare(reals[0], reals[1])
+    return row
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{v:+.0%}"
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v * 1e3:.0f}"
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """Per configuration and metric: real, sim, errors (sim with contention, independent,
+    calibrated) and the A/A spread (the configuration's own, else the first one's)."""
+    first_aa = next((r["aa"] for r in results if "aa" in r), None)
+    lines = [
+        "| config | metric | real | sim | err | err independent | err calibrated | A/A |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        aa = r.get("aa", first_aa) or {}
+        own = "" if "aa" in r else " (first config's)"
+        for metric, q in METRICS:
+            key = f"{metric[:4]}_{q}_err"
+            lines.append(
+                f"| {r['case']} | {metric[:4].upper()} {q} ms | {_ms(r['real'][0][metric][q])} "
+                f"| {_ms(r['sim'][metric][q])} | {_pct(r['vs'][key])} "
+                f"| {_pct(r['vs_independent'][key])} | {_pct(r['vs_calibrated'][key])} "
+                f"| {_pct(aa.get(key))}{own if aa else ''} |"
+            )
+        gap = "attainment_diff_pts"
+        lines.append(
+            f"| {r['case']} | attainment | {r['real'][0]['attainment']:.0%} "
+            f"| {r['sim']['attainment']:.0%} | {r['vs'][gap]:+.0f} pts "
+            f"| {r['vs_independent'][gap]:+.0f} pts | {r['vs_calibrated'][gap]:+.0f} pts "
+            f"| {(f'{aa[gap]:+.0f} pts' + own) if aa else '—'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--rate", type=float, default=0.25)
+    p.add_argument("--rate", type=float, default=0.3, help="requests/s (0.3)")
     p.add_argument("--slo-ttft", type=float, default=3.0)
     p.add_argument("--slo-tpot", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated case names")
+    p.add_argument("--aa", choices=("first", "all", "none"), default="first",
+                   help="which configurations run twice for real (first)")  # fmt: skip
+    p.add_argument("--cost-model", type=Path, default=None,
+                   help="use this cost model instead of profiling first")  # fmt: skip
+    p.add_argument("--contention-seconds", type=float, default=3.0, help="per phase (3)")
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from pdserve.workloads.streams import SyntheticWorkload
 
+    if args.num_requests < 1 or not args.rate > 0:
+        raise SystemExit("--num-requests must be >= 1 and --rate > 0")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    load_before = os.getloadavg()
+    if args.cost_model is None:
+        args.cost_model = profile(args.out.parent, args.contention_seconds)
     items = list(
         SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)
     )
     requests = requests_from_items(items, arrivals(len(items), args.rate, args.seed))
-    results = []
     chosen = cases(args.slo_ttft, args.slo_tpot)
     if args.only:
-        chosen = [c for c in chosen if c.name in args.only.split(",")]
-    folder = args.out.parent
+        names = args.only.split(",")
+        unknown = set(names) - {c.name for c in chosen}
+        if unknown:
+            raise SystemExit(f"unknown case(s) {sorted(unknown)}: {[c.name for c in chosen]}")
+        chosen = [c for c in chosen if c.name in names]
+    results = []
     for i, case in enumerate(chosen):
-        d = replace(case.deployment, expected_output=args.output_len)
-        sim = simulate(d, requests)
-        reals, cals = [], []
-        for _ in range(2 if i == 0 else 1):
-            recs, probes = run_real(d, requests, probe_len=args.input_len)
-            reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
-            cal_d, factors = calibrated(d, probes, folder)
-            cals.append({"factors": factors, "sim": simulate(cal_d, requests)})
-            print(case.name, "real", json.dumps(reals[-1]["ttft_s"]), factors, flush=True)
-        row = {
-            "case": case.name,
-            "sim": sim,
-            "real": reals,
-            "calibrated": cals,
-            "vs": compare(reals[0], sim),
-            "vs_calibrated": compare(reals[0], cals[0]["sim"]),
-        }
-        if len(reals) == 2:
-            row["aa"] = compare(reals[0], reals[1])
-        results.append(row)
-        print(
-            case.name,
-            json.dumps(row["vs"]),
-            json.dumps(row["vs_calibrated"]),
-            json.dumps(row.get("aa")),
-            flush=True,
-        )
+        repeats = 2 if args.aa == "all" or (args.aa == "first" and i == 0) else 1
+        results.append(run_case(case, requests, args, repeats))
+    table = report(results)
+    print(table, flush=True)
+    from pdserve import hostinfo
+    from pdserve.costmodel.contention import Contention
+
     body = {
-        "args": vars(args) | {"out": str(args.out)},
-        "load_avg": os.getloadavg(),
+        "args": vars(args) | {"out": str(args.out), "cost_model": str(args.cost_model)},
+        "cpu": hostinfo.cpu_model(),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "contention": Contention.load(args.cost_model).note,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": results,
+        "table": table,
     }
     args.out.write_text(json.dumps(body, indent=1, default=str) + "\n")
 
