@@ -253,3 +253,19 @@ def test_chunk_values_hold_their_blocks(no_leaks: None) -> None:
         assert pool.registry.get_sample_value("pdserve_kvpool_chunk_blocks") == 3
     finally:
         pool.close()
+
+
+def test_chunk_size_from_the_target_bytes() -> None:
+    """The default model's block, [30, 2, 16, 3, 64] float32, is ~720 KiB stored: 2 MiB makes
+    3 blocks; int8 stores a quarter, so 11; always 1..MAX_CHUNK_BLOCKS."""
+    from pdserve.kvpool.api import MAX_CHUNK_BLOCKS, chunk_blocks_for
+
+    block = (30, 2, 16, 3, 64)
+    raw = value_nbytes(48, block, torch.float32, "none")
+    int8 = value_nbytes(48, block, torch.float32, "int8")
+    assert chunk_blocks_for(2.0, raw) == 3 and chunk_blocks_for(2.0, int8) == 11
+    assert chunk_blocks_for(0.01, raw) == 1 and chunk_blocks_for(1e6, raw) == MAX_CHUNK_BLOCKS
+    with pytest.raises(ValueError, match="chunk-mb"):
+        KVPoolConfig(chunk_mb=0.0)
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        namespace(chunk_blocks=0)
