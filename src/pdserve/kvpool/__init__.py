@@ -3,13 +3,15 @@
 `build_pool(config, namespace, registry)` is what workers call: None when no tier is configured,
 else a `TieredKVPool` over the configured tiers, fastest first (memory, disk, redis).
 
-Chunking: one stored value per engine block in every tier (a file per block on disk, a key per
-block in Redis). `KVPool.put` hands the pool one block at a time, without its position in the
-chain, so the pool cannot align groups of blocks; and a block of the default model (SmolLM2:
-30 layers x 2 x 16 tokens x 3 heads x 64 dims x 4 B) is 720 KiB in float32 - near the 1-10 MB
-where Redis and files are efficient, though below it in bfloat16 (360 KiB) or int8 (~180 KiB).
-Lookups stay one round trip per tier however many blocks they ask about (a dict walk, an index
-walk, one Redis pipeline).
+Chunking: every tier stores values of up to C consecutive blocks of one chain, aligned on
+multiples of C and keyed by the chunk's last block (api.py). C is the whole number of blocks
+nearest `--kv-pool-chunk-mb` (default 2 MiB) of stored value: the default model's block
+(SmolLM2: 30 layers x 2 x 16 tokens x 3 heads x 64 dims x 4 B = 720 KiB in float32) makes
+C = 3, ~2.1 MB per value, inside the 1-10 MB where Redis and files are efficient (int8: C = 11).
+`KVPool.put` takes a chunk with its chain position; the engine (engine/pool_link.py) puts one
+when it fills and a partial one when its request ends. Lookups stay one round trip per tier
+however many blocks they ask about (a dict walk, an index walk, one Redis pipeline of EXISTS
+over every candidate chunk end).
 """
 
 from __future__ import annotations
