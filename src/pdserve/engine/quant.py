@@ -134,10 +134,13 @@ W8G32_SCRATCH = 1 << 22
 class W8G32Linear:
     """int8 weights, one fp16 scale per 32 inputs per output channel; float32 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+    ) -> None:
         from pdserve.engine import kernels
 
-        self._ops = kernels.w8g32_module()
+        # isa: the kernel build ("avx2" | "avx512"); None picks by the CPU (tests name one).
+        self._ops = kernels.w8g32_module(isa)
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
         self.q, self.scales = self._ops.pack(w)
