@@ -138,3 +138,22 @@ def test_w8g32_without_avx2_is_a_start_up_error(
         LLM(str(tiny_llama_path), quantization="w8g32")
     with pytest.raises(ValueError, match="float32"):
         quant.check_supported("w8g32", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_rms_norm_and_rope_match_torch(isa: str, rows: int) -> None:
+    from pdserve.engine.models.llama import apply_rope
+
+    torch.manual_seed(rows)
+    ops = quant.FusedOps(isa)
+    x, w = torch.randn(rows, 70), torch.randn(70)
+    want = torch.nn.functional.rms_norm(x, (70,), w, 1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    heads, d = 5, 16  # q|k heads, then 2 more heads of v that RoPE must leave out
+    qkv = torch.randn(rows, (heads + 2) * d)
+    cos, sin = torch.randn(rows, 1, d), torch.randn(rows, 1, d)
+    want = apply_rope(qkv[:, : heads * d].view(rows, heads, d), cos, sin)
+    torch.testing.assert_close(ops.rope(qkv, heads, cos, sin), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="bad head count"):
+        ops.rope(qkv, heads + 3, cos, sin)

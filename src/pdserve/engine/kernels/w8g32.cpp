@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace {
@@ -317,9 +318,65 @@ torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, int64_t N, int64_t n0
   return w;
 }
 
+// ---------------------------------------------------------------- small fused ops
+// A decode step at batch 1 runs ~60 RMSNorms and 30 RoPEs on vectors of a few hundred floats:
+// torch runs each as 5-8 separate ops (~20-30 us a call on one thread, mostly dispatch), here
+// one pass. Used only by quantized models (engine/quant.py: FusedOps): their rounding differs
+// from torch's (one float sum, FMA), which the exact HF parity of `--quantization none` forbids.
+
+// y = x / sqrt(mean(x^2) + eps) * w, per row of x [M, N] (float32, contiguous rows).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1, "x: float32 [M, N]");
+  TORCH_CHECK(w.dtype() == torch::kFloat && w.is_contiguous() && w.numel() == x.size(1),
+              "w: float32 [N]");
+  const int64_t M = x.size(0), N = x.size(1), ld = x.stride(0);
+  auto y = torch::empty({M, N}, torch::kFloat);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x.data_ptr<float>() + r * ld;
+    float* yr = y.data_ptr<float>() + r * N;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
+#pragma omp simd
+    for (int64_t i = 0; i < N; ++i) yr[i] = xr[i] * inv * wp[i];
+  }
+  return y;
+}
+
+// RoPE (HF rotate-half layout) over the first `heads` heads of x [T, >= heads * D] (the fused
+// q|k columns of the qkv output, rows may be strided): out [T, heads, D] =
+// x * cos + rotate_half(x) * sin, with cos [T, D] and signed_sin [T, D] = (-sin | sin).
+torch::Tensor rope(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor ssin) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1, "x: float32 [T, *]");
+  TORCH_CHECK(cos.dtype() == torch::kFloat && ssin.dtype() == torch::kFloat &&
+                  cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(0) == x.size(0),
+              "cos, signed_sin: float32 [T, D], contiguous");
+  const int64_t T = x.size(0), D = cos.size(1), half = D / 2, ld = x.stride(0);
+  TORCH_CHECK(D % 2 == 0 && heads >= 1 && heads * D <= x.size(1), "rope: bad head count / dim");
+  auto y = torch::empty({T, heads, D}, torch::kFloat);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos.data_ptr<float>() + t * D;
+    const float* sn = ssin.data_ptr<float>() + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = x.data_ptr<float>() + t * ld + h * D;
+      float* yr = y.data_ptr<float>() + (t * heads + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) yr[d] = xr[d] * c[d] + xr[d + half] * sn[d];
+#pragma omp simd
+      for (int64_t d = half; d < D; ++d) yr[d] = xr[d] * c[d] + xr[d - half] * sn[d];
+    }
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 [K, N] -> (int8 tiles [T, K, 16], fp16 scales [T, G, 16])");
   m.def("matmul", &matmul, "x [M, K] @ packed W [K, N] (+ bias)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [M, N] by w [N]");
+  m.def("rope", &rope, "rotate-half RoPE of the first `heads` heads of x [T, *]");
   m.attr("isa") = kIsa;  // which build this is: "avx2" or "avx512"
   m.attr("rows") = kRows;  // rows per pass over a weight tile
   m.def("dequantize", &dequantize, "columns [n0, n1) of the packed weight into out, float32 [K, n]");
