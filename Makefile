@@ -42,7 +42,8 @@ test: setup chromium redis
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup redis
-	$(PY) -m pytest -q -m "not slow"
+	# two pytest processes (xdist): the fast tests are CPU-bound and independent
+	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 2
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

@@ -121,6 +121,7 @@ def test_targets_cover_each_transport(throughput_run: dict[str, Any]) -> None:
     assert all(t["status"] in ("met", "missed") for t in targets)
 
 
+@pytest.mark.slow  # starts a real 1P1D cluster (~20 s)
 def test_ttft_breakdown_fields(ttft_run: dict[str, Any]) -> None:
     assert ttft_run["rc"] == 0
     data = ttft_run["json"]

@@ -37,10 +37,10 @@ def cache_dir() -> Path:
 
 
 def build_dir(source: Path, flags: list[str]) -> Path:
-    """One build directory per (source text, flags): torch's loader keeps one build.ninja per
-    directory and rebuilds whenever the recorded source path differs, so checkouts at two paths
-    sharing a cache would rebuild each other's kernel on every start;
-    keyed by content, they share."""
+    """One build directory per (source text, flags), so checkouts at two paths (worktrees, CI
+    clones) sharing a cache share a build. torch's loader keeps one build.ninja per directory
+    and rebuilds whenever the recorded source path differs: `build_and_load` therefore compiles
+    a copy of the source kept inside the build directory, whose path is the same for all."""
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     return cache_dir() / f"{source.stem}-{digest}"
 
@@ -63,9 +63,13 @@ def build_and_load(name: str, source: Path, flags: list[str]) -> ModuleType:
         if stale.exists():
             log.warning("removing a stale kernel build lock left by a killed build: %s", stale)
             stale.unlink(missing_ok=True)
+        copy = build / source.name
+        text = source.read_bytes()
+        if not copy.exists() or copy.read_bytes() != text:
+            copy.write_bytes(text)
         return load(
             name=name,
-            sources=[str(source)],
+            sources=[str(copy)],
             extra_cflags=flags,
             build_directory=str(build),
             verbose=False,
