@@ -294,7 +294,12 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
     }
   }
   first_item[ntiles] = static_cast<int64_t>(items.size());
-  const int64_t per_item = kMaxTile * G;  // query slots per item
+  // Query slots per item: the widest tile's rows x G. Sized to this step's tiles, not to
+  // kMaxTile: a decode-only step at 2k context would otherwise allocate (and zero) ~150 KB per
+  // call, past malloc's mmap threshold, so page faults on every layer.
+  int32_t widest = 1;
+  for (int64_t ti = 0; ti < ntiles; ++ti) widest = std::max(widest, tl[ti * 3 + 2]);
+  const int64_t per_item = widest * G;
   std::vector<float> acc(items.size() * per_item * D), m(items.size() * per_item),
       l(items.size() * per_item);
   const T* qp = q.data_ptr<T>();
