@@ -97,6 +97,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens the planner assumes a request generates when max_tokens is larger",
     )
     parser.add_argument(
+        "--kv-pool-gbps",
+        type=float,
+        default=1.0,
+        help="the planner's first guess of how fast a worker loads KV from its pool, GB/s "
+        "(`pdserve bench kvpool`'s get GB/s for the tier); each worker's loads then replace it",
+    )
+    parser.add_argument(
         "--drain",
         type=float,
         default=30.0,
@@ -282,6 +289,7 @@ def _planner(args: argparse.Namespace, cost: CostModel | None) -> SloPlanner | N
         mode=mode,
         token_budget=getattr(args, "max_num_batched_tokens", None) or 2048,
         expected_output=args.expected_output,
+        pool_bytes_per_s=getattr(args, "kv_pool_gbps", 1.0) * 1e9,
     )
 
 

@@ -67,6 +67,8 @@ def test_second_prefill_worker_loads_the_first_ones_prefix(tiny_llama_path, ref)
         assert c.core is not None
         report = c.core.kvpool()
         assert set(report["workers"]) == {"P0", "P1", "D0"}
+        # the index was right (no pool eviction): nothing corrected
+        assert report["index_corrections"] == 0 and "prior_bytes_per_s" in report["bandwidth"]
         # the router polls each worker's stats every second
         eventually(lambda: c.core.kvpool()["workers"][p_b]["use"].get("loaded_tokens") == 64)  # type: ignore[union-attr]
         assert_cluster_idle(c)
@@ -92,17 +94,40 @@ def test_a_request_whose_decode_worker_goes_down_resumes_from_the_pool(
         (out,) = fut.result(timeout=60)
         assert out.error is None, out.error
         assert out.outputs[0].token_ids == want  # nothing lost, nothing repeated
+        survivor = "D1" if pair[1] == "D0" else "D0"
         ((label, worker),) = _labels(out, tl.Ev.RECOVERED_FROM_POOL)
-        assert worker == "P0"
+        assert worker == survivor  # the other D read the pool itself: no P, no transfer
+        assert _labels(out, tl.Ev.ROUTE)[-1] == ("pool_resume", survivor)
         assert c.stats["recovered_from_pool"] == 1
         loaded = c.stats["recovery_pool_loaded_tokens"]
         recomputed = c.stats["recovery_recomputed_tokens"]
-        # P0 holds the prompt itself; the pool gave the generated blocks D had written, so
-        # only the tail after the last full block was computed again
-        assert loaded >= 32 and recomputed < BS
-        assert label.startswith(f"loaded {loaded}, recomputed {recomputed} of ")
+        # the survivor caches nothing of this request: the pool gave the prompt blocks P had
+        # written and the generated ones the dead D had, so only the tail after the last full
+        # block was computed
+        assert loaded >= len(prompt) + 40 - 2 * BS and recomputed < BS
+        assert label.startswith(f"loaded {loaded} on {survivor}, recomputed {recomputed} of ")
+        assert c.worker_stats()[survivor]["kv_pool_loaded_tokens"] == loaded
         for d in ("D0", "D1"):
             c.set_fault(d, "none")
+        assert_cluster_idle(c)
+
+
+def test_a_pool_eviction_the_index_did_not_see_is_corrected_by_the_next_lookup(
+    tiny_llama_path, ref
+) -> None:  # type: ignore[no-untyped-def]
+    a, b = [*SYSTEM, 7, 8, 9], [*SYSTEM, 20, 21]
+    shared = SharedPool()
+    with _cluster(tiny_llama_path, shared, prefill=2, decode=1) as c:
+        assert c.core is not None
+        c.generate([a], PARAMS)  # P0 computes SYSTEM and puts its 4 blocks
+        index = c.core.routing.pools
+        eventually(lambda: max(index.stats().values(), default=0) >= 4, what="the index")
+        assert shared.pool is not None
+        shared.pool.close()  # the pool evicts everything (Redis allkeys-lru, a tier's cap)
+        (out,) = c.generate([b], PARAMS)  # round robin: P1, whose lookup finds nothing
+        assert _labels(out, tl.Ev.POOL_LOOKUP)[0][0] == "0 tokens"
+        assert c.stats["pool_index_corrections"] == 1
+        assert c.core.kvpool()["index_corrections"] == 1
         assert_cluster_idle(c)
 
 
@@ -207,9 +232,11 @@ def test_a_killed_decode_workers_request_resumes_from_redis(
         (out,) = fut.result(timeout=60)
         assert out.error is None, out.error
         assert out.outputs[0].token_ids == want  # nothing lost, nothing repeated
+        survivor = "D1" if pair[1] == "D0" else "D0"
         ((label, worker),) = _labels(out, tl.Ev.RECOVERED_FROM_POOL)
-        assert worker == "P0" and c.stats["recovered_from_pool"] == 1
-        assert label.startswith(f"loaded {c.stats['recovery_pool_loaded_tokens']}, ")
+        assert worker == survivor and c.stats["recovered_from_pool"] == 1  # D read Redis
+        loaded = c.stats["recovery_pool_loaded_tokens"]
+        assert label.startswith(f"loaded {loaded} on {survivor}, ")
         # D wrote its blocks as they filled (asynchronously: the last ones may not have
         # landed before the kill); most of the generated context came back from Redis
         assert c.stats["recovery_pool_loaded_tokens"] >= 16

@@ -54,6 +54,7 @@ class FakeWorker:
     seq: int = 0
     handled: list[str] = field(default_factory=list)  # message type names, in order
     prefills: list[tuple[str, int]] = field(default_factory=list)  # (rid, new tokens computed)
+    kv_pools: list[str] = field(default_factory=list)  # named in WorkerInfo (no pool behind them)
 
     def __post_init__(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -88,7 +89,8 @@ class FakeWorker:
         self.sock.send_multipart([client, m.encode(msg)])
 
     def info(self) -> m.WorkerInfo:
-        return m.WorkerInfo(self.worker_id, self.role, 0, "", BLOCK, 1000, b"", "fake")
+        pools = list(self.kv_pools)
+        return m.WorkerInfo(self.worker_id, self.role, 0, "", BLOCK, 1000, b"", "fake", "", pools)
 
     def _handle(self, client: bytes, msg: Any) -> None:
         if isinstance(msg, m.Hello):

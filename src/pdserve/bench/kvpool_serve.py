@@ -225,7 +225,7 @@ def _decode_pid(url: str, rid: str) -> int:
     # the last route: a spurious recovery earlier (a heartbeat missed on a loaded machine) may
     # have moved the request already
     route = [e["worker"] for e in events if e["event"].startswith("route")][-1]
-    dec = route.split("->")[1]
+    dec = route.split("->")[-1]  # "P0->D0", or "D1" (a D resuming from the pool)
     workers = httpx.get(f"{url}/admin/workers", timeout=10).json()
     return int(next(w["pid"] for w in workers if w["id"] == dec))
 

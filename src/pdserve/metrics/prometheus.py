@@ -252,7 +252,8 @@ class Metrics:
         )
         self.recoveries = Counter(
             "pdserve_recoveries",
-            "Requests moved to other workers after a worker went down, by how (pair, local).",
+            "Requests moved to other workers after a worker went down, by how (pair, local, pool: "
+            "a D resuming from its KV pool).",
             ["how"],
             registry=r,
         )
@@ -270,7 +271,8 @@ class Metrics:
         self.routes = Counter(
             "pdserve_route_decisions",
             "Dispatches by route: remote (P then D), local (whole on a decode worker), "
-            "colocated, fallback (a role's pool empty), recompute (D recomputes the KV).",
+            "colocated, fallback (a role's pool empty), recompute (D recomputes the KV), "
+            "pool_resume (a dead D's request resumed on another D from its KV pool).",
             ["route"],
             registry=r,
         )
@@ -297,7 +299,7 @@ class Metrics:
             self.slo_violations.labels(kind)
         for reason in ("no_heartbeat", "stuck"):
             self.worker_down.labels(reason)
-        for how in ("pair", "colocated", "local"):
+        for how in ("pair", "colocated", "local", "pool"):
             self.recoveries.labels(how)
         self._workers = _WorkerCollector()
         r.register(self._workers)

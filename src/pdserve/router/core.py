@@ -43,6 +43,7 @@ from pdserve.router.events import MetricsHooks, RouterEvents
 from pdserve.router.flight import Delta, Flight, RequestError, WorkerState
 from pdserve.router.links import Links
 from pdserve.router.liveness import Liveness
+from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback
 from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
 from pdserve.router.timeline import Ev, Event, Side, Timelines, labelled, render, staged
@@ -77,6 +78,7 @@ class RouterCore:
             self.links, self.events, planner, policy=cfg.policy, prefix_routing=cfg.prefix_routing
         )
         self.prefix, self.sessions = self.routing.prefix, self.routing.sessions
+        self.pool_feedback = PoolFeedback(self.routing.pools, self.events, planner)
         self.liveness = Liveness(
             self.links,
             self.events,
@@ -285,10 +287,14 @@ class RouterCore:
 
     # ---- dispatch --------------------------------------------------------------------------
     def _dispatch(
-        self, flight: Flight, only: WorkerState | None = None, admit: bool = False
+        self,
+        flight: Flight,
+        only: WorkerState | None = None,
+        admit: bool = False,
+        kind: str | None = None,
     ) -> None:
-        """Send the request's current attempt to a P/D pair from the pools, or whole to `only`.
-        `admit`: the first dispatch, which the planner may refuse (RequestError 429)."""
+        """Send the request's current attempt to a P/D pair from the pools, or whole to `only`
+        (the route named `kind`). `admit`: the first dispatch, which the planner may refuse."""
         if flight.params.n > 1 and (flight.sent or flight.sent_other):
             # n streams cannot resume as one: fail visibly rather than restart some choices
             raise RequestError(
@@ -298,8 +304,9 @@ class RouterCore:
             )
         flight.p_done, flight.held = False, []  # a new attempt starts from P again
         prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
-        self.routing.route(flight, prompt, admit, only)
+        self.routing.route(flight, prompt, admit, only, kind)
         assert flight.pair is not None
+        self.pool_feedback.expect(flight, prompt)
         params = flight.params.to_wire()
         params["max_tokens"] = flight.params.max_tokens - len(flight.sent)
         first, second = flight.pair
@@ -415,7 +422,7 @@ class RouterCore:
     def _deliver(self, flight: Flight, msg: m.Tokens) -> None:
         now = time.monotonic()
         if msg.pool is not None:
-            self._note_pool(flight, msg.worker, msg.pool, now)
+            self.pool_feedback.on_report(flight, msg.worker, msg.pool, now)
         if msg.token_ids:
             flight.first_at = flight.first_at or now
             flight.last_at = now
@@ -446,32 +453,6 @@ class RouterCore:
             first, second = flight.pair or (None, None)
             if second is not None and first is not None and msg.worker == first.worker_id:
                 self._send(second, m.Abort(flight.wire_rid))  # done on P: free D's reservation
-
-    def _note_pool(self, flight: Flight, worker: str, pool: dict[str, float], now: float) -> None:
-        """The prefilling worker's KV pool report (with its first tokens): lookup and load in
-        the timeline and counters; after a recovery, what the pool saved of the context."""
-        hit, loaded = int(pool.get("hit_tokens", 0)), int(pool.get("loaded_tokens", 0))
-        at = float(pool.get("lookup_at", now))
-        flight.timeline.append((labelled(Ev.POOL_LOOKUP, f"{hit} tokens"), worker, at))
-        self.events.count("pool_lookups")
-        self.events.count("pool_hit_tokens", hit)
-        if hit:
-            load_s = float(pool.get("load_s", 0.0))
-            what = f"{loaded} of {hit} tokens"
-            flight.timeline.append((labelled(Ev.POOL_LOAD, what), worker, at + load_s))
-            self.events.count("pool_loaded_tokens", loaded)
-            self.events.count("pool_short_tokens", hit - loaded)  # recomputed instead
-        if flight.recoveries and loaded and flight.pool_recovered != flight.attempt:
-            # this attempt's prompt: the request's prompt + the tokens streamed before it
-            context = len(flight.prompt_ids) + len(flight.sent)
-            local = int(pool.get("local_tokens", 0))
-            recomputed = max(0, context - local - loaded)
-            flight.pool_recovered = flight.attempt
-            what = f"loaded {loaded}, recomputed {recomputed} of {context} tokens"
-            flight.timeline.append((labelled(Ev.RECOVERED_FROM_POOL, what), worker, now))
-            self.events.count("recovered_from_pool")
-            self.events.count("recovery_pool_loaded_tokens", loaded)
-            self.events.count("recovery_recomputed_tokens", recomputed)
 
     def _on_transfer(self, flight: Flight, msg: m.TransferReport) -> None:
         if self.planner is not None and msg.side == Side.RECV:
@@ -528,14 +509,16 @@ class RouterCore:
         flight.recoveries += 1
         flight.attempt += 1
         self.events.count("recoveries")
+        # a surviving D whose pool holds the context resumes it itself (router/pool_feedback)
+        on_d = self.pool_feedback.recovery_target(flight, dead, self.workers)
         try:
-            self._dispatch(flight)
+            self._dispatch(flight, only=on_d, kind=RECOVERY_ROUTE if on_d else None)
         except RequestError as e:
             flight.queue.put_nowait(e)
             return
         first, second = flight.pair or (dead, None)
         how = "pair" if second is not None else first.role
-        how = "local" if how in ("prefill", "decode") else how
+        how = "pool" if on_d else "local" if how in ("prefill", "decode") else how
         self.events.recovered(how)
 
     # ---- roles, introspection (the HTTP app's and the cluster's API) -----------------------
@@ -555,7 +538,8 @@ class RouterCore:
 
     def kvpool(self) -> dict[str, Any]:
         """GET /admin/kvpool: per worker with a KV pool, its pool ids, the engine's use of it
-        (`kv_pool_*` of its last stats) and the tiers' stats; the pool index; the counters."""
+        (`kv_pool_*` of its last stats) and the tiers' stats; the pool index, its corrections
+        and the measured pool bandwidth (router/pool_feedback.py); the counters."""
         workers = {}
         for w in self.workers:
             pools = w.info.kv_pools if w.info is not None else []
@@ -570,6 +554,7 @@ class RouterCore:
         return {
             "workers": workers,
             "index": self.routing.pools.stats(),
+            **self.pool_feedback.stats(),
             "router": router,
             "prefill_tokens": computed,
         }

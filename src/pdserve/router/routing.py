@@ -45,10 +45,16 @@ class Routing:
         self.policies = {role: make_policy(policy) for role in ROLES}
 
     def route(
-        self, flight: Flight, prompt: list[int], admit: bool, only: WorkerState | None
+        self,
+        flight: Flight,
+        prompt: list[int],
+        admit: bool,
+        only: WorkerState | None,
+        kind: str | None = None,
     ) -> None:
         """Set `flight.pair` for this attempt (whole on `only` if given), name and book it.
-        `admit`: the first dispatch, which the planner may refuse (RequestError 429)."""
+        `admit`: the first dispatch, which the planner may refuse (RequestError 429); `kind`:
+        the route's name when the caller chose `only` (default: recompute or local)."""
         planned = None
         if only is not None:
             flight.pair = (only, None)
@@ -67,7 +73,7 @@ class Routing:
                 w.outstanding += 1
         now = time.monotonic()
         flight.timeline.append((Ev.DISPATCH, f"attempt {flight.attempt}", now))
-        self._note_route(flight, planned, only is not None, now)
+        self._note_route(flight, planned, only is not None, now, kind)
 
     def plan(self, flight: Flight, prompt: list[int], admit: bool) -> tuple[Pair, slo.Prediction]:
         """The planner's route for this attempt; refuses (429) a first attempt that would miss."""
@@ -154,12 +160,19 @@ class Routing:
             self.sessions.popitem(last=False)
 
     def _note_route(
-        self, flight: Flight, pred: slo.Prediction | None, forced: bool, now: float
+        self,
+        flight: Flight,
+        pred: slo.Prediction | None,
+        forced: bool,
+        now: float,
+        name: str | None = None,
     ) -> None:
         """Name the attempt's route (timeline, counters) and book its work on the loads."""
         assert flight.pair is not None
         first, second = flight.pair
-        if pred is not None:
+        if name is not None:
+            kind = name
+        elif pred is not None:
             kind = pred.route.kind
         elif second is not None:
             kind = "remote"
@@ -185,6 +198,9 @@ class Routing:
         out = max(1, min(flight.params.max_tokens - len(flight.sent), self.planner.expected_output))
         cached = pred.cached_first if pred is not None else 0
         pooled = pred.pooled_first if pred is not None else 0
+        if pred is None:  # a route the caller chose (a recovery): what its pool gives it
+            found = self.pooled(flight.prompt_ids + flight.sent, {first.worker_id: first})
+            pooled = min(found.get(first.worker_id, 0), n - 1)
         prefill = self.planner.prefill_time(n, cached, first.load, pooled)
         streams = flight.params.n  # n choices decode as n sequences
         if second is None:

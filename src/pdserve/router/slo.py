@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.costmodel.model import CostModel
+from pdserve.router.pool_index import PoolBandwidth
 
 ROUTES = ("remote", "local", "colocated")
 MODES = ("conditional", "always")
@@ -174,8 +175,9 @@ class SloPlanner:
         handoff_overhead_s: float = 0.002,
         pool_bytes_per_s: float = 1e9,
     ) -> None:
-        """`pool_bytes_per_s`: how fast a worker loads KV from its pool (the load of a pool hit
-        costs its bytes at this rate, against the prefill it saves)."""
+        """`pool_bytes_per_s`: how fast a worker loads KV from its pool until its own loads say
+        otherwise (`pool_bandwidth`, fed by the router: a pool hit costs its bytes at the
+        worker's measured rate, against the prefill it saves)."""
         if mode not in MODES:
             raise ValueError(f"disaggregation must be one of {', '.join(MODES)}, got {mode!r}")
         for name, v in (("slo_ttft", slo_ttft_s), ("slo_tpot", slo_tpot_s)):
@@ -190,6 +192,7 @@ class SloPlanner:
         # the route that uses one worker wins
         self.handoff_overhead_s = handoff_overhead_s
         self.pool_bytes_per_s = pool_bytes_per_s
+        self.pool_bandwidth = PoolBandwidth(pool_bytes_per_s)
         self.calibration = Calibration()
 
     def observe_transfer(self, nbytes: int, tokens: int) -> None:
@@ -298,9 +301,13 @@ class SloPlanner:
 
     def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad, pooled: int = 0) -> float:
         """This prompt's prefill on `w`, in chunks beside w's decodes (one step each); `pooled`
-        tokens after the `cached` ones are loaded from the KV pool (their bytes at
-        `pool_bytes_per_s`) rather than computed."""
-        load = pooled * self.kv_bytes_per_token / self.pool_bytes_per_s
+        tokens after the `cached` ones are loaded from the KV pool (their bytes at w's measured
+        pool bandwidth) rather than computed."""
+        load = (
+            pooled * self.kv_bytes_per_token / self.pool_bandwidth.rate(w.worker_id)
+            if pooled
+            else 0.0
+        )
         cached += pooled
         new = prompt_len - cached
         batch = w.decode_streams()
