@@ -88,6 +88,15 @@ def test_head_layouts(heads: int, kv_heads: int) -> None:
     _close(got, ref)
 
 
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_head_dims_fast_and_generic_paths(head_dim: int) -> None:
+    """float32 with head_dim 64 (the default model's: 9 query heads over 3 KV heads, blocks of
+    16, a split context) runs the vectorised path; 24 the generic one."""
+    spec = [(1030, 1), (37, 1), (200, 1), (15, 9), (40, 17)]
+    ref, got = _compare(spec, heads=9, kv_heads=3, head_dim=head_dim, bs=16, seed=5)
+    _close(got, ref)
+
+
 def test_bfloat16_close_to_reference() -> None:
     ref, got = _compare([(60, 1), (3, 1), (25, 9)], dtype=torch.bfloat16, seed=4)
     _close(got, ref, tol=3e-2)

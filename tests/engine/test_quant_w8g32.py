@@ -9,7 +9,7 @@ import torch
 from tests.conftest import assert_engine_idle
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import quant
+from pdserve.engine import kernels, quant
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far", "1, 2, 3, 4,"]
 
@@ -41,6 +41,50 @@ def test_w8g32_kernel_matches_the_dequantized_reference(k: int, n: int, rows: in
         torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
     groups, tiles = -(-k // 32), -(-n // 16)
     assert lin.nbytes == tiles * 16 * k + tiles * groups * 16 * 2 + n * 4  # int8, fp16, bias
+
+
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512"))]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (70, 33), (100, 16), (31, 200)])
+def test_w8g32_builds_match_the_reference_on_ragged_shapes(isa: str, k: int, n: int) -> None:
+    # Every row count the streaming kernel dispatches (1..16: kRows blocks plus a remainder,
+    # each with its own input unroll), ragged groups (k % 32) and tiles (n % 16).
+    torch.manual_seed(k + n)
+    w, b = torch.randn(k, n) * 0.05, torch.randn(n)
+    lin = quant.W8G32Linear(w, b, isa=isa)
+    ref_w = _reference(w)
+    for rows in range(1, quant.W8G32_GEMV_ROWS + 1):
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(lin(x), x @ ref_w + b, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(not AVX512, reason="needs a CPU where torch reports AVX512")
+def test_w8g32_avx512_and_avx2_builds_agree() -> None:
+    torch.manual_seed(3)
+    w = torch.randn(200, 90) * 0.05
+    a2, a5 = quant.W8G32Linear(w, isa="avx2"), quant.W8G32Linear(w, isa="avx512")
+    assert a2._ops.isa == "avx2" and a5._ops.isa == "avx512"
+    assert a5._ops.rows == 8 and a2._ops.rows == 4
+    assert torch.equal(a2.q, a5.q) and torch.equal(a2.scales, a5.scales)  # one packed layout
+    x = torch.randn(11, 200)
+    torch.testing.assert_close(a5(x), a2(x), rtol=1e-5, atol=1e-5)
+
+
+def test_w8g32_build_follows_the_cpu_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    for reported, isa in (("AVX512", "avx512"), ("AVX2", "avx2")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda r=reported: r)
+        assert kernels.w8g32_isa() == isa
+    # On an AVX2 CPU the AVX-512 build is refused, not run (it would die on an illegal
+    # instruction); the default then is the AVX2 build.
+    monkeypatch.setattr(kernels, "_w8g32", {})
+    with pytest.raises(RuntimeError, match="avx512 build"):
+        kernels.w8g32_module("avx512")
+    with pytest.raises(ValueError, match="builds are"):
+        kernels.w8g32_module("sse")
+    assert quant.W8G32Linear(torch.randn(32, 16))._ops.isa == "avx2"
 
 
 def test_w8g32_prefill_in_column_chunks_matches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,3 +138,22 @@ def test_w8g32_without_avx2_is_a_start_up_error(
         LLM(str(tiny_llama_path), quantization="w8g32")
     with pytest.raises(ValueError, match="float32"):
         quant.check_supported("w8g32", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_rms_norm_and_rope_match_torch(isa: str, rows: int) -> None:
+    from pdserve.engine.models.llama import apply_rope
+
+    torch.manual_seed(rows)
+    ops = quant.FusedOps(isa)
+    x, w = torch.randn(rows, 70), torch.randn(70)
+    want = torch.nn.functional.rms_norm(x, (70,), w, 1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    heads, d = 5, 16  # q|k heads, then 2 more heads of v that RoPE must leave out
+    qkv = torch.randn(rows, (heads + 2) * d)
+    cos, sin = torch.randn(rows, 1, d), torch.randn(rows, 1, d)
+    want = apply_rope(qkv[:, : heads * d].view(rows, heads, d), cos, sin)
+    torch.testing.assert_close(ops.rope(qkv, heads, cos, sin), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="bad head count"):
+        ops.rope(qkv, heads + 3, cos, sin)

@@ -151,10 +151,14 @@ def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     """Swap the model's projections for `variant`'s (None: back to float32); the float weights
     stay, so one loaded model serves every variant."""
-    from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
+    from pdserve.engine.quant import LAYER_PROJECTIONS, FusedOps, layers_of
 
     model = engine.model
+    # The real w8g32 variants run what `--quantization w8g32` runs: its native RMSNorm / RoPE too.
+    fused = FusedOps() if variant in ("w8g32", "w8g32-head-f32") else None
+    model.fused = fused
     for layer in layers_of(model):
+        layer.fused = fused
         layer.quantized.clear()
         if variant is None:
             continue

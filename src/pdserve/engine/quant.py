@@ -134,10 +134,13 @@ W8G32_SCRATCH = 1 << 22
 class W8G32Linear:
     """int8 weights, one fp16 scale per 32 inputs per output channel; float32 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+    ) -> None:
         from pdserve.engine import kernels
 
-        self._ops = kernels.w8g32_module()
+        # isa: the kernel build ("avx2" | "avx512"); None picks by the CPU (tests name one).
+        self._ops = kernels.w8g32_module(isa)
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
         self.q, self.scales = self._ops.pack(w)
@@ -183,6 +186,29 @@ class W8G32Linear:
             w = self._ops.dequantize(self.q, self.scales, n, n0, n1, out)
             y[:, n0:n1] = x @ w if self.bias is None else torch.addmm(self.bias[n0:n1], x, w)
         return y
+
+
+class FusedOps:
+    """RMSNorm and RoPE as one native call each (kernels/w8g32.cpp) instead of torch's 5-8
+    small ops: at batch 1 those ops, ~60 norms and 30 RoPEs a step, cost more than their math.
+    Quantized (w8g32) models only: the rounding differs slightly from torch's, and
+    `--quantization none` keeps bit-exact parity with HF."""
+
+    def __init__(self, isa: str | None = None) -> None:
+        from pdserve.engine import kernels
+
+        self._ops = kernels.w8g32_module(isa)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return cast(torch.Tensor, self._ops.rms_norm(x, weight, eps))
+
+    def rope(
+        self, x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> torch.Tensor:
+        """[T, heads, D] from the first heads * D columns of x [T, *]; cos and signed_sin as
+        RotaryEmbedding.cos_sin makes them ([T, 1, D])."""
+        t = x.shape[0]
+        return cast(torch.Tensor, self._ops.rope(x, heads, cos.view(t, -1), signed_sin.view(t, -1)))
 
 
 _scratch_local = threading.local()
@@ -231,6 +257,11 @@ def quantize_model(model: LlamaModel, name: str, head: bool = True) -> None:
             assert quantized is not None
             layer.quantized[proj] = quantized
             weight.data = weight.data.new_empty(0)
+    if name == "w8g32":
+        fused = FusedOps()
+        model.fused = fused
+        for layer in layers_of(model):
+            layer.fused = fused
     if head:
         model.quantized_head = quantize(name, model.lm_head)
         model.lm_head.data = model.lm_head.data.new_empty(0)

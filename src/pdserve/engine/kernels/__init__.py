@@ -1,8 +1,10 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached on disk.
 
-`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` and `w8g32.cpp` (group-wise int8
-weight-only matmul, engine/quant.py) with `-O3 -mavx2 -mfma -mf16c` (never `-march=native`),
-so the same code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). A build takes
+`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` (never `-march=native`), so the same
+code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). `w8g32.cpp` (group-wise
+int8 weight-only matmul, engine/quant.py) is built twice from one source: `-mavx2 -mfma -mf16c`
+everywhere, and `-mavx512f -mavx512bw -mavx512vl -mf16c -mfma` chosen at run time when torch
+reports the CPU capability AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build). A build takes
 ~1 minute once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
 `~/.cache/pdserve/kernels`) and reused by every later process.
 """
@@ -20,11 +22,13 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_w8g32: ModuleType | None = None
+_w8g32: dict[str, ModuleType] = {}
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno"]
 W8G32_SOURCE = Path(__file__).with_name("w8g32.cpp")
 W8G32_CFLAGS = [*CFLAGS, "-mf16c"]
+W8G32_AVX512_CFLAGS = [*W8G32_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl"]
+W8G32_BUILDS = {"avx2": W8G32_CFLAGS, "avx512": W8G32_AVX512_CFLAGS}
 
 
 def cache_dir() -> Path:
@@ -92,18 +96,28 @@ def paged_attention_module() -> ModuleType:
         return _module
 
 
-def w8g32_module() -> ModuleType:
-    """Build (once per source version) and import the group-wise int8 weight-only matmul."""
-    global _w8g32
+def w8g32_isa() -> str:
+    """The w8g32 build this CPU runs: "avx512" where torch reports AVX512, else "avx2"."""
+    return "avx512" if _capability() == "AVX512" else "avx2"
+
+
+def w8g32_module(isa: str | None = None) -> ModuleType:
+    """Build (once per source version and ISA) and import the group-wise int8 weight-only
+    matmul; `isa` None picks by the CPU (w8g32_isa()), tests name one to compare the builds."""
+    isa = isa or w8g32_isa()
+    if isa not in W8G32_BUILDS:
+        raise ValueError(f"w8g32 builds are {sorted(W8G32_BUILDS)}, got {isa!r}")
     with _lock:
-        if _w8g32 is None:
-            if not cpu_supported():
+        if isa not in _w8g32:
+            if not cpu_supported() or (isa == "avx512" and _capability() != "AVX512"):
                 raise RuntimeError(
-                    "quantization 'w8g32' needs a CPU with AVX2 + FMA + F16C "
+                    f"quantization 'w8g32' ({isa} build) needs a CPU with "
+                    f"{'AVX-512' if isa == 'avx512' else 'AVX2'} + FMA + F16C "
                     f"(torch reports {_capability()}); use --quantization none"
                 )
-            _w8g32 = build_and_load("pdserve_w8g32", W8G32_SOURCE, W8G32_CFLAGS)
-        return _w8g32
+            name = "pdserve_w8g32" if isa == "avx2" else "pdserve_w8g32_avx512"
+            _w8g32[isa] = build_and_load(name, W8G32_SOURCE, W8G32_BUILDS[isa])
+        return _w8g32[isa]
 
 
 def _capability() -> str:

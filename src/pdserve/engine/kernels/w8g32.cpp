@@ -8,26 +8,31 @@
 // into the running total, so the scale costs one FMA per 32 inputs, not one per weight.
 // Decode (few rows) is bound by reading the int8 weights: 1/4 of float32's bytes.
 // Prefill (many rows) calls dequantize() into a float scratch and leaves the GEMM to torch/MKL.
-// Built with -mavx2 -mfma -mf16c only (never -march=native): one binary for AVX2-only AMD EPYC
-// and AVX-512 Xeon.
+// Two builds of this one file (never -march=native), picked at run time by
+// kernels.w8g32_module(): `-mavx2 -mfma -mf16c` (AVX2-only AMD EPYC, and any AVX2 CPU) and
+// `-mavx512f -mavx512bw -mavx512vl -mf16c -mfma` when torch reports AVX512 (16 channels per
+// zmm register, up to 8 rows per pass). Same packed layout, same per-channel summation order.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace {
 
 constexpr int64_t kTile = 16;   // output channels per tile (two 8-float registers)
 constexpr int64_t kGroup = 32;  // inputs per scale
-constexpr int64_t kRows = 4;    // rows of x sharing one pass over a tile
+// Software prefetch this many bytes ahead of the weight stream (the next tile follows the
+// current one in memory, so it runs across tiles): the hardware prefetcher alone left a single
+// thread at ~half of the read bandwidth on matrices that come from L3 / DRAM (the LM head).
+constexpr int64_t kPrefetch = 2048;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// 16 int8 weights at p -> two float registers. Two 8-byte sign-extending loads
-// (vpmovsxbd ymm, m64) rather than one 16-byte load + shift: one shuffle-port uop fewer.
+// 16 int8 weights at p -> two float registers (dequantize(), both builds).
 inline void load_w(const int8_t* p, __m256& lo, __m256& hi) {
   lo = _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -37,38 +42,131 @@ inline void load_w(const int8_t* p, __m256& lo, __m256& hi) {
 
 // Rows [r0, r0 + nr) (nr <= kRows) of x against one tile; writes 16 outputs per row to out
 // (row stride kTile), before bias and before trimming a partial tile.
-template <int NR>
+//
+// Each accumulator register is one FMA dependency chain (4-cycle latency): with one row and one
+// accumulator set per k the loop would wait on that latency, not on memory. So inputs are
+// unrolled U ways into U independent accumulator sets, summed at the end of each group (before
+// the group's scale), keeping >= 4 chains in flight whatever the row count. Per output channel
+// the summation order is the same in both builds (lane c of the AVX-512 register does what lane
+// c of the two AVX2 registers does), so the two builds agree to rounding of the same operations.
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 8;  // 32 zmm registers: up to 8 rows x (acc + total)
+constexpr const char* kIsa = "avx512";
+
+template <int NR, int U>
+void tile_rows(const float* x, int64_t ldx, const int8_t* q, const at::Half* s, int64_t K,
+               float* out) {
+  __m512 tot[NR];
+  for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
+  const int64_t groups = ceil_div(K, kGroup);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[U][NR];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) acc[u][r] = _mm512_setzero_ps();
+    const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+    int64_t k = k0;
+    for (; k + U <= k1; k += U) {
+      if (U >= 4 || (k & 3) == 0)  // one prefetch per 64-byte line (4 inputs)
+        _mm_prefetch(reinterpret_cast<const char*>(q + k * kTile + kPrefetch), _MM_HINT_T0);
+      for (int u = 0; u < U; ++u) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k + u) * kTile))));
+        for (int r = 0; r < NR; ++r)
+          acc[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), w, acc[u][r]);
+      }
+    }
+    for (int u = 0; k < k1; ++k, ++u) {  // ragged end of the last group: u < U
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kTile))));
+      for (int r = 0; r < NR; ++r)
+        acc[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[u][r]);
+    }
+    const __m512 sc = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * kTile)));
+    for (int r = 0; r < NR; ++r) {
+      __m512 a = acc[0][r];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][r]);
+      tot[r] = _mm512_fmadd_ps(a, sc, tot[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
+}
+#else
+constexpr int64_t kRows = 4;  // 16 ymm registers: up to 4 rows x 2 x (acc + total)
+constexpr const char* kIsa = "avx2";
+
+// 16 int8 weights at p -> two float registers. Two 8-byte sign-extending loads
+// (vpmovsxbd ymm, m64) rather than one 16-byte load + shift: one shuffle-port uop fewer.
+inline void load_w16(const int8_t* p, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  hi = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+}
+
+template <int NR, int U>
 void tile_rows(const float* x, int64_t ldx, const int8_t* q, const at::Half* s, int64_t K,
                float* out) {
   __m256 tot[NR][2];
   for (int r = 0; r < NR; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
   const int64_t groups = ceil_div(K, kGroup);
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[NR][2];
-    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[U][NR][2];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
     const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
-    for (int64_t k = k0; k < k1; ++k) {
-      __m256 wlo, whi;
-      load_w(q + k * kTile, wlo, whi);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-        acc[r][0] = _mm256_fmadd_ps(xv, wlo, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(xv, whi, acc[r][1]);
+    int64_t k = k0;
+    for (; k + U <= k1; k += U) {
+      if (U >= 4 || (k & 3) == 0)  // one prefetch per 64-byte line (4 inputs)
+        _mm_prefetch(reinterpret_cast<const char*>(q + k * kTile + kPrefetch), _MM_HINT_T0);
+      for (int u = 0; u < U; ++u) {
+        __m256 wlo, whi;
+        load_w16(q + (k + u) * kTile, wlo, whi);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k + u);
+          acc[u][r][0] = _mm256_fmadd_ps(xv, wlo, acc[u][r][0]);
+          acc[u][r][1] = _mm256_fmadd_ps(xv, whi, acc[u][r][1]);
+        }
       }
     }
-    const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile));
-    const __m256 slo = _mm256_cvtph_ps(sh);
+    for (int u = 0; k < k1; ++k, ++u) {  // ragged end of the last group: u < U
+      __m256 wlo, whi;
+      load_w16(q + k * kTile, wlo, whi);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[u][r][0] = _mm256_fmadd_ps(xv, wlo, acc[u][r][0]);
+        acc[u][r][1] = _mm256_fmadd_ps(xv, whi, acc[u][r][1]);
+      }
+    }
+    const __m256 slo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile)));
     const __m256 shi = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile + 8)));
     for (int r = 0; r < NR; ++r) {
-      tot[r][0] = _mm256_fmadd_ps(acc[r][0], slo, tot[r][0]);
-      tot[r][1] = _mm256_fmadd_ps(acc[r][1], shi, tot[r][1]);
+      __m256 lo = acc[0][r][0], hi = acc[0][r][1];
+      for (int u = 1; u < U; ++u) {
+        lo = _mm256_add_ps(lo, acc[u][r][0]);
+        hi = _mm256_add_ps(hi, acc[u][r][1]);
+      }
+      tot[r][0] = _mm256_fmadd_ps(lo, slo, tot[r][0]);
+      tot[r][1] = _mm256_fmadd_ps(hi, shi, tot[r][1]);
     }
   }
   for (int r = 0; r < NR; ++r) {
     _mm256_storeu_ps(out + r * kTile, tot[r][0]);
     _mm256_storeu_ps(out + r * kTile + 8, tot[r][1]);
   }
+}
+#endif
+
+// Input unroll per row count: the same in both builds (see tile_rows), at least 4 chains
+// per output register for 1-2 rows; from 3 rows on, the rows themselves are the chains.
+template <int NR>
+constexpr int unroll() { return NR == 1 ? 4 : NR == 2 ? 2 : 1; }
+
+template <int NR>
+void run_rows(const float* x, int64_t ldx, const int8_t* q, const at::Half* s, int64_t K,
+              float* out) {
+  tile_rows<NR, unroll<NR>()>(x, ldx, q, s, K, out);
 }
 
 void check_packed(const torch::Tensor& q, const torch::Tensor& s, int64_t K, int64_t N) {
@@ -147,10 +245,16 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
       const int8_t* qt = qp + t * K * kTile;
       const at::Half* st = sp + t * G * kTile;
       switch (nr) {
-        case 4: tile_rows<4>(xr, K, qt, st, K, out); break;
-        case 3: tile_rows<3>(xr, K, qt, st, K, out); break;
-        case 2: tile_rows<2>(xr, K, qt, st, K, out); break;
-        default: tile_rows<1>(xr, K, qt, st, K, out); break;
+#if defined(__AVX512F__)
+        case 8: run_rows<8>(xr, K, qt, st, K, out); break;
+        case 7: run_rows<7>(xr, K, qt, st, K, out); break;
+        case 6: run_rows<6>(xr, K, qt, st, K, out); break;
+        case 5: run_rows<5>(xr, K, qt, st, K, out); break;
+#endif
+        case 4: run_rows<4>(xr, K, qt, st, K, out); break;
+        case 3: run_rows<3>(xr, K, qt, st, K, out); break;
+        case 2: run_rows<2>(xr, K, qt, st, K, out); break;
+        default: run_rows<1>(xr, K, qt, st, K, out); break;
       }
       const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
       for (int64_t r = 0; r < nr; ++r) {
@@ -214,8 +318,66 @@ torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, int64_t N, int64_t n0
   return w;
 }
 
+// ---------------------------------------------------------------- small fused ops
+// A decode step at batch 1 runs ~60 RMSNorms and 30 RoPEs on vectors of a few hundred floats:
+// torch runs each as 5-8 separate ops (~20-30 us a call on one thread, mostly dispatch), here
+// one pass. Used only by quantized models (engine/quant.py: FusedOps): their rounding differs
+// from torch's (one float sum, FMA), which the exact HF parity of `--quantization none` forbids.
+
+// y = x / sqrt(mean(x^2) + eps) * w, per row of x [M, N] (float32, contiguous rows).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1, "x: float32 [M, N]");
+  TORCH_CHECK(w.dtype() == torch::kFloat && w.is_contiguous() && w.numel() == x.size(1),
+              "w: float32 [N]");
+  const int64_t M = x.size(0), N = x.size(1), ld = x.stride(0);
+  auto y = torch::empty({M, N}, torch::kFloat);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x.data_ptr<float>() + r * ld;
+    float* yr = y.data_ptr<float>() + r * N;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
+#pragma omp simd
+    for (int64_t i = 0; i < N; ++i) yr[i] = xr[i] * inv * wp[i];
+  }
+  return y;
+}
+
+// RoPE (HF rotate-half layout) over the first `heads` heads of x [T, >= heads * D] (the fused
+// q|k columns of the qkv output, rows may be strided): out [T, heads, D] =
+// x * cos + rotate_half(x) * sin, with cos [T, D] and signed_sin [T, D] = (-sin | sin).
+torch::Tensor rope(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor ssin) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1, "x: float32 [T, *]");
+  TORCH_CHECK(cos.dtype() == torch::kFloat && ssin.dtype() == torch::kFloat &&
+                  cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(0) == x.size(0),
+              "cos, signed_sin: float32 [T, D], contiguous");
+  const int64_t T = x.size(0), D = cos.size(1), half = D / 2, ld = x.stride(0);
+  TORCH_CHECK(D % 2 == 0 && heads >= 1 && heads * D <= x.size(1), "rope: bad head count / dim");
+  auto y = torch::empty({T, heads, D}, torch::kFloat);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos.data_ptr<float>() + t * D;
+    const float* sn = ssin.data_ptr<float>() + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = x.data_ptr<float>() + t * ld + h * D;
+      float* yr = y.data_ptr<float>() + (t * heads + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) yr[d] = xr[d] * c[d] + xr[d + half] * sn[d];
+#pragma omp simd
+      for (int64_t d = half; d < D; ++d) yr[d] = xr[d] * c[d] + xr[d - half] * sn[d];
+    }
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 [K, N] -> (int8 tiles [T, K, 16], fp16 scales [T, G, 16])");
   m.def("matmul", &matmul, "x [M, K] @ packed W [K, N] (+ bias)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [M, N] by w [N]");
+  m.def("rope", &rope, "rotate-half RoPE of the first `heads` heads of x [T, *]");
+  m.attr("isa") = kIsa;  // which build this is: "avx2" or "avx512"
+  m.attr("rows") = kRows;  // rows per pass over a weight tile
   m.def("dequantize", &dequantize, "columns [n0, n1) of the packed weight into out, float32 [K, n]");
 }

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.quant import Projection
+from pdserve.engine.quant import FusedOps, Projection
 
 
 @dataclass
@@ -129,6 +129,8 @@ class LlamaLayer(nn.Module):
         # Quantized stand-ins for the projections above, by name (quant.quantize_model); a
         # projection not listed here runs on its float weight.
         self.quantized: dict[str, Projection] = {}
+        # Native RMSNorm / RoPE (quant.FusedOps), set for w8g32 models; None: torch's ops.
+        self.fused: FusedOps | None = None
 
     def forward(
         self,
@@ -138,21 +140,28 @@ class LlamaLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        h = self.rms_norm(x, self.input_norm)
         qkv = self.project("qkv", h)
-        t = x.shape[0]
+        t, heads = x.shape[0], self.num_heads + self.num_kv_heads
         # RoPE once over q and k together (they are adjacent in the fused output): half the ops.
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rope(qk, cos, sin)
+        if self.fused is not None:
+            qk = self.fused.rope(qkv, heads, cos, sin)
+        else:
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, heads, -1), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
         if meta.layer_hook is not None:
             meta.layer_hook(self.index, k, v)
         x = x + self.project("o", attn.reshape(t, self.q_size))
-        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
+        h = self.rms_norm(x, self.post_norm)
         gate, up = self.project("gate_up", h).chunk(2, dim=-1)
         return x + self.project("down", F.silu(gate) * up)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """x @ W (+ bias) for the projection `name`: quantized if it was, else in float."""
@@ -281,6 +290,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))
         self.rope: RotaryEmbedding | None = None
         self.quantized_head: Projection | None = None  # set by quant.quantize_model
+        self.fused: FusedOps | None = None  # native RMSNorm / RoPE, set by quant.quantize_model
 
     @torch.inference_mode()
     def forward(
@@ -298,7 +308,11 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         if meta.sample_rows is not None:
             x = x[meta.sample_rows]
-        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
+        eps = self.arch.rms_norm_eps
+        if self.fused is not None:
+            x = self.fused.rms_norm(x, self.norm, eps)
+        else:
+            x = F.rms_norm(x, (x.shape[-1],), self.norm, eps)
         head = self.quantized_head
         return (x @ self.lm_head if head is None else head(x)).float()
 
