@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -191,16 +193,28 @@ def test_workers_on_one_host_share_a_disk_directory(tmp_path: Path, no_leaks: No
         reader.close()
 
 
-def test_chunks_across_tiers(tmp_path: Path, no_leaks: None) -> None:
-    """C=3. Memory holds [0-2] and a partial [3-4]; the disk holds [0-2] and the full [3-5]:
-    the run is 6 (the disk's full chunk outgrows memory's partial one), read [0-2] from memory
-    and [3-5] from the disk, which is then promoted."""
+@contextlib.contextmanager
+def _memory_over_disk(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
+    """A memory tier over a disk tier at C=3, with a pool on each alone (to fill one tier) and
+    one over both; all three closed afterwards."""
     memory, disk = MemoryTier(64 * MB), DiskTier(tmp_path, 64 * MB)
     ns = namespace(chunk_blocks=3)
     mem_only = TieredKVPool(ns, [memory], close_tiers=False)
     disk_only = TieredKVPool(ns, [disk], close_tiers=False)
     pool = TieredKVPool(ns, [memory, disk])
     try:
+        yield memory, disk, mem_only, disk_only, pool
+    finally:
+        for p in (mem_only, disk_only, pool):
+            p.close()
+
+
+def test_chunks_across_tiers(tmp_path: Path, no_leaks: None) -> None:
+    """C=3. Memory holds [0-2] and a partial [3-4]; the disk holds [0-2] and the full [3-5]:
+    the run is 6 (the disk's full chunk outgrows memory's partial one), read [0-2] from memory
+    and [3-5] from the disk, which is then promoted."""
+    with _memory_over_disk(tmp_path) as (memory, disk, mem_only, disk_only, pool):
+        ns = pool.namespace
         hashes, kvs = chain(6), blocks(6)
         assert put_chain(mem_only, hashes[:5], kvs[:5]) and mem_only.flush()
         assert put_chain(disk_only, hashes, kvs) and disk_only.flush()
@@ -212,20 +226,12 @@ def test_chunks_across_tiers(tmp_path: Path, no_leaks: None) -> None:
         assert memory.stats.get_blocks == 3 and disk.stats.get_blocks == 3
         assert memory.exists([ns.key(hashes[5])]) == [True]  # promoted as one chunk
         assert pool.lookup(hashes[:5]) == 5  # the partial chunk is still memory's
-    finally:
-        for p in (mem_only, disk_only, pool):
-            p.close()
 
 
 def test_chunks_across_tiers_from_a_later_block(tmp_path: Path, no_leaks: None) -> None:
     """C=3, from block 4: memory's partial [3-4] gives block 4, the disk's full [3-5] outgrows
     it (block 3 read and dropped), and the run goes on in the disk."""
-    memory, disk = MemoryTier(64 * MB), DiskTier(tmp_path, 64 * MB)
-    ns = namespace(chunk_blocks=3)
-    mem_only = TieredKVPool(ns, [memory], close_tiers=False)
-    disk_only = TieredKVPool(ns, [disk], close_tiers=False)
-    pool = TieredKVPool(ns, [memory, disk])
-    try:
+    with _memory_over_disk(tmp_path) as (memory, disk, mem_only, disk_only, pool):
         hashes, kvs = chain(9), blocks(9)
         assert put_chain(mem_only, hashes[:5], kvs[:5]) and mem_only.flush()
         assert put_chain(disk_only, hashes, kvs, start=3) and disk_only.flush()
@@ -233,9 +239,6 @@ def test_chunks_across_tiers_from_a_later_block(tmp_path: Path, no_leaks: None) 
         assert memory.stats.hit_blocks == 0 and disk.stats.hit_blocks == 5
         got = pool.get(hashes[4:], _later(), start=4)
         assert len(got) == 5 and all(map(torch.equal, got, kvs[4:]))
-    finally:
-        for p in (mem_only, disk_only, pool):
-            p.close()
 
 
 def test_chunk_values_hold_their_blocks(no_leaks: None) -> None:
