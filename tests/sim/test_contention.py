@@ -11,7 +11,7 @@ import pytest
 from tests.sim.test_sim import LinearStep
 
 from pdserve.costmodel.contention import Contention, Shapes, measure
-from pdserve.costmodel.model import CostModel
+from pdserve.costmodel.model import VERSION, CostModel
 from pdserve.sim.cluster import SimConfig, SimRequest, Simulation
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.steptime import Link
@@ -113,7 +113,7 @@ def test_stored_in_the_cost_model_file_and_old_files_load_with_factor_one(tmp_pa
     FACTORS.save_into(path)
     assert Contention.load(path) == FACTORS
     assert CostModel.load(path) == model and CostModel.load_about(path) == {"threads": 1}
-    assert json.loads(path.read_text())["version"] == 2
+    assert json.loads(path.read_text())["version"] == VERSION  # v3 terms absent: defaults
     body["contention"] = {"decode_by_prefill": 2}
     path.write_text(json.dumps(body))
     with pytest.raises(ValueError, match="malformed contention"):

@@ -30,9 +30,13 @@ class LinearStep:
     layers: int = 1
     gpus: int = 1
     tokens: int = 4096
+    receive: float = 0.0  # D's work per received KV token
 
     def step_s(self, rows: Sequence[tuple[int, int]]) -> float:
         return self.a + self.b * sum(n for n, _ in rows)
+
+    def receive_s(self, tokens: int) -> float:
+        return self.receive * tokens
 
     def kv_tokens(self) -> int:
         return self.tokens

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     result["model"].save(out, **about)
     if args.samples_out:
         args.samples_out.parent.mkdir(parents=True, exist_ok=True)
-        raw = {k: result[k] for k in ("prefill", "decode", "transfer")}
+        raw = {k: result[k] for k in ("prefill", "decode", "transfer", "receive")}
         args.samples_out.write_text(json.dumps({**raw, "about": about}, indent=1) + "\n")
     print(render(result, out))
     if args.contention:
@@ -88,7 +88,17 @@ def render(result: dict[str, Any], out: Path) -> str:
     m: CostModel = result["model"]
     err, about = result["errors"], result["about"]
     (p0, p1, p2), (d0, d1, d2), (t0, t1) = m.prefill, m.decode, m.transfer
+    r0, r1 = m.receive
     counts = about["samples"]
+    per_batch = [
+        f"| decode a({b}) | {a * 1e3:.2f} ms | step of a batch of {b} (per-batch term) |"
+        for b, a in m.decode_by_batch
+    ]
+    if per_batch:
+        per_batch.append(
+            f"| decode dc | {m.decode_context * 1e3:.3f} ms/1k tokens | per 1k context tokens, "
+            "with the per-batch terms (used for steps) |"
+        )
     return "\n".join(
         [
             f"cost model: {about['model_name']} on {about['cpu']}, {about['threads']} thread(s), "
@@ -102,16 +112,22 @@ def render(result: dict[str, Any], out: Path) -> str:
             f"| decode d0 | {d0 * 1e3:.2f} ms | fixed cost of a decode step (weights) |",
             f"| decode d1 | {d1 * 1e3:.3f} ms/request | per request in the batch |",
             f"| decode d2 | {d2 * 1e3:.3f} ms/1k tokens | per 1k context tokens (KV reads) |",
+            *per_batch,
             f"| transfer t0 | {t0 * 1e3:.2f} ms | fixed cost of a KV transfer |",
             f"| transfer t1 | {t1 / 1e9:.2f} GB/s | KV bandwidth, loopback tcp |",
+            f"| receive r0 | {r0 * 1e3:.2f} ms | D's fixed work per hand-off received |",
+            f"| receive r1 | {r1 * 1e6:.2f} us/token | D's work per KV token received |",
             "",
             "| fit error (|pred - meas| / meas) | p50 | p90 | samples |",
             "|---|---:|---:|---:|",
             *(
                 f"| {kind} | {_pct(err.get(f'{kind}_p50'))} | {_pct(err.get(f'{kind}_p90'))} "
                 f"| {counts[kind]} |"
-                for kind in ("prefill", "decode", "transfer")
+                for kind in ("prefill", "decode", "transfer", "receive")
+                if kind in counts
             ),
+            f"| decode, one linear fit (v2) | {_pct(err.get('decode_linear_p50'))} "
+            f"| {_pct(err.get('decode_linear_p90'))} | {counts['decode']} |",
             "",
             f"wrote {out}",
         ]

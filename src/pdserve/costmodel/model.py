@@ -1,8 +1,10 @@
 """A cost model of one worker: how long a prefill, a decode step and a KV transfer take.
 
     prefill(new, cached)  = p0 + p1 * new + p2 * new * (cached + new / 2) / 1000
-    decode_step(batch, L) = d0 + d1 * batch + d2 * L / 1000        (L: context tokens, summed)
+    decode_step(batch, L) = a(batch) + dc * L / 1000               (L: context tokens, summed)
+                          or, without per-batch terms, d0 + d1 * batch + d2 * L / 1000
     transfer(bytes)       = t0 + bytes / t1
+    receive(tokens)       = r0 + r1 * tokens     (D's own work to register a hand-off's KV)
 
 Why these terms: prefill is matrix products over the new tokens (linear) plus attention of
 each new token over everything before it (the product term; cached tokens are read, not
@@ -11,24 +13,40 @@ reads every running request's KV (total context); a transfer is a fixed cost plu
 bandwidth. Coefficients are fitted by non-negative least squares on measured samples, so the
 model cannot predict negative times, and is stored as JSON per host and model.
 
+Why a term per batch size (version 3): a measured CPU decode step is not linear in the batch:
+on this host with SmolLM2-135M Q4_1 a batch of 1 takes 53 ms and a batch of 2 148 ms (another
+kernel path once there is more than one row), then the step grows slowly to 205 ms at 32. One
+line through batch and context missed such steps by 30% (median); `a(batch)` is one fitted
+intercept per profiled batch size, linear between them (and past the largest, along the last
+segment), with one shared term per context token. A decode worker alone at batch 1-3 is then
+predicted from its own measured steps.
+
+Why a receive term (version 3): a decode worker decodes each arriving KV frame and copies it
+into its cache on its own loop, between engine steps, so a hand-off costs D `receive(tokens)`
+of its time: it delays D's next step for every request decoding there. `transfer` is the rest
+of the hand-off's latency (P's encoding and the wire).
+
 The router (issue 6) uses it to predict a request's TTFT and TPOT from the current queues; this
 module only knows arithmetic: no sockets, no engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-VERSION = 2  # 2: may carry a "contention" section (costmodel/contention.py); 1 still loads
-READABLE_VERSIONS = (1, 2)
+# 3: per-batch decode terms and the D-side receive term; 2: may carry a "contention" section
+# (costmodel/contention.py); 1 and 2 still load (no per-batch terms, receive = 0)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def _prefill_row(new: float, cached: float) -> list[float]:
@@ -37,6 +55,23 @@ def _prefill_row(new: float, cached: float) -> list[float]:
 
 def _decode_row(batch: float, context: float) -> list[float]:
     return [1.0, batch, context / 1000]
+
+
+def _by_batch_rows(
+    samples: Sequence[tuple[int, int, float]],
+) -> tuple[list[int], list[list[float]]] | None:
+    """One indicator column per distinct batch size + a context column, or None when the
+    samples cannot fit that many terms (fewer samples than terms, or a single batch size)."""
+    batches = sorted({b for b, _, _ in samples})
+    if len(batches) < 2 or len(samples) < len(batches) + 1:
+        return None
+    index = {b: i for i, b in enumerate(batches)}
+    rows = []
+    for b, ctx, _ in samples:
+        row = [0.0] * (len(batches) + 1)
+        row[index[b]], row[-1] = 1.0, ctx / 1000
+        rows.append(row)
+    return batches, rows
 
 
 def _nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -63,12 +98,38 @@ class CostModel:
     prefill: tuple[float, float, float]
     decode: tuple[float, float, float]
     transfer: tuple[float, float] = (0.0, 1e12)  # (fixed s, bytes/s)
+    # (batch size, step intercept s), ascending; () = the linear `decode` terms only
+    decode_by_batch: tuple[tuple[int, float], ...] = ()
+    decode_context: float = 0.0  # s per 1k context tokens, with `decode_by_batch`
+    receive: tuple[float, float] = (0.0, 0.0)  # D side: (fixed s, s per KV token received)
 
     def prefill_s(self, new: int, cached: int = 0) -> float:
         return float(np.dot(self.prefill, _prefill_row(new, cached)))
 
     def decode_step_s(self, batch: int, context: int) -> float:
-        return float(np.dot(self.decode, _decode_row(batch, context)))
+        if not self.decode_by_batch:
+            return float(np.dot(self.decode, _decode_row(batch, context)))
+        return self._batch_intercept(batch) + self.decode_context * context / 1000
+
+    def _batch_intercept(self, batch: int) -> float:
+        """Linear between the profiled batch sizes; below the smallest, the smallest's (a step
+        reads the weights whatever its batch); past the largest, along the last segment's
+        slope (not below 0), or the linear `d1` with a single batch size."""
+        knots = self.decode_by_batch
+        b0, a0 = knots[0]
+        if batch <= b0:
+            return a0
+        for (lo, a_lo), (hi, a_hi) in itertools.pairwise(knots):
+            if batch <= hi:
+                return a_lo + (a_hi - a_lo) * (batch - lo) / (hi - lo)
+        b1, a1 = knots[-1]
+        slope = self.decode[1] if len(knots) < 2 else (a1 - knots[-2][1]) / (b1 - knots[-2][0])
+        return a1 + max(0.0, slope) * (batch - b1)
+
+    def receive_s(self, tokens: int) -> float:
+        """D's own time to register `tokens` tokens of a hand-off's KV (0 when not profiled)."""
+        fixed, per_token = self.receive
+        return fixed + per_token * tokens if tokens > 0 else 0.0
 
     def transfer_s(self, nbytes: int) -> float:
         fixed, bandwidth = self.transfer
@@ -80,11 +141,20 @@ class CostModel:
         memory copies, not by the worker's compute threads."""
         if not factor > 0:
             raise ValueError(f"a scale factor must be > 0, got {factor}")
+        return self.rescaled(factor, factor)
+
+    def rescaled(self, prefill_x: float, decode_x: float) -> CostModel:
+        """Prefill terms times `prefill_x`, decode terms (per-batch ones included) times
+        `decode_x`; transfer and receive (memory copies) left alone."""
+        if not (prefill_x > 0 and decode_x > 0):
+            raise ValueError(f"scale factors must be > 0, got {prefill_x}, {decode_x}")
         p, d = self.prefill, self.decode
-        return CostModel(
-            (p[0] * factor, p[1] * factor, p[2] * factor),
-            (d[0] * factor, d[1] * factor, d[2] * factor),
-            self.transfer,
+        return replace(
+            self,
+            prefill=(p[0] * prefill_x, p[1] * prefill_x, p[2] * prefill_x),
+            decode=(d[0] * decode_x, d[1] * decode_x, d[2] * decode_x),
+            decode_by_batch=tuple((b, a * decode_x) for b, a in self.decode_by_batch),
+            decode_context=self.decode_context * decode_x,
         )
 
     # ---- fitting --------------------------------------------------------------------------
@@ -94,9 +164,15 @@ class CostModel:
         prefill_samples: Sequence[tuple[int, int, float]],
         decode_samples: Sequence[tuple[int, int, float]],
         transfer_samples: Sequence[tuple[int, float]] = (),
+        receive_samples: Sequence[tuple[int, float]] = (),
+        *,
+        by_batch: bool = True,
     ) -> CostModel:
-        """From (new, cached, s), (batch, context, s) and (bytes, s) measurements."""
-        return cls._fit(_nnls, prefill_samples, decode_samples, transfer_samples)
+        """From (new, cached, s), (batch, context, s), (bytes, s) and (tokens, s) measurements.
+        `by_batch`: also fit a decode intercept per batch size (when the samples allow)."""
+        return cls._fit(
+            _nnls, prefill_samples, decode_samples, transfer_samples, receive_samples, by_batch
+        )
 
     @classmethod
     def fit_relative(
@@ -104,6 +180,9 @@ class CostModel:
         prefill_samples: Sequence[tuple[int, int, float]],
         decode_samples: Sequence[tuple[int, int, float]],
         transfer_samples: Sequence[tuple[int, float]] = (),
+        receive_samples: Sequence[tuple[int, float]] = (),
+        *,
+        by_batch: bool = True,
     ) -> CostModel:
         """As `fit`, but minimizing squared relative errors: every sample weighs 1 / its time.
 
@@ -111,7 +190,14 @@ class CostModel:
         5 s ones and the short ones can be off by 2x; `errors` (and a router deciding between a
         short and a long prompt) judge relative errors, which this fit makes even.
         """
-        return cls._fit(_nnls_relative, prefill_samples, decode_samples, transfer_samples)
+        return cls._fit(
+            _nnls_relative,
+            prefill_samples,
+            decode_samples,
+            transfer_samples,
+            receive_samples,
+            by_batch,
+        )
 
     @classmethod
     def _fit(
@@ -120,6 +206,8 @@ class CostModel:
         prefill_samples: Sequence[tuple[int, int, float]],
         decode_samples: Sequence[tuple[int, int, float]],
         transfer_samples: Sequence[tuple[int, float]],
+        receive_samples: Sequence[tuple[int, float]] = (),
+        by_batch: bool = False,
     ) -> CostModel:
         p = solve([_prefill_row(n, c) for n, c, _ in prefill_samples],
                   [s for *_, s in prefill_samples])  # fmt: skip
@@ -130,7 +218,20 @@ class CostModel:
             t0, per_byte = solve([[1.0, float(n)] for n, _ in transfer_samples],
                                  [s for _, s in transfer_samples])  # fmt: skip
             transfer = (t0, 1.0 / per_byte if per_byte > 0 else 1e12)
-        return cls((p[0], p[1], p[2]), (d[0], d[1], d[2]), transfer)
+        receive: tuple[float, float] = (0.0, 0.0)
+        if receive_samples:
+            r0, r1 = solve([[1.0, float(n)] for n, _ in receive_samples],
+                           [s for _, s in receive_samples])  # fmt: skip
+            receive = (r0, r1)
+        knots: tuple[tuple[int, float], ...] = ()
+        context = 0.0
+        split = _by_batch_rows(decode_samples) if by_batch else None
+        if split is not None:
+            batches, rows = split
+            coef = solve(rows, [s for *_, s in decode_samples])
+            knots = tuple(zip(batches, coef[:-1], strict=True))
+            context = coef[-1]
+        return cls((p[0], p[1], p[2]), (d[0], d[1], d[2]), transfer, knots, context, receive)
 
     def errors(
         self,
@@ -152,6 +253,7 @@ class CostModel:
     def save(self, path: Path, **about: object) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         body = {"version": VERSION, **asdict(self), "about": about}
+        body["decode_by_batch"] = [list(k) for k in self.decode_by_batch]
         path.write_text(json.dumps(body, indent=1) + "\n")
 
     @staticmethod
@@ -179,7 +281,30 @@ class CostModel:
             raise ValueError(f"{path}: malformed cost model") from None
         if len(prefill) != 3 or len(decode) != 3 or len(transfer) != 2:
             raise ValueError(f"{path}: malformed cost model")
-        return cls(prefill, decode, transfer)  # type: ignore[arg-type]
+        model = cls(prefill, decode, transfer)  # type: ignore[arg-type]
+        return model if body["version"] < 3 else cls._load_v3(path, body, model)
+
+    @staticmethod
+    def _load_v3(path: Path, body: dict[str, object], model: CostModel) -> CostModel:
+        """The version-3 terms: per-batch decode intercepts and the receive term."""
+        try:
+            knots = tuple(
+                (int(b), float(a))
+                for b, a in body.get("decode_by_batch", ())  # type: ignore[attr-defined]
+            )
+            context = float(body.get("decode_context", 0.0))  # type: ignore[arg-type]
+            receive = tuple(float(x) for x in body.get("receive", (0.0, 0.0)))  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: malformed cost model (version-3 terms)") from None
+        batches = [b for b, _ in knots]
+        if len(receive) != 2 or batches != sorted(set(batches)) or any(b < 1 for b in batches):
+            raise ValueError(f"{path}: malformed cost model (version-3 terms)")
+        return replace(
+            model,
+            decode_by_batch=knots,
+            decode_context=context,
+            receive=receive,  # type: ignore[arg-type]
+        )
 
 
 # ---- where cost models live --------------------------------------------------------------------

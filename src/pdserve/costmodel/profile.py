@@ -15,10 +15,13 @@ Everything is measured on the real engine in this process, with `threads` torch 
     blocks hold; attention costs the same whatever the values. After a warm-up step, each decode
     step is timed; context = the keys attended, summed over the batch (prompt + generated).
     Combinations whose KV does not fit the cache or the model's context are skipped.
-  * transfer (bytes, s): one request's KV for n tokens (the engine's layout, random values)
-    from `encode_frame` per layer, over a loopback ZeroMQ tcp DEALER -> ROUTER pair, to
-    `decode_frame` and a copy into a preallocated cache tensor. Bytes = raw KV bytes
-    (n * bytes per token), the number a caller can compute; frame headers are in the fixed term.
+  * transfer (bytes, s) and receive (tokens, s): one request's KV for n tokens (the engine's
+    layout, random values) from `encode_frame` per layer, over a loopback ZeroMQ tcp DEALER ->
+    ROUTER pair, then what a decode worker does with each frame on its own loop: `decode_frame`
+    and `engine.write_kv` into cache slots. The receive sample is that last part alone (D's
+    work: it delays D's next step); the transfer sample is the rest (encoding and the wire).
+    Bytes = raw KV bytes (n * bytes per token), the number a caller can compute; frame headers
+    are in the fixed terms.
 
 Every point is the median of `repeats` (>= 3) timings, after one warm-up prefill and decode.
 The model is fitted with `CostModel.fit_relative`: samples span 50 ms to seconds, and a plain
@@ -76,7 +79,9 @@ FULL = Grid(
     prefill_new=(16, 64, 128, 256, 512, 1024, 2048),
     cached_fractions=(0.25, 0.75),
     cached_new_fractions=(1 / 128, 1 / 8),
-    batches=(1, 2, 8, 32),
+    # every small batch: a decode worker alone runs at batch 1-4 most of the time, and the
+    # step is not linear there (costmodel/model.py: one term per batch size)
+    batches=(1, 2, 3, 4, 8, 16, 32),
     contexts=(128, 512, 2048),
     decode_steps=3,
     transfer_tokens=(16, 256, 1024, 2048),
@@ -95,6 +100,7 @@ QUICK_MAX_PROMPT = 128
 PrefillSample = tuple[int, int, float]  # new, cached, seconds
 DecodeSample = tuple[int, int, float]  # batch, context (summed), seconds
 TransferSample = tuple[int, float]  # bytes, seconds
+ReceiveSample = tuple[int, float]  # tokens, seconds
 
 
 def _log(msg: str) -> None:
@@ -310,7 +316,9 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.dtype.itemsize
 
 
-def measure_transfer(engine: LLMEngine, grid: Grid) -> list[TransferSample]:
+def measure_transfer(
+    engine: LLMEngine, grid: Grid
+) -> tuple[list[TransferSample], list[ReceiveSample]]:
     import zmq
 
     from pdserve.transfer import transports
@@ -323,12 +331,15 @@ def measure_transfer(engine: LLMEngine, grid: Grid) -> list[TransferSample]:
     try:
         link = _Loopback(engine, sender, receiver)
         link.send(min(grid.transfer_tokens))  # warm-up: connects the pair
-        samples = []
+        samples, received = [], []
         for n in grid.transfer_tokens:
-            s = _median_of(functools.partial(link.send, n), grid.repeats)
-            _log(f"transfer {n} tokens: {s * 1e3:.1f} ms")
+            runs = [link.send(n) for _ in range(grid.repeats)]
+            s = statistics.median(t - r for t, r in runs)
+            r = statistics.median(r for _, r in runs)
+            _log(f"transfer {n} tokens: {s * 1e3:.1f} ms, then D receives in {r * 1e3:.1f} ms")
             samples.append((n * kv_bytes_per_token(engine), s))
-        return samples
+            received.append((n, r))
+        return samples, received
     finally:
         sender.close(0)
         receiver.close(0)
@@ -336,38 +347,45 @@ def measure_transfer(engine: LLMEngine, grid: Grid) -> list[TransferSample]:
 
 
 class _Loopback:
-    """One request's KV, layer by layer, encoded, sent, received, decoded and stored."""
+    """One request's KV, layer by layer, encoded, sent, received, decoded and stored into the
+    engine's cache as a decode worker stores it (`engine.write_kv`). The slots are the cache's
+    first n (wrapping): nothing reads this engine's cache after the transfer points."""
 
     def __init__(self, engine: LLMEngine, sender: Any, receiver: Any) -> None:
         from pdserve.transfer import wire
 
         arch = engine.arch
+        self.engine = engine
         self.layers, self.heads, self.dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
         self.dtype = engine.dtype
         self.fingerprint = wire.layout_fingerprint(arch, engine.dtype)
         self.sender, self.receiver = sender, receiver
+        self.slots_total = engine.kv_manager.num_blocks * engine.kv_manager.block_size
 
-    def send(self, n: int) -> float:
+    def send(self, n: int) -> tuple[float, float]:
+        """(seconds from the first encode to the last stored layer, of which D's receive)."""
         import torch
 
         from pdserve.transfer import wire
 
         keys = torch.randn(self.layers, n, self.heads, self.dim).to(self.dtype)
         values = torch.randn_like(keys)
-        dest = torch.empty(2, self.layers, n, self.heads, self.dim, dtype=self.dtype)
+        slots = torch.arange(n) % self.slots_total
         t0 = time.perf_counter()
         for layer in range(self.layers):
             parts = wire.encode_frame(
                 "profile", layer, 0, [keys[layer]], [values[layer]], "none", self.fingerprint
             )
             self.sender.send_multipart(parts, copy=False)
+        receive = 0.0
         for _ in range(self.layers):
             _, *parts = self.receiver.recv_multipart(copy=False)
+            r0 = time.perf_counter()
             frame = wire.decode_frame([p.buffer for p in parts], fingerprint=self.fingerprint)
             for layer, k, v in frame.layers():
-                dest[0, layer].copy_(k)
-                dest[1, layer].copy_(v)
-        return time.perf_counter() - t0
+                self.engine.write_kv(slots, layer, k, v)
+            receive += time.perf_counter() - r0
+        return time.perf_counter() - t0, receive
 
 
 # --------------------------------------------------------------------------- profile
@@ -383,9 +401,11 @@ def profile_engine(
 ) -> dict[str, Any]:
     """Measure the engine, fit a `CostModel`; returns a dict with
 
-    `prefill`, `decode`, `transfer`: the samples ((new, cached, s), (batch, context, s),
-    (bytes, s)); `model`: the fitted CostModel; `errors`: its relative errors on the samples
-    (`CostModel.errors` plus `transfer_p50`); `seconds`: wall time; `about`: what `save` records.
+    `prefill`, `decode`, `transfer`, `receive`: the samples ((new, cached, s), (batch,
+    context, s), (bytes, s), (tokens, s)); `model`: the fitted CostModel; `errors`: its relative
+    errors on the samples (`CostModel.errors` plus `transfer_p50`, `receive_p50`, and
+    `decode_linear_p50/p90`: the one-line decode fit without per-batch terms, for comparison);
+    `seconds`: wall time; `about`: what `save` records.
     """
     import torch
 
@@ -405,17 +425,21 @@ def profile_engine(
     _warm_up(engine, ids)
     prefill = measure_prefill(engine, ids, grid, max_prompt)
     decode = measure_decode(engine, ids, grid, max_prompt)
-    transfer = measure_transfer(engine, grid)
-    fitted = CostModel.fit_relative(prefill, decode, transfer)
-    errors = {**fitted.errors(prefill, decode), **_transfer_errors(fitted, transfer)}
+    transfer, receive = measure_transfer(engine, grid)
+    fitted = CostModel.fit_relative(prefill, decode, transfer, receive)
+    errors = {**fitted.errors(prefill, decode), **_transfer_errors(fitted, transfer, receive)}
+    linear = CostModel.fit_relative(prefill, decode, by_batch=False).errors(prefill, decode)
+    errors |= {"decode_linear_p50": linear["decode_p50"], "decode_linear_p90": linear["decode_p90"]}
     seconds = time.perf_counter() - start
-    about = _about(engine, threads, quick, max_prompt, (prefill, decode, transfer), errors)
+    samples = (prefill, decode, transfer, receive)
+    about = _about(engine, threads, quick, max_prompt, samples, errors)
     about["profile_seconds"] = round(seconds, 1)
     _log(f"done in {seconds:.1f} s")
     return {
         "prefill": prefill,
         "decode": decode,
         "transfer": transfer,
+        "receive": receive,
         "model": fitted,
         "errors": errors,
         "seconds": seconds,
@@ -449,9 +473,17 @@ def _warm_up(engine: LLMEngine, ids: _Ids) -> None:
     decode_point(engine, ids, 2, 32, 2)
 
 
-def _transfer_errors(fitted: CostModel, samples: Sequence[TransferSample]) -> dict[str, float]:
+def _transfer_errors(
+    fitted: CostModel, samples: Sequence[TransferSample], received: Sequence[ReceiveSample]
+) -> dict[str, float]:
+    out = {}
     rel = [abs(fitted.transfer_s(n) - s) / s for n, s in samples]
-    return {"transfer_p50": statistics.median(rel)} if rel else {}
+    if rel:
+        out["transfer_p50"] = statistics.median(rel)
+    rel = [abs(fitted.receive_s(n) - s) / s for n, s in received if s > 0]
+    if rel:
+        out["receive_p50"] = statistics.median(rel)
+    return out
 
 
 def _about(
@@ -459,7 +491,7 @@ def _about(
     threads: int,
     quick: bool,
     max_prompt: int,
-    samples: tuple[Sequence[object], Sequence[object], Sequence[object]],
+    samples: tuple[Sequence[object], ...],
     errors: dict[str, float],
 ) -> dict[str, Any]:
     import torch
@@ -479,7 +511,8 @@ def _about(
         "quick": quick,
         "max_prompt": max_prompt,
         "samples": {
-            k: len(v) for k, v in zip(("prefill", "decode", "transfer"), samples, strict=True)
+            k: len(v)
+            for k, v in zip(("prefill", "decode", "transfer", "receive"), samples, strict=True)
         },
         "errors": {k: round(v, 4) for k, v in errors.items()},
         "load_average": list(os.getloadavg()),

@@ -18,9 +18,10 @@ Life of a request, by the handlers below:
   3. `_step_done`   a worker's step ends after `StepModel.step_s(rows)`: tokens sampled go to
                     the router (first token = TTFT), KV computed for a remote request streams
                     over P's link layer by layer (`Link.stream`);
-  4. `_kv_done`     the last KV byte + the per-message cost: D admits the request with
-                    num_computed_tokens = prompt (`Scheduler.add_prefilled`), P frees its held
-                    blocks (KVAck);
+  4. `_kv_done`     the last KV byte + the per-message cost: D registers the KV on its own
+                    loop (`StepModel.receive_s`, between its steps, before the next one), then
+                    admits the request with num_computed_tokens = prompt
+                    (`Scheduler.add_prefilled`); P frees its held blocks (KVAck);
   5. `_finish`      the request's last token: the router releases its loads.
 
 The event loop is a heap of (time, sequence number, callback): ties run in the order scheduled.
@@ -38,106 +39,19 @@ from pdserve.costmodel.contention import Contention
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+
+__all__ = ["Record", "SimConfig", "SimRequest", "SimWorker", "Simulation"]
 from pdserve.router import balancer, slo
 from pdserve.router.policies import WorkerLoad as PolicyLoad
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.sim.host import Host, step_kind
+from pdserve.sim.records import Record, SimConfig, SimRequest
 from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
 from pdserve.workers.messages import KVEvents
 
 TOKEN = 7  # every sampled token (never an eos: requests stop at max_tokens, ignore_eos)
 ROLES = ("prefill", "decode", "colocated")
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    """One request of the input: when it arrives, its prompt ids and how many tokens it wants."""
-
-    rid: str
-    arrival: float
-    prompt: list[int]
-    max_tokens: int
-    conversation: int = -1  # turns of one conversation wait for the previous turn to end
-    turn: int = 0
-    phase: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.prompt:
-            raise ValueError(f"request {self.rid}: empty prompt")
-        if self.max_tokens < 1:
-            raise ValueError(f"request {self.rid}: max_tokens must be >= 1")
-        if not self.arrival >= 0:
-            raise ValueError(f"request {self.rid}: arrival must be >= 0 s")
-
-
-@dataclass
-class Record:
-    """What happened to one request (the simulation's output, one per input request)."""
-
-    rid: str
-    prompt_len: int
-    max_tokens: int
-    phase: str | None
-    arrival: float = 0.0
-    route: str | None = None
-    workers: tuple[str, ...] = ()
-    rejected: str | None = None
-    first_at: float | None = None
-    last_at: float | None = None
-    finished_at: float | None = None
-    tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens the prefilling worker found in its prefix cache
-    kv_bytes: int = 0
-    predicted_ttft: float | None = None
-    predicted_tpot: float | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_at is None else self.first_at - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.first_at is None or self.last_at is None or self.tokens < 2:
-            return None
-        return (self.last_at - self.first_at) / (self.tokens - 1)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    prefill: int = 0
-    decode: int = 0
-    colocated: int = 0
-    policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
-    prefill_policy: SchedulerPolicy | None = None  # P's own (default: `policy`)
-    block_size: int = 16
-    prefix_caching: bool = True
-    slo_ttft_s: float | None = None
-    slo_tpot_s: float | None = None
-    planner: bool = False  # route with the SloPlanner (else the round-robin policy)
-    admission: bool = False
-    disaggregation: str = "always"  # with the planner: always | conditional
-    prefix_routing: bool = False
-    autobalance: bool = False
-    expected_output: int = 256
-    router_policy: str = "round_robin"
-    message_s: float = 0.0  # one control message router <-> worker
-
-    def __post_init__(self) -> None:
-        if min(self.prefill, self.decode, self.colocated) < 0:
-            raise ValueError("worker counts must be >= 0")
-        if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):
-            raise ValueError("give at least one prefill and one decode worker, or colocated > 0")
-        if self.disaggregation not in slo.MODES:
-            raise ValueError(f"disaggregation must be one of {', '.join(slo.MODES)}")
-        for name in ("slo_ttft_s", "slo_tpot_s"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0 s, got {v}")
-        if self.message_s < 0:
-            raise ValueError("message_s must be >= 0")
-        if (self.admission or self.prefix_routing or self.autobalance) and not self.planner:
-            raise ValueError("admission, prefix routing and autobalance need the planner")
 
 
 @dataclass
@@ -152,6 +66,7 @@ class _Outgoing:
     sent_until: float = 0.0
     prefill_done: bool = False
     nbytes: int = 0
+    tokens: int = 0  # KV tokens sent (D's receive work)
 
 
 class SimWorker:
@@ -172,6 +87,7 @@ class SimWorker:
         self.draining = False
         self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
         self.reserved: dict[str, tuple[Request, float]] = {}
+        self.receiving: deque[tuple[str, float]] = deque()  # KV in, D's receive work owed
         self.outgoing: dict[str, _Outgoing] = {}
         self.busy_s = 0.0
         self.steps = 0
@@ -213,6 +129,16 @@ class SimWorker:
             self.log.append((self.sim.now, "reserve", request.request_id))
             self.sim.on_reserved(self, request.request_id, got[1])
 
+    def received(self, rid: str, tokens: int) -> None:
+        """Every KV byte is here: D's loop registers it (decode + copy per frame) before its
+        next step, as `workers/decode.py` does between `engine.step()` calls, then admits."""
+        work = self.step.receive_s(tokens)
+        if work <= 0:
+            self.admit(rid)
+            return
+        self.receiving.append((rid, work))
+        self.kick()
+
     def admit(self, rid: str) -> None:
         """KVDone: every KV byte is here; the request decodes (`add_prefilled`)."""
         request, _ = self.reserved.pop(rid)
@@ -242,6 +168,12 @@ class SimWorker:
     def kick(self) -> None:
         if self.busy:
             return
+        if self.receiving:  # hand-offs received during the last step come first
+            rid, work = self.receiving.popleft()
+            self.busy, t0 = True, self.sim.now
+            # memory copies: on a shared host, slowed as a decode step (the nearer kind)
+            self.sim.run_step(self.wid, [], work, lambda: self._received(rid, t0), "decode")
+            return
         out = self.sched.schedule()
         for _ in range(len(self.sched.running) + 1):
             # a step that only preempted (a request preempting itself) changed the queues:
@@ -260,6 +192,12 @@ class SimWorker:
         self.busy, t0 = True, self.sim.now
         self.steps += 1
         self.sim.run_step(self.wid, rows, self.step.step_s(rows), lambda: self._step_done(out, t0))
+
+    def _received(self, rid: str, t0: float) -> None:
+        self.busy = False
+        self.busy_s += self.sim.now - t0
+        self.admit(rid)  # kicks the next step (or the next receive)
+        self.kick()
 
     def _step_done(self, out: SchedulerOutput, t0: float) -> None:
         self.busy, dur = False, self.sim.now - t0  # longer than step_s when the host is shared
@@ -296,8 +234,10 @@ class SimWorker:
             return
         bpt = self.step.kv_bytes_per_token
         for start, n, t0, dur in o.chunks:
-            nbytes = max(0, start + n - max(start, o.have_tokens)) * bpt
+            tokens = max(0, start + n - max(start, o.have_tokens))
+            nbytes = tokens * bpt
             o.nbytes += int(nbytes)
+            o.tokens += tokens
             done = self.link.stream(t0, dur, nbytes, self.step.layers, o.reserved_at)
             o.sent_until = max(o.sent_until, done)
         o.chunks.clear()
@@ -328,6 +268,7 @@ class SimWorker:
             or self.sched.held
             or self.reserved
             or self.reserving
+            or self.receiving
             or self.outgoing
         )
 
@@ -409,12 +350,14 @@ class Simulation:
             fn()
         return [self.records[r.rid] for r in requests]
 
-    def run_step(self, wid: str, rows: list[Row], work: float, done: Callable[[], None]) -> None:
+    def run_step(
+        self, wid: str, rows: list[Row], work: float, done: Callable[[], None], kind: str = ""
+    ) -> None:
         """A step of `work` s alone; on a shared host, stretched while others are mid-step."""
         if self.host is None:
             self.at(self.now + work, done)
         else:
-            self.host.start(self.now, wid, step_kind(rows), work, done)
+            self.host.start(self.now, wid, kind or step_kind(rows), work, done)
 
     def count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -539,7 +482,7 @@ class Simulation:
         rec = self.records[o.rid]
         rec.kv_bytes += o.nbytes
         self.count("kv_transfers")
-        o.dest.admit(o.rid)
+        o.dest.received(o.rid, o.tokens)
         self.at(self.now + self.config.message_s, lambda: p.release(o.rid))  # KVAck
 
     def on_finished(self, w: SimWorker, rid: str) -> None:

@@ -5,8 +5,12 @@ A step is what `Scheduler.schedule()` returned: per request, `n` tokens computed
 
 * `CostModelStep`: this host, from the `CostModel` that `pdserve bench profile` fits. One fixed
   cost per step (the larger of the prefill and decode constants: one forward pass), the prefill
-  terms per prompt chunk, the decode terms per decoding row:
-      step = max(p0, d0) + sum_chunks (p1 n + p2 n (start + n/2) / 1000) + d1 b + d2 ctx / 1000
+  terms per prompt chunk, the decode terms for the decoding rows:
+      step = max(p0, D0) + sum_chunks (p1 n + p2 n (start + n/2) / 1000) + dec(b, ctx) - D0
+  with dec = `CostModel.decode_step_s` (per-batch-size terms when profiled, else d0 + d1 b +
+  d2 ctx / 1000) and D0 = dec(0, 0), its fixed part (the smallest batch's step, or d0).
+  A hand-off's KV costs the receiving worker `CostModel.receive_s(tokens)` of its own time
+  (`receive_s`; 0 for GPUs, whose NICs write into memory without the worker's compute).
 * `RooflineStep`: a GPU instance of `tp` GPUs running a `ModelShape` in bf16:
       flops = 2 (layer weights) T + 2 (lm head) S + sum_rows 4 L H d n (start + n/2)
       bytes = weights + sum_rows KV bytes/token * (start + n)      (read the past, write the new)
@@ -49,6 +53,10 @@ class StepModel(Protocol):
 
     def step_s(self, rows: Sequence[Row]) -> float: ...
 
+    def receive_s(self, tokens: int) -> float:
+        """The receiving worker's own time to register a hand-off of `tokens` KV tokens."""
+        ...
+
     def kv_tokens(self) -> int:
         """KV tokens one instance can hold."""
         ...
@@ -63,7 +71,8 @@ class CostModelStep:
     gpus: int = 1
 
     def step_s(self, rows: Sequence[Row]) -> float:
-        (p0, p1, p2), (d0, d1, d2) = self.model.prefill, self.model.decode
+        p0, p1, p2 = self.model.prefill
+        d0 = self.model.decode_step_s(0, 0)
         prefill = decodes = 0.0
         batch = ctx = 0
         for n, start in rows:
@@ -73,9 +82,12 @@ class CostModelStep:
             else:
                 prefill += p1 * n + p2 * n * (start + n / 2) / 1000
         if batch:
-            decodes = d1 * batch + d2 * ctx / 1000
+            decodes = self.model.decode_step_s(batch, ctx) - d0
         fixed = max(p0 if prefill else 0.0, d0 if batch else 0.0)
         return fixed + prefill + decodes
+
+    def receive_s(self, tokens: int) -> float:
+        return self.model.receive_s(tokens)
 
     def kv_tokens(self) -> int:
         return self.kv_cache_tokens
@@ -109,6 +121,9 @@ class RooflineStep:
     @property
     def kv_bytes_per_token(self) -> float:
         return float(self.shape.kv_bytes_per_token)
+
+    def receive_s(self, tokens: int) -> float:
+        return 0.0
 
     def kv_tokens(self) -> int:
         usable = self.tp * self.gpu.hbm_gib * GIB * self.gpu.memory_fraction
@@ -188,7 +203,9 @@ def planner_cost_model(
         transfer = tuple(
             (n, link.per_message_s + n / link.bytes_s) for n in (1 << 16, 1 << 20, 1 << 26)
         )
-    return CostModel.fit_relative(prefill, decode, transfer)
+    # one linear decode fit, as before the per-batch terms: a roofline step is smooth in the
+    # batch, and the published GPU results (docs/benchmarks/sim.md) were planned with it
+    return CostModel.fit_relative(prefill, decode, transfer, by_batch=False)
 
 
 def instance_kv_blocks(step: StepModel, block_size: int) -> int:

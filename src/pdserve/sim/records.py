@@ -1,0 +1,99 @@
+"""What the simulator takes and gives: the requests (`SimRequest`), the deployment's knobs
+(`SimConfig`) and what happened to each request (`Record`). Plain data, no event loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.scheduler import SchedulerPolicy
+from pdserve.router import slo
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of the input: when it arrives, its prompt ids and how many tokens it wants."""
+
+    rid: str
+    arrival: float
+    prompt: list[int]
+    max_tokens: int
+    conversation: int = -1  # turns of one conversation wait for the previous turn to end
+    turn: int = 0
+    phase: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.rid}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.rid}: max_tokens must be >= 1")
+        if not self.arrival >= 0:
+            raise ValueError(f"request {self.rid}: arrival must be >= 0 s")
+
+
+@dataclass
+class Record:
+    """What happened to one request (the simulation's output, one per input request)."""
+
+    rid: str
+    prompt_len: int
+    max_tokens: int
+    phase: str | None
+    arrival: float = 0.0
+    route: str | None = None
+    workers: tuple[str, ...] = ()
+    rejected: str | None = None
+    first_at: float | None = None
+    last_at: float | None = None
+    finished_at: float | None = None
+    tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefilling worker found in its prefix cache
+    kv_bytes: int = 0
+    predicted_ttft: float | None = None
+    predicted_tpot: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_at is None else self.first_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_at is None or self.last_at is None or self.tokens < 2:
+            return None
+        return (self.last_at - self.first_at) / (self.tokens - 1)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+    policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
+    prefill_policy: SchedulerPolicy | None = None  # P's own (default: `policy`)
+    block_size: int = 16
+    prefix_caching: bool = True
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    planner: bool = False  # route with the SloPlanner (else the round-robin policy)
+    admission: bool = False
+    disaggregation: str = "always"  # with the planner: always | conditional
+    prefix_routing: bool = False
+    autobalance: bool = False
+    expected_output: int = 256
+    router_policy: str = "round_robin"
+    message_s: float = 0.0  # one control message router <-> worker
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.colocated) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("give at least one prefill and one decode worker, or colocated > 0")
+        if self.disaggregation not in slo.MODES:
+            raise ValueError(f"disaggregation must be one of {', '.join(slo.MODES)}")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 s, got {v}")
+        if self.message_s < 0:
+            raise ValueError("message_s must be >= 0")
+        if (self.admission or self.prefix_routing or self.autobalance) and not self.planner:
+            raise ValueError("admission, prefix routing and autobalance need the planner")
