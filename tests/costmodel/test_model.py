@@ -113,3 +113,71 @@ def test_load_about_returns_what_save_recorded(tmp_path: Path) -> None:
     TRUE.save(path, threads=2, host="h")
     assert CostModel.load_about(path) == {"threads": 2, "host": "h"}
     assert CostModel.load_about(tmp_path / "missing.json") == {}
+
+
+# ---- version 3: a decode term per batch size, the D-side receive term ---------------------------
+# a(1) = 50 ms, a(2) = 150 ms (another kernel path past one row), a(4) = 170 ms; 20 ms per 1k
+# context tokens; D registers received KV at 1 ms + 10 us per token
+BATCHED = CostModel(
+    TRUE.prefill,
+    TRUE.decode,
+    TRUE.transfer,
+    decode_by_batch=((1, 0.05), (2, 0.15), (4, 0.17)),
+    decode_context=0.02,
+    receive=(0.001, 1e-5),
+)
+
+
+def test_per_batch_terms_by_hand() -> None:
+    m = BATCHED
+    assert m.decode_step_s(1, 500) == pytest.approx(0.05 + 0.01)
+    assert m.decode_step_s(2, 0) == pytest.approx(0.15)
+    assert m.decode_step_s(3, 1000) == pytest.approx(0.16 + 0.02)  # halfway from 2 to 4
+    # past the largest batch: along the last segment (10 ms per request)
+    assert m.decode_step_s(8, 1000) == pytest.approx(0.17 + 4 * 0.01 + 0.02)
+    assert m.decode_step_s(0, 0) == pytest.approx(0.05)  # a step's fixed part: the smallest
+    assert m.receive_s(100) == pytest.approx(0.001 + 0.001) and m.receive_s(0) == 0.0
+    assert TRUE.receive_s(100) == 0.0  # not profiled: nothing charged
+
+
+def test_fit_recovers_per_batch_terms_and_beats_one_line() -> None:
+    dec = [(b, x, BATCHED.decode_step_s(b, x)) for b in (1, 2, 4) for x in (b * 100, b * 900)]
+    rec = [(n, BATCHED.receive_s(n)) for n in (16, 256, 2048)]
+    pre = _samples(noise=0.0)[0]
+    fit = CostModel.fit_relative(pre, dec, receive_samples=rec)
+    assert [b for b, _ in fit.decode_by_batch] == [1, 2, 4]
+    np.testing.assert_allclose([a for _, a in fit.decode_by_batch], [0.05, 0.15, 0.17], rtol=1e-6)
+    assert fit.decode_context == pytest.approx(0.02, rel=1e-6)
+    np.testing.assert_allclose(fit.receive, BATCHED.receive, rtol=1e-6)
+    linear = CostModel.fit_relative(pre, dec, by_batch=False)
+    assert linear.decode_by_batch == ()
+    assert fit.errors(pre, dec)["decode_p90"] < 1e-6 < linear.errors(pre, dec)["decode_p50"]
+    # one sample per batch size (fewer samples than terms): the one-line fit alone
+    assert CostModel.fit(pre, dec[::2]).decode_by_batch == ()
+
+
+def test_rescaled_scales_the_per_batch_terms_and_keeps_the_copies() -> None:
+    k = BATCHED.rescaled(2.0, 0.5)
+    assert k.prefill_s(300) == pytest.approx(2 * BATCHED.prefill_s(300))
+    assert k.decode_step_s(3, 800) == pytest.approx(0.5 * BATCHED.decode_step_s(3, 800))
+    assert k.transfer == BATCHED.transfer and k.receive == BATCHED.receive
+
+
+def test_version_3_round_trip_and_version_2_files_still_load(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "cm.json"
+    BATCHED.save(path)
+    body = json.loads(path.read_text())
+    assert body["version"] == 3 and body["decode_by_batch"] == [[1, 0.05], [2, 0.15], [4, 0.17]]
+    assert CostModel.load(path) == BATCHED
+    # a file written by the version-2 code: no per-batch terms, no receive term
+    v2 = {"version": 2, "prefill": list(TRUE.prefill), "decode": list(TRUE.decode),
+          "transfer": list(TRUE.transfer), "about": {}, "contention": {}}  # fmt: skip
+    path.write_text(json.dumps(v2))
+    old = CostModel.load(path)
+    assert old == TRUE and old.decode_step_s(3, 900) == pytest.approx(TRUE.decode_step_s(3, 900))
+    for bad in ([[2, 0.1], [1, 0.2]], [[0, 0.1]], "x"):  # unsorted, batch 0, not pairs
+        path.write_text(json.dumps({**body, "decode_by_batch": bad}))
+        with pytest.raises(ValueError, match="version-3"):
+            CostModel.load(path)

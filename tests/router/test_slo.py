@@ -38,6 +38,27 @@ def test_prediction_adds_the_queue_ahead_and_the_prompt() -> None:
     assert pred.tpot_s == pytest.approx(step + (MODEL.transfer_s(1000 * 1000) + 0.002) / 99)
 
 
+def test_prediction_uses_the_per_batch_decode_terms_and_the_receive_term() -> None:
+    from dataclasses import replace
+
+    # a lone decode step 20 ms, two rows 60 ms (the CPU kernel jump), 1 ms per 1k context;
+    # D registers a hand-off at 5 ms + 10 us per token
+    model = replace(
+        MODEL, decode_by_batch=((1, 0.02), (2, 0.06)), decode_context=0.001, receive=(0.005, 1e-5)
+    )
+    p = SloPlanner(model, kv_bytes_per_token=1000)
+    ls = loads("P0", "D0")
+    decoding(ls["D0"], 1, context=500)  # one running request: ours makes a batch of 2
+    pred = p.predict(1000, 100, Route("remote", "P0", "D0"), ls, {}, now=0.0)
+    step = 0.06 + 0.001 * (500 + 1050) / 1000
+    handoff = MODEL.transfer_s(1000 * 1000) + 0.005 + 1e-5 * 1000 + 0.002
+    assert pred.tpot_s == pytest.approx(step + handoff / 99)
+    # the running request: one more row (+ 40 ms a step), and the receive stalls it once
+    assert pred.cost_s - (pred.ttft_s + 100 * pred.tpot_s) == pytest.approx(
+        0.015 + 200 * (step - (0.02 + 0.0005))
+    )
+
+
 def test_idle_short_prompt_runs_locally_and_a_busy_decoder_sends_long_ones_to_p() -> None:
     p = planner()
     ls = loads("P0", "D0")

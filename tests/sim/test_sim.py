@@ -163,6 +163,44 @@ def test_cost_model_step_prices_a_mixed_batch() -> None:
     assert step.step_s([(100, 0), (1, 999)]) == pytest.approx(0.2 + 1.0 + 0.001 + 0.5)
 
 
+def test_cost_model_step_uses_the_per_batch_terms() -> None:
+    # a(1) = 50 ms, a(2) = 150 ms, a(4) = 170 ms, 20 ms per 1k context; D0 = a(1)
+    model = CostModel(
+        (0.2, 0.01, 0.0),
+        (0.1, 0.001, 0.5),
+        decode_by_batch=((1, 0.05), (2, 0.15), (4, 0.17)),
+        decode_context=0.02,
+        receive=(0.001, 1e-5),
+    )
+    step = CostModelStep(model)
+    assert step.step_s([(1, 99)]) == pytest.approx(0.05 + 0.002)
+    assert step.step_s([(1, 99)] * 3) == pytest.approx(0.16 + 0.006)  # a(3): between 2 and 4
+    # a prompt chunk beside them: the larger fixed cost (p0), the chunk, the decodes above D0
+    mixed = 0.2 + 0.01 * 10 + (0.16 + 0.006 - 0.05)
+    assert step.step_s([(10, 0), (1, 99), (1, 99), (1, 99)]) == pytest.approx(mixed)
+    assert step.receive_s(100) == pytest.approx(0.002)
+
+
+def test_decode_worker_receives_the_kv_before_its_next_step_by_hand() -> None:
+    # D's receive: 0.25 s per KV token. a (4 tokens, 5 out): P [0, 3], KV at 3.4 + 0.25 = 3.65,
+    # D receives [3.65, 4.65], decodes [4.65, 6.15], [6.15, 7.65], ... b (4 tokens, 2 out)
+    # arrives at 1: P [3, 6], its KV at 6.4 + 0.25 = 6.65, while D runs a's step [6.15, 7.65]:
+    # D receives after it [7.65, 8.65] (a waits too), then a + b [8.65, 10.65] (1 + 0.5 x 2):
+    # b's second token ends it; a's last [10.65, 12.15]
+    cfg = SimConfig(prefill=1, decode=1)
+    sim = Simulation(cfg, LinearStep(receive=0.25), Link(1000.0, 0.25))
+    a, b = sim.run([req("a", 0.0, 4, 5), req("b", 1.0, 4, 2, base=500)])
+    assert a.first_at == pytest.approx(3.0) and b.first_at == pytest.approx(6.0)
+    assert b.finished_at == pytest.approx(10.65) and a.finished_at == pytest.approx(12.15)
+    assert a.tpot == pytest.approx((12.15 - 3.0) / 4)
+    d = sim.workers[1]
+    assert [(w, rid) for _, w, rid in d.log] == [
+        ("reserve", "a"), ("reserve", "b"), ("admit", "a"), ("admit", "b")
+    ]  # fmt: skip
+    assert d.busy_s == pytest.approx(2 * 1.0 + 2 * 1.5 + 2.0 + 1.5)  # receives + steps
+    assert d.kv.num_free_blocks == d.kv.num_blocks and d.idle and sim.workers[0].idle
+
+
 def test_arrivals_and_trace(tmp_path: Path) -> None:
     ts = arrivals(2000, 4.0, 0)
     assert ts[0] == 0 and all(b >= a for a, b in itertools.pairwise(ts))

@@ -23,10 +23,10 @@ a = slo_ttft / S - 1, and the pool takes k rho / S requests/s. (KV encoding on P
 
 D pool, k workers. A request decodes out - 1 tokens on D (P emitted the first). A batch of B
 requests steps in step(B) = decode_step_s(B, B * (input + output / 2)), the mean context; the
-mean TPOT is step(B) + transfer_s(input * KV bytes per token) / (out - 1), as the transfer
-delays the second token. B is the largest integer batch with TPOT <= slo_tpot and, when KV
-memory is known, B * (input + output) <= KV tokens per worker. By Little's law a D worker
-then completes B / ((out - 1) step(B)) requests/s.
+mean TPOT is step(B) + (transfer_s(input * KV bytes per token) + receive_s(input)) / (out - 1),
+as the hand-off delays the second token. B is the largest integer batch with TPOT <= slo_tpot
+and, when KV memory is known, B * (input + output) <= KV tokens per worker. By Little's law a
+D worker then completes B / ((out - 1) step(B)) requests/s.
 
 Colocated, k workers each doing both, at lambda_w requests/s each. Per decoding request a step
 costs g = decode_step_s(1, C) - d0 (C = input + output / 2) on top of the fixed d0. Prefills
@@ -227,7 +227,8 @@ class DecodeCapacity:
 
 def decode_tpot(model: CostModel, shape: Shape, batch: int, kv_bytes_per_token: int = 0) -> float:
     step = model.decode_step_s(batch, round(batch * shape.mean_context))
-    return step + model.transfer_s(shape.input_len * kv_bytes_per_token) / shape.decode_steps
+    handoff = model.transfer_s(shape.input_len * kv_bytes_per_token)
+    return step + (handoff + model.receive_s(shape.input_len)) / shape.decode_steps
 
 
 def _largest_batch(ok: Callable[[int], bool]) -> int:

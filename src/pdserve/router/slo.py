@@ -11,14 +11,16 @@ cost model predicts
     TTFT = the worker's queued prefill work + this prompt's prefill (new tokens after what the
            worker already caches), stretched by the decode steps it shares while it computes
     TPOT = D's decode step with one more request and its context, plus, spread over the answer,
-           the prefills queued on D (they stall every step) and the KV transfer (remote)
+           the prefills queued on D (they stall every step) and the KV transfer (remote: the
+           wire, and D's own work to register the KV, `CostModel.receive_s`)
 
-and checks the running requests on D: a local prefill stalls each of them, a bigger batch slows
-each step; a running request predicted to end within its TPOT SLO must stay within it
-("slo_tpot_running"). A request whose every route misses an SLO is rejected before any prefill
-is spent (when admission is on); otherwise the feasible route with the least predicted latency
-(the new request's end-to-end plus the delay it adds to running ones) wins. Cached prefixes enter
-as fewer new tokens, so "longest cached prefix, weighed against load" falls out of the same sum.
+and checks the running requests on D: a local prefill (or a hand-off's receive) stalls each of
+them, a bigger batch slows each step; a running request predicted to end within its TPOT SLO
+must stay within it ("slo_tpot_running"). A request whose every route misses an SLO is rejected
+before any prefill is spent (when admission is on); otherwise the feasible route with the least
+predicted latency (the new request's end-to-end plus the delay it adds to running ones) wins.
+Cached prefixes enter as fewer new tokens, so "longest cached prefix, weighed against load" falls
+out of the same sum.
 
 Predictions are corrected online: the ratio actual/predicted of finished requests (an
 exponential average, per TTFT and TPOT) scales the raw model, which is fitted offline on one
@@ -283,12 +285,15 @@ class SloPlanner:
         per_stream = prompt_len + out // 2
         step_new = self.model.decode_step_s(batch + streams, ctx + streams * per_stream)
         spread = d_backlog - (prefill if local else 0.0)  # our own prefill is not in our TPOT
-        transfer = 0.0
+        transfer = receive = 0.0
         if not local:
             nbytes = int((prompt_len - c_dec) * self.kv_bytes_per_token)
-            transfer = self.model.transfer_s(nbytes) + self.handoff_overhead_s
+            # D registers the KV on its own loop: the hand-off's latency, and a stall of D's
+            # running decodes (costmodel/model.py: receive)
+            receive = self.model.receive_s(prompt_len - c_dec)
+            transfer = self.model.transfer_s(nbytes) + receive + self.handoff_overhead_s
         tpot = (step_new + (spread + transfer) / max(1, out - 1)) * self.calibration.tpot
-        stall = prefill if local else 0.0
+        stall = prefill if local else receive
         worst, added, pushed = self._running(dec, batch, ctx, per_stream, stall, now, streams)
         miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
         own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
