@@ -5,7 +5,7 @@ through the simulator with this host's cost model, profiled right before (docs/b
 
 1. Profile: `pdserve bench profile --threads 1 --max-prompt 512 --contention` into the output
    folder (skipped with `--cost-model`), so the model and its contention factors are measured
-   at the load the runs see.
+   at the load the runs see; its raw samples go beside it (`costmodel-*-samples.json`).
 2. Each configuration runs for real (worker processes, the default model, 1 thread each): two
    lone probe requests first (how fast the machine is right now), then the request list. The
    first configuration runs twice (A/A; `--aa all`: every one), so the run-to-run spread of the
@@ -200,7 +200,8 @@ def profile(folder: Path, seconds: float) -> Path:
     out = folder / f"costmodel-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.json"
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "profile", "--threads", "1"]
     cmd += ["--max-prompt", "512", "--contention", "--contention-seconds", str(seconds)]
-    subprocess.run([*cmd, "--out", str(out)], check=True)
+    samples = out.with_name(out.stem + "-samples.json")  # to refit or compare fits later
+    subprocess.run([*cmd, "--out", str(out), "--samples-out", str(samples)], check=True)
     return out
 
 
