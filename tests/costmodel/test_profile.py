@@ -36,6 +36,9 @@ def test_samples_are_positive_and_cover_the_grid(quick: dict[str, Any]) -> None:
     assert all(b > 0 and ctx >= b and s > 0 for b, ctx, s in dec)
     assert {b for b, _, _ in dec} == set(profile.QUICK.batches)
     assert all(n > 0 and s > 0 for n, s in xfer)
+    # D's part of each transfer point (decode_frame + write_kv), per token count sent
+    assert [n for n, _ in quick["receive"]] == list(profile.QUICK.transfer_tokens)
+    assert all(s > 0 for _, s in quick["receive"])
     assert 0 < quick["seconds"] < 120
 
 
@@ -44,6 +47,9 @@ def test_the_fit_predicts_its_own_samples(quick: dict[str, Any]) -> None:
     assert isinstance(model, CostModel)
     assert err["prefill_p50"] < LOOSE and err["decode_p50"] < LOOSE, err
     assert model.prefill_s(128) > 0 and model.decode_step_s(4, 256) > 0
+    # a term per profiled batch size, and the one-line fit's error kept for comparison
+    assert [b for b, _ in model.decode_by_batch] == list(profile.QUICK.batches)
+    assert "decode_linear_p50" in err and model.receive_s(64) > 0
     about = quick["about"]
     assert about["threads"] == 1 and about["samples"]["prefill"] == len(quick["prefill"])
     assert about["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # layers, kv heads, head dim, fp32

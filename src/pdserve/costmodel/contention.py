@@ -14,8 +14,9 @@ two-worker measurement to more busy workers than the profile ran: when the busy 
 threads exceed the cores, each thread gets cores / threads of a core (the profile's own
 oversubscription is already in the table, so it is divided out).
 
-Stored in the cost-model file (version 2) as a "contention" section; a file without one (every
-version-1 file) loads as `Contention.none()`: factor 1, `measured=False`, and `note` says so.
+Stored in the cost-model file (version 2 and later) as a "contention" section; a file without
+one (every version-1 file) loads as `Contention.none()`: factor 1, `measured=False`, and `note`
+says so.
 """
 
 from __future__ import annotations
