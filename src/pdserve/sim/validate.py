@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table, flush=True)
     from pdserve import hostinfo
     from pdserve.costmodel.contention import Contention
+    from pdserve.costmodel.model import CostModel
 
     body = {
         "args": vars(args) | {"out": str(args.out), "cost_model": str(args.cost_model)},
@@ -392,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         "probes": [[vars(p) for p in r[1]] for rr in runs for r in rr],
         "contention": Contention.load(args.cost_model).note,
+        # the profile's fit errors: decode with its per-batch terms vs one linear fit, receive
+        "profile_errors": CostModel.load_about(args.cost_model).get("errors"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": results,
         "table": table,
