@@ -218,3 +218,17 @@ def test_cli_unattainable_and_bad_arguments(saved: Path, tmp_path: Path) -> None
     rc, _, err = _cli(*base, "--slo-ttft", "8", "--slo-tpot", "0.1", "--cached-len", "5000",
                       "--cost-model", str(saved))  # fmt: skip
     assert rc == 2 and "cached_len" in err
+
+
+def test_colocated_state_with_a_decode_term_per_batch_size_by_hand() -> None:
+    # 1 ms per prompt token; a step: 50 ms at one row, 150 ms at two (+100 ms a row past one)
+    model = CostModel((0.0, 0.001, 0.0), (0.05, 0.1, 0.0), decode_by_batch=((1, 0.05), (2, 0.15)))
+    shape = Shape(100, 11)  # S = 0.1 s, 10 decode steps
+    # 1 req/s: rho_p = 0.1, k = 10 / 0.9; N = k x 50 ms = 0.556 (below one row: 50 ms steps)
+    st = plan.colocated_state(model, shape, 1.0)
+    assert st is not None
+    assert st.batch == pytest.approx(10 / 0.9 * 0.05, rel=1e-6)
+    assert st.tpot_s == pytest.approx(0.05 / 0.9)
+    assert st.ttft_s == pytest.approx(0.1 + plan.md1_wait(0.1, 0.1))
+    # 2 req/s: k = 25; k x step(N) > N for every N (a second row costs 100 ms): unstable
+    assert plan.colocated_state(model, shape, 2.0) is None

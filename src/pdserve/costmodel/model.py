@@ -106,12 +106,14 @@ class CostModel:
     def prefill_s(self, new: int, cached: int = 0) -> float:
         return float(np.dot(self.prefill, _prefill_row(new, cached)))
 
-    def decode_step_s(self, batch: int, context: int) -> float:
+    def decode_step_s(self, batch: float, context: int) -> float:
+        """One decode step of `batch` rows over `context` tokens in all (a fractional batch, as
+        the analytic planner's mean, is interpolated like any batch between profiled sizes)."""
         if not self.decode_by_batch:
             return float(np.dot(self.decode, _decode_row(batch, context)))
         return self._batch_intercept(batch) + self.decode_context * context / 1000
 
-    def _batch_intercept(self, batch: int) -> float:
+    def _batch_intercept(self, batch: float) -> float:
         """Linear between the profiled batch sizes; below the smallest, the smallest's (a step
         reads the weights whatever its batch); past the largest, along the last segment's
         slope (not below 0), or the linear `d1` with a single batch size."""

@@ -34,7 +34,8 @@ take the fraction rho_p = lambda_w S of the worker's time, and each admitted pro
 running decode by S, so decode steps of duration d0 + g N happen only in the rest:
     TPOT = (d0 + g N) / (1 - rho_p)          (~ step + lambda_w S step for small rho_p)
 with N, the mean decode batch, from Little's law: N = lambda_w (out - 1) TPOT, solved in closed
-form as N = k d0 / (1 - k g), k = lambda_w (out - 1) / (1 - rho_p) (unstable when k g >= 1). A
+form as N = k d0 / (1 - k g), k = lambda_w (out - 1) / (1 - rho_p) (unstable when k g >= 1);
+with a decode term per batch size (cost-model file v3) N = k step(N) is solved numerically. A
 request's own TPOT uses max(N, 1) rows: it is in the batch. A prompt's step also runs the decode
 rows (S + g N), and prompts queue as in M/D/1 on that service time, so
     TTFT = S' + rho' S' / (2 (1 - rho')),  S' = S + g N,  rho' = lambda_w S'.
@@ -302,11 +303,42 @@ def colocated_state(model: CostModel, shape: Shape, rate: float) -> ColocatedSta
     if rho_p >= 1:
         return None
     k = rate * shape.decode_steps / (1 - rho_p)
+    if model.decode_by_batch:
+        return _colocated_by_batch(model, shape, rate, s, rho_p, k)
     if k * g >= 1:
         return None
     n = k * d0 / (1 - k * g)
     tpot = (d0 + g * max(n, 1.0)) / (1 - rho_p)
     service = s + g * n
+    rho = rate * service
+    if rho >= 1:
+        return None
+    return ColocatedState(service + md1_wait(rho, service), tpot, n, rho_p)
+
+
+def _colocated_by_batch(
+    model: CostModel, shape: Shape, rate: float, s: float, rho_p: float, k: float
+) -> ColocatedState | None:
+    """`colocated_state` for a model with a decode term per batch size: the step is not
+    d0 + g N, so N = k step(N) is solved numerically (the smallest root; None if there is none
+    below MAX_BATCH), with step(N) = decode_step_s(N, N C), linear between profiled batch sizes
+    (so a mean of 1.5 prices half the steps at one row and half at two). For a one-line model
+    this is the closed form above."""
+
+    def step(n: float) -> float:
+        return model.decode_step_s(n, round(n * shape.mean_context))
+
+    lo, hi = 0.0, 1.0
+    while k * step(hi) > hi:  # N = k step(N) has no root below hi yet
+        lo, hi = hi, hi * 2
+        if hi > MAX_BATCH:
+            return None
+    for _ in range(_BISECT_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if k * step(mid) > mid else (lo, mid)
+    n = hi
+    tpot = step(max(n, 1.0)) / (1 - rho_p)
+    service = s + step(n) - step(0)
     rho = rate * service
     if rho >= 1:
         return None
