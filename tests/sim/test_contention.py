@@ -195,3 +195,22 @@ def test_cpu_deployment_reads_the_contention_from_the_cost_model_file(tmp_path: 
     assert "x3.00 beside a prefill" in shared["contention"] and "contention" not in alone
     assert shared["ttft_s"]["p50"] > alone["ttft_s"]["p50"]
     assert shared["utilization"]["colocated"] > alone["utilization"]["colocated"]
+
+
+def test_validation_slos_come_from_the_less_disturbed_probe() -> None:
+    import argparse
+
+    from pdserve.sim.cluster import Record
+    from pdserve.sim.validate import slos_from_probes
+
+    def probe(rid: str, ttft: float, tpot: float) -> Record:  # 8 tokens: 7 gaps of `tpot`
+        return Record(rid, 256, 8, None, arrival=0.0, first_at=ttft, last_at=ttft + 7 * tpot,
+                      tokens=8)  # fmt: skip
+
+    probes = [probe("a", 0.8, 0.06), probe("b", 0.7, 0.05)]
+    args = argparse.Namespace(slo_ttft=None, slo_tpot=None, slo_ttft_x=1.5, slo_tpot_x=1.25)
+    assert slos_from_probes(args, probes) == (pytest.approx(1.05), pytest.approx(0.0625))
+    args.slo_tpot = 0.2  # given: kept
+    assert slos_from_probes(args, probes)[1] == 0.2
+    with pytest.raises(RuntimeError, match="no timings"):
+        slos_from_probes(args, [Record("c", 256, 8, None, rejected="slo_ttft")])
