@@ -129,6 +129,8 @@ def run_real(
             rec.finished_at = time.monotonic() - t0
         except RequestError as e:
             rec.rejected = e.code
+        # The route the real router chose (its scored prediction), set beside the simulated one.
+        rec.route = cluster.core.timelines.predictions.get(req.rid, {}).get("route")
 
     probes = [
         SimRequest(f"probe{i}", 0.0, [PROBE_BASE + 97 * i + j for j in range(probe_len)], 8)
