@@ -103,13 +103,12 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_
 // The generic run_item() below does one dot product per (query, key) with a horizontal sum at
 // the end of each (a 4-cycle FMA chain of D/8 links, then a reduction), a scalar exp per key and
 // the output accumulator in memory: compute-bound at ~4x the time it takes to read the keys and
-// values. For float32 with head_dim a multiple of 8 (every model here) run_item_f32 instead:
-//   * scores 8 keys at a time: 8 independent accumulators, one per key, reduced together by one
-//     transposing hadd tree into a register of 8 scores;
-//   * exp vectorised (exp8 below: a Cephes-style polynomial, within ~2 ulp of std::exp);
-//   * per query, the D/8 output registers stay in registers over a block's keys.
-// Each key/value block is read from memory once per item and reused from L1 by the G query
-// heads of its KV group (and the rows of the tile).
+// values. For float32 with head_dim a multiple of 8 (every model here) run_item_f32 instead
+// works a block at a time on groups of up to 3 queries (block_group): each K and V row loaded
+// once per group, 4 keys' scores per hadd tree, masking / max / exp (exp8 below: a Cephes-style
+// polynomial, within ~2 ulp of std::exp) as vector ops, a branch-free value loop with the
+// outputs in registers. Each key/value block is read from memory once per item and reused from
+// L1 by the G query heads of its KV group (and the rows of the tile).
 
 inline __m256 exp8(__m256 x) {
   // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2].
@@ -132,20 +131,124 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(zero_below, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-// Eight horizontal sums at once: out[i] = sum of the 8 lanes of r[i].
-inline __m256 hsum8x8(const __m256* r) {
-  const __m256 t0 = _mm256_hadd_ps(r[0], r[1]), t1 = _mm256_hadd_ps(r[2], r[3]);
-  const __m256 t2 = _mm256_hadd_ps(r[4], r[5]), t3 = _mm256_hadd_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                       _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
+}
+
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// Four horizontal sums at once: out[i] = sum of the 8 lanes of a_i.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Up to kGroupQ queries of one KV head against one block's keys [t0, t0 + n) at kb / vb (rows
+// rs floats apart). Queries q (scaled, D floats each, contiguous), their visible-key limits
+// lim, running max m, sum l and unnormalised outputs acc (D floats each) are updated in place.
+//
+// Why this shape (it replaced a loop over one query at a time that ran at ~1/3 of the read
+// bandwidth, bound by instructions rather than memory): every K and V row of the block is loaded
+// once for all QB queries of the group (the G query heads of a GQA group, the rows of a tile),
+// each load feeding QB FMAs; scores come 4 keys at a time out of one hadd tree; masking, max and
+// exp are vector ops over the block's score row; the value loop has no branch (a masked key's
+// weight is an exact 0).
+constexpr int kGroupQ = 3;
+
+template <int NC, int QB>
+inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t n,
+                        const float* kb, const float* vb, int64_t rs, float* sbuf, int64_t sbw,
+                        float* acc, float* m, float* l) {
+  constexpr int64_t D = NC * 8;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t nv[QB];
+  int64_t nmax = 0;
+  for (int i = 0; i < QB; ++i) {
+    nv[i] = std::clamp<int64_t>(static_cast<int64_t>(lim[i]) - t0, 0, n);
+    nmax = std::max(nmax, nv[i]);
+  }
+  if (nmax == 0) return;
+  // Scores, 4 keys x QB queries per pass: 4 * QB accumulators + the key chunk in registers.
+  int64_t t = 0;
+  for (; t + 4 <= nmax; t += 4) {
+    __m256 a[4][QB];
+    for (int u = 0; u < 4; ++u)
+      for (int i = 0; i < QB; ++i) a[u][i] = _mm256_setzero_ps();
+    for (int c = 0; c < NC; ++c) {
+      for (int u = 0; u < 4; ++u) {
+        const __m256 kv = _mm256_loadu_ps(kb + (t + u) * rs + c * 8);
+        for (int i = 0; i < QB; ++i)
+          a[u][i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + i * D + c * 8), a[u][i]);
+      }
+    }
+    for (int i = 0; i < QB; ++i)
+      _mm_storeu_ps(sbuf + i * sbw + t, hsum4(a[0][i], a[1][i], a[2][i], a[3][i]));
+  }
+  for (; t < nmax; ++t) {
+    for (int i = 0; i < QB; ++i) {
+      __m256 r = _mm256_setzero_ps();
+      for (int c = 0; c < NC; ++c)
+        r = _mm256_fmadd_ps(_mm256_loadu_ps(kb + t * rs + c * 8),
+                            _mm256_loadu_ps(q + i * D + c * 8), r);
+      sbuf[i * sbw + t] = hsum(r);
+    }
+  }
+  // Online softmax per query over this block: keys past its limit (and the padding to a multiple
+  // of 8) score -inf, so exp8 makes their weight exactly 0.
+  const int64_t padded = (nmax + 7) / 8 * 8;
+  float corr[QB];
+  for (int i = 0; i < QB; ++i) {
+    float* s = sbuf + i * sbw;
+    if (nv[i] == 0) {  // nothing visible to this query here: weights 0, state unchanged
+      std::fill(s, s + padded, 0.f);
+      corr[i] = 1.f;
+      continue;
+    }
+    for (int64_t x = nv[i]; x < padded; ++x) s[x] = ninf;
+    __m256 mxv = _mm256_set1_ps(ninf);
+    for (int64_t x = 0; x < padded; x += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(s + x));
+    const float mx = std::max(m[i], hmax(mxv));
+    corr[i] = std::exp(m[i] - mx);  // m = -inf on the first block: 0, and acc is 0 anyway
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 lsum = _mm256_setzero_ps();
+    for (int64_t x = 0; x < padded; x += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + x), mv));
+      _mm256_storeu_ps(s + x, p);
+      lsum = _mm256_add_ps(lsum, p);
+    }
+    l[i] = l[i] * corr[i] + hsum(lsum);
+    m[i] = mx;
+  }
+  // Values, in chunks of CH registers of the head: QB * CH accumulators + QB weights.
+  constexpr int CH = NC < 4 ? NC : 4;
+  static_assert(NC % CH == 0, "head_dim / 8 must be a multiple of the chunk");
+  for (int c0 = 0; c0 < NC; c0 += CH) {
+    __m256 o[QB][CH];
+    for (int i = 0; i < QB; ++i) {
+      const __m256 cv = _mm256_set1_ps(corr[i]);
+      for (int c = 0; c < CH; ++c)
+        o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + (c0 + c) * 8), cv);
+    }
+    for (int64_t x = 0; x < nmax; ++x) {
+      const float* vr = vb + x * rs + c0 * 8;
+      __m256 w[QB];
+      for (int i = 0; i < QB; ++i) w[i] = _mm256_broadcast_ss(sbuf + i * sbw + x);
+      for (int c = 0; c < CH; ++c) {
+        const __m256 v = _mm256_loadu_ps(vr + c * 8);
+        for (int i = 0; i < QB; ++i) o[i][c] = _mm256_fmadd_ps(w[i], v, o[i][c]);
+      }
+    }
+    for (int i = 0; i < QB; ++i)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + i * D + (c0 + c) * 8, o[i][c]);
+  }
 }
 
 // NC = head_dim / 8 (registers per head vector). Same contract as run_item().
@@ -155,14 +258,15 @@ void run_item_f32(const Item& it, const float* q, const float* kc, const float* 
                   const int32_t* limit, int64_t q_row, int64_t q_head, int64_t H, int64_t KVH,
                   int64_t BS, float scale, float* acc, float* m, float* l) {
   constexpr int64_t D = NC * 8;
-  const float ninf = -std::numeric_limits<float>::infinity();
   const int32_t seq = tiles[it.tile * 3], row0 = tiles[it.tile * 3 + 1],
                 nrows = tiles[it.tile * 3 + 2];
   const int64_t G = H / KVH, nq = nrows * G;
-  // Scratch: the scaled queries, their limits, one block's scores padded to a multiple of 8.
+  // Scratch: the scaled queries, their limits, kGroupQ rows of one block's scores (each padded
+  // to a multiple of 8).
   std::vector<float> qf(nq * D);
   std::vector<int32_t> lim(nq);
-  std::vector<float> sbuf(((BS + 7) / 8) * 8);
+  const int64_t sbw = (BS + 7) / 8 * 8;
+  std::vector<float> sbuf(kGroupQ * sbw);
   for (int r = 0; r < nrows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const float* src = q + (row0 + r) * q_row + (it.kvh * G + g) * q_head;
@@ -171,24 +275,18 @@ void run_item_f32(const Item& it, const float* q, const float* kc, const float* 
       lim[r * G + g] = limit[row0 + r];
     }
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    m[j] = ninf;
-    l[j] = 0.f;
-  }
+  std::fill(m, m + nq, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nq, 0.f);
   std::fill(acc, acc + nq * D, 0.f);
   const int32_t* blocks = table + seq * table_w;
   const int64_t rs = KVH * D;  // between consecutive tokens of a block
-  float* sj = sbuf.data();
   for (int64_t t0 = it.begin; t0 < it.end; t0 += BS - (t0 % BS)) {
     const int64_t t1 = std::min<int64_t>(it.end, t0 - t0 % BS + BS), n = t1 - t0;
     const int64_t base = (static_cast<int64_t>(blocks[t0 / BS]) * BS + t0 % BS) * rs +
                          it.kvh * D;
-    const float* kb = kc + base;
-    const float* vb = vc + base;
     // Blocks sit anywhere in the cache and a head's rows are strided (KVH * D apart), which
-    // the hardware prefetcher does not follow across blocks: one thread then waited on memory
-    // at ~1/3 of the read bandwidth. Fetch the next block's rows of this head while this one
-    // is computed.
+    // the hardware prefetcher does not follow across blocks: fetch the next block's rows of
+    // this head while this one is computed.
     const int64_t next = t1;
     if (next < it.end) {
       const int64_t nb = (static_cast<int64_t>(blocks[next / BS]) * BS + next % BS) * rs +
@@ -201,53 +299,25 @@ void run_item_f32(const Item& it, const float* q, const float* kc, const float* 
         }
       }
     }
-    for (int64_t j = 0; j < nq; ++j) {
-      __m256 qv[NC];
-      for (int c = 0; c < NC; ++c) qv[c] = _mm256_loadu_ps(qf.data() + j * D + c * 8);
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8) {
-        __m256 r[8];
-        for (int u = 0; u < 8; ++u) {
-          const float* kr = kb + (t + u) * rs;
-          r[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
-          for (int c = 1; c < NC; ++c) r[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + c * 8), r[u]);
-        }
-        _mm256_storeu_ps(sj + t, hsum8x8(r));
-      }
-      for (; t < n; ++t) {
-        const float* kr = kb + t * rs;
-        __m256 r = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
-        for (int c = 1; c < NC; ++c) r = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + c * 8), r);
-        sj[t] = hsum(r);
-      }
-      float mx = m[j];
-      for (t = 0; t < n; ++t) {
-        if (t0 + t >= lim[j]) sj[t] = ninf;
-        mx = std::max(mx, sj[t]);
-      }
-      if (mx == ninf) continue;  // nothing visible yet
-      for (t = n; t < static_cast<int64_t>(sbuf.size()); ++t) sj[t] = ninf;
-      const float corr = std::exp(m[j] - mx);
-      const __m256 mxv = _mm256_set1_ps(mx);
-      __m256 lsum = _mm256_setzero_ps();
-      for (t = 0; t < n; t += 8) {
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv));
-        _mm256_storeu_ps(sj + t, p);
-        lsum = _mm256_add_ps(lsum, p);
-      }
+    const float* kb = kc + base;
+    const float* vb = vc + base;
+    for (int64_t j = 0; j < nq; j += kGroupQ) {
+      const float* qj = qf.data() + j * D;
       float* aj = acc + j * D;
-      const __m256 cv = _mm256_set1_ps(corr);
-      __m256 a[NC];
-      for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(aj + c * 8), cv);
-      for (t = 0; t < n; ++t) {
-        if (sj[t] == 0.f) continue;  // masked (or underflowed) key
-        const __m256 p = _mm256_set1_ps(sj[t]);
-        const float* vr = vb + t * rs;
-        for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + c * 8), a[c]);
+      switch (std::min<int64_t>(kGroupQ, nq - j)) {
+        case 3:
+          block_group<NC, 3>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
+                             l + j);
+          break;
+        case 2:
+          block_group<NC, 2>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
+                             l + j);
+          break;
+        default:
+          block_group<NC, 1>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
+                             l + j);
+          break;
       }
-      for (int c = 0; c < NC; ++c) _mm256_storeu_ps(aj + c * 8, a[c]);
-      m[j] = mx;
-      l[j] = l[j] * corr + hsum(lsum);
     }
   }
 }
