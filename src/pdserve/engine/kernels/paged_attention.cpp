@@ -162,6 +162,7 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // exp are vector ops over the block's score row; the value loop has no branch (a masked key's
 // weight is an exact 0).
 constexpr int kGroupQ = 3;
+constexpr int64_t kAhead = 3;  // prefetch distance in blocks (run_item_f32)
 
 template <int NC, int QB>
 inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t n,
@@ -285,13 +286,13 @@ void run_item_f32(const Item& it, const float* q, const float* kc, const float* 
     const int64_t base = (static_cast<int64_t>(blocks[t0 / BS]) * BS + t0 % BS) * rs +
                          it.kvh * D;
     // Blocks sit anywhere in the cache and a head's rows are strided (KVH * D apart), which
-    // the hardware prefetcher does not follow across blocks: fetch the next block's rows of
-    // this head while this one is computed.
-    const int64_t next = t1;
+    // the hardware prefetcher does not follow across blocks: fetch this head's rows of the
+    // block kAhead blocks on while this one is computed (3 measured best of 1-8 on the AMD
+    // EPYC: 0.83x the time of 1 ahead with sequential blocks, 0.93x with scattered ones).
+    const int64_t next = (t0 / BS + kAhead) * BS;
     if (next < it.end) {
-      const int64_t nb = (static_cast<int64_t>(blocks[next / BS]) * BS + next % BS) * rs +
-                         it.kvh * D;
-      const int64_t nn = std::min<int64_t>(it.end, next - next % BS + BS) - next;
+      const int64_t nb = static_cast<int64_t>(blocks[next / BS]) * BS * rs + it.kvh * D;
+      const int64_t nn = std::min<int64_t>(it.end, next + BS) - next;
       for (int64_t t = 0; t < nn; ++t) {
         for (int64_t d = 0; d < D; d += 16) {
           _mm_prefetch(reinterpret_cast<const char*>(kc + nb + t * rs + d), _MM_HINT_T0);
