@@ -90,12 +90,36 @@ def test_w8g32_build_follows_the_cpu_capability(monkeypatch: pytest.MonkeyPatch)
 def test_w8g32_prefill_in_column_chunks_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     # The LM head is dequantized chunk by chunk; force chunking on a small matrix.
     monkeypatch.setattr(quant, "W8G32_SCRATCH", 64 * 48)
+    monkeypatch.setattr(quant, "gemv_rows", lambda isa: 16)  # 40 rows: the prefill path
     torch.manual_seed(5)
     w, b = torch.randn(64, 200) * 0.05, torch.randn(200)
     lin = quant.W8G32Linear(w, b)
     assert lin._chunk < 200
     x = torch.randn(40, 64)
     torch.testing.assert_close(lin(x), x @ _reference(w) + b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("vendor", "isa", "rows"), [
+    ("GenuineIntel", "avx2", 16), ("GenuineIntel", "avx512", 16),
+    ("AuthenticAMD", "avx2", 64), ("AuthenticAMD", "avx512", 1 << 62), ("", "avx2", 64),
+])  # fmt: skip
+def test_w8g32_kernel_row_limit_by_vendor(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, isa: str, rows: int
+) -> None:
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
+    assert quant.gemv_rows(isa) == rows
+
+
+def test_w8g32_many_rows_on_the_kernel_match_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A prompt chunk of 100 rows through the streaming kernel (no limit, as on an AMD EPYC).
+    monkeypatch.setattr(quant, "gemv_rows", lambda isa: 1 << 62)
+    torch.manual_seed(6)
+    w, b = torch.randn(96, 70) * 0.05, torch.randn(70)
+    lin = quant.W8G32Linear(w, b)
+    x = torch.randn(100, 96)
+    torch.testing.assert_close(lin(x), x @ _reference(w) + b, rtol=1e-4, atol=2e-4)
 
 
 def test_w8g32_rejects_a_wrong_input_width() -> None:

@@ -4,7 +4,7 @@
 32 inputs per output channel (group-wise) and keeps the activations float32. It runs on a
 hand-written C++ kernel (kernels/w8g32.cpp, `-mavx2 -mfma -mf16c`, built on first use and
 cached): decode rows stream the int8 weight tiles and dequantize in registers (a quarter of
-float32's bytes); prefill (more than `W8G32_GEMV_ROWS` rows) dequantizes column chunks into a
+float32's bytes); prefill (more than `gemv_rows()` rows) dequantizes column chunks into a
 float32 scratch and lets torch's GEMM do the work. Why hand-written, when the issue asks for a
 well-kept library first: none runs group-wise weight-only int8 fast on CPU. Measured one thread
 on this machine's Xeon (AVX-512, torch 2.13, both ATEN_CPU_CAPABILITY=avx2 and avx512), a
@@ -123,9 +123,25 @@ class Int8Linear:
         return torch.addcmul(self.bias, y, amax)
 
 
-# At most this many rows run the streaming kernel; more rows (prefill) dequantize into a float32
-# scratch and use torch's GEMM, which is compute-bound there and faster than any hand loop.
+# Rows up to the limit run the streaming kernel; more rows (prefill) dequantize into a float32
+# scratch and use torch's GEMM. Where that GEMM is fast (MKL on Intel: its AVX-512 paths) the
+# crossover is ~16 rows. MKL runs slower code paths on other vendors' CPUs: on an AMD EPYC
+# (Zen 5, one thread) the AVX-512 kernel ran 1.8-2x faster than MKL's float32 GEMM at every
+# row count measured (8 to 2048, [576 x 3072] and [1536 x 576]), and the AVX2 build up to ~64
+# rows (docs/benchmarks/engine.md), so there the limit is none / 64.
 W8G32_GEMV_ROWS = 16
+W8G32_GEMV_ROWS_NOT_INTEL = {"avx512": 1 << 62, "avx2": 64}
+
+
+def gemv_rows(isa: str) -> int:
+    """Most rows the streaming kernel takes for this build on this CPU (see above)."""
+    from pdserve.engine import kernels
+
+    if kernels.cpu_vendor() == "GenuineIntel":
+        return W8G32_GEMV_ROWS
+    return W8G32_GEMV_ROWS_NOT_INTEL.get(isa, W8G32_GEMV_ROWS)
+
+
 # Prefill dequantizes at most this many weights at a time (16 MB of float32 scratch): the LM head
 # (49152 x 576) is done in column chunks instead of one 113 MB copy per call.
 W8G32_SCRATCH = 1 << 22
@@ -148,6 +164,7 @@ class W8G32Linear:
         self._nbytes = (
             self.q.numel() + self.scales.numel() * 2 + (0 if bias is None else bias.numel() * 4)
         )
+        self._gemv_rows = gemv_rows(self._ops.isa)
         # Columns per prefill chunk: a multiple of the kernel's 16-channel tiles.
         cols = max(16, (W8G32_SCRATCH // max(1, self.in_features)) // 16 * 16)
         self._chunk = min(self.out_features, cols)
@@ -168,7 +185,7 @@ class W8G32Linear:
             raise ValueError(f"input has {x.shape[-1]} features, weight takes {self.in_features}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        if x2.shape[0] <= W8G32_GEMV_ROWS:
+        if x2.shape[0] <= self._gemv_rows:
             y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias)
         else:
             y = self._prefill(x2)

@@ -120,6 +120,18 @@ def w8g32_module(isa: str | None = None) -> ModuleType:
         return _w8g32[isa]
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...; "" when unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _capability() -> str:
     import torch
 
