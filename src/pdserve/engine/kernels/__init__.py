@@ -12,6 +12,7 @@ reports the CPU capability AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 bu
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -120,8 +121,9 @@ def w8g32_module(isa: str | None = None) -> ModuleType:
         return _w8g32[isa]
 
 
+@functools.cache
 def cpu_vendor() -> str:
-    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...; "" when unknown)."""
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...; "" when unknown), read once."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
