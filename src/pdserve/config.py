@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
 QUANTIZATIONS = ("none", "int8", "w8g32")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def check_quantization(name: str) -> None:
@@ -62,6 +63,12 @@ class CacheConfig:
     num_blocks: int | None = _f(None, "KV blocks; default: derived from kv_cache_memory_gb")
     kv_cache_memory_gb: float = _f(1.0, "memory for the KV cache when num_blocks is not set")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
+    kv_cache_dtype: str = _f(
+        "auto",
+        "element type of the KV cache: auto (the model's --dtype) | float16 | bfloat16 (under "
+        "float32: half the bytes per token, so twice the blocks per GB and half the KV read "
+        "per decode step; attention still computes in float32)",
+    )
     attention: str = _f(
         "auto",
         "how attention reads the KV cache: paged (in place, native CPU kernel) | gather "
@@ -69,6 +76,11 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be auto, paged or gather, got {self.attention!r}")
         if self.block_size < 1:

@@ -26,6 +26,7 @@ import zmq
 
 from pdserve.config import (
     KV_POOL_FIELDS,
+    CacheConfig,
     RouterConfig,
     WorkerConfig,
     add_config_args,
@@ -44,7 +45,13 @@ from pdserve.workers import messages as m
 log = logging.getLogger("pdserve.serve")
 STARTUP_TIMEOUT_S = 300.0
 # Engine settings `pdserve serve` passes to every worker it starts: a new one is its name here.
-SERVE_ENGINE_ARGS = ("block_size", "kv_cache_memory_gb", "max_num_batched_tokens", "quantization")
+SERVE_ENGINE_ARGS = (
+    "block_size",
+    "kv_cache_memory_gb",
+    "kv_cache_dtype",
+    "max_num_batched_tokens",
+    "quantization",
+)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +211,8 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
     total = sum(counts.values())
     if args.quantization is not None:
         check_quantization(args.quantization)  # here, not as N workers failing one by one
+    if args.kv_cache_dtype is not None:
+        CacheConfig(kv_cache_dtype=args.kv_cache_dtype)  # likewise: ValueError before any start
     engine: dict[str, Any] = {
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
         **({"model": args.model} if args.model is not None else {}),
@@ -232,12 +241,10 @@ def _with_stall_free(
     """Hand the TPOT SLO and the cost model file to the workers that run decodes."""
     if not args.stall_free or args.slo_tpot is None or cost is None:
         return specs
-    from pdserve.costmodel import profile
-
     if args.cost_model not in ("auto", "none"):
         path = Path(args.cost_model)
     else:
-        path = default_path(profile.model_path(args.model), threads)
+        path = _default_cost_path(args, args.model, threads)
     return [
         dataclasses.replace(
             s, config=dataclasses.replace(s.config, slo_tpot_s=args.slo_tpot, cost_model=str(path))
@@ -267,14 +274,36 @@ def _cost_model(
         return None
     if args.cost_model != "auto":
         return CostModel.load(Path(args.cost_model))
-    quantization = getattr(args, "quantization", None) or "none"
-    path = default_path(profile.model_path(model), threads, quantization=quantization)
+    path = _default_cost_path(args, model, threads)
     if path.is_file() or (may_profile and _needs_cost_model(args)):
-        return profile.load_or_profile(model, threads, path, quantization=quantization)
+        settings = _cost_engine_args(args)
+        return profile.load_or_profile(
+            model,
+            threads,
+            path,
+            quantization=settings["quantization"],
+            kv_cache_dtype=settings["kv_cache_dtype"],
+        )
     if _needs_cost_model(args):
         raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
                          "--cost-model PATH")  # fmt: skip
     return None
+
+
+def _cost_engine_args(args: argparse.Namespace) -> dict[str, str]:
+    """The engine settings a cost model is measured for (and named after)."""
+    return {
+        "quantization": getattr(args, "quantization", None) or "none",
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", None) or "auto",
+    }
+
+
+def _default_cost_path(args: argparse.Namespace, model: str | None, threads: int) -> Path:
+    """This host's cost model file for the workers' engine settings (what `_cost_model` loads
+    and what stall-free workers are handed: the same file)."""
+    from pdserve.costmodel import profile
+
+    return default_path(profile.model_path(model), threads, **_cost_engine_args(args))
 
 
 def _planner(args: argparse.Namespace, cost: CostModel | None) -> SloPlanner | None:

@@ -33,3 +33,20 @@ def test_whole_run_on_a_tiny_model(tiny_llama_path: Path, tmp_path: Path) -> Non
     for name in ("int8", "w8g32-fake"):
         assert 0.0 <= rows[name]["agreement"] <= 1.0 and 0.0 <= rows[name]["kl_mean"] < 0.1
     assert "| int8 |" in md.read_text()
+
+
+def test_kv_variants_swap_the_cache_dtype_and_back(tiny_llama_path: Path) -> None:
+    import torch
+
+    from pdserve import LLM
+
+    engine = LLM(str(tiny_llama_path), num_blocks=32, enable_prefix_caching=False).engine
+    qb.apply_variant(engine, "w8g32+kv-float16")
+    assert engine.cache.dtype == torch.float16
+    assert all(k.dtype == torch.float16 for k, _ in engine.cache.layers)
+    assert engine.model.layers[0].quantized  # the weights' half of the variant
+    qb.apply_variant(engine, "kv-bfloat16")
+    assert engine.cache.dtype == torch.bfloat16 and not engine.model.layers[0].quantized
+    qb.apply_variant(engine, None)
+    assert engine.cache.dtype == torch.float32
+    assert all(v.dtype == torch.float32 for _, v in engine.cache.layers)

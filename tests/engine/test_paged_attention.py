@@ -35,7 +35,11 @@ def _scheduled(rng: random.Random, spec: list[tuple[int, int]], bs: int, num_blo
     return out
 
 
-def _compare(spec, *, heads=6, kv_heads=2, head_dim=16, bs=4, dtype=torch.float32, seed=0):
+def _compare(
+    spec, *, heads=6, kv_heads=2, head_dim=16, bs=4, dtype=torch.float32, seed=0, cache_dtype=None
+):
+    """Gather reference and paged kernel on one random layout; `cache_dtype` (default: dtype)
+    is the KV cache's element type, as `--kv-cache-dtype` sets it."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = sum(-(-(c + n) // bs) + 2 for c, n in spec) + 3
@@ -44,7 +48,8 @@ def _compare(spec, *, heads=6, kv_heads=2, head_dim=16, bs=4, dtype=torch.float3
     chunks = [s for s in sched if s.num_tokens > 1]
     t = sum(s.num_tokens for s in sched)
     shape = (num_blocks, bs, kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    cdt = cache_dtype or dtype
+    k_cache, v_cache = torch.randn(shape, dtype=cdt), torch.randn(shape, dtype=cdt)
     q = torch.randn(t, heads, head_dim, dtype=dtype)
     k = torch.randn(t, kv_heads, head_dim, dtype=dtype)
     v = torch.randn(t, kv_heads, head_dim, dtype=dtype)
@@ -100,6 +105,33 @@ def test_head_dims_fast_and_generic_paths(head_dim: int) -> None:
 def test_bfloat16_close_to_reference() -> None:
     ref, got = _compare([(60, 1), (3, 1), (25, 9)], dtype=torch.bfloat16, seed=4)
     _close(got, ref, tol=3e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_narrow_cache_under_float32_queries(cache_dtype: torch.dtype, head_dim: int) -> None:
+    """--kv-cache-dtype float16 / bfloat16 under a float32 model: the kernel widens each key as
+    it loads it (float16 at head_dim 64: the vectorised path; bfloat16 and 24: the generic one)
+    and matches the reference, which widens the gathered blocks, to float32 rounding: the
+    cache's own rounding is the same on both sides. Split contexts and a cached-prefix chunk."""
+    spec = [(1030, 1), (37, 1), (15, 9), (40, 17), (0, 5)]
+    ref, got = _compare(
+        spec, heads=9, kv_heads=3, head_dim=head_dim, bs=16, seed=6, cache_dtype=cache_dtype
+    )
+    assert got.dtype == torch.float32
+    _close(got, ref, tol=5e-5)
+
+
+def test_cache_wider_than_the_queries_is_an_error() -> None:
+    from pdserve.engine.kernels import paged_attention_module
+
+    kernel = paged_attention_module().paged_attention
+    cache = torch.zeros(2, 4, 1, 8)
+    q = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    tiles = torch.tensor([[0, 0, 1]], dtype=torch.int32)
+    one = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="float16 / bfloat16 under float32"):
+        kernel(q, cache, cache, torch.tensor([[0]], dtype=torch.int32), tiles, one, 512, 1.0)
 
 
 def test_block_table_out_of_range_is_an_error() -> None:

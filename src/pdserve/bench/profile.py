@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization", default="none", help="projection weights: none | int8 | w8g32 (none)"
     )
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV cache: auto | float16 | bfloat16 (auto)"
+    )
+    parser.add_argument(
         "--contention",
         action="store_true",
         help="also time two workers sharing this host (two processes, ~20 s): the slowdown "
@@ -52,9 +55,15 @@ def run(args: argparse.Namespace) -> int:
         max_prompt=args.max_prompt,
         quick=args.quick,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     about = result["about"]
-    out = args.out or default_path(about["model"], args.threads, quantization=args.quantization)
+    out = args.out or default_path(
+        about["model"],
+        args.threads,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     result["model"].save(out, **about)
     if args.samples_out:
         args.samples_out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,9 @@ Candidates (`--variants`):
     fake-quantized (what group-wise scales would buy; no fast kernel runs it);
   * w8g32: what `--quantization w8g32` runs (the real kernel, kernels/w8g32.cpp): int8 weights,
     one fp16 scale per 32 inputs per output channel, float32 activations, LM head included;
-  * w8g32-head-f32: the same with the LM head left in float32.
+  * w8g32-head-f32: the same with the LM head left in float32;
+  * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
+    `--kv-cache-dtype` runs); w8g32+kv-float16: both.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
 agreement; `logits_all` over prompt + reference tokens for the KL. Its Q4_1 matmuls quantize
 activations to 8 bits per block of 32 (Q8_1) and use the file's own 4-bit weights.
@@ -58,6 +60,9 @@ VARIANTS = (
     "w8g32-fake",
     "w8g32",
     "w8g32-head-f32",
+    "kv-float16",
+    "kv-bfloat16",
+    "w8g32+kv-float16",
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
@@ -148,11 +153,26 @@ def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any
     return _FakeQuant(w, bias, group=32, act=True)
 
 
+def _set_kv_dtype(engine: LLMEngine, name: str) -> None:
+    """Reallocate the (idle, prefix-cache-free) engine's KV tensors in dtype `name`."""
+    import torch
+
+    dtype = getattr(torch, name)
+    cache = engine.cache
+    if cache.dtype != dtype:
+        cache.layers = [(torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype))
+                        for k, v in cache.layers]  # fmt: skip
+        cache.dtype = dtype
+
+
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
-    """Swap the model's projections for `variant`'s (None: back to float32); the float weights
-    stay, so one loaded model serves every variant."""
+    """Swap the model's projections for `variant`'s (None: back to float32) and its KV cache's
+    dtype; the float weights stay, so one loaded model serves every variant."""
     from pdserve.engine.quant import LAYER_PROJECTIONS, FusedOps, layers_of
 
+    weights, _, kv = (variant or "").partition("kv-")
+    _set_kv_dtype(engine, kv or "float32")
+    variant = weights.removesuffix("+") or None
     model = engine.model
     # The real w8g32 variants run what `--quantization w8g32` runs: its native RMSNorm / RoPE too.
     fused = FusedOps() if variant in ("w8g32", "w8g32-head-f32") else None

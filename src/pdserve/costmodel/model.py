@@ -327,17 +327,22 @@ def model_stem(model_name: str) -> str:
 
 
 def default_path(
-    model_name: str, threads: int, host: str | None = None, quantization: str = "none"
+    model_name: str,
+    threads: int,
+    host: str | None = None,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> Path:
-    """`<cache>/costmodel/<host>-<model stem>[-<quantization>]-t<threads>.json`.
+    """`<cache>/costmodel/<host>-<model stem>[-<quantization>][-kv-<dtype>]-t<threads>.json`.
 
-    One file per host, model, weight quantization and thread count, because a cost model is a
-    measurement of exactly that combination: another CPU, model, quantization or thread count
-    has other coefficients. (`none` adds nothing, so files saved before quantization existed
-    still apply.)
+    One file per host, model, weight quantization, KV cache dtype and thread count, because a
+    cost model is a measurement of exactly that combination: another CPU, model, quantization,
+    KV dtype (it sets the bytes a decode step reads) or thread count has other coefficients.
+    (`none` and `auto` add nothing, so files saved before either existed still apply.)
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     host = _slug(host if host is not None else platform.node())
     quant = "" if quantization == "none" else f"-{_slug(quantization)}"
+    quant += "" if kv_cache_dtype == "auto" else f"-kv-{_slug(kv_cache_dtype)}"
     return cache_dir() / "costmodel" / f"{host}-{model_stem(model_name)}{quant}-t{threads}.json"

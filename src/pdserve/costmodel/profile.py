@@ -505,6 +505,7 @@ def _about(
         "model_name": engine.arch.name or engine.source.path.name,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
+        "kv_cache_dtype": engine.config.cache_config.kv_cache_dtype,
         "kv_bytes_per_token": kv_bytes_per_token(engine),
         "torch": torch.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -543,8 +544,10 @@ def load_or_profile(
     (missing, corrupt, another version) is profiled again and overwritten.
     """
     quantization = str(engine_args.get("quantization", "none"))
-    path = path or default_path(model_path(model), threads, quantization=quantization)
-    cached = _load_valid(path, threads, quantization)
+    kv = str(engine_args.get("kv_cache_dtype", "auto"))
+    path = path or default_path(model_path(model), threads, quantization=quantization,
+                                kv_cache_dtype=kv)  # fmt: skip
+    cached = _load_valid(path, threads, quantization, kv)
     if cached is not None:
         _log(f"cost model from {path}")
         return cached
@@ -555,7 +558,9 @@ def load_or_profile(
     return result["model"]  # type: ignore[no-any-return]
 
 
-def _load_valid(path: Path, threads: int, quantization: str = "none") -> CostModel | None:
+def _load_valid(
+    path: Path, threads: int, quantization: str = "none", kv_cache_dtype: str = "auto"
+) -> CostModel | None:
     if not path.is_file():
         return None
     try:
@@ -570,5 +575,8 @@ def _load_valid(path: Path, threads: int, quantization: str = "none") -> CostMod
         return None
     if about.get("quantization", "none") != quantization:
         _log(f"ignoring {path}: measured with quantization {about.get('quantization')}")
+        return None
+    if about.get("kv_cache_dtype", "auto") != kv_cache_dtype:
+        _log(f"ignoring {path}: measured with KV cache dtype {about.get('kv_cache_dtype')}")
         return None
     return loaded

@@ -34,6 +34,23 @@ from pdserve.kvpool.api import KVPool
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for `--kv-cache-dtype name`: the model's, or a narrower one under
+    float32 (attention widens it back as it reads; a wider cache than the model would only
+    round every key twice)."""
+    if name == "auto":
+        return model_dtype
+    dtype = _DTYPES[name]
+    if dtype != model_dtype and model_dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype {name} under dtype {str(model_dtype).removeprefix('torch.')}: "
+            "a narrower KV cache needs --dtype float32; use --kv-cache-dtype auto"
+        )
+    return dtype
+
+
 Prompt = str | list[int]
 
 
@@ -93,6 +110,7 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
         self.quantization = mc.quantization
+        kv_cache_dtype(cc.kv_cache_dtype, self.dtype)  # refused before the slow load
         quant.check_supported(mc.quantization, self.device, self.dtype)  # before the slow load
         self.source = loader.resolve_model(mc.model)
         self.arch = loader.load_arch(self.source)
@@ -101,10 +119,11 @@ class LLMEngine:
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
         self.model = self._build_model()
+        kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
         num_blocks = cc.num_blocks or num_blocks_for_memory(
-            self.arch, cc.block_size, self.dtype, cc.kv_cache_memory_gb
+            self.arch, cc.block_size, kv_dtype, cc.kv_cache_memory_gb
         )
-        self.cache = PagedKVCache(self.arch, num_blocks, cc.block_size, self.dtype, self.device)
+        self.cache = PagedKVCache(self.arch, num_blocks, cc.block_size, kv_dtype, self.device)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         sc = config.scheduler_config
         self.scheduler = Scheduler(
@@ -307,9 +326,12 @@ class LLMEngine:
         v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
     def read_kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [n, KVH, D] of those slots in the model's dtype (what the wire carries, whatever
+        either side's --kv-cache-dtype: the layer-streamed KV is the model's activations)."""
         k_cache, v_cache = self.cache.layers[layer]
         kvh, d = k_cache.shape[2], k_cache.shape[3]
-        return k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
+        k, v = k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
+        return k.to(self.dtype), v.to(self.dtype)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -567,6 +589,7 @@ class LLMEngine:
         kv = self.kv_manager
         return {
             "quantization": self.quantization,
+            "kv_cache_dtype": str(self.cache.dtype).removeprefix("torch."),
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "kv_blocks_total": kv.num_blocks,

@@ -31,7 +31,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zero-filled so padded (masked) slots never hold NaN/Inf that could leak through 0 * x.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [

@@ -102,6 +102,7 @@ class Links:
                     "kv_blocks_used": s.get("kv_blocks_used", 0),
                     "kv_blocks_total": s.get("kv_blocks_total", 0),
                     "quantization": s.get("quantization"),
+                    "kv_cache_dtype": s.get("kv_cache_dtype"),
                     **self.placement.get(w.worker_id, {}),
                 }
             )

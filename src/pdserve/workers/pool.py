@@ -72,11 +72,12 @@ def namespace(
 ) -> PoolNamespace:
     k = engine.cache.layers[0][0]  # [blocks, block_size, kv_heads, head_dim]
     block = (len(engine.cache.layers), 2, k.shape[1], k.shape[2], k.shape[3])
-    block_bytes = value_nbytes(48, block, engine.dtype, codec)  # 48: a pool key
+    kv_dtype = engine.cache.dtype  # blocks are stored as cached: --kv-cache-dtype
+    block_bytes = value_nbytes(48, block, kv_dtype, codec)  # 48: a pool key
     return PoolNamespace(
         model=model_fingerprint(engine.source, engine.quantization),
-        dtype=str(engine.dtype).removeprefix("torch."),
-        layout=wire.layout_fingerprint(engine.arch, engine.dtype).hex(),
+        dtype=str(kv_dtype).removeprefix("torch."),
+        layout=wire.layout_fingerprint(engine.arch, kv_dtype).hex(),
         block_size=engine.cache.block_size,
         codec=codec,
         chunk_blocks=chunk_blocks_for(chunk_mb, block_bytes),

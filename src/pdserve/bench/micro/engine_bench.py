@@ -74,7 +74,15 @@ if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.loader import ModelSource
 
-SETTINGS = ("prompt_lens", "batch_sizes", "contexts", "decode_steps", "repeats", "quantization")
+SETTINGS = (
+    "prompt_lens",
+    "batch_sizes",
+    "contexts",
+    "decode_steps",
+    "repeats",
+    "quantization",
+    "kv_cache_dtypes",
+)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -104,6 +112,23 @@ def _quantizations(text: str) -> list[str]:
     return names
 
 
+def _kv_cache_dtypes(text: str) -> list[str]:
+    from pdserve.config import KV_CACHE_DTYPES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"KV cache dtypes must be among {', '.join(KV_CACHE_DTYPES)}, got {text!r}"
+        )
+    return names
+
+
+def variant_label(quantization: str, kv_cache_dtype: str) -> str:
+    """A row's pdserve variant: the quantization, plus the KV dtype when not the model's."""
+    return quantization if kv_cache_dtype == "auto" else f"{quantization} kv={kv_cache_dtype}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_arguments(parser)
     for flag, default, text in _LIST_FLAGS:
@@ -118,6 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_quantizations,
         default=["none", "int8"],
         help="pdserve weight quantizations, each measured side by side (none,int8)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        type=_kv_cache_dtypes,
+        default=["auto"],
+        help="KV cache dtypes, each measured with every quantization (auto: the model's dtype)",
     )
     parser.add_argument("--device", default="cpu", help="torch device of the engine: cpu | cuda")
     parser.add_argument("--dtype", default="float32", help="engine dtype: float32 | bfloat16")
@@ -193,11 +224,12 @@ def run(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     model: dict[str, Any] = {}
     source: ModelSource | None = None
-    for q in args.quantization:
-        log(f"loading pdserve engine (quantization {q})")
-        engine = build_engine(args, threads, q)
-        cost = ModelCost.from_arch(engine.arch, engine.dtype.itemsize)
-        rows += run_pdserve(args, engine, cost, roof)
+    for q, kv in [(q, kv) for q in args.quantization for kv in args.kv_cache_dtypes]:
+        label = variant_label(q, kv)
+        log(f"loading pdserve engine ({label})")
+        engine = build_engine(args, threads, q, kv)
+        cost = ModelCost.from_arch(engine.arch, engine.dtype.itemsize, engine.cache.dtype.itemsize)
+        rows += run_pdserve(args, engine, cost, roof, label)
         source, model = engine.source, model or model_info(engine, cost)
         from pdserve.engine.quant import projection_bytes
 

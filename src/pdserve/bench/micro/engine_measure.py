@@ -71,7 +71,9 @@ def _matmul_gflops(n: int, repeats: int) -> float:
 # --------------------------------------------------------------------------- pdserve
 
 
-def build_engine(args: argparse.Namespace, threads: int, quantization: str) -> LLMEngine:
+def build_engine(
+    args: argparse.Namespace, threads: int, quantization: str, kv_cache_dtype: str = "auto"
+) -> LLMEngine:
     from pdserve import LLM
 
     decode_len = max(args.contexts) + WARMUP_STEPS + 2 * args.decode_steps + 4
@@ -88,6 +90,7 @@ def build_engine(args: argparse.Namespace, threads: int, quantization: str) -> L
         max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=max(*args.prompt_lens, max(args.batch_sizes)),
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         device=args.device,  # cuda: the roofline (MFU/MBU) is still the CPU's
         dtype=args.dtype,
     )
@@ -216,14 +219,20 @@ def decode_points(args: argparse.Namespace) -> list[DecodePoint]:
 
 
 def run_pdserve(
-    args: argparse.Namespace, engine: LLMEngine, cost: ModelCost, roof: Roofline
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    cost: ModelCost,
+    roof: Roofline,
+    label: str | None = None,
 ) -> list[Row]:
+    """Every prefill and decode point on this engine; rows carry `label` (default: the
+    engine's quantization) as their variant."""
     import torch
 
     from pdserve.engine.quant import projection_bytes
 
     gen = torch.Generator().manual_seed(SEED)
-    q = engine.quantization
+    q = label or engine.quantization
     weight_bytes = projection_bytes(engine.model)
     rows = []
     for n in args.prompt_lens:

@@ -43,9 +43,10 @@ class ModelCost:
     elem_size: int
     matmul_params: int  # non-embedding matmul weights: q, k, v, o, gate, up, down
     read_params: int  # weights read by a decode step: all but the embedding table, + LM head
+    kv_elem_size: int = 0  # bytes per cached K or V element (--kv-cache-dtype); 0: elem_size
 
     @classmethod
-    def from_arch(cls, arch: ModelArch, elem_size: int) -> ModelCost:
+    def from_arch(cls, arch: ModelArch, elem_size: int, kv_elem_size: int = 0) -> ModelCost:
         from pdserve.engine.loader import expected_shapes
 
         numel = {name: math.prod(shape) for name, shape in expected_shapes(arch).items()}
@@ -63,6 +64,7 @@ class ModelCost:
             elem_size=elem_size,
             matmul_params=sum(n for k, n in numel.items() if k.endswith("_proj.weight")),
             read_params=body + head,
+            kv_elem_size=kv_elem_size or elem_size,
         )
 
     def prefill_flops(self, n: int) -> float:
@@ -73,7 +75,8 @@ class ModelCost:
         return self.read_params * self.elem_size
 
     def kv_bytes(self, batch: int, context: float) -> float:
-        return batch * context * 2 * self.layers * self.kv_heads * self.head_dim * self.elem_size
+        elem = self.kv_elem_size or self.elem_size
+        return batch * context * 2 * self.layers * self.kv_heads * self.head_dim * elem
 
 
 @dataclass

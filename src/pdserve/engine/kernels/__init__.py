@@ -1,12 +1,13 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached on disk.
 
-`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma` (never `-march=native`), so the same
-code runs on both machine kinds (AVX2-only AMD EPYC, AVX-512 Xeon). `w8g32.cpp` (group-wise
-int8 weight-only matmul, engine/quant.py) is built twice from one source: `-mavx2 -mfma -mf16c`
-everywhere, and `-mavx512f -mavx512bw -mavx512vl -mf16c -mfma` chosen at run time when torch
-reports the CPU capability AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build). A build takes
-~1 minute once per source version; the result is cached under `PDSERVE_KERNEL_CACHE` (default
-`~/.cache/pdserve/kernels`) and reused by every later process.
+`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma -mf16c` (never `-march=native`; F16C
+widens a float16 KV cache as it is read), so the same code runs on both machine kinds (AVX2-only
+AMD EPYC, AVX-512 Xeon). `w8g32.cpp` (group-wise int8 weight-only matmul, engine/quant.py) is
+built twice from one source: `-mavx2 -mfma -mf16c` everywhere, and `-mavx512f -mavx512bw
+-mavx512vl -mf16c -mfma` chosen at run time when torch reports the CPU capability AVX512
+(`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build). A build takes ~1 minute once per source
+version; the result is cached under `PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`)
+and reused by every later process.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _module: ModuleType | None = None
 _w8g32: dict[str, ModuleType] = {}
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno"]
+ATTENTION_CFLAGS = [*CFLAGS, "-mf16c"]
 W8G32_SOURCE = Path(__file__).with_name("w8g32.cpp")
 W8G32_CFLAGS = [*CFLAGS, "-mf16c"]
 W8G32_AVX512_CFLAGS = [*W8G32_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl"]
@@ -93,7 +95,7 @@ def paged_attention_module() -> ModuleType:
                 raise RuntimeError(
                     "the paged attention kernel needs a CPU with AVX2; use --attention gather"
                 )
-            _module = build_and_load("pdserve_paged_attention", SOURCE, CFLAGS)
+            _module = build_and_load("pdserve_paged_attention", SOURCE, ATTENTION_CFLAGS)
         return _module
 
 

@@ -8,9 +8,12 @@
 // Work items are (tile, kv head, split of the key range): long contexts split into
 // `split_tokens` ranges (flash-decoding), so batch 1 still spreads over all threads; each item
 // runs an online softmax over its range, then a merge combines the splits by log-sum-exp.
-// float32 with head_dim in {8,16,32,64,96,128} runs run_item_f32 (AVX2 intrinsics, see there);
-// other dtypes / head sizes the generic run_item.
-// Built with -mavx2 -mfma only (never -march=native): the same code on AVX2-only and AVX-512 CPUs.
+// float32 queries with head_dim in {8,16,32,64,96,128} over a float32 or float16 cache run
+// run_item_f32 (AVX2 intrinsics, see there); other dtypes / head sizes the generic run_item.
+// The cache may hold a narrower dtype than q (`--kv-cache-dtype float16|bfloat16`): keys and
+// values are widened to float32 as they are loaded, so the arithmetic is float32 either way.
+// Built with -mavx2 -mfma -mf16c only (never -march=native): the same code on AVX2-only and
+// AVX-512 CPUs (every AVX2 CPU has F16C).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -35,8 +38,8 @@ inline float to_f(T x) { return static_cast<float>(x); }
 
 // One item: online softmax of the tile's queries over keys [begin, end) of its sequence.
 // acc: [nq, D] unnormalised output, m/l: [nq] running max and sum of exp.
-template <typename T>
-void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_t* table,
+template <typename T, typename C>
+void run_item(const Item& it, const T* q, const C* kc, const C* vc, const int32_t* table,
               int64_t table_w, const int32_t* tiles, const int32_t* limit, int64_t q_row,
               int64_t q_head, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
               float* acc, float* m, float* l) {
@@ -64,13 +67,13 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_
     const int64_t t1 = std::min<int64_t>(it.end, t0 - t0 % BS + BS), n = t1 - t0;
     const int64_t base = (static_cast<int64_t>(blocks[t0 / BS]) * BS + t0 % BS) * row_stride +
                          it.kvh * D;
-    const T* kb = kc + base;
-    const T* vb = vc + base;
+    const C* kb = kc + base;
+    const C* vb = vc + base;
     for (int64_t j = 0; j < nq; ++j) {
       const float* qj = qf.data() + j * D;
       float* sj = s.data() + j * BS;
       for (int64_t t = 0; t < n; ++t) {
-        const T* kr = kb + t * row_stride;
+        const C* kr = kb + t * row_stride;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qj[d] * to_f(kr[d]);
@@ -87,7 +90,7 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int32_
         const float p = std::exp(sj[t] - mx);
         if (p == 0.f) continue;
         lsum += p;
-        const T* vr = vb + t * row_stride;
+        const C* vr = vb + t * row_stride;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) aj[d] += p * to_f(vr[d]);
       }
@@ -131,6 +134,12 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(zero_below, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+// 8 cache elements widened to float32: the fast path's only dependence on the cache dtype.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -164,9 +173,9 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 constexpr int kGroupQ = 3;
 constexpr int64_t kAhead = 3;  // prefetch distance in blocks (run_item_f32)
 
-template <int NC, int QB>
+template <int NC, int QB, typename KT>
 inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t n,
-                        const float* kb, const float* vb, int64_t rs, float* sbuf, int64_t sbw,
+                        const KT* kb, const KT* vb, int64_t rs, float* sbuf, int64_t sbw,
                         float* acc, float* m, float* l) {
   constexpr int64_t D = NC * 8;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -185,7 +194,7 @@ inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t 
       for (int i = 0; i < QB; ++i) a[u][i] = _mm256_setzero_ps();
     for (int c = 0; c < NC; ++c) {
       for (int u = 0; u < 4; ++u) {
-        const __m256 kv = _mm256_loadu_ps(kb + (t + u) * rs + c * 8);
+        const __m256 kv = load8(kb + (t + u) * rs + c * 8);
         for (int i = 0; i < QB; ++i)
           a[u][i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + i * D + c * 8), a[u][i]);
       }
@@ -197,7 +206,7 @@ inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t 
     for (int i = 0; i < QB; ++i) {
       __m256 r = _mm256_setzero_ps();
       for (int c = 0; c < NC; ++c)
-        r = _mm256_fmadd_ps(_mm256_loadu_ps(kb + t * rs + c * 8),
+        r = _mm256_fmadd_ps(load8(kb + t * rs + c * 8),
                             _mm256_loadu_ps(q + i * D + c * 8), r);
       sbuf[i * sbw + t] = hsum(r);
     }
@@ -239,11 +248,11 @@ inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t 
         o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + (c0 + c) * 8), cv);
     }
     for (int64_t x = 0; x < nmax; ++x) {
-      const float* vr = vb + x * rs + c0 * 8;
+      const KT* vr = vb + x * rs + c0 * 8;
       __m256 w[QB];
       for (int i = 0; i < QB; ++i) w[i] = _mm256_broadcast_ss(sbuf + i * sbw + x);
       for (int c = 0; c < CH; ++c) {
-        const __m256 v = _mm256_loadu_ps(vr + c * 8);
+        const __m256 v = load8(vr + c * 8);
         for (int i = 0; i < QB; ++i) o[i][c] = _mm256_fmadd_ps(w[i], v, o[i][c]);
       }
     }
@@ -252,9 +261,10 @@ inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t 
   }
 }
 
-// NC = head_dim / 8 (registers per head vector). Same contract as run_item().
-template <int NC>
-void run_item_f32(const Item& it, const float* q, const float* kc, const float* vc,
+// NC = head_dim / 8 (registers per head vector), KT the cache's element (float or Half).
+// Same contract as run_item().
+template <int NC, typename KT>
+void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
                   const int32_t* table, int64_t table_w, const int32_t* tiles,
                   const int32_t* limit, int64_t q_row, int64_t q_head, int64_t H, int64_t KVH,
                   int64_t BS, float scale, float* acc, float* m, float* l) {
@@ -296,29 +306,30 @@ void run_item_f32(const Item& it, const float* q, const float* kc, const float* 
     if (next < it.end) {
       const int64_t nb = static_cast<int64_t>(blocks[next / BS]) * BS * rs + it.kvh * D;
       const int64_t nn = std::min<int64_t>(it.end, next + BS) - next;
+      constexpr int64_t kLine = 64 / sizeof(KT);  // elements per cache line
       for (int64_t t = 0; t < nn; ++t) {
-        for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t d = 0; d < D; d += kLine) {
           _mm_prefetch(reinterpret_cast<const char*>(kc + nb + t * rs + d), _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(vc + nb + t * rs + d), _MM_HINT_T1);
         }
       }
     }
-    const float* kb = kc + base;
-    const float* vb = vc + base;
+    const KT* kb = kc + base;
+    const KT* vb = vc + base;
     for (int64_t j = 0; j < nq; j += kGroupQ) {
       const float* qj = qf.data() + j * D;
       float* aj = acc + j * D;
       switch (std::min<int64_t>(kGroupQ, nq - j)) {
         case 3:
-          block_group<NC, 3>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
+          block_group<NC, 3, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
                              l + j);
           break;
         case 2:
-          block_group<NC, 2>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
+          block_group<NC, 2, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
                              l + j);
           break;
         default:
-          block_group<NC, 1>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
+          block_group<NC, 1, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
                              l + j);
           break;
       }
@@ -327,23 +338,25 @@ void run_item_f32(const Item& it, const float* q, const float* kc, const float* 
 }
 
 // run_item_f32 for this head_dim, or nullptr (then the generic path runs).
-using F32Item = void (*)(const Item&, const float*, const float*, const float*, const int32_t*,
+template <typename KT>
+using F32Item = void (*)(const Item&, const float*, const KT*, const KT*, const int32_t*,
                          int64_t, const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float, float*, float*, float*);
 
-inline F32Item f32_item_for(int64_t D) {
+template <typename KT>
+F32Item<KT> f32_item_for(int64_t D) {
   switch (D) {
-    case 8: return &run_item_f32<1>;
-    case 16: return &run_item_f32<2>;
-    case 32: return &run_item_f32<4>;
-    case 64: return &run_item_f32<8>;
-    case 96: return &run_item_f32<12>;
-    case 128: return &run_item_f32<16>;
+    case 8: return &run_item_f32<1, KT>;
+    case 16: return &run_item_f32<2, KT>;
+    case 32: return &run_item_f32<4, KT>;
+    case 64: return &run_item_f32<8, KT>;
+    case 96: return &run_item_f32<12, KT>;
+    case 128: return &run_item_f32<16, KT>;
     default: return nullptr;
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& table,
                           const torch::Tensor& tiles, const torch::Tensor& limit,
@@ -377,15 +390,18 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   std::vector<float> acc(items.size() * per_item * D), m(items.size() * per_item),
       l(items.size() * per_item);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int32_t* tb = table.data_ptr<int32_t>();
   const int64_t tw = table.size(1);
-  F32Item fast = nullptr;
-  if constexpr (std::is_same_v<T, float>) fast = f32_item_for(D);
+  // float32 queries over a float32 or float16 cache: the fast path.
+  constexpr bool kFast =
+      std::is_same_v<T, float> && (std::is_same_v<C, float> || std::is_same_v<C, at::Half>);
+  F32Item<std::conditional_t<kFast, C, float>> fast = nullptr;
+  if constexpr (kFast) fast = f32_item_for<C>(D);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (kFast) {
         if (fast != nullptr) {
           fast(items[i], qp, kp, vp, tb, tw, tl, lm, q.stride(0), q.stride(1), H, KVH, BS,
                static_cast<float>(scale), acc.data() + i * per_item * D,
@@ -393,7 +409,7 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
           continue;
         }
       }
-      run_item<T>(items[i], qp, kp, vp, tb, tw, tl, lm, q.stride(0), q.stride(1), H, KVH, D, BS,
+      run_item<T, C>(items[i], qp, kp, vp, tb, tw, tl, lm, q.stride(0), q.stride(1), H, KVH, D, BS,
                   static_cast<float>(scale),
                   acc.data() + i * per_item * D, m.data() + i * per_item,
                   l.data() + i * per_item);
@@ -432,7 +448,8 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 }  // namespace
 
-// q: [N, H, D]; k_cache, v_cache: [num_blocks, BS, KVH, D] (same dtype as q);
+// q: [N, H, D]; k_cache, v_cache: [num_blocks, BS, KVH, D] (q's dtype, or float16 / bfloat16
+// under float32 queries);
 // table: [S, W] int32 block tables; tiles: [M, 3] int32 (seq, first row, rows <= 16);
 // limit: [N] int32 keys visible to each row. Returns [N, H, D]; rows in no tile are left
 // uninitialised (the caller fills them).
@@ -443,8 +460,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
               "paged_attention: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: the caches must be contiguous and q's last axis dense");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_attention: q and the caches must share a dtype");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == v_cache.scalar_type(), "paged_attention: K and V caches must share a dtype");
+  TORCH_CHECK(qt == ct || (qt == torch::kFloat && (ct == torch::kHalf || ct == torch::kBFloat16)),
+              "paged_attention: the caches hold q's dtype, or float16 / bfloat16 under float32 q");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_attention: head_dim / GQA mismatch");
   TORCH_CHECK(table.scalar_type() == torch::kInt32 && tiles.scalar_type() == torch::kInt32 &&
@@ -471,10 +490,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   for (int64_t i = 0; i < table.numel(); ++i)
     TORCH_CHECK(tb[i] >= 0 && tb[i] < k_cache.size(0), "paged_attention: block id out of range");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(q, k_cache, v_cache, table, tiles, limit, split_tokens, scale,
-                                   out);
-  });
+  if (qt == ct) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qt, "paged_attention", [&] {
+      paged_attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, table, tiles, limit,
+                                               split_tokens, scale, out);
+    });
+  } else if (ct == torch::kHalf) {
+    paged_attention_impl<float, at::Half>(q, k_cache, v_cache, table, tiles, limit, split_tokens,
+                                          scale, out);
+  } else {
+    paged_attention_impl<float, at::BFloat16>(q, k_cache, v_cache, table, tiles, limit,
+                                              split_tokens, scale, out);
+  }
   return out;
 }
 

@@ -183,8 +183,9 @@ def paged_attention(
 ) -> torch.Tensor:
     k_cache, v_cache = kv
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    # .to: a --kv-cache-dtype narrower than the model's rounds here, once per token.
+    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.paged is not None:
         return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta, meta.paged)
     return gather_attention(q, k, v, k_cache, v_cache, meta)
@@ -245,6 +246,7 @@ def _decode_attention(
     flat = table.flatten()
     keys = k_cache.index_select(0, flat).view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
     values = v_cache.index_select(0, flat).view(b, -1, kvh, d).transpose(1, 2)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a narrower --kv-cache-dtype
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
     )  # [B, H, 1, D]
@@ -273,6 +275,7 @@ def _prefill_attention(
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     keys = k_cache.index_select(0, seg.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
     values = v_cache.index_select(0, seg.block_ids).view(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a narrower --kv-cache-dtype
     q_pos = torch.arange(seg.start_pos, ctx, device=q.device)
     mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [n, ctx]
     o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)

@@ -1,0 +1,132 @@
+"""`--kv-cache-dtype`: a float16 / bfloat16 KV cache under a float32 model (half the bytes per
+token), its errors, and what it changes (capacity, stats) and does not (hand-offs, leaks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import assert_engine_idle
+from pdserve import LLM, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _prompts(n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(3, 49000, (int(s),), generator=g).tolist() for s in (5, 9, 23, 40, 61, 90)[:n]
+    ]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    """Share of tokens before the first divergence."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    return n / len(a)
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_narrow_cache_decodes_like_float32(tiny_llama_path, kv: str) -> None:  # type: ignore[no-untyped-def]
+    """The cache is read only from the second token on (a fresh prompt attends to its own
+    float32 K/V): first tokens are identical, later ones stay close (greedy agreement)."""
+    prompts = _prompts()
+    ref = _tokens(LLM(str(tiny_llama_path), block_size=8, num_blocks=128), prompts)
+    llm = LLM(str(tiny_llama_path), block_size=8, num_blocks=128, kv_cache_dtype=kv)
+    assert llm.engine.cache.dtype == getattr(torch, kv)
+    got = _tokens(llm, prompts)
+    assert [t[0] for t in got] == [t[0] for t in ref]
+    shares = [_agreement(a, b) for a, b in zip(got, ref, strict=True)]
+    assert sum(shares) / len(shares) >= (0.8 if kv == "float16" else 0.5), shares
+    assert llm.engine.stats()["kv_cache_dtype"] == kv
+    assert_engine_idle(llm)
+
+
+def test_gather_and_paged_attention_agree_on_a_float16_cache(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    """The reference path (--attention gather: widen the gathered blocks, SDPA) and the kernel
+    read the same float16 cache: same greedy tokens."""
+    prompts = _prompts(4)
+    common = {"block_size": 8, "num_blocks": 128, "kv_cache_dtype": "float16"}
+    paged = _tokens(LLM(str(tiny_llama_path), attention="paged", **common), prompts)
+    gather = _tokens(LLM(str(tiny_llama_path), attention="gather", **common), prompts)
+    assert paged == gather
+
+
+def test_half_the_bytes_twice_the_blocks(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    full = LLM(str(tiny_llama_path), kv_cache_memory_gb=0.01)
+    half = LLM(str(tiny_llama_path), kv_cache_memory_gb=0.01, kv_cache_dtype="float16")
+    assert half.engine.cache.num_blocks in (
+        2 * full.engine.cache.num_blocks,
+        2 * full.engine.cache.num_blocks + 1,
+    )
+    assert (
+        half.engine.cache.nbytes
+        <= full.engine.cache.nbytes + half.engine.cache.nbytes // half.engine.cache.num_blocks
+    )
+
+
+def test_bad_kv_cache_dtypes_are_clear_errors(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(str(tiny_llama_path), kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="needs --dtype float32"):
+        LLM(str(tiny_llama_path), dtype="bfloat16", kv_cache_dtype="float16")
+
+
+def test_handoff_from_a_float16_cache(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    """P and D with float16 caches hand over exactly what one float16 engine computes (the wire
+    carries float32: read_kv widens, write_kv rounds back to the same values); P float16 to a
+    float32 D completes too, leaking nothing."""
+    from test_engine_handoff import _handoff
+
+    path = str(tiny_llama_path)
+    kw = {"block_size": 8, "num_blocks": 128, "kv_cache_dtype": "float16"}
+    ref, p, d = LLM(path, **kw), LLM(path, **kw), LLM(path, **kw)
+    d32 = LLM(path, block_size=8, num_blocks=128)
+    for prompt in _prompts(3):
+        want = ref.generate([prompt], PARAMS)[0].outputs[0].token_ids
+        assert _handoff(p, d, prompt, PARAMS, 2) == want
+        assert len(_handoff(p, d32, prompt, PARAMS, 1)) == PARAMS.max_tokens
+    for llm in (ref, p, d, d32):
+        assert_engine_idle(llm)
+
+
+def test_kv_cache_dtype_reaches_every_worker_and_the_cli() -> None:
+    import argparse
+
+    from pdserve import serve
+    from pdserve.cli import build_parser, main
+    from pdserve.config import engine_kwargs_from_args
+    from pdserve.launcher import WorkerSpec, worker_command
+
+    parser = argparse.ArgumentParser()
+    serve.add_serve_arguments(parser)
+    specs = serve._worker_specs(parser.parse_args(["--kv-cache-dtype", "float16"]))
+    assert [s.engine_args["kv_cache_dtype"] for s in specs] == ["float16", "float16"]
+    cmd = worker_command(WorkerSpec("decode", "D0", specs[1].engine_args))
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        serve._worker_specs(parser.parse_args(["--kv-cache-dtype", "fp8"]))
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "bfloat16"])
+    assert engine_kwargs_from_args(args)["kv_cache_dtype"] == "bfloat16"
+    assert main(["generate", "hi", "--kv-cache-dtype", "fp8", "--model", "/nonexistent"]) == 2
+
+
+def test_cost_model_file_is_per_kv_cache_dtype(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.costmodel.model import default_path
+    from pdserve.costmodel.profile import _load_valid
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert default_path("/m/x.gguf", 1, host="h").name == "h-x-t1.json"
+    named = default_path("/m/x.gguf", 1, host="h", quantization="w8g32", kv_cache_dtype="float16")
+    assert named.name == "h-x-w8g32-kv-float16-t1.json"
+    from pdserve.costmodel.model import CostModel
+
+    path = tmp_path / "c.json"
+    CostModel((0.01, 1e-4, 0.0), (0.005, 1e-3, 1e-6)).save(
+        path, threads=1, quantization="none", kv_cache_dtype="auto"
+    )
+    assert _load_valid(path, 1) is not None
+    assert _load_valid(path, 1, kv_cache_dtype="float16") is None  # measured on another cache
