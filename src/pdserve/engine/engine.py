@@ -19,7 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import loader, quant
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
-from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
+from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LlamaModel
@@ -34,21 +34,6 @@ from pdserve.kvpool.api import KVPool
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for `--kv-cache-dtype name`: the model's, or a narrower one under
-    float32 (attention widens it back as it reads; a wider cache than the model would only
-    round every key twice)."""
-    if name == "auto":
-        return model_dtype
-    dtype = _DTYPES[name]
-    if dtype != model_dtype and model_dtype != torch.float32:
-        raise ValueError(
-            f"kv_cache_dtype {name} under dtype {str(model_dtype).removeprefix('torch.')}: "
-            "a narrower KV cache needs --dtype float32; use --kv-cache-dtype auto"
-        )
-    return dtype
 
 
 Prompt = str | list[int]
@@ -110,7 +95,7 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
         self.quantization = mc.quantization
-        kv_cache_dtype(cc.kv_cache_dtype, self.dtype)  # refused before the slow load
+        kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)  # refused before the slow load
         quant.check_supported(mc.quantization, self.device, self.dtype)  # before the slow load
         self.source = loader.resolve_model(mc.model)
         self.arch = loader.load_arch(self.source)
@@ -119,7 +104,6 @@ class LLMEngine:
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
         self.model = self._build_model()
-        kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)
         num_blocks = cc.num_blocks or num_blocks_for_memory(
             self.arch, cc.block_size, kv_dtype, cc.kv_cache_memory_gb
         )

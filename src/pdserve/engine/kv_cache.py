@@ -11,6 +11,21 @@ import torch
 from pdserve.engine.models.arch import ModelArch
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for `--kv-cache-dtype name`: the model's, or a narrower one under
+    float32 (attention widens it back as it reads; a wider cache than the model would only
+    round every key twice)."""
+    if name == "auto":
+        return model_dtype
+    dtype = getattr(torch, name)  # config checked the name
+    if dtype != model_dtype and model_dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype {name} under dtype {str(model_dtype).removeprefix('torch.')}: "
+            "a narrower KV cache needs --dtype float32; use --kv-cache-dtype auto"
+        )
+    return dtype
+
+
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem

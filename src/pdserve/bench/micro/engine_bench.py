@@ -69,6 +69,7 @@ from pdserve.bench.micro.engine_measure import build_engine, measure_roofline, r
 from pdserve.bench.micro.engine_peers import llama_cpp_version, run_hf, run_llama_cpp
 from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
 from pdserve.bench.micro.engine_results import ModelCost, Report, Row, log
+from pdserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -100,30 +101,6 @@ _INT_FLAGS = (
 )
 
 
-def _quantizations(text: str) -> list[str]:
-    from pdserve.config import QUANTIZATIONS
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in QUANTIZATIONS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"quantizations must be among {', '.join(QUANTIZATIONS)}, got {text!r}"
-        )
-    return names
-
-
-def _kv_cache_dtypes(text: str) -> list[str]:
-    from pdserve.config import KV_CACHE_DTYPES
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in KV_CACHE_DTYPES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"KV cache dtypes must be among {', '.join(KV_CACHE_DTYPES)}, got {text!r}"
-        )
-    return names
-
-
 def variant_label(quantization: str, kv_cache_dtype: str) -> str:
     """A row's pdserve variant: the quantization, plus the KV dtype when not the model's."""
     return quantization if kv_cache_dtype == "auto" else f"{quantization} kv={kv_cache_dtype}"
@@ -140,13 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--quantization",
-        type=_quantizations,
+        type=argtypes.subset(QUANTIZATIONS),
         default=["none", "int8"],
         help="pdserve weight quantizations, each measured side by side (none,int8)",
     )
     parser.add_argument(
         "--kv-cache-dtypes",
-        type=_kv_cache_dtypes,
+        type=argtypes.subset(KV_CACHE_DTYPES),
         default=["auto"],
         help="KV cache dtypes, each measured with every quantization (auto: the model's dtype)",
     )
