@@ -19,6 +19,8 @@ from typing import Any, get_type_hints
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
 QUANTIZATIONS = ("none", "int8", "w8g32")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How matmuls of a few rows (decode steps) run on float32 weights (engine/quant.py).
+DECODE_MATMULS = ("auto", "tiles", "torch")
 
 
 def check_quantization(name: str) -> None:
@@ -45,6 +47,12 @@ class ModelConfig:
         "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
         "channel, float32 activations); quantized: CPU, float32 only",
     )
+    decode_matmul: str = _f(
+        "auto",
+        "float32 projections at <= 64 rows (decode steps): tiles (a second copy of the weights "
+        "in 16-channel tiles, streamed by a native kernel: on CPU 2-4x torch's GEMM at 2-16 "
+        "rows) | torch (torch's GEMM only) | auto (tiles for float32 weights on an AVX2 CPU)",
+    )
     device: str = _f("cpu", "torch device: cpu | cuda | cuda:N")
     max_model_len: int | None = _f(None, "context cap in tokens; default: the model's own")
     seed: int = _f(0, "seed for requests that do not set their own")
@@ -53,6 +61,11 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         check_quantization(self.quantization)
+        if self.decode_matmul not in DECODE_MATMULS:
+            raise ValueError(
+                f"decode_matmul must be one of {', '.join(DECODE_MATMULS)}, "
+                f"got {self.decode_matmul!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

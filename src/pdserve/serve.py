@@ -26,12 +26,11 @@ import zmq
 
 from pdserve.config import (
     KV_POOL_FIELDS,
-    CacheConfig,
+    EngineConfig,
     RouterConfig,
     WorkerConfig,
     add_config_args,
     add_engine_overrides,
-    check_quantization,
     config_from_args,
     engine_overrides,
 )
@@ -47,6 +46,7 @@ STARTUP_TIMEOUT_S = 300.0
 # Engine settings `pdserve serve` passes to every worker it starts: a new one is its name here.
 SERVE_ENGINE_ARGS = (
     "block_size",
+    "decode_matmul",
     "kv_cache_memory_gb",
     "kv_cache_dtype",
     "max_num_batched_tokens",
@@ -209,14 +209,12 @@ def _worker_specs(args: argparse.Namespace) -> list[WorkerSpec]:
         else {"prefill": args.prefill or 1, "decode": args.decode or 1}
     )
     total = sum(counts.values())
-    if args.quantization is not None:
-        check_quantization(args.quantization)  # here, not as N workers failing one by one
-    if args.kv_cache_dtype is not None:
-        CacheConfig(kv_cache_dtype=args.kv_cache_dtype)  # likewise: ValueError before any start
+    overrides = engine_overrides(args, SERVE_ENGINE_ARGS)
+    EngineConfig.from_kwargs(**overrides)  # a bad value: one ValueError here, before any start
     engine: dict[str, Any] = {
         "threads": args.threads or max(1, (os.cpu_count() or 1) // total),
         **({"model": args.model} if args.model is not None else {}),
-        **engine_overrides(args, SERVE_ENGINE_ARGS),
+        **overrides,
     }
     return [
         WorkerSpec(
@@ -283,6 +281,7 @@ def _cost_model(
             path,
             quantization=settings["quantization"],
             kv_cache_dtype=settings["kv_cache_dtype"],
+            decode_matmul=settings["decode_matmul"],
         )
     if _needs_cost_model(args):
         raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
@@ -295,6 +294,7 @@ def _cost_engine_args(args: argparse.Namespace) -> dict[str, str]:
     return {
         "quantization": getattr(args, "quantization", None) or "none",
         "kv_cache_dtype": getattr(args, "kv_cache_dtype", None) or "auto",
+        "decode_matmul": getattr(args, "decode_matmul", None) or "auto",
     }
 
 

@@ -174,3 +174,18 @@ def test_flags_and_defaults() -> None:
             parser.parse_args(["--prompt-lens", bad])
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+def test_decode_matmuls_vary_for_float32_weights_only() -> None:
+    parser = argparse.ArgumentParser()
+    eb.add_arguments(parser)
+    args = parser.parse_args(["--quantization", "none,w8g32", "--decode-matmuls", "auto,torch"])
+    assert eb.variants(args) == [
+        ("none", "auto", "auto"),
+        ("none", "auto", "torch"),
+        ("w8g32", "auto", "auto"),
+    ]
+    assert [eb.variant_label(*v) for v in eb.variants(args)] == ["none", "none mm=torch", "w8g32"]
+    assert eb.variant_label("none", "float16", "torch") == "none kv=float16 mm=torch"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--decode-matmuls", "mkl"])

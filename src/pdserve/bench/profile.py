@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", default="auto", help="KV cache: auto | float16 | bfloat16 (auto)"
     )
     parser.add_argument(
+        "--decode-matmul", default="auto", help="float32 decode matmuls: auto | tiles | torch"
+    )
+    parser.add_argument(
         "--contention",
         action="store_true",
         help="also time two workers sharing this host (two processes, ~20 s): the slowdown "
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        decode_matmul=args.decode_matmul,
     )
     about = result["about"]
     out = args.out or default_path(
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         args.threads,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        decode_matmul=args.decode_matmul,
     )
     result["model"].save(out, **about)
     if args.samples_out:

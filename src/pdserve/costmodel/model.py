@@ -332,17 +332,22 @@ def default_path(
     host: str | None = None,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    decode_matmul: str = "auto",
 ) -> Path:
-    """`<cache>/costmodel/<host>-<model stem>[-<quantization>][-kv-<dtype>]-t<threads>.json`.
+    """`<cache>/costmodel/<host>-<model stem>[-<quantization>][-kv-<dtype>][-mm-torch]-t<threads>
+    .json`.
 
-    One file per host, model, weight quantization, KV cache dtype and thread count, because a
-    cost model is a measurement of exactly that combination: another CPU, model, quantization,
-    KV dtype (it sets the bytes a decode step reads) or thread count has other coefficients.
-    (`none` and `auto` add nothing, so files saved before either existed still apply.)
+    One file per host, model, weight quantization, KV cache dtype, decode matmul and thread
+    count, because a cost model is a measurement of exactly that combination: another CPU,
+    model, quantization, KV dtype (it sets the bytes a decode step reads), decode matmul (it
+    sets how batch size costs) or thread count has other coefficients. (`none` and `auto` add
+    nothing, so files saved before either existed keep their names; `profile._load_valid`
+    still refuses one measured with another decode matmul.)
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     host = _slug(host if host is not None else platform.node())
     quant = "" if quantization == "none" else f"-{_slug(quantization)}"
     quant += "" if kv_cache_dtype == "auto" else f"-kv-{_slug(kv_cache_dtype)}"
+    quant += "" if decode_matmul == "auto" else f"-mm-{_slug(decode_matmul)}"
     return cache_dir() / "costmodel" / f"{host}-{model_stem(model_name)}{quant}-t{threads}.json"

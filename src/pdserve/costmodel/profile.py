@@ -506,6 +506,7 @@ def _about(
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
         "kv_cache_dtype": engine.config.cache_config.kv_cache_dtype,
+        "decode_matmul": engine.decode_matmul,  # as resolved: tiles | torch
         "kv_bytes_per_token": kv_bytes_per_token(engine),
         "torch": torch.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -545,9 +546,11 @@ def load_or_profile(
     """
     quantization = str(engine_args.get("quantization", "none"))
     kv = str(engine_args.get("kv_cache_dtype", "auto"))
+    mm = str(engine_args.get("decode_matmul", "auto"))
     path = path or default_path(model_path(model), threads, quantization=quantization,
-                                kv_cache_dtype=kv)  # fmt: skip
-    cached = _load_valid(path, threads, quantization, kv)
+                                kv_cache_dtype=kv, decode_matmul=mm)  # fmt: skip
+    dtype = str(engine_args.get("dtype", "float32"))
+    cached = _load_valid(path, threads, quantization, kv, _resolved_matmul(mm, quantization, dtype))
     if cached is not None:
         _log(f"cost model from {path}")
         return cached
@@ -558,8 +561,21 @@ def load_or_profile(
     return result["model"]  # type: ignore[no-any-return]
 
 
+def _resolved_matmul(name: str, quantization: str, dtype: str) -> str:
+    """What `--decode-matmul name` is for a CPU engine with these settings (tiles | torch)."""
+    import torch
+
+    from pdserve.engine.quant import decode_matmul
+
+    return decode_matmul(name, quantization, torch.device("cpu"), getattr(torch, dtype))
+
+
 def _load_valid(
-    path: Path, threads: int, quantization: str = "none", kv_cache_dtype: str = "auto"
+    path: Path,
+    threads: int,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
+    decode_matmul: str = "torch",
 ) -> CostModel | None:
     if not path.is_file():
         return None
@@ -578,5 +594,9 @@ def _load_valid(
         return None
     if about.get("kv_cache_dtype", "auto") != kv_cache_dtype:
         _log(f"ignoring {path}: measured with KV cache dtype {about.get('kv_cache_dtype')}")
+        return None
+    # Files from before the tile kernel measured torch's GEMM.
+    if about.get("decode_matmul", "torch") != decode_matmul:
+        _log(f"ignoring {path}: measured with decode matmul {about.get('decode_matmul', 'torch')}")
         return None
     return loaded

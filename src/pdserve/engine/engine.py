@@ -97,6 +97,9 @@ class LLMEngine:
         self.quantization = mc.quantization
         kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)  # refused before the slow load
         quant.check_supported(mc.quantization, self.device, self.dtype)  # before the slow load
+        self.decode_matmul = quant.decode_matmul(
+            mc.decode_matmul, mc.quantization, self.device, self.dtype
+        )
         self.source = loader.resolve_model(mc.model)
         self.arch = loader.load_arch(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
@@ -151,6 +154,8 @@ class LLMEngine:
         model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
         del weights
         quant.quantize_model(model, self.quantization)
+        if self.decode_matmul == "tiles":
+            quant.tile_model(model)
         return model.eval()
 
     # ---- intake -----------------------------------------------------------------------------
@@ -574,6 +579,7 @@ class LLMEngine:
         return {
             "quantization": self.quantization,
             "kv_cache_dtype": str(self.cache.dtype).removeprefix("torch."),
+            "decode_matmul": self.decode_matmul,
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "kv_blocks_total": kv.num_blocks,

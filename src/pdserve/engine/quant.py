@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from pdserve.config import QUANTIZATIONS, check_quantization
+from pdserve.config import DECODE_MATMULS, QUANTIZATIONS, check_quantization
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaLayer, LlamaModel
@@ -203,6 +203,88 @@ class W8G32Linear:
             w = self._ops.dequantize(self.q, self.scales, n, n0, n1, out)
             y[:, n0:n1] = x @ w if self.bias is None else torch.addmm(self.bias[n0:n1], x, w)
         return y
+
+
+def decode_matmul(name: str, quantization: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What `--decode-matmul name` means for this engine: "tiles" or "torch".
+
+    `tiles` needs float32 projection weights (`--quantization none`, `--dtype float32`) on a
+    CPU the native kernel runs on; asked for elsewhere it is refused at start-up, never dropped
+    silently. `auto` is tiles wherever it runs, torch elsewhere (quantized models, CUDA)."""
+    if name not in DECODE_MATMULS:
+        raise ValueError(f"decode_matmul must be one of {', '.join(DECODE_MATMULS)}, got {name!r}")
+    if name == "torch":
+        return "torch"
+    from pdserve.engine import kernels
+
+    why = (
+        f"quantization {quantization!r} (tiles hold float32 weights)"
+        if quantization != "none"
+        else f"device {device}"
+        if device.type != "cpu"
+        else f"dtype {str(dtype).removeprefix('torch.')}"
+        if dtype != torch.float32
+        else f"a CPU without AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        if not kernels.cpu_supported()
+        else None
+    )
+    if why is None:
+        return "tiles"
+    if name == "tiles":
+        raise ValueError(f"decode_matmul 'tiles' cannot run with {why}; use auto or torch")
+    return "torch"
+
+
+class F32TileLinear:
+    """A float32 projection that keeps its weight and adds the streaming kernel's 16-channel
+    tiles of it (kernels/w8g32.cpp, matmul_f32): calls of at most `rows` rows (decode steps, short
+    chunks) stream the tiles once for every row, larger ones (prefill) run torch's GEMM on the
+    original weight, exactly as an untiled model does. The price is a second copy of the weights.
+
+    Why: torch's GEMM (MKL) at 2-16 rows takes 2.7-4x the time of 1 row on the AMD EPYC we
+    measured, though every row count reads the same weights (docs/benchmarks/engine.md)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+    ) -> None:
+        from pdserve.engine import kernels
+
+        self._ops = kernels.w8g32_module(isa)
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"tiles take a float32 [in, out] weight, got {weight.dtype}")
+        self.weight = weight  # [in, out], the model's own tensor (not copied)
+        self.bias = bias
+        self.in_features, self.out_features = weight.shape
+        self.tiles = self._ops.pack_f32(weight.detach())
+        self.rows = int(self._ops.f32_max_rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per decode call: the float32 tiles (+ bias)."""
+        return self.tiles.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, weight takes {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= self.rows:
+            y = self._ops.matmul_f32(x2, self.tiles, self.out_features, self.bias)
+        elif self.bias is None:
+            y = x2 @ self.weight
+        else:
+            y = torch.addmm(self.bias, x2, self.weight)
+        return y.reshape(*lead, self.out_features)
+
+
+def tile_model(model: LlamaModel) -> None:
+    """Give every float32 projection and the LM head its F32TileLinear (`decode_matmul`
+    tiles); the float weights stay for prefill."""
+    for layer in layers_of(model):
+        for proj in LAYER_PROJECTIONS:
+            bias = layer.qkv_bias if proj == "qkv" else None
+            layer.quantized[proj] = F32TileLinear(getattr(layer, proj), bias)
+    model.quantized_head = F32TileLinear(model.lm_head)
 
 
 class FusedOps:

@@ -103,6 +103,7 @@ class Links:
                     "kv_blocks_total": s.get("kv_blocks_total", 0),
                     "quantization": s.get("quantization"),
                     "kv_cache_dtype": s.get("kv_cache_dtype"),
+                    "decode_matmul": s.get("decode_matmul"),
                     **self.placement.get(w.worker_id, {}),
                 }
             )

@@ -69,7 +69,7 @@ from pdserve.bench.micro.engine_measure import build_engine, measure_roofline, r
 from pdserve.bench.micro.engine_peers import llama_cpp_version, run_hf, run_llama_cpp
 from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
 from pdserve.bench.micro.engine_results import ModelCost, Report, Row, log
-from pdserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from pdserve.config import DECODE_MATMULS, KV_CACHE_DTYPES, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -83,6 +83,7 @@ SETTINGS = (
     "repeats",
     "quantization",
     "kv_cache_dtypes",
+    "decode_matmuls",
 )
 
 
@@ -101,9 +102,22 @@ _INT_FLAGS = (
 )
 
 
-def variant_label(quantization: str, kv_cache_dtype: str) -> str:
-    """A row's pdserve variant: the quantization, plus the KV dtype when not the model's."""
-    return quantization if kv_cache_dtype == "auto" else f"{quantization} kv={kv_cache_dtype}"
+def variant_label(quantization: str, kv_cache_dtype: str, decode_matmul: str = "auto") -> str:
+    """A row's pdserve variant: the quantization, plus the KV dtype when not the model's and
+    the decode matmul when not the engine's choice."""
+    label = quantization if kv_cache_dtype == "auto" else f"{quantization} kv={kv_cache_dtype}"
+    return label if decode_matmul == "auto" else f"{label} mm={decode_matmul}"
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(quantization, KV dtype, decode matmul) per engine measured; decode matmuls vary for
+    float32 weights only (a quantized model has its own kernels)."""
+    return [
+        (q, kv, mm)
+        for q in args.quantization
+        for kv in args.kv_cache_dtypes
+        for mm in (args.decode_matmuls if q == "none" else ["auto"])
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=argtypes.subset(KV_CACHE_DTYPES),
         default=["auto"],
         help="KV cache dtypes, each measured with every quantization (auto: the model's dtype)",
+    )
+    parser.add_argument(
+        "--decode-matmuls",
+        type=argtypes.subset(DECODE_MATMULS),
+        default=["auto"],
+        help="float32 decode matmuls (auto | tiles | torch), each measured with --quantization "
+        "none (auto: the engine's choice)",
     )
     parser.add_argument("--device", default="cpu", help="torch device of the engine: cpu | cuda")
     parser.add_argument("--dtype", default="float32", help="engine dtype: float32 | bfloat16")
@@ -201,10 +222,10 @@ def run(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     model: dict[str, Any] = {}
     source: ModelSource | None = None
-    for q, kv in [(q, kv) for q in args.quantization for kv in args.kv_cache_dtypes]:
-        label = variant_label(q, kv)
+    for q, kv, mm in variants(args):
+        label = variant_label(q, kv, mm)
         log(f"loading pdserve engine ({label})")
-        engine = build_engine(args, threads, q, kv)
+        engine = build_engine(args, threads, q, kv, mm)
         cost = ModelCost.from_arch(engine.arch, engine.dtype.itemsize, engine.cache.dtype.itemsize)
         rows += run_pdserve(args, engine, cost, roof, label)
         source, model = engine.source, model or model_info(engine, cost)

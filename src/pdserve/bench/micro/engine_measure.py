@@ -72,7 +72,11 @@ def _matmul_gflops(n: int, repeats: int) -> float:
 
 
 def build_engine(
-    args: argparse.Namespace, threads: int, quantization: str, kv_cache_dtype: str = "auto"
+    args: argparse.Namespace,
+    threads: int,
+    quantization: str,
+    kv_cache_dtype: str = "auto",
+    decode_matmul: str = "auto",
 ) -> LLMEngine:
     from pdserve import LLM
 
@@ -91,6 +95,7 @@ def build_engine(
         max_num_batched_tokens=max(*args.prompt_lens, max(args.batch_sizes)),
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        decode_matmul=decode_matmul,
         device=args.device,  # cuda: the roofline (MFU/MBU) is still the CPU's
         dtype=args.dtype,
     )

@@ -318,6 +318,136 @@ torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, int64_t N, int64_t n0
   return w;
 }
 
+// ---------------------------------------------------------------- float32 weights, few rows
+// The same 16-channel tiles with float32 weights, for `--quantization none` decode steps
+// (engine/quant.py: F32TileLinear). Why: torch's GEMM (MKL 2024 in torch 2.13) is slow at
+// 2-16 rows: measured one thread on an AVX2-only AMD EPYC, the default model's projections at
+// 8 rows took 2.7-4x the time of 1 row, though the weight read is the same (the 8-row product is
+// ~17 GFLOP/s, a fifth of the FMA peak). Streaming the tiles once per step for every row keeps
+// the step bound by the weight read up to ~8 rows.
+//
+// AVX2 intrinsics only, in both builds: one code path to test on either machine kind.
+// Loop order: chunks of kChunk inputs outer, blocks of 4 rows inner, so a chunk of the tile
+// (kChunk x 64 bytes, 4 KB) is read from memory once and from L1 by the other row blocks; the
+// running sums live in a small buffer between chunks. Every pass prefetches the next chunk, so
+// the memory stream keeps running while later row blocks compute.
+
+namespace {
+
+constexpr int64_t kChunk = 64;        // inputs per chunk: 4 KB of float32 tile
+constexpr int64_t kF32MaxRows = 64;   // rows one call takes (the sums buffer: 4 KB)
+
+template <int NR, int U>
+void f32_chunk(const float* x, int64_t ldx, const float* p, int64_t k0, int64_t k1, bool first,
+               float* sums) {
+  __m256 acc[U][NR][2];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < NR; ++r) {
+      acc[u][r][0] = (u == 0 && !first) ? _mm256_loadu_ps(sums + r * kTile) : _mm256_setzero_ps();
+      acc[u][r][1] =
+          (u == 0 && !first) ? _mm256_loadu_ps(sums + r * kTile + 8) : _mm256_setzero_ps();
+    }
+  int64_t k = k0;
+  for (; k + U <= k1; k += U) {
+    for (int u = 0; u < U; ++u) {
+      const float* w = p + (k + u) * kTile;
+      _mm_prefetch(reinterpret_cast<const char*>(w + kChunk * kTile), _MM_HINT_T0);
+      const __m256 wlo = _mm256_loadu_ps(w), whi = _mm256_loadu_ps(w + 8);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k + u);
+        acc[u][r][0] = _mm256_fmadd_ps(xv, wlo, acc[u][r][0]);
+        acc[u][r][1] = _mm256_fmadd_ps(xv, whi, acc[u][r][1]);
+      }
+    }
+  }
+  for (int u = 0; k < k1; ++k, ++u) {  // ragged end (K not a multiple of U): u < U
+    const float* w = p + k * kTile;
+    const __m256 wlo = _mm256_loadu_ps(w), whi = _mm256_loadu_ps(w + 8);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[u][r][0] = _mm256_fmadd_ps(xv, wlo, acc[u][r][0]);
+      acc[u][r][1] = _mm256_fmadd_ps(xv, whi, acc[u][r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    __m256 lo = acc[0][r][0], hi = acc[0][r][1];
+    for (int u = 1; u < U; ++u) {
+      lo = _mm256_add_ps(lo, acc[u][r][0]);
+      hi = _mm256_add_ps(hi, acc[u][r][1]);
+    }
+    _mm256_storeu_ps(sums + r * kTile, lo);
+    _mm256_storeu_ps(sums + r * kTile + 8, hi);
+  }
+}
+
+// One tile (16 output channels) against all M rows; sums [M, 16].
+void f32_tile(const float* x, int64_t K, int64_t M, const float* p, float* sums) {
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const float* xr = x + r0 * K;
+      float* sr = sums + r0 * kTile;
+      const bool first = k0 == 0;
+      switch (std::min<int64_t>(4, M - r0)) {  // 1-2 rows: unrolled for >= 4 FMA chains
+        case 4: f32_chunk<4, 1>(xr, K, p, k0, k1, first, sr); break;
+        case 3: f32_chunk<3, 1>(xr, K, p, k0, k1, first, sr); break;
+        case 2: f32_chunk<2, 2>(xr, K, p, k0, k1, first, sr); break;
+        default: f32_chunk<1, 4>(xr, K, p, k0, k1, first, sr); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// w: float32 [K, N] -> p float32 [T, K, 16] (a partial last tile zero-padded).
+torch::Tensor pack_f32(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat, "w: float32 [K, N]");
+  const int64_t K = w.size(0), N = w.size(1), T = ceil_div(N, kTile);
+  auto padded = torch::zeros({K, T * kTile}, torch::kFloat);
+  padded.narrow(1, 0, N).copy_(w);
+  return padded.view({K, T, kTile}).permute({1, 0, 2}).contiguous();
+}
+
+// x float32 [M, K] (M <= kF32MaxRows) @ packed p [T, K, 16] -> y [M, N] (+ bias [N]).
+torch::Tensor matmul_f32(torch::Tensor x, torch::Tensor p, int64_t N,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile);
+  TORCH_CHECK(M <= kF32MaxRows, "matmul_f32 takes at most ", kF32MaxRows, " rows");
+  TORCH_CHECK(p.dtype() == torch::kFloat && p.is_contiguous() && p.dim() == 3 &&
+                  p.size(0) == T && p.size(1) == K && p.size(2) == kTile,
+              "p: float32 [T, K, 16] matching K, N");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias: float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, torch::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const float* pp = p.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    float sums[kF32MaxRows * kTile];
+    for (int64_t t = a; t < b; ++t) {
+      f32_tile(xp, K, M, pp + t * K * kTile, sums);
+      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
+      for (int64_t r = 0; r < M; ++r) {
+        float* dst = yp + r * N + n0;
+        const float* src = sums + r * kTile;
+        if (bp) {
+          for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + bp[n0 + c];
+        } else {
+          std::memcpy(dst, src, nc * sizeof(float));
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // ---------------------------------------------------------------- small fused ops
 // A decode step at batch 1 runs ~60 RMSNorms and 30 RoPEs on vectors of a few hundred floats:
 // torch runs each as 5-8 separate ops (~20-30 us a call on one thread, mostly dispatch), here
@@ -379,5 +509,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotate-half RoPE of the first `heads` heads of x [T, *]");
   m.attr("isa") = kIsa;  // which build this is: "avx2" or "avx512"
   m.attr("rows") = kRows;  // rows per pass over a weight tile
+  m.def("pack_f32", &pack_f32, "float32 [K, N] -> float32 tiles [T, K, 16]");
+  m.def("matmul_f32", &matmul_f32, "x [M, K] (M <= f32_max_rows) @ float32 tiles (+ bias)");
+  m.attr("f32_max_rows") = kF32MaxRows;
   m.def("dequantize", &dequantize, "columns [n0, n1) of the packed weight into out, float32 [K, n]");
 }
