@@ -152,3 +152,12 @@ def test_cost_model_records_the_decode_matmul(
     assert _load_valid(old, 1, decode_matmul="tiles") is None  # another decode speed
     assert _load_valid(old, 1, decode_matmul="torch") is not None
     assert _load_valid(new, 1, decode_matmul="tiles") is not None
+
+
+@pytest.mark.parametrize(("vendor", "rows"), [("GenuineIntel", 16), ("AuthenticAMD", 64)])
+def test_tile_row_limit_by_vendor(monkeypatch: pytest.MonkeyPatch, vendor: str, rows: int) -> None:
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
+    lin = quant.F32TileLinear(torch.randn(8, 16))
+    assert lin.rows == rows
+    x = torch.randn(rows + 1, 8)
+    assert torch.equal(lin(x), x @ lin.weight)  # past the limit: torch's GEMM

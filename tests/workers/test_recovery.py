@@ -206,3 +206,28 @@ def test_no_request_outlives_its_timeout(tiny_llama_path, want) -> None:  # type
         assert_cluster_idle(c)  # both workers were told to abort: nothing held
         (ok,) = c.generate([PROMPT], LONG)
         assert ok.outputs[0].token_ids == want
+
+
+def test_a_request_queued_behind_long_prompts_is_not_silent(
+    tiny_llama_path, want, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Four prompts on one colocated worker whose steps take 1 s each (one prompt a step): the
+    last waits ~4 s for its first token, longer than the 2 s silence limit, while its worker
+    computes the others. That is queueing, not a lost request: it is served, and the wait is
+    counted. Before, it ended with 504 "no progress" (seen with 2000-token prompts on P)."""
+    from pdserve.router import core
+
+    monkeypatch.setattr(core, "SILENCE_S", 2.0)
+    with LocalCluster(
+        str(tiny_llama_path), transport="tcp", threads=1, deadline_s=0.25,
+        prefill=0, decode=0, colocated=1, engine_args={"max_num_batched_tokens": 12},
+    ) as c:  # fmt: skip
+        c.set_fault("C0", "slow", count=-1, delay_s=1.0)
+        short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        _, fut = c.submit([PROMPT] * 4, short)
+        outs = fut.result(timeout=90)
+        c.set_fault("C0", "none")
+        assert [o.error for o in outs] == [None] * 4
+        assert all(o.outputs[0].token_ids == want[:2] for o in outs)
+        assert c.stats["queued_silence_extended"] >= 1
+        assert_cluster_idle(c)

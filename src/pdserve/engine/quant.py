@@ -256,7 +256,9 @@ class F32TileLinear:
         self.bias = bias
         self.in_features, self.out_features = weight.shape
         self.tiles = self._ops.pack_f32(weight.detach())
-        self.rows = int(self._ops.f32_max_rows)
+        # Intel: the same 16-row limit as w8g32, where MKL's own fast paths start (the tiles
+        # were measured on AMD EPYC only); elsewhere as many rows as the kernel takes (64).
+        self.rows = min(int(self._ops.f32_max_rows), gemv_rows(self._ops.isa))
 
     @property
     def nbytes(self) -> int:
