@@ -260,14 +260,10 @@ class RouterCore:
                     msg = f"request timed out after {self.config.request_timeout_s:g}s"
                     raise RequestError(msg, 504, "timeout") from None
                 done = self._work_done(flight)
-                if (
-                    flight.first_at is None
-                    and mark is not None
-                    and done is not None
-                    and done > mark
-                ):
+                if flight.first_at is None and done is not None and (mark is None or done > mark):
                     # Queued behind prompts its worker is computing (a 2000-token prompt takes
                     # ~15 s on one CPU thread): waiting, not lost. request_timeout_s still caps it.
+                    # (No mark yet: the worker's first stats came during this wait; one more.)
                     mark = done
                     self.events.count("queued_silence_extended")
                     continue
