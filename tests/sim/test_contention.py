@@ -55,6 +55,29 @@ def test_host_stretches_overlapping_steps_by_hand() -> None:
     assert not host.running
 
 
+def test_a_superseded_end_never_ends_the_workers_next_step() -> None:
+    """A's first step (work 1.0) starts beside B's prefill at rate 1/2, so its first end event
+    is queued at 2.0; B ends at 0.5 and A's end moves to 0.5 + (1 - 0.25) = 1.25. A starts its
+    next step (work 1.0) at once: it must end at 2.25, not at the superseded 2.0 (it did when
+    each step numbered its own end events from 1: the new step's first number matched the
+    stale event's)."""
+    clock = Clock()
+    host = Host(Contention(decode_by_prefill=2.0), clock.at, lambda: clock.now)
+    ends: list[tuple[str, float]] = []
+
+    def a_done(n: int) -> None:
+        ends.append((f"A{n}", clock.now))
+        if n == 1:
+            host.start(clock.now, "A", "decode", 1.0, lambda: a_done(2))
+
+    host.start(0.0, "B", "prefill", 0.5, lambda: ends.append(("B", clock.now)))
+    host.start(0.0, "A", "decode", 1.0, lambda: a_done(1))  # beside B: rate 1/2 from the start
+    clock.run()
+    assert [name for name, _ in ends] == ["B", "A1", "A2"]
+    assert [t for _, t in ends] == pytest.approx([0.5, 1.25, 2.25])
+    assert not host.running
+
+
 def test_host_alone_and_factor_one_change_nothing() -> None:
     clock = Clock()
     host = Host(Contention.none(), clock.at, lambda: clock.now)
@@ -214,3 +237,44 @@ def test_validation_slos_come_from_the_less_disturbed_probe() -> None:
     assert slos_from_probes(args, probes)[1] == 0.2
     with pytest.raises(RuntimeError, match="no timings"):
         slos_from_probes(args, [Record("c", 256, 8, None, rejected="slo_ttft")])
+
+
+def test_resimulate_checks_the_simulator_against_stored_real_runs(tmp_path: Path) -> None:
+    """`validate --resimulate`: the real runs kept in an earlier output are simulated again with
+    this code. Stored "real" runs that are this simulator's own output must come back exact."""
+    from dataclasses import asdict
+
+    from pdserve.sim import validate as V
+    from pdserve.sim.deploy import simulate
+    from pdserve.sim.workload import arrivals, requests_from_items
+    from pdserve.workloads.streams import SyntheticWorkload
+
+    path = tmp_path / "cm.json"
+    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=1000)
+    FACTORS.save_into(path)
+    items = list(SyntheticWorkload(6, 64, 4, 0.25, 0))
+    reqs = requests_from_items(items, arrivals(6, 2.0, 0))
+    case = next(c for c in V.cases() if c.name == "1P1D")
+    d = replace(case.deployment, cost_model=path, expected_output=4, slo_ttft_s=1.0,
+                slo_tpot_s=0.1)  # fmt: skip
+    recs: list = []
+    probes: list = []
+    simulate(d, reqs, records_out=recs)
+    simulate(d, V.probe_requests(64), records_out=probes)
+    row = {"case": "1P1D", "real_records": [[asdict(r) for r in recs]],
+           "real_probes": [[asdict(r) for r in probes]]}  # fmt: skip
+    args = {"num_requests": 6, "input_len": 64, "output_len": 4, "rate": 2.0, "seed": 0,
+            "cost_model": str(path)}  # fmt: skip
+    src, out = tmp_path / "v.json", tmp_path / "again.json"
+    src.write_text(json.dumps({"args": args, "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                               "results": [row]}))  # fmt: skip
+    V.main(["--resimulate", str(src), "--out", str(out)])
+    got = json.loads(out.read_text())
+    vs = got["results"][0]["vs"]
+    assert vs["attainment_diff_pts"] == 0
+    assert all(v == pytest.approx(0.0) for k, v in vs.items() if k.endswith("_err")), vs
+    assert got["resimulated_from"] == str(src)
+    del row["real_records"]
+    src.write_text(json.dumps({"args": args, "slo": {"ttft_s": 1, "tpot_s": 1}, "results": [row]}))
+    with pytest.raises(SystemExit, match="no real_records"):
+        V.main(["--resimulate", str(src), "--out", str(out)])

@@ -14,6 +14,7 @@ starts at 0, a decode of work 0.5 at 0.2. From 0.2 the prefill runs at 1/2 and t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class _Running:
     rate: float
     since: float
     done: Callable[[], None]
-    token: int = 0  # bumped at every reschedule: older end events are stale
+    token: int = 0  # the host's sequence number of its latest end event: older ones are stale
 
 
 class Host:
@@ -44,6 +45,10 @@ class Host:
         self.contention = contention
         self.schedule, self.clock = schedule, clock
         self.running: dict[str, _Running] = {}
+        # one sequence for the whole host, not per step: a stale end event of a worker's last
+        # step must never match the step it starts next (a per-step count restarts at 1, so
+        # the old step's superseded end, still queued, used to end the new step early)
+        self._tokens = itertools.count(1)
 
     def start(self, now: float, key: str, kind: str, work: float, done: Callable[[], None]) -> None:
         """Run a step of `work` seconds (alone) for worker `key`; `done()` at its end."""
@@ -65,7 +70,7 @@ class Host:
             if r.token and rate == r.rate:
                 continue  # same rate: its end event still holds
             r.rate = rate
-            r.token += 1
+            r.token = next(self._tokens)
             self.schedule(now + r.remaining / r.rate, self._ender(key, r.token))
 
     def _ender(self, key: str, token: int) -> Callable[[], None]:
