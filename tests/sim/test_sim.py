@@ -124,6 +124,42 @@ def test_admission_rejects_what_no_route_can_meet() -> None:
     assert sim.counters == {"rejected_slo_ttft": 1}
 
 
+def test_the_planner_learns_from_finished_requests_as_the_router_does() -> None:
+    """Online calibration (router/timeline.py `score`): each finished request's actual TTFT and
+    TPOT against its uncalibrated prediction move the planner's factors, which scale the next
+    request's predictions. The model predicts half the real step: the ratio is 2."""
+    half = CostModel((0.5, 0.25, 0.0), (0.5, 0.25, 0.0))
+    cfg = SimConfig(colocated=1, planner=True)
+    sim, (a, b) = run(cfg, [req("a", 0.0, 4, 3), req("b", 20.0, 4, 3, base=500)],
+                      planner_model=half)  # fmt: skip
+    # a: predicted 0.5 + 0.25 x 4 = 1.5 s on the idle worker, took 1 + 0.5 x 4 = 3 s
+    assert a.predicted_ttft == pytest.approx(1.5) and a.ttft == pytest.approx(3.0)
+    assert b.predicted_ttft == pytest.approx(1.5 * (0.8 + 0.2 * 2))  # scaled by what a taught
+    assert sim.planner is not None and sim.planner.calibration.samples == 4  # a's and b's
+    assert sim.planner.calibration.tpot > 1.0
+
+
+def test_probes_teach_the_simulated_planner_before_the_run() -> None:
+    """`simulate(probes=...)`: requests sent one at a time before the run (the validation's
+    lone probes) calibrate the planner as they did the real router; with no planner, nothing."""
+    from pdserve.sim.deploy import Built, probe_calibration
+
+    half = CostModel((0.5, 0.25, 0.0), (0.5, 0.25, 0.0))
+    cfg = SimConfig(colocated=1, planner=True)
+    built = Built(cfg, LinearStep(), LinearStep(), Link(1000.0, 0.25), half, None)
+    cal = probe_calibration(built, [req("p0", 0.0, 4, 3), req("p1", 0.0, 4, 3, base=500)])
+    # each probe: TTFT 3 s (1 + 0.5 x 4) against 1.5 s predicted (0.5 + 0.25 x 4): ratio 2
+    assert cal is not None and cal.samples == 4
+    learned = cal.ttft
+    assert learned == pytest.approx(0.8 * (0.8 + 0.2 * 2) + 0.2 * 2)
+    _, (a,) = run(cfg, [req("a", 0.0, 4, 3, base=900)], planner_model=half, calibration=cal)
+    assert a.predicted_ttft == pytest.approx(1.5 * learned) and a.ttft == pytest.approx(3.0)
+    unplanned = Built(
+        SimConfig(colocated=1), LinearStep(), LinearStep(), Link(1e3, 0.0), None, None
+    )
+    assert probe_calibration(unplanned, [req("p0", 0.0, 4, 3)]) is None
+
+
 def test_conditional_and_prefix_routing_follow_the_planner() -> None:
     model = CostModel((1.0, 0.5, 0.0), (1.0, 0.5, 0.0), (0.25, 1000.0))
     cfg = SimConfig(

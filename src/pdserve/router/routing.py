@@ -185,9 +185,10 @@ class Routing:
         where = first.worker_id + (f"->{second.worker_id}" if second is not None else "")
         flight.timeline.append((labelled(Ev.ROUTE, kind), where, now))
         if pred is not None and flight.prediction is None:
-            cal = self.planner.calibration if self.planner else slo.Calibration()
             flight.prediction = pred
-            flight.raw_pred = (pred.ttft_s / cal.ttft, pred.tpot_s / cal.tpot)
+            flight.raw_pred = (
+                self.planner.uncalibrated(pred) if self.planner else (pred.ttft_s, pred.tpot_s)
+            )
         if self.planner is not None:
             self._book(flight, pred, now)
 

@@ -206,6 +206,19 @@ class SloPlanner:
         old = self.kv_bytes_per_token
         self.kv_bytes_per_token = per if old <= 0 else 0.8 * old + 0.2 * per
 
+    # ---- online calibration --------------------------------------------------------------
+    def uncalibrated(self, pred: Prediction) -> tuple[float, float]:
+        """(TTFT, TPOT) of `pred` before online calibration: what `learn` later compares with
+        the request's actual latencies."""
+        return pred.ttft_s / self.calibration.ttft, pred.tpot_s / self.calibration.tpot
+
+    def learn(self, raw: tuple[float, float], ttft: float | None, tpot: float | None) -> None:
+        """A finished request's actual TTFT / TPOT (None: not measured) against its
+        uncalibrated prediction `raw`. The router and the simulator both call this."""
+        for kind, predicted, actual in (("ttft", raw[0], ttft), ("tpot", raw[1], tpot)):
+            if actual is not None and actual > 0:
+                self.calibration.observe(kind, predicted, actual)
+
     # ---- the decision --------------------------------------------------------------------
     def routes(self, prefill: list[str], decode: list[str], colocated: list[str]) -> list[Route]:
         """Every candidate route over the healthy pools."""

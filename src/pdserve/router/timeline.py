@@ -163,12 +163,8 @@ class Timelines:
             "actual_ttft_s": None if ttft is None else round(ttft, 6),
             "actual_tpot_s": None if tpot is None else round(tpot, 6),
         }
-        for kind, predicted, actual, raw in (
-            ("ttft", pred.ttft_s, ttft, flight.raw_pred[0]),
-            ("tpot", pred.tpot_s, tpot, flight.raw_pred[1]),
-        ):
-            if actual is None or actual <= 0:
-                continue
-            self.events.prediction(kind, abs(predicted - actual) / actual)
-            if planner is not None and flight.attempt == 1:
-                planner.calibration.observe(kind, raw, actual)
+        for kind, predicted, actual in (("ttft", pred.ttft_s, ttft), ("tpot", pred.tpot_s, tpot)):
+            if actual is not None and actual > 0:
+                self.events.prediction(kind, abs(predicted - actual) / actual)
+        if planner is not None and flight.attempt == 1:
+            planner.learn(flight.raw_pred, ttft, tpot)

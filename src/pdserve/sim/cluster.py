@@ -5,10 +5,12 @@ Only time is simulated. Every decision is the real code's:
     simulator has no tensors, so the manager *is* the fake block store); `schedule()` decides
     every step, `update_from_output` advances it; preemption, chunking, prefix caching, held KV
     and reservations are the engine's own;
-  * the router is `SloPlanner.routes/decide` (admission, conditional disaggregation) over
-    `WorkerLoad`s booked exactly as `router/routing.py` books them, `PrefixIndex` fed with the
-    workers' real `KVEvents`, the routing policies of `router/policies.py` when there is no
-    planner, and `balancer.pressures` + `Autobalancer` for role moves.
+  * the router is `SloPlanner.routes/decide` (admission, conditional disaggregation, and its
+    online calibration: `SloPlanner.learn` from each finished request, as `router/timeline.py`
+    calls it) over `WorkerLoad`s booked exactly as `router/routing.py` books them,
+    `PrefixIndex` fed with the workers' real `KVEvents`, the routing policies of
+    `router/policies.py` when there is no planner, and `balancer.pressures` + `Autobalancer`
+    for role moves.
 
 Life of a request, by the handlers below:
   1. `_arrive`      the router decides: reject (admission), or a route and its workers;
@@ -282,6 +284,7 @@ class Simulation:
         planner_model: slo.CostModel | None = None,
         prefill_step: StepModel | None = None,
         contention: Contention | None = None,  # the workers share one CPU host (sim/host.py)
+        calibration: slo.Calibration | None = None,  # the planner's, learned before the run
     ) -> None:
         self.config, self.link = config, link
         self.now = 0.0
@@ -313,6 +316,8 @@ class Simulation:
                 expected_output=config.expected_output,
                 kv_bytes_per_token=step.kv_bytes_per_token,
             )
+            if calibration is not None:
+                self.planner.calibration = calibration
         self.policies = {r: make_policy(config.router_policy) for r in ROLES}
         self.autobalancer = balancer.Autobalancer() if config.autobalance else None
         self.records: dict[str, Record] = {}
@@ -322,6 +327,7 @@ class Simulation:
         self._conv: dict[str, int] = {}
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
+        self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
 
     # ---- the loop ----------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -382,6 +388,8 @@ class Simulation:
         rec.route, rec.workers = kind, tuple(w.wid for w in pair if w is not None)
         if chosen is not None:
             rec.predicted_ttft, rec.predicted_tpot = chosen.ttft_s, chosen.tpot_s
+            if self.planner is not None:
+                self._raw[req.rid] = self.planner.uncalibrated(chosen)
         self.count(f"route_{kind}")
         self.decisions.append((self.now, req.rid, kind, "->".join(rec.workers)))
         self.routes[req.rid] = pair
@@ -490,6 +498,10 @@ class Simulation:
         if rec.finished_at is not None:
             return
         rec.finished_at = self.now
+        raw = self._raw.pop(rid, None)
+        if raw is not None and self.planner is not None:
+            # the router's online calibration (timeline.score): actual vs predicted, per request
+            self.planner.learn(raw, rec.ttft, rec.tpot)
         pair = self.routes.pop(rid, (w, None))
         for x in pair:
             if x is not None:

@@ -20,6 +20,7 @@ import numpy as np
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
+from pdserve.router import slo
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import gpu, model_shape
 from pdserve.sim.steptime import (
@@ -158,11 +159,20 @@ def simulate(
     requests: Sequence[SimRequest],
     built: Built | None = None,
     warmup_s: float = 0.0,
+    records_out: list[Record] | None = None,
+    probes: Sequence[SimRequest] = (),
 ) -> dict[str, Any]:
-    """Run and summarize; requests arriving before `warmup_s` run but are not counted."""
+    """Run and summarize; requests arriving before `warmup_s` run but are not counted.
+    `records_out`, when given, receives the counted requests' records; `probes` run first,
+    one at a time on the idle deployment, and only teach the planner (`probe_calibration`)."""
     b = built or build(d)
-    sim = Simulation(b.config, b.step, b.link, b.planner_model, b.prefill_step, b.contention)
+    cal = probe_calibration(b, probes)
+    sim = Simulation(
+        b.config, b.step, b.link, b.planner_model, b.prefill_step, b.contention, calibration=cal
+    )
     records = [r for r in sim.run(requests) if r.arrival >= warmup_s]
+    if records_out is not None:
+        records_out.extend(records)
     out = summarize(records, d.slo_ttft_s, d.slo_tpot_s, d.gpus)
     out["deployment"] = d.label()
     out["counters"] = dict(sorted(sim.counters.items()))
@@ -171,6 +181,21 @@ def simulate(
     if b.contention is not None:
         out["contention"] = b.contention.note
     return out
+
+
+def probe_calibration(b: Built, probes: Sequence[SimRequest]) -> slo.Calibration | None:
+    """The planner's online calibration after `probes` ran one after another, each alone on
+    the idle deployment, as a real router learns from requests sent before a run (the
+    validation's two lone probes). None without a planner or probes."""
+    if not b.config.planner or not probes:
+        return None
+    cal = slo.Calibration()
+    for probe in probes:
+        sim = Simulation(
+            b.config, b.step, b.link, b.planner_model, b.prefill_step, b.contention, calibration=cal
+        )
+        sim.run([replace(probe, arrival=0.0)])
+    return cal
 
 
 def utilization(sim: Simulation) -> dict[str, float]:
