@@ -106,3 +106,25 @@ def test_cli_writes_the_model_and_samples(tiny_llama_path: Path, tmp_path: Path)
     assert CostModel.load(out).prefill_s(100) > 0
     samples = json.loads(raw.read_text())
     assert samples["prefill"] and samples["decode"] and samples["transfer"]
+
+
+def test_decode_points_pool_their_steps_over_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (batch, context) is timed once per round, and its sample is the median of every
+    round's steps: a slow spell during one round moves it less than a point timed once."""
+    calls: list[tuple[int, int]] = []
+    # round 1 fast, round 2 slow, round 3 fast: per point 3 steps each
+    speed = {0: 0.010, 1: 0.050, 2: 0.011}
+
+    def fake_times(engine: Any, ids: Any, batch: int, context: int, steps: int) -> Any:
+        if batch == 3:
+            return None  # does not fit: skipped, and not tried again
+        rnd = sum(1 for c in calls if c == (batch, context))
+        calls.append((batch, context))
+        return [speed[rnd] * batch] * steps, [batch * context] * steps
+
+    monkeypatch.setattr(profile, "decode_times", fake_times)
+    grid = profile.Grid((8,), (), (), (1, 2, 3), (16, 64), 3, (), decode_rounds=3)
+    samples = profile.measure_decode(None, None, grid, max_prompt=64)  # type: ignore[arg-type]
+    assert len(calls) == 3 * 4  # rounds x fitting points, in grid order each round
+    assert calls[:4] == [(1, 16), (2, 16), (1, 64), (2, 64)] == calls[4:8]
+    assert sorted(samples) == [(1, 16, 0.011), (1, 64, 0.011), (2, 32, 0.022), (2, 128, 0.022)]

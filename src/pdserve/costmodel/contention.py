@@ -143,7 +143,12 @@ class Shapes:
     prompt: int = 256
     batch: int = 4
     context: int = 256
-    seconds: float = 3.0  # per phase
+    seconds: float = 3.0  # per phase, summed over the rounds
+    # passes over the five phases: this host's step times drift by 10-15% over seconds, so
+    # "alone" and "beside a neighbour" are each timed in every pass, seconds apart, rather
+    # than once each in a different spell (one pass measured 1.10-1.16x where the serving run
+    # right after showed 1.02-1.07x)
+    rounds: int = 3
 
 
 def measure(
@@ -151,11 +156,12 @@ def measure(
 ) -> dict[str, Any]:
     """Two engines in two processes (`threads` each): A alone, then A and B busy together.
 
-    Phases of `shapes.seconds` each: A prefills alone; A decodes alone; A prefills while B
-    decodes; both prefill; both decode. Each worker loops its step for the phase and returns
-    every step's time. Both start within a message of each other; the last step of a busy
-    phase is dropped (it may end after the neighbour stopped). A busy phase lasts at least 8
-    lone steps of its slower kind. Returns the samples and the fitted `Contention`.
+    Five phases, repeated `shapes.rounds` times, each `shapes.seconds / rounds` long: A
+    prefills alone; A decodes alone; A prefills while B decodes; both prefill; both decode.
+    Each worker loops its step for the phase and returns every step's time. Both start within
+    a message of each other; the last step of a busy phase is dropped (it may end after the
+    neighbour stopped). A busy phase lasts at least 4 lone steps of its slower kind (8 with
+    one round). Returns the samples and the fitted `Contention`.
     """
     import multiprocessing as mp
     import os
@@ -175,14 +181,17 @@ def measure(
             _expect(pipe.recv(), "ready")
         alone: dict[str, list[float]] = {}
         together: dict[tuple[str, str], list[float]] = {}
-        for kind in KINDS:
-            alone[kind] = _phase(pipes, [kind, None], shapes.seconds)[0]
-        for a, b in (("prefill", "decode"), ("prefill", "prefill"), ("decode", "decode")):
-            # long enough for >= 4 of the slower step even at a 2x slowdown
-            longest = max(statistics.median(alone[a]), statistics.median(alone[b]))
-            ta, tb = _phase(pipes, [a, b], max(shapes.seconds, 8 * longest))
-            together.setdefault((a, b), []).extend(ta[:-1] or ta)
-            together.setdefault((b, a), []).extend(tb[:-1] or tb)
+        rounds = max(1, shapes.rounds)
+        seconds, least = shapes.seconds / rounds, 8 if rounds == 1 else 4
+        for _ in range(rounds):
+            for kind in KINDS:
+                alone.setdefault(kind, []).extend(_phase(pipes, [kind, None], seconds)[0])
+            for a, b in (("prefill", "decode"), ("prefill", "prefill"), ("decode", "decode")):
+                # long enough for a few of the slower step even at a 2x slowdown
+                longest = max(statistics.median(alone[a]), statistics.median(alone[b]))
+                ta, tb = _phase(pipes, [a, b], max(seconds, least * longest))
+                together.setdefault((a, b), []).extend(ta[:-1] or ta)
+                together.setdefault((b, a), []).extend(tb[:-1] or tb)
         for pipe in pipes:
             pipe.send(("stop", 0.0))
     finally:

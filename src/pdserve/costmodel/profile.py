@@ -67,9 +67,13 @@ class Grid:
     cached_new_fractions: tuple[float, ...]  # new tokens after a cached prefix, likewise
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
-    decode_steps: int  # timed per (batch, context), after one warm-up step
+    decode_steps: int  # timed per (batch, context) and round, after one warm-up step
     transfer_tokens: tuple[int, ...]
     repeats: int = REPEATS
+    # passes over the decode grid: a point's steps come from every pass, seconds apart, so a
+    # slow or fast spell of a shared host (decode steps here drift 35-50 ms over seconds) is
+    # not one point's whole sample
+    decode_rounds: int = 1
 
 
 # Sized to take about a minute for SmolLM2-135M on one thread of this 2-core VM (two minutes
@@ -83,8 +87,9 @@ FULL = Grid(
     # step is not linear there (costmodel/model.py: one term per batch size)
     batches=(1, 2, 3, 4, 8, 16, 32),
     contexts=(128, 512, 2048),
-    decode_steps=3,
+    decode_steps=4,
     transfer_tokens=(16, 256, 1024, 2048),
+    decode_rounds=3,
 )
 QUICK = Grid(
     prefill_new=(8, 32, 64, 128),
@@ -272,6 +277,18 @@ def decode_point(
     engine: LLMEngine, ids: _Ids, batch: int, context: int, steps: int
 ) -> DecodeSample | None:
     """Median seconds of `steps` decode steps of `batch` requests, and their mean context."""
+    timed = decode_times(engine, ids, batch, context, steps)
+    if timed is None:
+        return None
+    times, contexts = timed
+    return batch, round(statistics.mean(contexts)), statistics.median(times)
+
+
+def decode_times(
+    engine: LLMEngine, ids: _Ids, batch: int, context: int, steps: int
+) -> tuple[list[float], list[int]] | None:
+    """Seconds of each of `steps` decode steps of `batch` requests, and each step's summed
+    context; None when the batch does not fit."""
     max_tokens = steps + 3  # never finishes inside the timed window
     if not _decode_fits(engine, batch, context, max_tokens):
         return None
@@ -292,19 +309,32 @@ def decode_point(
     finally:
         for rid in rids:
             engine.abort_request(rid)
-    return batch, round(statistics.mean(contexts)), statistics.median(times)
+    return times, contexts
 
 
 def measure_decode(engine: LLMEngine, ids: _Ids, grid: Grid, max_prompt: int) -> list[DecodeSample]:
-    samples: list[DecodeSample] = []
-    for context in (c for c in grid.contexts if c <= max_prompt):
-        for batch in grid.batches:
-            sample = decode_point(engine, ids, batch, context, max(grid.decode_steps, REPEATS))
-            if sample is None:
-                _log(f"decode batch {batch} x {context} tokens: does not fit, skipped")
+    """One sample per (batch, context): the median of its steps over `grid.decode_rounds`
+    passes of the whole grid."""
+    points = [(b, c) for c in grid.contexts if c <= max_prompt for b in grid.batches]
+    timed: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+    skipped: set[tuple[int, int]] = set()
+    for _ in range(max(1, grid.decode_rounds)):
+        for batch, context in points:
+            if (batch, context) in skipped:
                 continue
-            _log(f"decode batch {batch} x {context} tokens: {sample[2] * 1e3:.1f} ms/step")
-            samples.append(sample)
+            got = decode_times(engine, ids, batch, context, max(grid.decode_steps, REPEATS))
+            if got is None:
+                _log(f"decode batch {batch} x {context} tokens: does not fit, skipped")
+                skipped.add((batch, context))
+                continue
+            times, contexts = timed.setdefault((batch, context), ([], []))
+            times += got[0]
+            contexts += got[1]
+    samples: list[DecodeSample] = []
+    for (batch, context), (times, contexts) in timed.items():
+        ms = statistics.median(times) * 1e3
+        _log(f"decode batch {batch} x {context} tokens: {ms:.1f} ms/step ({len(times)} steps)")
+        samples.append((batch, round(statistics.mean(contexts)), statistics.median(times)))
     return samples
 
 
