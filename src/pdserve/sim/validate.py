@@ -39,13 +39,13 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pdserve.engine.request import SamplingParams
 from pdserve.sim.cluster import Record, SimRequest
-from pdserve.sim.deploy import Deployment, build, simulate, summarize
+from pdserve.sim.deploy import Deployment, build, meets, simulate, summarize
 from pdserve.sim.workload import arrivals, requests_from_items
 
 
@@ -87,6 +87,15 @@ def planner_for(d: Deployment) -> Any:
 
 
 PROBE_BASE = 31000  # probe prompts' ids: clear of the synthetic workload's [1000, 30000)
+
+
+def probe_requests(probe_len: int) -> list[SimRequest]:
+    """The two lone requests sent before a run (none when `probe_len` is 0); they go through
+    the planner, so the simulation runs them first too (`simulate(probes=...)`)."""
+    return [
+        SimRequest(f"probe{i}", 0.0, [PROBE_BASE + 97 * i + j for j in range(probe_len)], 8)
+        for i in range(2 if probe_len else 0)
+    ]
 
 
 def run_real(
@@ -132,10 +141,7 @@ def run_real(
         # The route the real router chose (its scored prediction), set beside the simulated one.
         rec.route = cluster.core.timelines.predictions.get(req.rid, {}).get("route")
 
-    probes = [
-        SimRequest(f"probe{i}", 0.0, [PROBE_BASE + 97 * i + j for j in range(probe_len)], 8)
-        for i in range(2 if probe_len else 0)
-    ]
+    probes = probe_requests(probe_len)
     for r in probes:
         records[r.rid] = Record(r.rid, len(r.prompt), r.max_tokens, None)
 
@@ -259,8 +265,10 @@ def run_case(
     """The real runs summarized at the SLOs, and the three simulations of the case
     (`fallback`: probes to calibrate from when admission refused the case's own)."""
     d = deployment(case, args)
-    sim = simulate(d, requests)
-    independent = simulate(replace(d, shared_host=False), requests)
+    sim_records: list[Record] = []
+    probe_reqs = probe_requests(args.input_len)  # they taught the real planner before the run
+    sim = simulate(d, requests, records_out=sim_records, probes=probe_reqs)
+    independent = simulate(replace(d, shared_host=False), requests, probes=probe_reqs)
     reals, cals = [], []
     for recs, probes in runs:
         reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
@@ -273,7 +281,9 @@ def run_case(
         # as the real router did
         cal = build(cal_d)
         cal.planner_model = build(d).planner_model
-        cals.append({"factors": factors, "sim": simulate(cal_d, requests, built=cal)})
+        cals.append(
+            {"factors": factors, "sim": simulate(cal_d, requests, built=cal, probes=probe_reqs)}
+        )
         print(case.name, "real TTFT", json.dumps(reals[-1]["ttft_s"]), factors, flush=True)
     row: dict[str, Any] = {
         "case": case.name,
@@ -287,7 +297,35 @@ def run_case(
     }
     if len(reals) == 2:
         row["aa"] = compare(reals[0], reals[1])
+    row["requests"] = side_by_side(runs[0][0], sim_records, d.slo_ttft_s, d.slo_tpot_s)
+    # every real run's requests and probes, so `--resimulate` can simulate them again later
+    row["real_records"] = [[asdict(r) for r in recs] for recs, _ in runs]
+    row["real_probes"] = [[asdict(r) for r in probes] for _, probes in runs]
     return row
+
+
+def side_by_side(
+    real: list[Record], sim: list[Record], slo_ttft: float | None, slo_tpot: float | None
+) -> list[dict[str, Any]]:
+    """Per request, the first real run and the simulation: where the two part (a route, a
+    request that meets its SLOs in one and not the other) shows which requests to look at."""
+    by_rid = {r.rid: r for r in sim}
+    rows = []
+    for a in real:
+        b = by_rid.get(a.rid)
+        row: dict[str, Any] = {"rid": a.rid, "arrival": round(a.arrival, 4)}
+        for side, r in (("real", a), ("sim", b)):
+            if r is None:
+                continue
+            row[side] = {
+                "route": r.route,
+                "ttft": None if r.ttft is None else round(r.ttft, 4),
+                "tpot": None if r.tpot is None else round(r.tpot, 5),
+                "rejected": r.rejected,
+                "meets": meets(r, slo_ttft, slo_tpot),
+            }
+        rows.append(row)
+    return rows
 
 
 def _pct(v: float | None) -> str:
@@ -327,6 +365,47 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def stored_runs(row: dict[str, Any]) -> list[tuple[list[Record], list[Record]]]:
+    """The real runs kept in a validation output's result row, as `run_reals` returned them."""
+    if "real_records" not in row:
+        raise SystemExit(f"{row['case']!r}: no real_records in the file (written before they were)")
+    return [
+        ([Record(**r) for r in recs], [Record(**r) for r in probes])
+        for recs, probes in zip(row["real_records"], row["real_probes"], strict=True)
+    ]
+
+
+def resimulate(args: argparse.Namespace) -> None:
+    """Simulate again, with this code, the real runs stored in an earlier output: a change to
+    the simulator is checked against the same measurements without running them again."""
+    from pdserve.workloads.streams import SyntheticWorkload
+
+    body = json.loads(args.resimulate.read_text())
+    old = body["args"]
+    for key in ("num_requests", "input_len", "output_len", "rate", "seed"):
+        setattr(args, key, old[key])
+    args.slo_ttft, args.slo_tpot = body["slo"]["ttft_s"], body["slo"]["tpot_s"]
+    args.cost_model = args.cost_model or Path(old["cost_model"])
+    items = list(
+        SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)
+    )
+    requests = requests_from_items(items, arrivals(len(items), args.rate, args.seed))
+    by_name = {c.name: c for c in cases()}
+    rows = body["results"]
+    runs = [stored_runs(row) for row in rows]
+    first = runs[0][0][1]
+    results = [
+        run_case(by_name[row["case"]], requests, args, r, first)
+        for row, r in zip(rows, runs, strict=True)
+    ]
+    table = report(results)
+    print(table, flush=True)
+    out = {k: v for k, v in body.items() if k not in ("results", "table")}
+    out |= {"resimulated_from": str(args.resimulate), "cost_model": str(args.cost_model)}
+    out |= {"resimulated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    args.out.write_text(json.dumps(out | {"results": results, "table": table}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument("--num-requests", type=int, default=40)
@@ -347,7 +426,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="use this cost model instead of profiling first")  # fmt: skip
     p.add_argument("--contention-seconds", type=float, default=3.0, help="per phase (3)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--resimulate", type=Path, default=None, metavar="JSON",
+                   help="no real runs: simulate again the real runs stored in this earlier "
+                   "output (its workload, SLOs and cost model unless --cost-model)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.resimulate is not None:
+        resimulate(args)
+        return
     from pdserve.workloads.streams import SyntheticWorkload
 
     if args.num_requests < 1 or not args.rate > 0:
