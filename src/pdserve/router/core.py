@@ -46,6 +46,7 @@ from pdserve.router.liveness import Liveness
 from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback
 from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
+from pdserve.router.silence import SilenceWatch
 from pdserve.router.timeline import Ev, Event, Side, Timelines, labelled, render, staged
 from pdserve.workers import messages as m
 
@@ -247,9 +248,9 @@ class RouterCore:
     async def _drain(self, flight: Flight) -> AsyncIterator[Delta]:
         ends = flight.timeline[0][2] + self.config.request_timeout_s  # no request outlives this
         ended = 0  # choices whose last delta was yielded (n > 1 ends choice by choice)
-        mark = self._work_done(flight)
+        watch = SilenceWatch(flight, max(SILENCE_S, 6 * self.config.deadline_s))
         while True:
-            silence = self._silence_limit(flight)
+            silence = watch.limit()
             left = ends - time.monotonic()
             try:
                 item = await asyncio.wait_for(
@@ -259,12 +260,7 @@ class RouterCore:
                 if time.monotonic() >= ends:
                     msg = f"request timed out after {self.config.request_timeout_s:g}s"
                     raise RequestError(msg, 504, "timeout") from None
-                done = self._work_done(flight)
-                if flight.first_at is None and done is not None and (mark is None or done > mark):
-                    # Queued behind prompts its worker is computing (a 2000-token prompt takes
-                    # ~15 s on one CPU thread): waiting, not lost. request_timeout_s still caps it.
-                    # (No mark yet: the worker's first stats came during this wait; one more.)
-                    mark = done
+                if watch.queued_behind_work():  # waiting, not lost; request_timeout_s caps it
                     self.events.count("queued_silence_extended")
                     continue
                 raise RequestError(f"no progress for {silence:g}s", 504, "timeout") from None
@@ -275,26 +271,6 @@ class RouterCore:
                 ended += 1
                 if ended >= flight.params.n:
                     return
-
-    def _silence_limit(self, flight: Flight) -> float:
-        """How long a request may go without an event before it fails with 504. A request
-        queued behind others legitimately waits its predicted TTFT (heartbeats, not silence,
-        tell a dead worker), so before its first token the limit stretches to 3x that."""
-        base = max(SILENCE_S, 6 * self.config.deadline_s)
-        if flight.first_at is None and flight.prediction is not None:
-            return max(base, 3 * flight.prediction.ttft_s)
-        return base
-
-    @staticmethod
-    def _work_done(flight: Flight) -> int | None:
-        """Tokens computed so far by the worker that prefills this request (its stats, polled
-        every second), or None before it is dispatched or reports."""
-        if flight.pair is None:
-            return None
-        stats = flight.pair[0].stats
-        if "prefill_tokens" not in stats:
-            return None
-        return int(stats["prefill_tokens"]) + int(stats.get("decode_tokens", 0))
 
     def _end(self, flight: Flight, outcome: str) -> None:
         if not flight.finished:
