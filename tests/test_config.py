@@ -77,3 +77,34 @@ def test_engine_overrides_pass_on_only_what_was_given() -> None:
 def test_bad_values_are_refused(cls: type, kwargs: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError):
         cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("flag", "field", "good", "bad"),
+    [
+        ("--quantization", "quantization", "int8", "int3"),
+        ("--kv-cache-dtype", "kv_cache_dtype", "float16", "fp8"),
+        ("--decode-matmul", "decode_matmul", "torch", "mkl"),
+    ],
+)
+def test_engine_flag_reaches_every_worker_and_the_cli(
+    flag: str, field: str, good: str, bad: str
+) -> None:
+    """An engine flag given to `pdserve serve` is in every worker's spec and command line, and
+    `generate` / `worker` read it; a bad value is a ValueError (serve) or exit code 2 (CLI)."""
+    from pdserve import serve
+    from pdserve.cli import build_parser, main
+    from pdserve.config import engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    serve.add_serve_arguments(parser)
+    specs = serve._worker_specs(parser.parse_args([flag, good]))
+    assert [s.engine_args[field] for s in specs] == [good, good]
+    cmd = worker_command(WorkerSpec("decode", "D0", specs[1].engine_args))
+    assert cmd[cmd.index(flag) + 1] == good
+    with pytest.raises(ValueError, match=f"{field} must be one of"):
+        serve._worker_specs(parser.parse_args([flag, bad]))
+    for command in (["generate", "hi"], ["worker", "--role", "decode"]):
+        args = build_parser().parse_args([*command, flag, good])
+        assert engine_kwargs_from_args(args)[field] == good
+    assert main(["generate", "hi", flag, bad, "--model", "/nonexistent"]) == 2

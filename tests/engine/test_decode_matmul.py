@@ -114,26 +114,6 @@ def test_bad_decode_matmul_is_a_value_error() -> None:
         quant.decode_matmul("mkl", "none", CPU, F32)
 
 
-def test_serve_and_cli_pass_decode_matmul_to_every_worker() -> None:
-    import argparse
-
-    from pdserve import serve
-    from pdserve.cli import build_parser
-    from pdserve.config import engine_kwargs_from_args
-    from pdserve.launcher import WorkerSpec, worker_command
-
-    parser = argparse.ArgumentParser()
-    serve.add_serve_arguments(parser)
-    specs = serve._worker_specs(parser.parse_args(["--decode-matmul", "torch"]))
-    assert [s.engine_args["decode_matmul"] for s in specs] == ["torch", "torch"]
-    cmd = worker_command(WorkerSpec("decode", "D0", specs[1].engine_args))
-    assert cmd[cmd.index("--decode-matmul") + 1] == "torch"
-    with pytest.raises(ValueError, match="decode_matmul must be one of"):
-        serve._worker_specs(parser.parse_args(["--decode-matmul", "mkl"]))
-    args = build_parser().parse_args(["generate", "hi", "--decode-matmul", "tiles"])
-    assert engine_kwargs_from_args(args)["decode_matmul"] == "tiles"
-
-
 def test_cost_model_records_the_decode_matmul(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

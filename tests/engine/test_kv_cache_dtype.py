@@ -93,27 +93,6 @@ def test_handoff_from_a_float16_cache(tiny_llama_path) -> None:  # type: ignore[
         assert_engine_idle(llm)
 
 
-def test_kv_cache_dtype_reaches_every_worker_and_the_cli() -> None:
-    import argparse
-
-    from pdserve import serve
-    from pdserve.cli import build_parser, main
-    from pdserve.config import engine_kwargs_from_args
-    from pdserve.launcher import WorkerSpec, worker_command
-
-    parser = argparse.ArgumentParser()
-    serve.add_serve_arguments(parser)
-    specs = serve._worker_specs(parser.parse_args(["--kv-cache-dtype", "float16"]))
-    assert [s.engine_args["kv_cache_dtype"] for s in specs] == ["float16", "float16"]
-    cmd = worker_command(WorkerSpec("decode", "D0", specs[1].engine_args))
-    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "float16"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        serve._worker_specs(parser.parse_args(["--kv-cache-dtype", "fp8"]))
-    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "bfloat16"])
-    assert engine_kwargs_from_args(args)["kv_cache_dtype"] == "bfloat16"
-    assert main(["generate", "hi", "--kv-cache-dtype", "fp8", "--model", "/nonexistent"]) == 2
-
-
 def test_cost_model_file_is_per_kv_cache_dtype(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from pdserve.costmodel.model import default_path
     from pdserve.costmodel.profile import _load_valid

@@ -3,7 +3,6 @@ errors for what cannot run quantized, and the flag reaching every place a model 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from tests.conftest import assert_engine_idle
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineConfig, ModelConfig, engine_kwargs_from_args
+from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine import quant
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far", "1, 2, 3, 4,"]
@@ -76,30 +75,11 @@ def test_bad_quantization_is_a_value_error_at_start_up(tiny_llama_path: Path) ->
     quant.check_supported("none", torch.device("cuda"), torch.bfloat16)  # none takes anything
 
 
-def test_quantization_round_trips_through_config_and_cli() -> None:
-    from pdserve.cli import build_parser, main
-
+def test_quantization_round_trips_through_config() -> None:
     cfg = EngineConfig.from_kwargs(quantization="int8")
     assert cfg.model_config.quantization == "int8"
     assert EngineConfig().model_config.quantization == "none"
-    for command in (["generate", "hi"], ["worker", "--role", "decode"]):
-        args = build_parser().parse_args([*command, "--quantization", "int8"])
-        assert engine_kwargs_from_args(args)["quantization"] == "int8"
-    assert main(["generate", "hi", "--quantization", "int3", "--model", "/nonexistent"]) == 2
-
-
-def test_serve_passes_quantization_to_every_worker() -> None:
-    from pdserve import serve
-    from pdserve.launcher import WorkerSpec, worker_command
-
-    parser = argparse.ArgumentParser()
-    serve.add_serve_arguments(parser)
-    specs = serve._worker_specs(parser.parse_args(["--quantization", "int8"]))
-    assert [s.engine_args["quantization"] for s in specs] == ["int8", "int8"]
-    cmd = worker_command(WorkerSpec("decode", "D0", specs[1].engine_args))
-    assert cmd[cmd.index("--quantization") + 1] == "int8"
-    with pytest.raises(ValueError, match="quantization must be one of"):
-        serve._worker_specs(parser.parse_args(["--quantization", "int3"]))
+    # its flag on serve / worker / generate: tests/test_config.py (one test for every engine flag)
 
 
 def test_cost_model_file_is_per_quantization(

@@ -215,6 +215,30 @@ std::vector<torch::Tensor> pack(torch::Tensor w) {
   return {q, s};
 }
 
+// The optional bias of a matmul: float32 [N], or nullptr.
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+              "bias: float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// One tile's sums (`rows` rows of kTile, row stride kTile) into y's columns [n0, n0 + 16),
+// trimmed at N, plus the bias when there is one. `y` points at the first row's start.
+inline void store_tile(const float* sums, int64_t rows, float* y, int64_t N, int64_t n0,
+                       const float* bias) {
+  const int64_t nc = std::min(kTile, N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = y + r * N + n0;
+    const float* src = sums + r * kTile;
+    if (bias) {
+      for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + bias[n0 + c];
+    } else {
+      std::memcpy(dst, src, nc * sizeof(float));
+    }
+  }
+}
+
 // x float32 [M, K] -> y float32 [M, N] (+ bias [N]). Work items: (tile, block of kRows rows),
 // spread over torch's intra-op threads (torch.get_num_threads()).
 torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t N,
@@ -223,12 +247,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile);
   check_packed(q, s, K, N);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias: float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, torch::kFloat);
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
@@ -256,16 +275,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
         case 2: run_rows<2>(xr, K, qt, st, K, out); break;
         default: run_rows<1>(xr, K, qt, st, K, out); break;
       }
-      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
-      for (int64_t r = 0; r < nr; ++r) {
-        float* dst = yp + (r0 + r) * N + n0;
-        const float* src = out + r * kTile;
-        if (bp) {
-          for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + bp[n0 + c];
-        } else {
-          std::memcpy(dst, src, nc * sizeof(float));
-        }
-      }
+      store_tile(out, nr, yp + r0 * N, N, t * kTile, bp);
     }
   });
   return y;
@@ -419,12 +429,7 @@ torch::Tensor matmul_f32(torch::Tensor x, torch::Tensor p, int64_t N,
   TORCH_CHECK(p.dtype() == torch::kFloat && p.is_contiguous() && p.dim() == 3 &&
                   p.size(0) == T && p.size(1) == K && p.size(2) == kTile,
               "p: float32 [T, K, 16] matching K, N");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias: float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, torch::kFloat);
   const float* xp = x.data_ptr<float>();
   const float* pp = p.data_ptr<float>();
@@ -433,16 +438,7 @@ torch::Tensor matmul_f32(torch::Tensor x, torch::Tensor p, int64_t N,
     float sums[kF32MaxRows * kTile];
     for (int64_t t = a; t < b; ++t) {
       f32_tile(xp, K, M, pp + t * K * kTile, sums);
-      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
-      for (int64_t r = 0; r < M; ++r) {
-        float* dst = yp + r * N + n0;
-        const float* src = sums + r * kTile;
-        if (bp) {
-          for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + bp[n0 + c];
-        } else {
-          std::memcpy(dst, src, nc * sizeof(float));
-        }
-      }
+      store_tile(sums, M, yp, N, t * kTile, bp);
     }
   });
   return y;
