@@ -273,17 +273,6 @@ def _decode_fits(engine: LLMEngine, batch: int, context: int, max_tokens: int) -
     return context + max_tokens < engine.max_model_len and batch * per_request <= kv.num_blocks
 
 
-def decode_point(
-    engine: LLMEngine, ids: _Ids, batch: int, context: int, steps: int
-) -> DecodeSample | None:
-    """Median seconds of `steps` decode steps of `batch` requests, and their mean context."""
-    timed = decode_times(engine, ids, batch, context, steps)
-    if timed is None:
-        return None
-    times, contexts = timed
-    return batch, round(statistics.mean(contexts)), statistics.median(times)
-
-
 def decode_times(
     engine: LLMEngine, ids: _Ids, batch: int, context: int, steps: int
 ) -> tuple[list[float], list[int]] | None:
@@ -500,7 +489,7 @@ def _cap_prompt(engine: LLMEngine, max_prompt: int) -> int:
 def _warm_up(engine: LLMEngine, ids: _Ids) -> None:
     """First calls allocate and pick kernels: keep them out of every timed point."""
     _prefill_step(engine, ids(64), 0)
-    decode_point(engine, ids, 2, 32, 2)
+    decode_times(engine, ids, 2, 32, 2)
 
 
 def _transfer_errors(

@@ -365,6 +365,16 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def workload(args: argparse.Namespace) -> list[SimRequest]:
+    """The request list of a validation: synthetic lengths (+-25%), Poisson arrivals."""
+    from pdserve.workloads.streams import SyntheticWorkload
+
+    items = list(
+        SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)
+    )
+    return requests_from_items(items, arrivals(len(items), args.rate, args.seed))
+
+
 def stored_runs(row: dict[str, Any]) -> list[tuple[list[Record], list[Record]]]:
     """The real runs kept in a validation output's result row, as `run_reals` returned them."""
     if "real_records" not in row:
@@ -378,18 +388,13 @@ def stored_runs(row: dict[str, Any]) -> list[tuple[list[Record], list[Record]]]:
 def resimulate(args: argparse.Namespace) -> None:
     """Simulate again, with this code, the real runs stored in an earlier output: a change to
     the simulator is checked against the same measurements without running them again."""
-    from pdserve.workloads.streams import SyntheticWorkload
-
     body = json.loads(args.resimulate.read_text())
     old = body["args"]
     for key in ("num_requests", "input_len", "output_len", "rate", "seed"):
         setattr(args, key, old[key])
     args.slo_ttft, args.slo_tpot = body["slo"]["ttft_s"], body["slo"]["tpot_s"]
     args.cost_model = args.cost_model or Path(old["cost_model"])
-    items = list(
-        SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)
-    )
-    requests = requests_from_items(items, arrivals(len(items), args.rate, args.seed))
+    requests = workload(args)
     by_name = {c.name: c for c in cases()}
     rows = body["results"]
     runs = [stored_runs(row) for row in rows]
@@ -433,7 +438,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.resimulate is not None:
         resimulate(args)
         return
-    from pdserve.workloads.streams import SyntheticWorkload
 
     if args.num_requests < 1 or not args.rate > 0:
         raise SystemExit("--num-requests must be >= 1 and --rate > 0")
@@ -444,10 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     if args.cost_model is None:
         args.cost_model = profile(args.out.parent, args.contention_seconds)
-    items = list(
-        SyntheticWorkload(args.num_requests, args.input_len, args.output_len, 0.25, args.seed)
-    )
-    requests = requests_from_items(items, arrivals(len(items), args.rate, args.seed))
+    requests = workload(args)
     chosen = cases()
     if args.only:
         names = args.only.split(",")
