@@ -31,6 +31,7 @@ from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.engine import loader
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.step_log import StepRecord
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
 from pdserve.router import timeline as tl
 from pdserve.router.core import RequestError, RouterCore
@@ -308,6 +309,17 @@ class LocalCluster:
             self._send(w, m.GetStats())
             msg = self._recv_until(w, m.Stats)
             out[w.worker_id] = msg.stats
+        return out
+
+    def step_logs(self, since: float = 0.0) -> dict[str, list[StepRecord]]:
+        """Every up worker's engine steps that began at or after `since` (time.monotonic())."""
+        out = {}
+        for w in self.workers:
+            if w.state != "up":
+                continue
+            self._send(w, m.GetSteps(since))
+            msg = self._recv_until(w, m.Steps)
+            out[w.worker_id] = [StepRecord.from_wire(s) for s in msg.steps]
         return out
 
     def _recv_until(self, w: WorkerHandle, kind: type) -> Any:

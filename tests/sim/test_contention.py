@@ -12,9 +12,10 @@ from tests.sim.test_sim import LinearStep
 
 from pdserve.costmodel.contention import Contention, Shapes, measure
 from pdserve.costmodel.model import VERSION, CostModel
+from pdserve.engine.step_log import StepRecord
 from pdserve.sim.cluster import SimConfig, SimRequest, Simulation
 from pdserve.sim.host import Host, step_kind
-from pdserve.sim.steptime import Link
+from pdserve.sim.steptime import CostModelStep, Link
 
 FACTORS = Contention(
     prefill_by_prefill=2.0, prefill_by_decode=1.5, decode_by_prefill=3.0, decode_by_decode=1.0
@@ -274,6 +275,20 @@ def test_resimulate_checks_the_simulator_against_stored_real_runs(tmp_path: Path
     assert vs["attainment_diff_pts"] == 0
     assert all(v == pytest.approx(0.0) for k, v in vs.items() if k.endswith("_err")), vs
     assert got["resimulated_from"] == str(src)
+    assert got["results"][0]["calibrated"][0]["factors"]["from"] == "probes"  # no step logs
+    # with step logs: the run's level, 1.2x the model's prefill steps and 0.9x its decode steps
+    step = CostModelStep(CostModel.load(path))
+    logs = {"P": [StepRecord(i, 1.2 * step.priced(0, 0, [(64, 0)]), 0, 0, ((64, 0),))
+                  for i in range(5)],
+            "D": [StepRecord(10 + i, 0.9 * step.priced(2, 140, []), 2, 140, ())
+                  for i in range(5)]}  # fmt: skip
+    row["real_steps"] = [{w: [s.to_wire() for s in log] for w, log in logs.items()}]
+    src.write_text(json.dumps({"args": args, "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+                               "results": [row]}))  # fmt: skip
+    V.main(["--resimulate", str(src), "--out", str(out)])
+    factors = json.loads(out.read_text())["results"][0]["calibrated"][0]["factors"]
+    assert factors["from"] == "steps" and factors["fallback"] == []
+    assert factors["prefill_x"] == pytest.approx(1.2) and factors["decode_x"] == pytest.approx(0.9)
     del row["real_records"]
     src.write_text(json.dumps({"args": args, "slo": {"ttft_s": 1, "tpot_s": 1}, "results": [row]}))
     with pytest.raises(SystemExit, match="no real_records"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -79,6 +80,23 @@ def test_handoff_after_k_tokens(tiny_llama_path, reference) -> None:  # type: ig
         outs = c.generate(_prompts(), GREEDY)
         assert _ids(outs) == reference
         assert_cluster_idle(c)
+
+
+def test_step_logs_say_what_each_worker_computed(tcp_cluster) -> None:  # type: ignore[no-untyped-def]
+    """P's log holds the prompt's chunk, D's the decode steps, in order, each with its time."""
+    since = time.monotonic()
+    prompt = list(range(100, 140))  # 40 tokens: one chunk on P
+    (out,) = tcp_cluster.generate([prompt], GREEDY)
+    assert out.error is None
+    logs = tcp_cluster.step_logs(since)
+    p, d = (logs[w.worker_id] for w in tcp_cluster.workers)
+    assert sum(n for s in p for n, _ in s.chunks) == 40 and all(s.decodes == 0 for s in p)
+    # D decodes the other 11 tokens one step each, past the prompt and P's first token
+    assert [(s.decodes, s.chunks) for s in d] == [(1, ())] * 11
+    assert [s.context for s in d] == list(range(41, 52))  # position 40 attends to 41 tokens
+    assert all(s.start >= since and s.seconds > 0 for s in p + d)
+    assert all(a.start + a.seconds <= b.start for a, b in itertools.pairwise(d))
+    assert tcp_cluster.step_logs(time.monotonic()) == {w.worker_id: [] for w in tcp_cluster.workers}
 
 
 def test_request_finishing_on_prefill_releases_decode_reservation(tcp_cluster) -> None:  # type: ignore[no-untyped-def]

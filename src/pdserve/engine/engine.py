@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import loader, quant
+from pdserve.engine import loader, quant, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
 from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
@@ -132,6 +132,7 @@ class LLMEngine:
         self._batch = {"batch_requests": 0, "batch_tokens": 0}  # the last step's
         self._tokens = {"prefill_tokens": 0, "decode_tokens": 0}  # computed since start
         self._ids = itertools.count()
+        self.step_log = step_log.StepLog()  # what the steps took (sim/validate.py reads it)
         self._children: dict[str, list[str]] = {}  # n-choice request -> its forked choices
         self._forks = 0  # choices forked from another's KV (no prefill of their own)
         self._grammar_errors = 0  # requests whose grammar hit a library limit (ended with EOS)
@@ -352,6 +353,7 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        begin, began_at = time.perf_counter(), time.monotonic()
         early = self._emit_pending()
         link = self.pool_link
         if link is not None and self.scheduler.waiting:
@@ -379,7 +381,9 @@ class LLMEngine:
         for rid, tokens in firsts.items():
             self._fork_choices(rid, tokens, sampled)
         self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
-        return early + self._collect(out, sampled)
+        outputs = early + self._collect(out, sampled)
+        self.step_log.add(step_log.record(out, began_at, time.perf_counter() - begin))
+        return outputs
 
     def _emit_pending(self) -> list[RequestOutput]:
         pending, self._pending = self._pending, []

@@ -71,19 +71,24 @@ class CostModelStep:
     gpus: int = 1
 
     def step_s(self, rows: Sequence[Row]) -> float:
-        p0, p1, p2 = self.model.prefill
-        d0 = self.model.decode_step_s(0, 0)
-        prefill = decodes = 0.0
         batch = ctx = 0
+        chunks = []
         for n, start in rows:
             if n == 1 and start > 0:
                 batch += 1
                 ctx += start + 1
             else:
-                prefill += p1 * n + p2 * n * (start + n / 2) / 1000
-        if batch:
-            decodes = self.model.decode_step_s(batch, ctx) - d0
-        fixed = max(p0 if prefill else 0.0, d0 if batch else 0.0)
+                chunks.append((n, start))
+        return self.priced(batch, ctx, chunks)
+
+    def priced(self, batch: int, ctx: int, chunks: Sequence[Row]) -> float:
+        """A step of `batch` decode rows over `ctx` context tokens in all and these prompt
+        chunks (what `engine.step_log.StepRecord` keeps of a real step)."""
+        p0, p1, p2 = self.model.prefill
+        d0 = self.model.decode_step_s(0, 0)
+        prefill = sum(p1 * n + p2 * n * (start + n / 2) / 1000 for n, start in chunks)
+        decodes = self.model.decode_step_s(batch, ctx) - d0 if batch else 0.0
+        fixed = max(p0 if chunks else 0.0, d0 if batch else 0.0)
         return fixed + prefill + decodes
 
     def receive_s(self, tokens: int) -> float:

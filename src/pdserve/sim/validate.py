@@ -12,8 +12,12 @@ through the simulator with this host's cost model, profiled right before (docs/b
    real system is measured beside the simulator's error.
 3. Each run is simulated three ways: with the profile and its contention term ("sim"), as
    independent machines (`shared_host=False`, what the simulator did before the contention
-   term) and calibrated (prefill and decode terms scaled by the probes' measured / predicted
-   TTFT and TPOT, contention on).
+   term) and at the run's own level ("calibrated": prefill and decode terms scaled by the
+   median measured / priced time of the run's lone prefill and decode steps, from the
+   workers' step logs: sim/level.py; contention on). The profile is minutes old by then and
+   this VM's step times drift 5-25% in minutes: "calibrated" separates the simulator's error
+   from the profile's. Runs stored before step logs existed calibrate from the probes' TTFT
+   and TPOT instead (the factors say which: "from").
 
 SLOs that test attainment: unless `--slo-ttft` / `--slo-tpot` are given, they are set from the
 first configuration's probes (a lone request on this machine, right now): TTFT SLO =
@@ -39,14 +43,22 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.step_log import StepRecord
 from pdserve.sim.cluster import Record, SimRequest
 from pdserve.sim.deploy import Deployment, build, meets, simulate, summarize
 from pdserve.sim.workload import arrivals, requests_from_items
+
+
+@dataclass
+class RealRun:
+    records: list[Record]  # the request list's
+    probes: list[Record]  # the lone requests before it
+    steps: dict[str, list[StepRecord]] = field(default_factory=dict)  # worker -> its steps
 
 
 @dataclass(frozen=True)
@@ -98,11 +110,10 @@ def probe_requests(probe_len: int) -> list[SimRequest]:
     ]
 
 
-def run_real(
-    d: Deployment, requests: list[SimRequest], probe_len: int = 0
-) -> tuple[list[Record], list[Record]]:
+def run_real(d: Deployment, requests: list[SimRequest], probe_len: int = 0) -> RealRun:
     """The request list through a real cluster; first, if `probe_len`, two lone requests of
-    that length one after the other (how fast this machine is right now)."""
+    that length one after the other (how fast this machine is right now). The workers' step
+    logs from the probes on come back with the records."""
     from pdserve.cluster import LocalCluster
     from pdserve.router.core import RequestError
 
@@ -159,34 +170,41 @@ def run_real(
         marks.append(time.monotonic())
         asyncio.run_coroutine_threadsafe(all_of(), cluster._loop).result(timeout=900)
         marks.append(time.monotonic())
+        logs = cluster.step_logs(since=marks[1])
     marks.append(time.monotonic())
     steps = [b - a for a, b in itertools.pairwise(marks)]
     print("real run: start {:.0f} s, probes {:.0f} s, requests {:.0f} s, close {:.0f} s".format(
         *steps), flush=True)  # fmt: skip
-    return [records[r.rid] for r in requests], [records[r.rid] for r in probes]
+    return RealRun([records[r.rid] for r in requests], [records[r.rid] for r in probes], logs)
 
 
-def calibrated(d: Deployment, probes: list[Record], folder: Path) -> tuple[Deployment, dict]:
-    """The cost model scaled so that a lone request's TTFT and TPOT match the probes (prefill
-    terms by the TTFT ratio, decode terms by the TPOT ratio), saved beside the run with the
-    profile's contention section."""
+def calibrated(d: Deployment, run: RealRun, folder: Path) -> tuple[Deployment, dict]:
+    """The cost model at the run's own level (sim/level.py: prefill terms x the lone prefill
+    steps' measured / priced median, decode terms x the decode steps'), saved beside the run
+    with the profile's contention section. A run stored without step logs: scaled so that a
+    lone request's TTFT and TPOT match the probes' instead."""
     from pdserve.costmodel.contention import Contention
     from pdserve.costmodel.model import CostModel
     from pdserve.sim.deploy import cost_model_path
+    from pdserve.sim.level import run_level
 
     path = cost_model_path(d)
     model = CostModel.load(path)
-    ttft, tpot = lone(probes)
-    n = probes[0].prompt_len
-    k_p = ttft / model.prefill_s(n)
-    k_d = tpot / model.decode_step_s(1, n + 4)
-    scaled = model.rescaled(k_p, k_d)  # per-batch decode terms too; transfer, receive kept
+    if run.steps:
+        factors = run_level(model, run.steps)
+    else:
+        ttft, tpot = lone(run.probes)
+        n = run.probes[0].prompt_len
+        factors = {"from": "probes", "prefill_x": ttft / model.prefill_s(n)}
+        factors["decode_x"] = tpot / model.decode_step_s(1, n + 4)
+    # per-batch decode terms too; transfer, receive kept
+    scaled = model.rescaled(factors["prefill_x"], factors["decode_x"])
     out = folder / f"calibrated-{time.monotonic_ns()}.json"
     scaled.save(out, **CostModel.load_about(path))
     contention = Contention.load(path)
     if contention.measured:
         contention.save_into(out)
-    return replace(d, cost_model=out), {"prefill_x": k_p, "decode_x": k_d}
+    return replace(d, cost_model=out), factors
 
 
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
@@ -233,8 +251,8 @@ def slos_from_probes(args: argparse.Namespace, probes: list[Record]) -> tuple[fl
 
 def run_reals(
     case: Case, requests: list[SimRequest], args: argparse.Namespace, repeats: int
-) -> list[tuple[list[Record], list[Record]]]:
-    """The case's real runs: (records, probes) per repeat (the SLOs, when set, in `args`)."""
+) -> list[RealRun]:
+    """The case's real runs, `repeats` of them (the SLOs, when set, in `args`)."""
     d = deployment(case, args)
     if d.planner and (d.slo_ttft_s is None or d.slo_tpot_s is None):
         raise SystemExit(
@@ -259,24 +277,26 @@ def run_case(
     case: Case,
     requests: list[SimRequest],
     args: argparse.Namespace,
-    runs: list[tuple[list[Record], list[Record]]],
+    runs: list[RealRun],
     fallback: list[Record],
 ) -> dict[str, Any]:
     """The real runs summarized at the SLOs, and the three simulations of the case
-    (`fallback`: probes to calibrate from when admission refused the case's own)."""
+    (`fallback`: probes to calibrate from when admission refused the case's own and the run
+    has no step log)."""
     d = deployment(case, args)
     sim_records: list[Record] = []
     probe_reqs = probe_requests(args.input_len)  # they taught the real planner before the run
     sim = simulate(d, requests, records_out=sim_records, probes=probe_reqs)
     independent = simulate(replace(d, shared_host=False), requests, probes=probe_reqs)
     reals, cals = [], []
-    for recs, probes in runs:
-        reals.append(summarize(recs, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
-        if not any(r.ttft for r in probes) or not any(r.tpot for r in probes):
+    for run in runs:
+        reals.append(summarize(run.records, d.slo_ttft_s, d.slo_tpot_s, d.gpus))
+        probes = run.probes
+        if not run.steps and not (any(r.ttft for r in probes) and any(r.tpot for r in probes)):
             # admission refused this case's probes (they pass through the planner too)
             print(f"{case.name}: probes refused, calibrated from the first run's", flush=True)
-            probes = fallback
-        cal_d, factors = calibrated(d, probes, args.out.parent)
+            run = replace(run, probes=fallback)
+        cal_d, factors = calibrated(d, run, args.out.parent)
         # step times from the calibrated model; the planner predicts from the profiled one,
         # as the real router did
         cal = build(cal_d)
@@ -297,10 +317,13 @@ def run_case(
     }
     if len(reals) == 2:
         row["aa"] = compare(reals[0], reals[1])
-    row["requests"] = side_by_side(runs[0][0], sim_records, d.slo_ttft_s, d.slo_tpot_s)
-    # every real run's requests and probes, so `--resimulate` can simulate them again later
-    row["real_records"] = [[asdict(r) for r in recs] for recs, _ in runs]
-    row["real_probes"] = [[asdict(r) for r in probes] for _, probes in runs]
+    row["requests"] = side_by_side(runs[0].records, sim_records, d.slo_ttft_s, d.slo_tpot_s)
+    # every real run's requests, probes and steps, so `--resimulate` can simulate them again
+    row["real_records"] = [[asdict(r) for r in run.records] for run in runs]
+    row["real_probes"] = [[asdict(r) for r in run.probes] for run in runs]
+    row["real_steps"] = [
+        {w: [s.to_wire() for s in steps] for w, steps in run.steps.items()} for run in runs
+    ]
     return row
 
 
@@ -338,10 +361,10 @@ def _ms(v: float | None) -> str:
 
 def report(results: list[dict[str, Any]]) -> str:
     """Per configuration and metric: real, sim, errors (sim with contention, independent,
-    calibrated) and the A/A spread (the configuration's own, else the first one's)."""
+    at the run's own level) and the A/A spread (the configuration's own, else the first one's)."""
     first_aa = next((r["aa"] for r in results if "aa" in r), None)
     lines = [
-        "| config | metric | real | sim | err | err independent | err calibrated | A/A |",
+        "| config | metric | real | sim | err | err independent | err at run level | A/A |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -375,13 +398,21 @@ def workload(args: argparse.Namespace) -> list[SimRequest]:
     return requests_from_items(items, arrivals(len(items), args.rate, args.seed))
 
 
-def stored_runs(row: dict[str, Any]) -> list[tuple[list[Record], list[Record]]]:
-    """The real runs kept in a validation output's result row, as `run_reals` returned them."""
+def stored_runs(row: dict[str, Any]) -> list[RealRun]:
+    """The real runs kept in a validation output's result row, as `run_reals` returned them
+    (without step logs when the file was written before they were kept)."""
     if "real_records" not in row:
         raise SystemExit(f"{row['case']!r}: no real_records in the file (written before they were)")
+    steps = row.get("real_steps") or [{} for _ in row["real_records"]]
     return [
-        ([Record(**r) for r in recs], [Record(**r) for r in probes])
-        for recs, probes in zip(row["real_records"], row["real_probes"], strict=True)
+        RealRun(
+            [Record(**r) for r in recs],
+            [Record(**r) for r in probes],
+            {w: [StepRecord.from_wire(s) for s in log] for w, log in by_worker.items()},
+        )
+        for recs, probes, by_worker in zip(
+            row["real_records"], row["real_probes"], steps, strict=True
+        )
     ]
 
 
@@ -398,7 +429,7 @@ def resimulate(args: argparse.Namespace) -> None:
     by_name = {c.name: c for c in cases()}
     rows = body["results"]
     runs = [stored_runs(row) for row in rows]
-    first = runs[0][0][1]
+    first = runs[0][0].probes
     results = [
         run_case(by_name[row["case"]], requests, args, r, first)
         for row, r in zip(rows, runs, strict=True)
@@ -461,10 +492,10 @@ def main(argv: list[str] | None = None) -> None:
         repeats = 2 if args.aa == "all" or (args.aa == "first" and i == 0) else 1
         runs.append(run_reals(case, requests, args, repeats))
         if args.slo_ttft is None or args.slo_tpot is None:
-            args.slo_ttft, args.slo_tpot = slos_from_probes(args, runs[0][0][1])
+            args.slo_ttft, args.slo_tpot = slos_from_probes(args, runs[0][0].probes)
             print(f"SLOs from the probes: TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s",
                   flush=True)  # fmt: skip
-    first = runs[0][0][1]
+    first = runs[0][0].probes
     results = [run_case(c, requests, args, r, first) for c, r in zip(chosen, runs, strict=True)]
     table = report(results)
     print(table, flush=True)
@@ -479,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_after": os.getloadavg(),
         "wall_s": round(time.monotonic() - t0, 1),
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
-        "probes": [[vars(p) for p in r[1]] for rr in runs for r in rr],
+        "probes": [[vars(p) for p in r.probes] for rr in runs for r in rr],
         "contention": Contention.load(args.cost_model).note,
         # the profile's fit errors: decode with its per-batch terms vs one linear fit, receive
         "profile_errors": CostModel.load_about(args.cost_model).get("errors"),

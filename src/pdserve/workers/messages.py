@@ -98,6 +98,13 @@ class GetStats:
 
 
 @dataclass(frozen=True)
+class GetSteps:
+    """The engine steps that began at or after `since` (time.monotonic()), answered by Steps."""
+
+    since: float = 0.0
+
+
+@dataclass(frozen=True)
 class SetFault:
     """Fault injection (tests and chaos runs only): on this worker's outgoing KV frames, its
     acks, or its engine steps."""
@@ -205,6 +212,14 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Steps:
+    """A worker's engine steps, each `engine.step_log.StepRecord.to_wire()`."""
+
+    worker_id: str
+    steps: list[list[float]]
+
+
+@dataclass(frozen=True)
 class KVEvents:
     """Prefix-cache changes since the last KVEvents, pushed to every router that said Hello:
     block hashes (sha256 of parent hash + token ids, the same in every process) that became
@@ -262,6 +277,7 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     ExpectKV,
     Abort,
     GetStats,
+    GetSteps,
     SetFault,
     Shutdown,
     SetRole,
@@ -272,6 +288,7 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     TransferReport,
     RequestFailed,
     Stats,
+    Steps,
     KVEvents,
     KVWant,
     KVReady,

@@ -204,6 +204,9 @@ class Worker:
             self.abort(msg.rid)
         elif isinstance(msg, m.GetStats):
             self._send(client, m.Stats(self.stats()))
+        elif isinstance(msg, m.GetSteps):
+            steps = self.engine.step_log.since(msg.since)
+            self._send(client, m.Steps(self.worker_id, [s.to_wire() for s in steps]))
         elif isinstance(msg, m.SetFault):
             self.set_fault(msg)
         elif isinstance(msg, m.SetRole):

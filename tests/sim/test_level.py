@@ -1,0 +1,59 @@
+"""A run's own level (sim/level.py): lone steps found by hand, ratios against hand-priced steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.costmodel.model import CostModel
+from pdserve.engine.step_log import StepRecord
+from pdserve.sim.level import MIN_STEPS, lone_steps, run_level
+
+# prefill of n new tokens: 0.1 + 0.001 n; decode of b rows: 0.05 + 0.01 b (no context terms)
+MODEL = CostModel((0.1, 0.001, 0.0), (0.05, 0.01, 0.0))
+
+
+def prefill(start: float, seconds: float, n: int = 100) -> StepRecord:
+    return StepRecord(start, seconds, 0, 0, ((n, 0),))
+
+
+def decode(start: float, seconds: float, batch: int = 1) -> StepRecord:
+    return StepRecord(start, seconds, batch, 300 * batch, ())
+
+
+def test_lone_steps_by_hand() -> None:
+    a = [decode(0.0, 1.0), decode(1.0, 1.0), decode(5.0, 1.0)]
+    b = [prefill(1.5, 1.0), prefill(3.0, 1.0), prefill(6.0, 0.5)]  # the last starts as a[2] ends
+    lone = lone_steps({"A": a, "B": b})
+    # a[1] = [1, 2) and b[0] = [1.5, 2.5) overlap; a[2] = [5, 6) and b[2] = [6, 6.5) only touch
+    assert sorted(s.start for s in lone) == [0.0, 3.0, 5.0, 6.0]
+    assert lone_steps({"A": a}) == a  # one worker: nothing overlaps
+
+
+def test_run_level_is_the_median_ratio_of_lone_steps_by_kind() -> None:
+    # priced by hand: prefill of 100 tokens 0.1 + 0.1 = 0.2 s; decode batch 1: 0.05 + 0.01 = 0.06
+    pre = [prefill(10.0 * i, 0.2 * k) for i, k in enumerate((1.4, 1.5, 1.6, 1.5, 1.5))]
+    dec = [decode(100.0 + i, 0.06 * k) for i, k in enumerate((1.1, 1.0, 1.2, 1.1, 1.1, 0.9))]
+    mixed = StepRecord(200.0, 9.0, 1, 300, ((100, 0),))  # in neither kind
+    overlapped = [decode(300.0, 9.0)], [prefill(300.5, 9.0)]  # in neither: they overlap
+    logs = {"A": [*dec, mixed, *overlapped[0]], "B": [*pre, *overlapped[1]]}
+    got = run_level(MODEL, logs)
+    assert got["prefill_x"] == pytest.approx(1.5) and got["decode_x"] == pytest.approx(1.1)
+    assert (got["prefill_steps"], got["decode_steps"]) == (5, 6)
+    assert (got["steps"], got["lone_steps"], got["fallback"]) == (14, 12, [])
+    assert got["from"] == "steps"
+
+
+def test_too_few_lone_steps_leave_the_profile_level_and_say_so() -> None:
+    few = [prefill(10.0 * i, 0.4) for i in range(MIN_STEPS - 1)]
+    dec = [decode(100.0 + i, 0.12) for i in range(MIN_STEPS)]
+    got = run_level(MODEL, {"P": few, "D": dec})
+    assert got["prefill_x"] == 1.0 and got["fallback"] == ["prefill"]
+    assert got["decode_x"] == pytest.approx(2.0)
+
+
+def test_step_record_wire_round_trip_and_bad_length() -> None:
+    s = StepRecord(12.5, 0.25, 2, 700, ((64, 0), (32, 128)))
+    assert s.to_wire() == [12.5, 0.25, 2, 700, 64, 0, 32, 128]
+    assert StepRecord.from_wire(s.to_wire()) == s
+    with pytest.raises(ValueError, match="4 \\+ 2k"):
+        StepRecord.from_wire([1.0, 2.0, 3.0, 4.0, 5.0])
