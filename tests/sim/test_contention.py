@@ -201,6 +201,26 @@ def test_validation_report_puts_errors_beside_the_aa_spread() -> None:
     assert lines[7].endswith("| +20% (first config's) |")
 
 
+def test_validation_reports_every_run_at_its_own_level() -> None:
+    from pdserve.sim.validate import report_runs
+
+    def summary(ttft: float, tpot: float, att: float) -> dict:  # type: ignore[type-arg]
+        return {"ttft_s": {"p50": ttft, "p90": ttft}, "tpot_s": {"p50": tpot, "p90": tpot},
+                "attainment": att}  # fmt: skip
+
+    factors = {"prefill_x": 1.05, "decode_x": 0.875}
+    row = {"case": "c", "real": [summary(1.0, 0.1, 0.5), summary(2.0, 0.1, 0.75)],
+           "calibrated": [{"factors": factors, "sim": summary(1.1, 0.09, 0.55)},
+                          {"factors": factors, "sim": summary(1.0, 0.1, 0.7)}]}  # fmt: skip
+    lines = report_runs([row]).splitlines()
+    assert (
+        lines[2] == "| c | 1 | +10% | +10% | -10% | -10% | 50.0% / 55.0% (+5.0 pts) | 1.05 / 0.88 |"
+    )
+    assert (
+        lines[3] == "| c | 2 | -50% | -50% | +0% | +0% | 75.0% / 70.0% (-5.0 pts) | 1.05 / 0.88 |"
+    )
+
+
 def test_cpu_deployment_reads_the_contention_from_the_cost_model_file(tmp_path: Path) -> None:
     from pdserve.sim.deploy import Deployment, simulate
 
@@ -289,6 +309,8 @@ def test_resimulate_checks_the_simulator_against_stored_real_runs(tmp_path: Path
     factors = json.loads(out.read_text())["results"][0]["calibrated"][0]["factors"]
     assert factors["from"] == "steps" and factors["fallback"] == []
     assert factors["prefill_x"] == pytest.approx(1.2) and factors["decode_x"] == pytest.approx(0.9)
+    last = json.loads(out.read_text())["runs_table"].splitlines()[-1]
+    assert last.startswith("| 1P1D | 1 |") and last.endswith("| 1.20 / 0.90 |")
     del row["real_records"]
     src.write_text(json.dumps({"args": args, "slo": {"ttft_s": 1, "tpot_s": 1}, "results": [row]}))
     with pytest.raises(SystemExit, match="no real_records"):
