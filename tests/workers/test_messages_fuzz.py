@@ -279,16 +279,23 @@ def test_tags_are_required_and_checked(name: str) -> None:
 
 def _small_fields(name: str) -> dict[str, Any]:
     """Small values for the required fields of a type."""
-    fields: dict[str, Any] = {}
-    for f in dataclasses.fields(m.REGISTRY[name]):
-        if _required(f):
-            hint = HINTS[name][f.name]
-            fields[f.name] = {str: "ab", int: 7, float: 0.5, bytes: b"\x01\x02"}.get(hint)
-            if fields[f.name] is None:
-                args = typing.get_args(hint)
-                item = b"\x03" if args and args[0] is bytes else 3
-                fields[f.name] = [item] if typing.get_origin(hint) is list else {"k": 1}
-    return fields
+    hints = HINTS[name]
+    return {
+        f.name: _small(hints[f.name]) for f in dataclasses.fields(m.REGISTRY[name]) if _required(f)
+    }
+
+
+def _small(hint: Any) -> Any:
+    """A small value of a field's type (lists and maps of one item, nested as declared)."""
+    scalar = {str: "ab", int: 7, float: 0.5, bytes: b"\x01\x02"}.get(hint)
+    if scalar is not None:
+        return scalar
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return [_small(args[0])]
+    if origin is dict:
+        return {_small(args[0]): _small(args[1])}
+    return 3  # Any
 
 
 @pytest.mark.parametrize("name", NAMES)
