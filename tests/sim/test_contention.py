@@ -178,7 +178,7 @@ def test_concurrent_profile_measures_two_engines(tiny_llama_path) -> None:  # ty
 
 
 def test_validation_report_puts_errors_beside_the_aa_spread() -> None:
-    from pdserve.sim.validate import compare, report
+    from pdserve.sim.validate_report import compare, report
 
     def summary(ttft: float, tpot: float, att: float) -> dict:  # type: ignore[type-arg]
         return {
@@ -202,7 +202,7 @@ def test_validation_report_puts_errors_beside_the_aa_spread() -> None:
 
 
 def test_validation_reports_every_run_at_its_own_level() -> None:
-    from pdserve.sim.validate import report_runs
+    from pdserve.sim.validate_report import report_runs
 
     def summary(ttft: float, tpot: float, att: float) -> dict:  # type: ignore[type-arg]
         return {"ttft_s": {"p50": ttft, "p90": ttft}, "tpot_s": {"p50": tpot, "p90": tpot},

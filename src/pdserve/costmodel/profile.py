@@ -15,13 +15,8 @@ Everything is measured on the real engine in this process, with `threads` torch 
     blocks hold; attention costs the same whatever the values. After a warm-up step, each decode
     step is timed; context = the keys attended, summed over the batch (prompt + generated).
     Combinations whose KV does not fit the cache or the model's context are skipped.
-  * transfer (bytes, s) and receive (tokens, s): one request's KV for n tokens (the engine's
-    layout, random values) from `encode_frame` per layer, over a loopback ZeroMQ tcp DEALER ->
-    ROUTER pair, then what a decode worker does with each frame on its own loop: `decode_frame`
-    and `engine.write_kv` into cache slots. The receive sample is that last part alone (D's
-    work: it delays D's next step); the transfer sample is the rest (encoding and the wire).
-    Bytes = raw KV bytes (n * bytes per token), the number a caller can compute; frame headers
-    are in the fixed terms.
+  * transfer (bytes, s) and receive (tokens, s): one request's KV over a loopback ZeroMQ pair,
+    the wire and D's own receive apart (costmodel/profile_transfer.py).
 
 Every point is the median of `repeats` (>= 3) timings, after one warm-up prefill and decode.
 The model is fitted with `CostModel.fit_relative`: samples span 50 ms to seconds, and a plain
@@ -48,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve import hostinfo
 from pdserve.costmodel.model import CostModel, default_path
+from pdserve.costmodel.profile_transfer import kv_bytes_per_token, measure_transfer, transfer_errors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -104,8 +100,6 @@ QUICK_MAX_PROMPT = 128
 
 PrefillSample = tuple[int, int, float]  # new, cached, seconds
 DecodeSample = tuple[int, int, float]  # batch, context (summed), seconds
-TransferSample = tuple[int, float]  # bytes, seconds
-ReceiveSample = tuple[int, float]  # tokens, seconds
 
 
 def _log(msg: str) -> None:
@@ -327,86 +321,6 @@ def measure_decode(engine: LLMEngine, ids: _Ids, grid: Grid, max_prompt: int) ->
     return samples
 
 
-# --------------------------------------------------------------------------- transfer
-
-
-def kv_bytes_per_token(engine: LLMEngine) -> int:
-    arch = engine.arch
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.dtype.itemsize
-
-
-def measure_transfer(
-    engine: LLMEngine, grid: Grid
-) -> tuple[list[TransferSample], list[ReceiveSample]]:
-    import zmq
-
-    from pdserve.transfer import transports
-
-    ctx = zmq.Context()
-    receiver, endpoint = transports.bind_receiver(
-        ctx, transports.get_transport("tcp"), "127.0.0.1", 0, "profile-d"
-    )
-    sender = transports.connect_sender(ctx, endpoint, "profile-p")
-    try:
-        link = _Loopback(engine, sender, receiver)
-        link.send(min(grid.transfer_tokens))  # warm-up: connects the pair
-        samples, received = [], []
-        for n in grid.transfer_tokens:
-            runs = [link.send(n) for _ in range(grid.repeats)]
-            s = statistics.median(t - r for t, r in runs)
-            r = statistics.median(r for _, r in runs)
-            _log(f"transfer {n} tokens: {s * 1e3:.1f} ms, then D receives in {r * 1e3:.1f} ms")
-            samples.append((n * kv_bytes_per_token(engine), s))
-            received.append((n, r))
-        return samples, received
-    finally:
-        sender.close(0)
-        receiver.close(0)
-        ctx.term()
-
-
-class _Loopback:
-    """One request's KV, layer by layer, encoded, sent, received, decoded and stored into the
-    engine's cache as a decode worker stores it (`engine.write_kv`). The slots are the cache's
-    first n (wrapping): nothing reads this engine's cache after the transfer points."""
-
-    def __init__(self, engine: LLMEngine, sender: Any, receiver: Any) -> None:
-        from pdserve.transfer import wire
-
-        arch = engine.arch
-        self.engine = engine
-        self.layers, self.heads, self.dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
-        self.dtype = engine.dtype
-        self.fingerprint = wire.layout_fingerprint(arch, engine.dtype)
-        self.sender, self.receiver = sender, receiver
-        self.slots_total = engine.kv_manager.num_blocks * engine.kv_manager.block_size
-
-    def send(self, n: int) -> tuple[float, float]:
-        """(seconds from the first encode to the last stored layer, of which D's receive)."""
-        import torch
-
-        from pdserve.transfer import wire
-
-        keys = torch.randn(self.layers, n, self.heads, self.dim).to(self.dtype)
-        values = torch.randn_like(keys)
-        slots = torch.arange(n) % self.slots_total
-        t0 = time.perf_counter()
-        for layer in range(self.layers):
-            parts = wire.encode_frame(
-                "profile", layer, 0, [keys[layer]], [values[layer]], "none", self.fingerprint
-            )
-            self.sender.send_multipart(parts, copy=False)
-        receive = 0.0
-        for _ in range(self.layers):
-            _, *parts = self.receiver.recv_multipart(copy=False)
-            r0 = time.perf_counter()
-            frame = wire.decode_frame([p.buffer for p in parts], fingerprint=self.fingerprint)
-            for layer, k, v in frame.layers():
-                self.engine.write_kv(slots, layer, k, v)
-            receive += time.perf_counter() - r0
-        return time.perf_counter() - t0, receive
-
-
 # --------------------------------------------------------------------------- profile
 
 
@@ -444,9 +358,9 @@ def profile_engine(
     _warm_up(engine, ids)
     prefill = measure_prefill(engine, ids, grid, max_prompt)
     decode = measure_decode(engine, ids, grid, max_prompt)
-    transfer, receive = measure_transfer(engine, grid)
+    transfer, receive = measure_transfer(engine, grid.transfer_tokens, grid.repeats, _log)
     fitted = CostModel.fit_relative(prefill, decode, transfer, receive)
-    errors = {**fitted.errors(prefill, decode), **_transfer_errors(fitted, transfer, receive)}
+    errors = {**fitted.errors(prefill, decode), **transfer_errors(fitted, transfer, receive)}
     linear = CostModel.fit_relative(prefill, decode, by_batch=False).errors(prefill, decode)
     errors |= {"decode_linear_p50": linear["decode_p50"], "decode_linear_p90": linear["decode_p90"]}
     seconds = time.perf_counter() - start
@@ -490,19 +404,6 @@ def _warm_up(engine: LLMEngine, ids: _Ids) -> None:
     """First calls allocate and pick kernels: keep them out of every timed point."""
     _prefill_step(engine, ids(64), 0)
     decode_times(engine, ids, 2, 32, 2)
-
-
-def _transfer_errors(
-    fitted: CostModel, samples: Sequence[TransferSample], received: Sequence[ReceiveSample]
-) -> dict[str, float]:
-    out = {}
-    rel = [abs(fitted.transfer_s(n) - s) / s for n, s in samples]
-    if rel:
-        out["transfer_p50"] = statistics.median(rel)
-    rel = [abs(fitted.receive_s(n) - s) / s for n, s in received if s > 0]
-    if rel:
-        out["receive_p50"] = statistics.median(rel)
-    return out
 
 
 def _about(
