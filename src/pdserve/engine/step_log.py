@@ -3,7 +3,7 @@
 Why: a step-time model (`pdserve bench profile`) is measured minutes before it is used, and on a
 shared VM the level of every step drifts 5-25% in that time (docs/benchmarks/sim.md). The steps a
 worker really ran say how fast the machine was during a run; the simulator's validation prices
-the same steps with the cost model and takes the ratio (sim/validate.py `run_level`).
+the same steps with the cost model and takes the ratio (sim/level.py `run_level`).
 
 One entry per `LLMEngine.step()` that computed something: its start (`time.monotonic()`, one
 clock for every process of a host, so two workers' steps can be tested for overlap), its wall
