@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
-QUANTIZATIONS = ("none", "int8", "w8g32")
+QUANTIZATIONS = ("none", "int8", "w8g32", "w8a8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How matmuls of a few rows (decode steps) run on float32 weights (engine/quant.py).
 DECODE_MATMULS = ("auto", "tiles", "torch")
@@ -45,7 +45,8 @@ class ModelConfig:
         "none",
         "projection weights: none (as --dtype) | int8 (int8 per output channel, int8 "
         "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
-        "channel, float32 activations); quantized: CPU, float32 only",
+        "channel, float32 activations) | w8a8 (the same weights, activations int8 with one scale "
+        "per 32 inputs, integer dot products); quantized: CPU, float32 only",
     )
     decode_matmul: str = _f(
         "auto",

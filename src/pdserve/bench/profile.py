@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples-out", type=Path, default=None, help="raw samples as JSON")
     parser.add_argument("--quick", action="store_true", help="a few small points (seconds)")
     parser.add_argument(
-        "--quantization", default="none", help="projection weights: none | int8 | w8g32 (none)"
+        "--quantization",
+        default="none",
+        help="projection weights: none | int8 | w8g32 | w8a8 (none)",
     )
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="KV cache: auto | float16 | bfloat16 (auto)"

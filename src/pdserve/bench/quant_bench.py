@@ -22,6 +22,8 @@ Candidates (`--variants`):
   * w8g32: what `--quantization w8g32` runs (the real kernel, kernels/w8g32.cpp): int8 weights,
     one fp16 scale per 32 inputs per output channel, float32 activations, LM head included;
   * w8g32-head-f32: the same with the LM head left in float32;
+  * w8a8: what `--quantization w8a8` runs (kernels/w8a8.cpp): w8g32's weights times int8
+    activations with one scale per 32 inputs per row, LM head included;
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
     `--kv-cache-dtype` runs); w8g32+kv-float16: both.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
@@ -60,6 +62,7 @@ VARIANTS = (
     "w8g32-fake",
     "w8g32",
     "w8g32-head-f32",
+    "w8a8",
     "kv-float16",
     "kv-bfloat16",
     "w8g32+kv-float16",
@@ -140,10 +143,12 @@ class _FakeQuant:
 
 
 def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    from pdserve.engine.quant import Int8Linear, W8G32Linear
+    from pdserve.engine.quant import Int8Linear, W8A8Linear, W8G32Linear
 
     if variant in ("w8g32", "w8g32-head-f32"):
         return W8G32Linear(w, bias)
+    if variant == "w8a8":
+        return W8A8Linear(w, bias)
     if variant in ("int8", "int8-head-f32"):
         return Int8Linear(w, bias)
     if variant == "int8-act8":
@@ -174,8 +179,8 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     _set_kv_dtype(engine, kv or "float32")
     variant = weights.removesuffix("+") or None
     model = engine.model
-    # The real w8g32 variants run what `--quantization w8g32` runs: its native RMSNorm / RoPE too.
-    fused = FusedOps() if variant in ("w8g32", "w8g32-head-f32") else None
+    # The real w8g32 / w8a8 variants run what `--quantization` runs: its native RMSNorm / RoPE too.
+    fused = FusedOps() if variant in ("w8g32", "w8g32-head-f32", "w8a8") else None
     model.fused = fused
     for layer in layers_of(model):
         layer.fused = fused

@@ -1,4 +1,10 @@
-"""Quantized projection weights: `--quantization none | int8 | w8g32`.
+"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8`.
+
+`w8a8` stores the same int8 weights as w8g32 and quantizes the activations too, one scale per
+32 inputs per row (llama.cpp's Q8 activations): integer dot products (kernels/w8a8.cpp) do 4
+products per 32-bit lane per instruction where w8g32 widens every weight to float, so 8 decode
+rows cost little more than 1 (W8A8Linear below; quality and speed in docs/benchmarks/quant.md
+and engine.md).
 
 `w8g32` (the quality-safe scheme) stores every projection matrix as int8 with one fp16 scale per
 32 inputs per output channel (group-wise) and keeps the activations float32. It runs on a
@@ -71,12 +77,12 @@ def check_supported(name: str, device: torch.device, dtype: torch.dtype) -> None
         raise ValueError(
             f"quantization {name!r} takes float32 activations; use --dtype float32, not {dtype}"
         )
-    if name == "w8g32":
+    if name in ("w8g32", "w8a8"):
         from pdserve.engine import kernels
 
         if not kernels.cpu_supported():
             raise ValueError(
-                f"quantization 'w8g32' needs a CPU with AVX2 + FMA (torch reports "
+                f"quantization {name!r} needs a CPU with AVX2 + FMA (torch reports "
                 f"{torch.backends.cpu.get_cpu_capability()}); use --quantization none"
             )
         return
@@ -205,6 +211,49 @@ class W8G32Linear:
         return y
 
 
+class W8A8Linear:
+    """int8 weights (one fp16 scale per 32 inputs per output channel, w8g32's rounding) times
+    int8 activations (one scale per 32 inputs per row, quantized inside the call): every group
+    of 32 products is an exact int32 sum (kernels/w8a8.cpp; vpdpbusd where the CPU has AVX-512
+    VNNI, vpmaddubsw elsewhere), scaled once. One kernel for every row count: decode rows stream
+    the weights once for up to 8 (VNNI) / 4 (AVX2) rows at a time, prefill reuses a tile from
+    cache across its row blocks."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+    ) -> None:
+        from pdserve.engine import kernels
+
+        self._ops = kernels.w8a8_module(isa)  # isa: "avx2" | "vnni"; None picks by the CPU
+        w = weight.detach().float().contiguous()  # [in, out]
+        self.in_features, self.out_features = w.shape
+        self.q, self.scales = self._ops.pack(w)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._nbytes = (
+            self.q.numel() + self.scales.numel() * 2 + (0 if bias is None else bias.numel() * 4)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per call: int8 weights + fp16 scales (+ bias)."""
+        return self._nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [in, out] weight this projection computes with (for tests and checks)."""
+        return cast(
+            torch.Tensor,
+            self._ops.dequantize(self.q, self.scales, self.in_features, self.out_features),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, weight takes {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()
+        y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias)
+        return cast(torch.Tensor, y).reshape(*lead, self.out_features)
+
+
 def decode_matmul(name: str, quantization: str, device: torch.device, dtype: torch.dtype) -> str:
     """What `--decode-matmul name` means for this engine: "tiles" or "torch".
 
@@ -292,7 +341,7 @@ def tile_model(model: LlamaModel) -> None:
 class FusedOps:
     """RMSNorm and RoPE as one native call each (kernels/w8g32.cpp) instead of torch's 5-8
     small ops: at batch 1 those ops, ~60 norms and 30 RoPEs a step, cost more than their math.
-    Quantized (w8g32) models only: the rounding differs slightly from torch's, and
+    Quantized (w8g32, w8a8) models only: the rounding differs slightly from torch's, and
     `--quantization none` keeps bit-exact parity with HF."""
 
     def __init__(self, isa: str | None = None) -> None:
@@ -342,6 +391,8 @@ def quantize(
         return Int8Linear(weight, bias)
     if name == "w8g32":
         return W8G32Linear(weight, bias)
+    if name == "w8a8":
+        return W8A8Linear(weight, bias)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
 
 
@@ -358,7 +409,7 @@ def quantize_model(model: LlamaModel, name: str, head: bool = True) -> None:
             assert quantized is not None
             layer.quantized[proj] = quantized
             weight.data = weight.data.new_empty(0)
-    if name == "w8g32":
+    if name in ("w8g32", "w8a8"):
         fused = FusedOps()
         model.fused = fused
         for layer in layers_of(model):

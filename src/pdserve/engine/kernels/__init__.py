@@ -8,6 +8,11 @@ built twice from one source: `-mavx2 -mfma -mf16c` everywhere, and `-mavx512f -m
 (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build). A build takes ~1 minute once per source
 version; the result is cached under `PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`)
 and reused by every later process.
+
+`w8a8.cpp` (int8 weights x int8 activations, one scale per 32 inputs each: `--quantization
+w8a8`) is built twice too: `-mavx2 -mfma -mf16c` (vpmaddubsw) and, where the CPU has AVX-512
+VNNI (its /proc/cpuinfo flag `avx512_vnni`, which torch's capability does not report), with
+`-mavx512f -mavx512bw -mavx512vl -mavx512vnni` (vpdpbusd).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ W8G32_SOURCE = Path(__file__).with_name("w8g32.cpp")
 W8G32_CFLAGS = [*CFLAGS, "-mf16c"]
 W8G32_AVX512_CFLAGS = [*W8G32_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl"]
 W8G32_BUILDS = {"avx2": W8G32_CFLAGS, "avx512": W8G32_AVX512_CFLAGS}
+W8A8_SOURCE = Path(__file__).with_name("w8a8.cpp")
+W8A8_BUILDS = {"avx2": W8G32_CFLAGS, "vnni": [*W8G32_AVX512_CFLAGS, "-mavx512vnni"]}
+_w8a8: dict[str, ModuleType] = {}
 
 
 def cache_dir() -> Path:
@@ -121,6 +129,44 @@ def w8g32_module(isa: str | None = None) -> ModuleType:
             name = "pdserve_w8g32" if isa == "avx2" else "pdserve_w8g32_avx512"
             _w8g32[isa] = build_and_load(name, W8G32_SOURCE, W8G32_BUILDS[isa])
         return _w8g32[isa]
+
+
+def w8a8_isa() -> str:
+    """The w8a8 build this CPU runs: "vnni" where torch reports AVX512 and the CPU has AVX-512
+    VNNI, else "avx2"."""
+    return "vnni" if _capability() == "AVX512" and "avx512_vnni" in cpu_flags() else "avx2"
+
+
+def w8a8_module(isa: str | None = None) -> ModuleType:
+    """Build (once per source version and ISA) and import the int8 x int8 group-wise matmul;
+    `isa` None picks by the CPU (w8a8_isa()), tests name one to compare the builds."""
+    isa = isa or w8a8_isa()
+    if isa not in W8A8_BUILDS:
+        raise ValueError(f"w8a8 builds are {sorted(W8A8_BUILDS)}, got {isa!r}")
+    with _lock:
+        if isa not in _w8a8:
+            if not cpu_supported() or (isa == "vnni" and w8a8_isa() != "vnni"):
+                raise RuntimeError(
+                    f"quantization 'w8a8' ({isa} build) needs a CPU with "
+                    f"{'AVX-512 VNNI' if isa == 'vnni' else 'AVX2'} + FMA + F16C "
+                    f"(torch reports {_capability()}); use --quantization none"
+                )
+            name = "pdserve_w8a8" if isa == "avx2" else "pdserve_w8a8_vnni"
+            _w8a8[isa] = build_and_load(name, W8A8_SOURCE, W8A8_BUILDS[isa])
+        return _w8a8[isa]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty when unknown), read once."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 @functools.cache

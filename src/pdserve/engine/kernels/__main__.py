@@ -18,15 +18,22 @@ BUILDS = {
     "paged_attention": "kernels.paged_attention_module()",
     "w8g32 avx2": "kernels.w8g32_module('avx2')",
     "w8g32 avx512": "kernels.w8g32_module('avx512')",
+    "w8a8 avx2": "kernels.w8a8_module('avx2')",
+    "w8a8 vnni": "kernels.w8a8_module('vnni')",
 }
 
 
 def wanted() -> list[str]:
     """The builds this CPU can run (none without AVX2; the AVX-512 one only where torch
-    reports AVX512)."""
+    reports AVX512, the VNNI one only where the CPU has AVX-512 VNNI)."""
     if not kernels.cpu_supported():
         return []
-    return [b for b in BUILDS if b != "w8g32 avx512" or kernels.w8g32_isa() == "avx512"]
+    skip = set()
+    if kernels.w8g32_isa() != "avx512":
+        skip.add("w8g32 avx512")
+    if kernels.w8a8_isa() != "vnni":
+        skip.add("w8a8 vnni")
+    return [b for b in BUILDS if b not in skip]
 
 
 def main() -> int:

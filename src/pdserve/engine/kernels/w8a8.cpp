@@ -1,0 +1,310 @@
+// Group-wise int8 x int8 matmul for CPU (`--quantization w8a8`): y = x @ W (+ bias) with
+// W int8, one fp16 scale per 32 inputs per output channel (the same weights as w8g32), and x
+// quantized on the fly to int8 with one float scale per 32 inputs per row (as llama.cpp's Q8
+// activations). Each group's 32 products are summed exactly in int32, then scaled once:
+//   y[r, n] = sum_g  sx[r, g] * sw[g, n] * sum_{k in g} xq[r, k] * wq[k, n].
+//
+// Why: w8g32 (float activations) widens every weight to float and spends one FMA per 16
+// products; at 8 rows that is compute-bound at ~2.5x the tokens/s of 1 row (the target is 5x).
+// Integer dot products do 4 products per 32-bit lane per instruction.
+//
+// Layout (pack()): outputs in tiles of 16 channels; inputs padded to whole groups of 32 and
+// stored in quads: q[tile][k / 4][16][4] int8, so one 64-byte line holds 4 inputs x 16
+// channels, channel c's 4 weights in 32-bit lane c. Scales s[tile][group][16] fp16.
+//
+// Two builds of this file (never -march=native), picked at run time by kernels.w8a8_module():
+//  * "vnni" (`-mavx512f -mavx512bw -mavx512vl -mavx512vnni`): vpdpbusd multiplies unsigned by
+//    signed bytes, so the activations are stored offset by 128 (xq + 128, 0..254) and each
+//    group subtracts 128 * sum(w), itself one vpdpbusd per quad shared by every row.
+//  * "avx2" (`-mavx2 -mfma -mf16c`): vpmaddubsw with the sign trick (|w| times x carrying w's
+//    sign); |xq|, |wq| <= 127 so a pair sum (<= 32258) never saturates int16.
+// Both compute the same int32 group sums exactly, then the same float operations in the same
+// order: the builds agree bit for bit.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTile = 16;   // output channels per tile
+constexpr int64_t kGroup = 32;  // inputs per scale (weights and activations)
+constexpr int64_t kQuads = kGroup / 4;
+// Software prefetch this many bytes ahead in the weight stream, one per 64-byte line (see
+// w8g32.cpp: the hardware prefetcher alone left one thread at ~half the read bandwidth).
+#ifndef W8A8_PREFETCH
+#define W8A8_PREFETCH 8192
+#endif
+constexpr int64_t kPrefetch = W8A8_PREFETCH;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#if defined(__AVX512VNNI__)
+constexpr const char* kIsa = "vnni";
+constexpr int64_t kRows = 8;
+constexpr int kOffset = 128;  // activations stored as xq + 128 (unsigned operand)
+
+// Rows [0, NR) of xq (row stride ldx bytes, offset by 128) against one tile; out[r * 16 + c].
+// U accumulator sets take alternate quads: with few rows, U = 2 keeps >= 2 dependency chains
+// per row; from 4 rows on the rows are the chains and U = 1 leaves registers for them (an
+// accumulator indexed by a run-time j & 1 made the compiler keep them all on the stack).
+template <int NR, int U>
+void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const int8_t* q,
+               const at::Half* s, float* out) {
+  __m512 tot[NR];
+  for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
+  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* qg = q + g * kQuads * 64;
+    const uint8_t* xg = xq + g * kGroup;
+    __m512i acc[U][NR], corr[U];
+    for (int u = 0; u < U; ++u) {
+      corr[u] = _mm512_setzero_si512();
+      for (int r = 0; r < NR; ++r) acc[u][r] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kQuads; j += U) {
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) {
+        _mm_prefetch(reinterpret_cast<const char*>(qg + (j + u) * 64 + kPrefetch), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(qg + (j + u) * 64);
+        corr[u] = _mm512_dpbusd_epi32(corr[u], k128, w);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, xg + r * ldx + (j + u) * 4, 4);
+          acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], _mm512_set1_epi32(quad), w);
+        }
+      }
+    }
+    __m512i c = corr[0];
+    for (int u = 1; u < U; ++u) c = _mm512_add_epi32(c, corr[u]);
+    const __m512 sw = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * kTile)));
+    for (int r = 0; r < NR; ++r) {
+      __m512i dot = acc[0][r];
+      for (int u = 1; u < U; ++u) dot = _mm512_add_epi32(dot, acc[u][r]);
+      dot = _mm512_sub_epi32(dot, c);
+      const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[r * G + g]));
+      tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, tot[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
+}
+#else
+constexpr const char* kIsa = "avx2";
+constexpr int64_t kRows = 4;
+constexpr int kOffset = 0;
+
+template <int NR, int U>
+void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const int8_t* q,
+               const at::Half* s, float* out) {
+  __m256 tot[NR][2];
+  for (int r = 0; r < NR; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* qg = q + g * kQuads * 64;
+    __m256i acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < kQuads; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(qg + j * 64 + kPrefetch), _MM_HINT_T0);
+      const __m256i wlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
+      const __m256i whi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64 + 32));
+      const __m256i alo = _mm256_abs_epi8(wlo), ahi = _mm256_abs_epi8(whi);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * ldx + g * kGroup + j * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        const __m256i plo = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(xb, wlo));
+        const __m256i phi = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xb, whi));
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(plo, ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(phi, ones));
+      }
+    }
+    const __m256 slo =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile)));
+    const __m256 shi =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile + 8)));
+    for (int r = 0; r < NR; ++r) {
+      const __m256 xsv = _mm256_set1_ps(xs[r * G + g]);
+      tot[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(slo, xsv),
+                                  tot[r][0]);
+      tot[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(shi, xsv),
+                                  tot[r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm256_storeu_ps(out + r * kTile, tot[r][0]);
+    _mm256_storeu_ps(out + r * kTile + 8, tot[r][1]);
+  }
+}
+#endif
+
+// One row of x (K floats) -> G groups of 32 int8 (+ kOffset) and their scales; the padding
+// past K is 0 (its weights are 0 too).
+void quantize_row(const float* x, int64_t K, int64_t G, uint8_t* xq, float* xs) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+    float amax = 0.f;
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(x[k]));
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    xs[g] = scale;
+    for (int64_t k = k0; k < k0 + kGroup; ++k) {
+      const float v = k < k1 ? std::nearbyint(x[k] * inv) : 0.f;
+      const int iv = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
+      xq[k] = static_cast<uint8_t>(iv + kOffset);
+    }
+  }
+}
+
+void check_packed(const torch::Tensor& q, const torch::Tensor& s, int64_t K, int64_t N) {
+  const int64_t T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 4 && q.size(0) == T &&
+                  q.size(1) == G * kQuads && q.size(2) == kTile && q.size(3) == 4,
+              "q: int8 [T, K/4, 16, 4] matching K, N");
+  TORCH_CHECK(s.dtype() == torch::kHalf && s.is_contiguous() && s.dim() == 3 && s.size(0) == T &&
+                  s.size(1) == G && s.size(2) == kTile,
+              "s: fp16 [T, G, 16] matching K, N");
+}
+
+}  // namespace
+
+// w: float32 [K, N] (y = x @ w) -> (q int8 [T, G*8, 16, 4], s fp16 [T, G, 16]). The same
+// rounding as w8g32's pack: the scale is rounded to fp16 first and the weights to it.
+std::vector<torch::Tensor> pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat, "w: float32 [K, N]");
+  w = w.contiguous();
+  const int64_t K = w.size(0), N = w.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
+  auto q = torch::zeros({T, G * kQuads, kTile, 4}, torch::kInt8);
+  auto s = torch::zeros({T, G, kTile}, torch::kHalf);
+  const float* wp = w.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  at::Half* sp = s.data_ptr<at::Half>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c) {
+        const int64_t n = t * kTile + c;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+          float amax = 0.f;
+          for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(wp[k * N + n]));
+          const at::Half sh = static_cast<at::Half>(std::max(amax / 127.f, 1e-7f));
+          const float scale = static_cast<float>(sh);
+          sp[(t * G + g) * kTile + c] = sh;
+          for (int64_t k = k0; k < k1; ++k) {
+            const float v = std::nearbyint(wp[k * N + n] / scale);
+            qp[((t * G * kQuads + k / 4) * kTile + c) * 4 + k % 4] =
+                static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+          }
+        }
+      }
+    }
+  });
+  return {q, s};
+}
+
+// x float32 [M, K] -> (xq int8 [M, G*32], xs float32 [M, G]): the activations exactly as the
+// matmul quantizes them (without the vnni build's +128), for tests and quality checks.
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = ceil_div(K, kGroup);
+  auto xq = torch::empty({M, G * kGroup}, torch::kUInt8);
+  auto xs = torch::empty({M, G}, torch::kFloat);
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(x.data_ptr<float>() + r * K, K, G, xq.data_ptr<uint8_t>() + r * G * kGroup,
+                 xs.data_ptr<float>() + r * G);
+  return {(xq.to(torch::kInt) - kOffset).to(torch::kInt8), xs};
+}
+
+// x float32 [M, K] -> y float32 [M, N] (+ bias [N]). The rows are quantized first (spread over
+// torch's threads), then work items (tile, block of kRows rows) in tile-major order.
+torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t N,
+                     c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
+  check_packed(q, s, K, N);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias: float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto xq = torch::empty({M, G * kGroup}, torch::kUInt8);
+  auto xs = torch::empty({M, G}, torch::kFloat);
+  const float* xp = x.data_ptr<float>();
+  uint8_t* xqp = xq.data_ptr<uint8_t>();
+  float* xsp = xs.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      quantize_row(xp + r * K, K, G, xqp + r * G * kGroup, xsp + r * G);
+  });
+  auto y = torch::empty({M, N}, torch::kFloat);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = G * kGroup, row_blocks = ceil_div(M, kRows);
+  at::parallel_for(0, T * row_blocks, 1, [&](int64_t a, int64_t b) {
+    float out[kRows * kTile];
+    for (int64_t item = a; item < b; ++item) {
+      const int64_t t = item / row_blocks, r0 = (item % row_blocks) * kRows;
+      const int64_t nr = std::min(kRows, M - r0);
+      const uint8_t* xr = xqp + r0 * ldx;
+      const float* sr = xsp + r0 * G;
+      const int8_t* qt = qp + t * G * kQuads * 64;
+      const at::Half* st = sp + t * G * kTile;
+      switch (nr) {
+#if defined(__AVX512VNNI__)
+        case 8: tile_rows<8, 1>(xr, ldx, sr, G, qt, st, out); break;
+        case 7: tile_rows<7, 1>(xr, ldx, sr, G, qt, st, out); break;
+        case 6: tile_rows<6, 1>(xr, ldx, sr, G, qt, st, out); break;
+        case 5: tile_rows<5, 1>(xr, ldx, sr, G, qt, st, out); break;
+#endif
+        case 4: tile_rows<4, 1>(xr, ldx, sr, G, qt, st, out); break;
+        case 3: tile_rows<3, 2>(xr, ldx, sr, G, qt, st, out); break;
+        case 2: tile_rows<2, 2>(xr, ldx, sr, G, qt, st, out); break;
+        default: tile_rows<1, 2>(xr, ldx, sr, G, qt, st, out); break;
+      }
+      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
+      for (int64_t r = 0; r < nr; ++r) {
+        float* dst = yp + (r0 + r) * N + n0;
+        for (int64_t c = 0; c < nc; ++c) dst[c] = out[r * kTile + c] + (bp ? bp[n0 + c] : 0.f);
+      }
+    }
+  });
+  return y;
+}
+
+// The float32 [K, N] weight the packed tiles stand for (tests and checks).
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, int64_t K, int64_t N) {
+  const int64_t T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
+  check_packed(q, s, K, N);
+  auto w = torch::zeros({K, N}, torch::kFloat);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  float* wp = w.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c)
+      for (int64_t k = 0; k < K; ++k)
+        wp[k * N + t * kTile + c] =
+            static_cast<float>(qp[((t * G * kQuads + k / 4) * kTile + c) * 4 + k % 4]) *
+            static_cast<float>(sp[(t * G + k / kGroup) * kTile + c]);
+  return w;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "float32 [K, N] -> (int8 quads [T, K/4, 16, 4], fp16 scales [T, G, 16])");
+  m.def("matmul", &matmul, "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias)");
+  m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
+  m.def("dequantize", &dequantize, "the float32 [K, N] weight of packed (q, s)");
+  m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
+  m.attr("rows") = kRows;
+}

@@ -1,0 +1,124 @@
+"""`quantization="w8a8"`: the integer kernel against a reference computed in Python (weights
+and activations quantized per 32 inputs, products summed in float64), both builds bit for bit
+where the CPU has VNNI, the tiny models' greedy agreement with float32, and the build choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import assert_engine_idle
+from tests.engine.test_quant_w8g32 import PROMPTS, _reference
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import kernels, quant
+
+VNNI = kernels.cpu_supported() and kernels.w8a8_isa() == "vnni"
+ISAS = ["avx2", pytest.param("vnni", marks=pytest.mark.skipif(not VNNI, reason="no AVX-512 VNNI"))]
+
+
+def _quantized_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x [M, K] as the kernel quantizes it: per row, per group of 32 inputs, int8 against
+    max-abs / 127 (round half to even, as nearbyint), back to float."""
+    m, k = x.shape
+    xp = torch.nn.functional.pad(x, (0, -k % group)).view(m, -1, group)
+    amax = xp.abs().amax(dim=-1, keepdim=True)
+    # torch.full_like(...) / amax, not 127 / amax: the latter is amax.reciprocal() * 127,
+    # which rounds differently from the kernel's one division.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xp * inv).clamp(-127, 127)
+    return (q * (amax / 127)).view(m, -1)[:, :k]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), [(576, 96), (70, 33), (100, 16), (31, 200), (64, 48)])
+def test_w8a8_kernel_matches_the_quantized_reference(isa: str, k: int, n: int) -> None:
+    # Every row block the kernel dispatches (1..kRows and a remainder), ragged groups (k % 32)
+    # and tiles (n % 16), with and without bias.
+    torch.manual_seed(k * 7 + n)
+    w, b = torch.randn(k, n) * 0.05, torch.randn(n)
+    ref_w = _reference(w).double()
+    for bias in (None, b):
+        lin = quant.W8A8Linear(w, bias, isa=isa)
+        assert lin._ops.isa == isa
+        torch.testing.assert_close(lin.dequantized(), ref_w.float(), rtol=0, atol=1e-6)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+            x = torch.randn(rows, k) * 3
+            want = _quantized_rows(x).double() @ ref_w
+            if bias is not None:
+                want = want + bias.double()
+            torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
+    groups, tiles = -(-k // 32), -(-n // 16)
+    assert lin.nbytes == tiles * 16 * groups * 32 + tiles * groups * 16 * 2 + n * 4
+
+
+def test_w8a8_activation_quantization_matches_python() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(5, 70) * torch.logspace(-3, 2, 70)  # groups of very different scales
+    x[2] = 0  # an all-zero row: scale 0, every code 0
+    ops = kernels.w8a8_module("avx2")
+    q, s = ops.quantize_activations(x)
+    assert q.dtype == torch.int8 and q.shape == (5, 96) and s.shape == (5, 3)
+    assert int(q.abs().max()) <= 127 and torch.all(q[:, 70:] == 0)
+    back = (q.float().view(5, 3, 32) * s[:, :, None]).view(5, 96)[:, :70]
+    torch.testing.assert_close(back, _quantized_rows(x), rtol=1e-6, atol=1e-7)
+    assert torch.all(s[2] == 0)
+
+
+@pytest.mark.skipif(not VNNI, reason="needs a CPU with AVX-512 VNNI")
+def test_w8a8_vnni_and_avx2_builds_agree_bit_for_bit() -> None:
+    # Both sum each group's products exactly in int32, then run the same float operations.
+    torch.manual_seed(3)
+    w, b = torch.randn(200, 90) * 0.05, torch.randn(90)
+    a2, vn = quant.W8A8Linear(w, b, isa="avx2"), quant.W8A8Linear(w, b, isa="vnni")
+    assert a2._ops.rows == 4 and vn._ops.rows == 8
+    assert torch.equal(a2.q, vn.q) and torch.equal(a2.scales, vn.scales)  # one packed layout
+    for rows in (1, 7, 8, 11, 33):
+        x = torch.randn(rows, 200)
+        assert torch.equal(a2(x), vn(x))
+
+
+def test_w8a8_build_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = (
+        ("AVX512", {"avx512_vnni"}, "vnni"),
+        ("AVX512", set(), "avx2"),  # AVX-512 without VNNI (Skylake-SP)
+        ("AVX2", {"avx512_vnni"}, "avx2"),  # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2)
+    )
+    for reported, flags, isa in cases:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda r=reported: r)
+        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: frozenset(f))
+        assert kernels.w8a8_isa() == isa
+    # Where the CPU has no VNNI the VNNI build is refused, not run (an illegal instruction).
+    monkeypatch.setattr(kernels, "_w8a8", {})
+    with pytest.raises(RuntimeError, match="vnni build"):
+        kernels.w8a8_module("vnni")
+    with pytest.raises(ValueError, match="builds are"):
+        kernels.w8a8_module("avx512")
+
+
+def test_w8a8_rejects_a_wrong_input_width() -> None:
+    lin = quant.W8A8Linear(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="takes 64"):
+        lin(torch.randn(2, 63))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_w8a8_engine_agrees_with_float32(fixture: str, request: pytest.FixtureRequest) -> None:
+    path = str(request.getfixturevalue(fixture))
+    f32 = LLM(path, block_size=8, num_blocks=64)
+    w8 = LLM(path, block_size=8, num_blocks=64, quantization="w8a8")
+    model = w8.engine.model
+    assert all(isinstance(p, quant.W8A8Linear) for p in model.layers[0].quantized.values())
+    assert isinstance(model.quantized_head, quant.W8A8Linear)
+    assert model.layers[0].qkv.numel() == 0 and model.lm_head.numel() == 0  # float copies freed
+    assert model.fused is not None  # the native RMSNorm / RoPE, as w8g32
+    assert quant.projection_bytes(model) < 0.32 * quant.projection_bytes(f32.engine.model)
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in f32.generate(PROMPTS, p)]
+    got = [o.outputs[0].token_ids for o in w8.generate(PROMPTS, p)]
+    prefix = 0
+    for a, b in zip(ref, got, strict=True):
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    # Random tiny weights have flat logits (near ties), so this is looser than the real model.
+    assert prefix / sum(map(len, ref)) >= 0.6
+    assert w8.engine.stats()["quantization"] == "w8a8"
+    assert_engine_idle(w8)
