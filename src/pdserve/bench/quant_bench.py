@@ -23,7 +23,11 @@ Candidates (`--variants`):
     one fp16 scale per 32 inputs per output channel, float32 activations, LM head included;
   * w8g32-head-f32: the same with the LM head left in float32;
   * w8a8: what `--quantization w8a8` runs (kernels/w8a8.cpp): w8g32's weights times int8
-    activations with one scale per 32 inputs per row, LM head included;
+    activations with one scale per 32 inputs per row, LM head included, q|k|v on w8g32
+    (float32 activations: quant.W8A8_FLOAT_ACTIVATIONS);
+  * w8a8-all: every projection and the LM head on int8 activations;
+  * w8a8-g32-P (P one of qkv, o, gate_up, down, head): w8a8-all with projection P on w8g32
+    (float32 activations): which projection's activation rounding costs the most;
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
     `--kv-cache-dtype` runs); w8g32+kv-float16: both.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
@@ -63,6 +67,12 @@ VARIANTS = (
     "w8g32",
     "w8g32-head-f32",
     "w8a8",
+    "w8a8-all",
+    "w8a8-g32-qkv",
+    "w8a8-g32-o",
+    "w8a8-g32-gate_up",
+    "w8a8-g32-down",
+    "w8a8-g32-head",
     "kv-float16",
     "kv-bfloat16",
     "w8g32+kv-float16",
@@ -142,12 +152,15 @@ class _FakeQuant:
         return y if self.bias is None else y + self.bias
 
 
-def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    from pdserve.engine.quant import Int8Linear, W8A8Linear, W8G32Linear
+def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None, proj: str) -> Any:
+    """`variant`'s stand-in for projection `proj` (a LAYER_PROJECTIONS name or "head")."""
+    from pdserve.engine.quant import Int8Linear, W8A8Linear, W8G32Linear, quantize
 
-    if variant in ("w8g32", "w8g32-head-f32"):
-        return W8G32Linear(w, bias)
     if variant == "w8a8":
+        return quantize("w8a8", w, bias, proj)
+    if variant in ("w8g32", "w8g32-head-f32") or variant == f"w8a8-g32-{proj}":
+        return W8G32Linear(w, bias)
+    if variant.startswith("w8a8"):
         return W8A8Linear(w, bias)
     if variant in ("int8", "int8-head-f32"):
         return Int8Linear(w, bias)
@@ -180,7 +193,8 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     variant = weights.removesuffix("+") or None
     model = engine.model
     # The real w8g32 / w8a8 variants run what `--quantization` runs: its native RMSNorm / RoPE too.
-    fused = FusedOps() if variant in ("w8g32", "w8g32-head-f32", "w8a8") else None
+    real = variant in ("w8g32", "w8g32-head-f32") or (variant or "").startswith("w8a8")
+    fused = FusedOps() if real else None
     model.fused = fused
     for layer in layers_of(model):
         layer.fused = fused
@@ -189,9 +203,9 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
             continue
         for proj in LAYER_PROJECTIONS:
             bias = layer.qkv_bias if proj == "qkv" else None
-            layer.quantized[proj] = _projection(variant, getattr(layer, proj), bias)
+            layer.quantized[proj] = _projection(variant, getattr(layer, proj), bias, proj)
     head = variant is not None and variant not in HEAD_F32
-    model.quantized_head = _projection(variant, model.lm_head, None) if head else None  # type: ignore[arg-type]
+    model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- measuring
