@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import loader, quant, step_log
+from pdserve.engine import engine_stats, loader, quant, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
 from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
@@ -579,36 +579,5 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        kv = self.kv_manager
-        return {
-            "quantization": self.quantization,
-            "kv_cache_dtype": str(self.cache.dtype).removeprefix("torch."),
-            "decode_matmul": self.decode_matmul,
-            "waiting": self.scheduler.num_waiting,
-            "running": self.scheduler.num_running,
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-            "prefix_cache_hit_rate": kv.stats.hit_rate,
-            "prefix_cache_hit_tokens": kv.stats.hits,
-            "prefix_cached_blocks": kv.pool.num_cached_blocks,
-            "preemptions": self.scheduler.num_preemptions,
-            **self._batch,
-            **self._tokens,
-            "forked_choices": self._forks,
-            "grammar_errors": self._grammar_errors,
-            "fork_recomputes": self.scheduler.num_fork_recomputes,
-            "held_for_transfer": len(self.scheduler.held),
-            "reserved_for_transfer": len(self._reserved),
-            **self.pool_stats(),
-        }
-
-    def pool_stats(self) -> dict[str, Any]:
-        """The KV pool as this engine used it (`kv_pool_*`; empty without a pool)."""
-        if self.pool_link is None:
-            return {}
-        own = {f"kv_pool_{k}": v for k, v in self.pool_link.stats.as_dict().items()}
-        try:
-            tiers = self.pool_link.pool.stats()
-        except Exception as e:  # stats must never take a worker down
-            tiers = {"error": str(e)}
-        return {**own, "kv_pool": tiers}
+        """Counters for /admin/workers and the metrics (engine_stats.py lists them)."""
+        return engine_stats.collect(self)
