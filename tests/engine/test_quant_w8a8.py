@@ -125,3 +125,19 @@ def test_w8a8_engine_agrees_with_float32(fixture: str, request: pytest.FixtureRe
     assert prefix / sum(map(len, ref)) >= 0.6
     assert w8.engine.stats()["quantization"] == "w8a8"
     assert_engine_idle(w8)
+
+
+def test_make_kernels_builds_what_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.engine.kernels import __main__ as build_all
+
+    monkeypatch.setattr(kernels, "cpu_supported", lambda: True)
+    for w8g32, w8a8, skipped in (
+        ("avx512", "vnni", set()),
+        ("avx512", "avx2", {"w8a8 vnni"}),
+        ("avx2", "avx2", {"w8g32 avx512", "w8a8 vnni"}),
+    ):
+        monkeypatch.setattr(kernels, "w8g32_isa", lambda i=w8g32: i)
+        monkeypatch.setattr(kernels, "w8a8_isa", lambda i=w8a8: i)
+        assert set(build_all.wanted()) == set(build_all.BUILDS) - skipped
+    monkeypatch.setattr(kernels, "cpu_supported", lambda: False)
+    assert build_all.wanted() == []
