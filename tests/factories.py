@@ -316,3 +316,12 @@ def assert_engine_idle(llm) -> None:  # type: ignore[no-untyped-def]
     assert not eng.has_unfinished_requests()
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
     assert not eng._live
+
+
+def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
+    """Share of the reference tokens that come before each pair's first divergence, pooled over
+    the pairs (`pdserve bench quant`'s agreement measure)."""
+    same = 0
+    for a, b in zip(ref, got, strict=True):
+        same += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    return same / sum(map(len, ref))

@@ -32,6 +32,7 @@ from pdserve.config import (
     add_config_args,
     add_engine_overrides,
     config_from_args,
+    cost_kv_cache_dtype,
     engine_overrides,
 )
 from pdserve.costmodel.model import CostModel, default_path
@@ -303,7 +304,9 @@ def _default_cost_path(args: argparse.Namespace, model: str | None, threads: int
     and what stall-free workers are handed: the same file)."""
     from pdserve.costmodel import profile
 
-    return default_path(profile.model_path(model), threads, **_cost_engine_args(args))
+    settings = _cost_engine_args(args)
+    kv = cost_kv_cache_dtype(settings["kv_cache_dtype"], settings["quantization"])
+    return default_path(profile.model_path(model), threads, **{**settings, "kv_cache_dtype": kv})
 
 
 def _planner(args: argparse.Namespace, cost: CostModel | None) -> SloPlanner | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import assert_engine_idle
+from factories import assert_engine_idle, greedy_agreement
 from pdserve import LLM, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -23,12 +23,6 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
 
 
-def _agreement(a: list[int], b: list[int]) -> float:
-    """Share of tokens before the first divergence."""
-    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-    return n / len(a)
-
-
 @pytest.mark.parametrize("kv", ["float16", "bfloat16"])
 def test_narrow_cache_decodes_like_float32(tiny_llama_path, kv: str) -> None:  # type: ignore[no-untyped-def]
     """The cache is read only from the second token on (a fresh prompt attends to its own
@@ -39,7 +33,7 @@ def test_narrow_cache_decodes_like_float32(tiny_llama_path, kv: str) -> None:  #
     assert llm.engine.cache.dtype == getattr(torch, kv)
     got = _tokens(llm, prompts)
     assert [t[0] for t in got] == [t[0] for t in ref]
-    shares = [_agreement(a, b) for a, b in zip(got, ref, strict=True)]
+    shares = [greedy_agreement([b], [a]) for a, b in zip(got, ref, strict=True)]
     assert sum(shares) / len(shares) >= (0.8 if kv == "float16" else 0.5), shares
     assert llm.engine.stats()["kv_cache_dtype"] == kv
     assert_engine_idle(llm)
@@ -109,3 +103,62 @@ def test_cost_model_file_is_per_kv_cache_dtype(tmp_path, monkeypatch) -> None:  
     )
     assert _load_valid(path, 1) is not None
     assert _load_valid(path, 1, kv_cache_dtype="float16") is None  # measured on another cache
+
+
+@pytest.mark.parametrize(
+    ("kv", "quantization", "dtype", "want"),
+    [
+        ("auto", "none", "float32", "float32"),
+        ("auto", "w8g32", "float32", "float16"),
+        ("auto", "w8a8", "float32", "float32"),
+        ("auto", "int8", "float32", "float32"),
+        ("auto", "none", "bfloat16", "bfloat16"),
+        ("float32", "w8g32", "float32", "float32"),
+        ("float16", "w8a8", "float32", "float16"),
+        ("bfloat16", "w8g32", "float32", "bfloat16"),
+    ],
+)
+def test_auto_is_float16_under_w8g32(kv, quantization, dtype, want) -> None:  # type: ignore[no-untyped-def]
+    """`auto` keeps the model's dtype (exact HF parity for `none`; w8a8, whose agreement a
+    float16 cache measurably lowers), float16 under w8g32; an explicit dtype is always taken.
+    The cost model's name follows the cache actually allocated, not the flag's spelling."""
+    from pdserve.config import cost_kv_cache_dtype, resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype(kv, quantization, dtype) == want
+    assert cost_kv_cache_dtype(kv, quantization, dtype) == ("auto" if want == dtype else want)
+
+
+def test_quantized_engine_allocates_a_float16_cache_by_default(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    """What the engine allocates and reports (/admin/workers reads stats()) for `auto` under
+    w8g32, and for an explicit float32 there."""
+    kw = {"block_size": 8, "num_blocks": 64, "quantization": "w8g32"}
+    auto = LLM(str(tiny_llama_path), **kw)
+    assert auto.engine.cache.dtype == torch.float16
+    assert auto.engine.stats()["kv_cache_dtype"] == "float16"
+    full = LLM(str(tiny_llama_path), kv_cache_dtype="float32", **kw)
+    assert full.engine.cache.dtype == torch.float32
+    plain = LLM(str(tiny_llama_path), block_size=8, num_blocks=64)
+    assert plain.engine.cache.dtype == torch.float32
+    assert len(_tokens(auto, _prompts(2))[0]) == PARAMS.max_tokens
+    assert_engine_idle(auto)
+
+
+def test_serve_names_the_cost_model_after_the_allocated_cache(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`pdserve serve --quantization w8g32` (auto KV) loads the file that `bench profile
+    --quantization w8g32 --kv-cache-dtype float16` writes: one measurement, one name."""
+    import argparse
+
+    from pdserve import serve
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+
+    def name(**kw: str) -> str:
+        args = argparse.Namespace(quantization=None, kv_cache_dtype=None, decode_matmul=None)
+        vars(args).update(kw)
+        return serve._default_cost_path(args, None, 1).name
+
+    assert "-w8g32-kv-float16-" in name(quantization="w8g32")
+    assert name(quantization="w8g32") == name(quantization="w8g32", kv_cache_dtype="float16")
+    assert "-kv-" not in name(quantization="w8g32", kv_cache_dtype="float32")
+    assert "-kv-" not in name(quantization="w8a8")
+    assert "-kv-" not in name()

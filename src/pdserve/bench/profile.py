@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.config import cost_kv_cache_dtype
 from pdserve.costmodel.model import CostModel, default_path
 from pdserve.costmodel.profile import profile_engine
 
@@ -37,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="projection weights: none | int8 | w8g32 | w8a8 (none)",
     )
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="KV cache: auto | float16 | bfloat16 (auto)"
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache: auto | float32 | float16 | bfloat16 (auto)",
     )
     parser.add_argument(
         "--decode-matmul", default="auto", help="float32 decode matmuls: auto | tiles | torch"
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         about["model"],
         args.threads,
         quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=cost_kv_cache_dtype(args.kv_cache_dtype, args.quantization),
         decode_matmul=args.decode_matmul,
     )
     result["model"].save(out, **about)

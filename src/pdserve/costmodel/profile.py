@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve import hostinfo
+from pdserve.config import cost_kv_cache_dtype
 from pdserve.costmodel.model import CostModel, default_path
 from pdserve.costmodel.profile_transfer import kv_bytes_per_token, measure_transfer, transfer_errors
 
@@ -425,7 +426,11 @@ def _about(
         "model_name": engine.arch.name or engine.source.path.name,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
-        "kv_cache_dtype": engine.config.cache_config.kv_cache_dtype,
+        "kv_cache_dtype": cost_kv_cache_dtype(
+            engine.config.cache_config.kv_cache_dtype,
+            engine.quantization,
+            str(engine.dtype).removeprefix("torch."),
+        ),
         "decode_matmul": engine.decode_matmul,  # as resolved: tiles | torch
         "kv_bytes_per_token": kv_bytes_per_token(engine),
         "torch": torch.__version__,
@@ -465,11 +470,11 @@ def load_or_profile(
     (missing, corrupt, another version) is profiled again and overwritten.
     """
     quantization = str(engine_args.get("quantization", "none"))
-    kv = str(engine_args.get("kv_cache_dtype", "auto"))
+    dtype = str(engine_args.get("dtype", "float32"))
+    kv = cost_kv_cache_dtype(str(engine_args.get("kv_cache_dtype", "auto")), quantization, dtype)
     mm = str(engine_args.get("decode_matmul", "auto"))
     path = path or default_path(model_path(model), threads, quantization=quantization,
                                 kv_cache_dtype=kv, decode_matmul=mm)  # fmt: skip
-    dtype = str(engine_args.get("dtype", "float32"))
     cached = _load_valid(path, threads, quantization, kv, _resolved_matmul(mm, quantization, dtype))
     if cached is not None:
         _log(f"cost model from {path}")

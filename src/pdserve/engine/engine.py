@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, resolve_kv_cache_dtype
 from pdserve.engine import engine_stats, loader, quant, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
@@ -95,7 +95,8 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
         self.quantization = mc.quantization
-        kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, self.dtype)  # refused before the slow load
+        kv_name = resolve_kv_cache_dtype(cc.kv_cache_dtype, mc.quantization, mc.dtype)
+        kv_dtype = kv_cache_dtype(kv_name, self.dtype)  # refused before the slow load
         quant.check_supported(mc.quantization, self.device, self.dtype)  # before the slow load
         self.decode_matmul = quant.decode_matmul(
             mc.decode_matmul, mc.quantization, self.device, self.dtype

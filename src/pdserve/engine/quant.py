@@ -153,6 +153,18 @@ def gemv_rows(isa: str) -> int:
 W8G32_SCRATCH = 1 << 22
 
 
+def _packed_nbytes(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Bytes a call reads from a group-wise packed weight: int8 values, fp16 scales, bias."""
+    return q.numel() + scales.numel() * 2 + (0 if bias is None else bias.numel() * 4)
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as [rows, in_features] (a view where it can be), or a clear error for another width."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, weight takes {in_features}")
+    return x.reshape(-1, in_features)
+
+
 class W8G32Linear:
     """int8 weights, one fp16 scale per 32 inputs per output channel; float32 activations."""
 
@@ -167,9 +179,7 @@ class W8G32Linear:
         self.in_features, self.out_features = w.shape
         self.q, self.scales = self._ops.pack(w)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._nbytes = (
-            self.q.numel() + self.scales.numel() * 2 + (0 if bias is None else bias.numel() * 4)
-        )
+        self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
         self._gemv_rows = gemv_rows(self._ops.isa)
         # Columns per prefill chunk: a multiple of the kernel's 16-channel tiles.
         cols = max(16, (W8G32_SCRATCH // max(1, self.in_features)) // 16 * 16)
@@ -187,10 +197,8 @@ class W8G32Linear:
         return self._ops.dequantize(self.q, self.scales, n, 0, n, out)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features, weight takes {self.in_features}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float()
+        x2 = _rows(x, self.in_features).float()
         if x2.shape[0] <= self._gemv_rows:
             y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias)
         else:
@@ -211,6 +219,18 @@ class W8G32Linear:
         return y
 
 
+W8A8_TILE, W8A8_GROUP = 16, 32  # output channels per tile, inputs per scale (both kernels)
+
+
+def _quads(tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """w8g32's int8 tiles [T, K, 16] as w8a8's quads [T, Kp/4, 16, 4] (K zero-padded to whole
+    groups of 32): one 64-byte line = 4 inputs x 16 channels, a channel's 4 inputs in one
+    32-bit lane, what one vpdpbusd / vpmaddubsw takes."""
+    t, kp = tiles.shape[0], -(-k // W8A8_GROUP) * W8A8_GROUP
+    padded = torch.nn.functional.pad(tiles, (0, 0, 0, kp - k))
+    return padded.view(t, kp // 4, 4, W8A8_TILE).permute(0, 1, 3, 2).contiguous()
+
+
 class W8A8Linear:
     """int8 weights (one fp16 scale per 32 inputs per output channel, w8g32's rounding) times
     int8 activations (one scale per 32 inputs per row, quantized inside the call): every group
@@ -227,11 +247,10 @@ class W8A8Linear:
         self._ops = kernels.w8a8_module(isa)  # isa: "avx2" | "vnni"; None picks by the CPU
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
-        self.q, self.scales = self._ops.pack(w)
+        tiles, self.scales = kernels.w8g32_module().pack(w)  # w8g32's rounding, its scales
+        self.q = _quads(tiles, self.in_features)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._nbytes = (
-            self.q.numel() + self.scales.numel() * 2 + (0 if bias is None else bias.numel() * 4)
-        )
+        self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
 
     @property
     def nbytes(self) -> int:
@@ -240,16 +259,14 @@ class W8A8Linear:
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [in, out] weight this projection computes with (for tests and checks)."""
-        return cast(
-            torch.Tensor,
-            self._ops.dequantize(self.q, self.scales, self.in_features, self.out_features),
-        )
+        k, t = self.in_features, self.q.shape[0]
+        q = self.q.permute(0, 1, 3, 2).reshape(t, -1, W8A8_TILE)[:, :k]  # [T, K, 16]
+        s = self.scales.float().repeat_interleave(W8A8_GROUP, dim=1)[:, :k]
+        return (q.float() * s).permute(1, 0, 2).reshape(k, -1)[:, : self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features, weight takes {self.in_features}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float()
+        x2 = _rows(x, self.in_features).float()
         y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias)
         return cast(torch.Tensor, y).reshape(*lead, self.out_features)
 
@@ -315,10 +332,8 @@ class F32TileLinear:
         return self.tiles.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features, weight takes {self.in_features}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = _rows(x, self.in_features)
         if x2.shape[0] <= self.rows:
             y = self._ops.matmul_f32(x2, self.tiles, self.out_features, self.bias)
         elif self.bias is None:

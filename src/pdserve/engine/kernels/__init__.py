@@ -116,19 +116,9 @@ def w8g32_module(isa: str | None = None) -> ModuleType:
     """Build (once per source version and ISA) and import the group-wise int8 weight-only
     matmul; `isa` None picks by the CPU (w8g32_isa()), tests name one to compare the builds."""
     isa = isa or w8g32_isa()
-    if isa not in W8G32_BUILDS:
-        raise ValueError(f"w8g32 builds are {sorted(W8G32_BUILDS)}, got {isa!r}")
-    with _lock:
-        if isa not in _w8g32:
-            if not cpu_supported() or (isa == "avx512" and _capability() != "AVX512"):
-                raise RuntimeError(
-                    f"quantization 'w8g32' ({isa} build) needs a CPU with "
-                    f"{'AVX-512' if isa == 'avx512' else 'AVX2'} + FMA + F16C "
-                    f"(torch reports {_capability()}); use --quantization none"
-                )
-            name = "pdserve_w8g32" if isa == "avx2" else "pdserve_w8g32_avx512"
-            _w8g32[isa] = build_and_load(name, W8G32_SOURCE, W8G32_BUILDS[isa])
-        return _w8g32[isa]
+    runs = isa != "avx512" or _capability() == "AVX512"
+    needs = "AVX-512" if isa == "avx512" else "AVX2"
+    return _isa_module("w8g32", isa, W8G32_SOURCE, W8G32_BUILDS, _w8g32, runs, needs)
 
 
 def w8a8_isa() -> str:
@@ -141,19 +131,34 @@ def w8a8_module(isa: str | None = None) -> ModuleType:
     """Build (once per source version and ISA) and import the int8 x int8 group-wise matmul;
     `isa` None picks by the CPU (w8a8_isa()), tests name one to compare the builds."""
     isa = isa or w8a8_isa()
-    if isa not in W8A8_BUILDS:
-        raise ValueError(f"w8a8 builds are {sorted(W8A8_BUILDS)}, got {isa!r}")
+    runs = isa != "vnni" or w8a8_isa() == "vnni"
+    needs = "AVX-512 VNNI" if isa == "vnni" else "AVX2"
+    return _isa_module("w8a8", isa, W8A8_SOURCE, W8A8_BUILDS, _w8a8, runs, needs)
+
+
+def _isa_module(
+    kind: str,
+    isa: str,
+    source: Path,
+    builds: dict[str, list[str]],
+    loaded: dict[str, ModuleType],
+    runs_here: bool,
+    needs: str,
+) -> ModuleType:
+    """The `isa` build of quantization `kind`'s kernel, built on first use. Refused (not built)
+    where this CPU cannot run it: the build would load, then die on an illegal instruction."""
+    if isa not in builds:
+        raise ValueError(f"{kind} builds are {sorted(builds)}, got {isa!r}")
     with _lock:
-        if isa not in _w8a8:
-            if not cpu_supported() or (isa == "vnni" and w8a8_isa() != "vnni"):
+        if isa not in loaded:
+            if not cpu_supported() or not runs_here:
                 raise RuntimeError(
-                    f"quantization 'w8a8' ({isa} build) needs a CPU with "
-                    f"{'AVX-512 VNNI' if isa == 'vnni' else 'AVX2'} + FMA + F16C "
+                    f"quantization {kind!r} ({isa} build) needs a CPU with {needs} + FMA + F16C "
                     f"(torch reports {_capability()}); use --quantization none"
                 )
-            name = "pdserve_w8a8" if isa == "avx2" else "pdserve_w8a8_vnni"
-            _w8a8[isa] = build_and_load(name, W8A8_SOURCE, W8A8_BUILDS[isa])
-        return _w8a8[isa]
+            name = f"pdserve_{kind}" if isa == "avx2" else f"pdserve_{kind}_{isa}"
+            loaded[isa] = build_and_load(name, source, builds[isa])
+        return loaded[isa]
 
 
 @functools.cache

@@ -8,9 +8,11 @@
 // products; at 8 rows that is compute-bound at ~2.5x the tokens/s of 1 row (the target is 5x).
 // Integer dot products do 4 products per 32-bit lane per instruction.
 //
-// Layout (pack()): outputs in tiles of 16 channels; inputs padded to whole groups of 32 and
-// stored in quads: q[tile][k / 4][16][4] int8, so one 64-byte line holds 4 inputs x 16
-// channels, channel c's 4 weights in 32-bit lane c. Scales s[tile][group][16] fp16.
+// Layout: outputs in tiles of 16 channels; inputs padded to whole groups of 32 and stored in
+// quads: q[tile][k / 4][16][4] int8, so one 64-byte line holds 4 inputs x 16 channels, channel
+// c's 4 weights in 32-bit lane c. Scales s[tile][group][16] fp16. quant.W8A8Linear builds it
+// from w8g32's pack() (same weights, same scales: only the byte order differs), so the weight
+// rounding lives in one place.
 //
 // Two builds of this file (never -march=native), picked at run time by kernels.w8a8_module():
 //  * "vnni" (`-mavx512f -mavx512bw -mavx512vl -mavx512vnni`): vpdpbusd multiplies unsigned by
@@ -175,40 +177,6 @@ void check_packed(const torch::Tensor& q, const torch::Tensor& s, int64_t K, int
 
 }  // namespace
 
-// w: float32 [K, N] (y = x @ w) -> (q int8 [T, G*8, 16, 4], s fp16 [T, G, 16]). The same
-// rounding as w8g32's pack: the scale is rounded to fp16 first and the weights to it.
-std::vector<torch::Tensor> pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat, "w: float32 [K, N]");
-  w = w.contiguous();
-  const int64_t K = w.size(0), N = w.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
-  auto q = torch::zeros({T, G * kQuads, kTile, 4}, torch::kInt8);
-  auto s = torch::zeros({T, G, kTile}, torch::kHalf);
-  const float* wp = w.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  at::Half* sp = s.data_ptr<at::Half>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c) {
-        const int64_t n = t * kTile + c;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
-          float amax = 0.f;
-          for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(wp[k * N + n]));
-          const at::Half sh = static_cast<at::Half>(std::max(amax / 127.f, 1e-7f));
-          const float scale = static_cast<float>(sh);
-          sp[(t * G + g) * kTile + c] = sh;
-          for (int64_t k = k0; k < k1; ++k) {
-            const float v = std::nearbyint(wp[k * N + n] / scale);
-            qp[((t * G * kQuads + k / 4) * kTile + c) * 4 + k % 4] =
-                static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-          }
-        }
-      }
-    }
-  });
-  return {q, s};
-}
-
 // x float32 [M, K] -> (xq int8 [M, G*32], xs float32 [M, G]): the activations exactly as the
 // matmul quantizes them (without the vnni build's +128), for tests and quality checks.
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
@@ -282,28 +250,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
   return y;
 }
 
-// The float32 [K, N] weight the packed tiles stand for (tests and checks).
-torch::Tensor dequantize(torch::Tensor q, torch::Tensor s, int64_t K, int64_t N) {
-  const int64_t T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
-  check_packed(q, s, K, N);
-  auto w = torch::zeros({K, N}, torch::kFloat);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const at::Half* sp = s.data_ptr<at::Half>();
-  float* wp = w.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t c = 0; c < kTile && t * kTile + c < N; ++c)
-      for (int64_t k = 0; k < K; ++k)
-        wp[k * N + t * kTile + c] =
-            static_cast<float>(qp[((t * G * kQuads + k / 4) * kTile + c) * 4 + k % 4]) *
-            static_cast<float>(sp[(t * G + k / kGroup) * kTile + c]);
-  return w;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "float32 [K, N] -> (int8 quads [T, K/4, 16, 4], fp16 scales [T, G, 16])");
   m.def("matmul", &matmul, "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias)");
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
-  m.def("dequantize", &dequantize, "the float32 [K, N] weight of packed (q, s)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
   m.attr("rows") = kRows;
 }
