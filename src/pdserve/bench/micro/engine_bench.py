@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtypes",
         type=argtypes.subset(KV_CACHE_DTYPES),
         default=["auto"],
-        help="KV cache dtypes, each measured with every quantization (auto: the model's dtype)",
+        help="KV cache dtypes, each measured with every quantization (auto: the model's dtype; "
+        "float16 under w8g32)",
     )
     parser.add_argument(
         "--decode-matmuls",
