@@ -29,9 +29,9 @@ Candidates (`--variants`):
   * w8a8-g32-P (P one of qkv, o, gate_up, down, head): w8a8-all with projection P on w8g32
     (float32 activations): which projection's activation rounding costs the most;
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
-    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16: both, which is what
-    `--quantization w8g32|w8a8` runs by default (`--kv-cache-dtype auto` is float16 under
-    quantized weights). Every other variant keeps a float32 KV cache: the weights alone.
+    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16: both (the first is what
+    `--quantization w8g32` runs by default: config.FLOAT16_KV_QUANTIZATIONS). Every other
+    variant keeps a float32 KV cache: the weights alone.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
 agreement; `logits_all` over prompt + reference tokens for the KL. Its Q4_1 matmuls quantize
 activations to 8 bits per block of 32 (Q8_1) and use the file's own 4-bit weights.
