@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.sampler import Sampler, apply_penalties, position_seed
+from pdserve.engine.sampler import Sampler, apply_penalties, argmax_rows, position_seed
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_and_nan() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 4096, generator=gen)
+    logits[1, 7] = logits[1, 3000] = 99.0  # a tie: the first index wins
+    logits[2, 11] = float("nan")  # NaN counts as the largest, as in torch
+    logits[3] = float("-inf")
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1:3] == [7, 11]
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()  # strided
 
 
 def test_logit_bias_forces_and_bans_tokens_even_greedy() -> None:

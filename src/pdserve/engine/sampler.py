@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -23,6 +24,14 @@ class SampleResult:
     token_id: int
     # {token id: logprob} of the sampled token plus the top-N, when logprobs were asked for.
     logprobs: dict[int, float] | None = None
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest value (torch.argmax's answer, NaN counting as
+    largest), through numpy: torch's CPU argmax over a vocabulary row is not vectorised (945 us
+    for 8 x 49152 floats on one Xeon thread, against 54 us in numpy; about 4% of a batch-8
+    decode step of the default model)."""
+    return cast(list[int], logits.numpy().argmax(axis=-1).tolist())
 
 
 class Sampler:
@@ -46,7 +55,7 @@ class Sampler:
         [vocab], the tokens a grammar allows row i (structured outputs), applied first: before
         penalties, temperature and top-k/p, so they only choose among allowed tokens."""
         logits = logits.float().cpu()
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = argmax_rows(logits)
         results = []
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             history = histories[row] if histories is not None else ((), ())

@@ -163,6 +163,8 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // Up to kGroupQ queries of one KV head against one block's keys [t0, t0 + n) at kb / vb (rows
 // rs floats apart). Queries q (scaled, D floats each, contiguous), their visible-key limits
 // lim, running max m, sum l and unnormalised outputs acc (D floats each) are updated in place.
+// pk / pv (or nullptr): the same head's first pn rows of a later block, prefetched into L2 a
+// row per row used here.
 //
 // Why this shape (it replaced a loop over one query at a time that ran at ~1/3 of the read
 // bandwidth, bound by instructions rather than memory): every K and V row of the block is loaded
@@ -176,8 +178,10 @@ constexpr int64_t kAhead = 3;  // prefetch distance in blocks (run_item_f32)
 template <int NC, int QB, typename KT>
 inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t n,
                         const KT* kb, const KT* vb, int64_t rs, float* sbuf, int64_t sbw,
-                        float* acc, float* m, float* l) {
+                        float* acc, float* m, float* l, const KT* pk, const KT* pv,
+                        int64_t pn) {
   constexpr int64_t D = NC * 8;
+  constexpr int64_t kLine = 64 / sizeof(KT);  // cache elements per 64-byte line
   const float ninf = -std::numeric_limits<float>::infinity();
   int64_t nv[QB];
   int64_t nmax = 0;
@@ -189,6 +193,12 @@ inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t 
   // Scores, 4 keys x QB queries per pass: 4 * QB accumulators + the key chunk in registers.
   int64_t t = 0;
   for (; t + 4 <= nmax; t += 4) {
+    // The next block's keys, four rows at a time as this block's are used (see run_item_f32).
+    if (pk != nullptr) {
+      for (int64_t u = t; u < std::min<int64_t>(t + 4, pn); ++u)
+        for (int64_t d = 0; d < D; d += kLine)
+          _mm_prefetch(reinterpret_cast<const char*>(pk + u * rs + d), _MM_HINT_T1);
+    }
     __m256 a[4][QB];
     for (int u = 0; u < 4; ++u)
       for (int i = 0; i < QB; ++i) a[u][i] = _mm256_setzero_ps();
@@ -248,6 +258,10 @@ inline void block_group(const float* q, const int32_t* lim, int64_t t0, int64_t 
         o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + (c0 + c) * 8), cv);
     }
     for (int64_t x = 0; x < nmax; ++x) {
+      if (pv != nullptr && c0 == 0 && x < pn) {  // the next block's values, a row per key
+        for (int64_t d = 0; d < D; d += kLine)
+          _mm_prefetch(reinterpret_cast<const char*>(pv + x * rs + d), _MM_HINT_T1);
+      }
       const KT* vr = vb + x * rs + c0 * 8;
       __m256 w[QB];
       for (int i = 0; i < QB; ++i) w[i] = _mm256_broadcast_ss(sbuf + i * sbw + x);
@@ -296,23 +310,24 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
     const int64_t base = (static_cast<int64_t>(blocks[t0 / BS]) * BS + t0 % BS) * rs +
                          it.kvh * D;
     // Blocks sit anywhere in the cache and a head's rows are strided (KVH * D apart), which
-    // the hardware prefetcher does not follow across blocks: fetch this head's rows of the
-    // block kAhead blocks on while this one is computed (3 measured best of 1-8 on the AMD
-    // EPYC: 0.83x the time of 1 ahead with sequential blocks, 0.93x with scattered ones).
+    // the hardware prefetcher does not follow across blocks: this head's rows of the block
+    // kAhead blocks on are fetched while this one is computed (3 measured best of 1-8 on the
+    // AMD EPYC: 0.83x the time of 1 ahead with sequential blocks, 0.93x with scattered ones).
     // Into L2 (T1), not L1 (T0): a T0 prefetch holds one of the few L1 miss buffers until its
-    // line arrives, which capped this loop at ~9 GB/s on the AMD EPYC Zen 5; L2 tracks many more
-    // misses (a read-only loop of this pattern: 9-10 -> 18-20 GB/s, the kernel 0.69-0.74x).
+    // line arrives, which capped this loop at ~9 GB/s on the AMD EPYC Zen 5. And spread over
+    // the block's work (block_group issues a row's lines as it uses its own row) rather than
+    // all 2 x BS rows at once: a burst of 128 prefetches waits on those buffers before any
+    // arithmetic runs (Xeon, one thread, w8a8 engine steps: attention 12.4 -> 10.5 ms at B=1
+    // C=2048, 43.7 -> 39.9 ms at B=8 C=1024; float16 cache 8.2 -> 7.1 and 31.7 -> 28.1 ms).
     const int64_t next = (t0 / BS + kAhead) * BS;
+    const KT* pk = nullptr;
+    const KT* pv = nullptr;
+    int64_t pn = 0;
     if (next < it.end) {
       const int64_t nb = static_cast<int64_t>(blocks[next / BS]) * BS * rs + it.kvh * D;
-      const int64_t nn = std::min<int64_t>(it.end, next + BS) - next;
-      constexpr int64_t kLine = 64 / sizeof(KT);  // elements per cache line
-      for (int64_t t = 0; t < nn; ++t) {
-        for (int64_t d = 0; d < D; d += kLine) {
-          _mm_prefetch(reinterpret_cast<const char*>(kc + nb + t * rs + d), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(vc + nb + t * rs + d), _MM_HINT_T1);
-        }
-      }
+      pk = kc + nb;
+      pv = vc + nb;
+      pn = std::min<int64_t>(it.end, next + BS) - next;
     }
     const KT* kb = kc + base;
     const KT* vb = vc + base;
@@ -321,16 +336,16 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
       float* aj = acc + j * D;
       switch (std::min<int64_t>(kGroupQ, nq - j)) {
         case 3:
-          block_group<NC, 3, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
-                             l + j);
+          block_group<NC, 3, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj,
+                                   m + j, l + j, j == 0 ? pk : nullptr, j == 0 ? pv : nullptr, pn);
           break;
         case 2:
-          block_group<NC, 2, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
-                             l + j);
+          block_group<NC, 2, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj,
+                                   m + j, l + j, j == 0 ? pk : nullptr, j == 0 ? pv : nullptr, pn);
           break;
         default:
-          block_group<NC, 1, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj, m + j,
-                             l + j);
+          block_group<NC, 1, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj,
+                                   m + j, l + j, j == 0 ? pk : nullptr, j == 0 ? pv : nullptr, pn);
           break;
       }
     }

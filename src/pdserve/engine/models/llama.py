@@ -121,6 +121,7 @@ class LlamaLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
         self.eps = arch.rms_norm_eps
+        self.intermediate_size = arch.intermediate_size
         self.input_norm = nn.Parameter(torch.ones(h))
         self.post_norm = nn.Parameter(torch.ones(h))
         # Projection weights are [in, out]: transposed w.r.t. HF / nn.Linear.
@@ -162,8 +163,12 @@ class LlamaLayer(nn.Module):
             meta.layer_hook(self.index, k, v)
         x = x + self.project("o", attn.reshape(t, self.q_size))
         h = self.rms_norm(x, self.post_norm)
-        gate, up = self.project("gate_up", h).chunk(2, dim=-1)
-        return x + self.project("down", F.silu(gate) * up)
+        gate_up = self.project("gate_up", h)
+        # Slices and an in-place product: chunk() and a fresh product tensor cost ~10 us a
+        # layer at decode sizes, for no arithmetic (the values are the same ops' bit for bit).
+        act = F.silu(gate_up[:, : self.intermediate_size])
+        act.mul_(gate_up[:, self.intermediate_size :])
+        return x + self.project("down", act)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
