@@ -17,17 +17,23 @@ VNNI = kernels.cpu_supported() and kernels.w8a8_isa() == "vnni"
 ISAS = ["avx2", pytest.param("vnni", marks=pytest.mark.skipif(not VNNI, reason="no AVX-512 VNNI"))]
 
 
-def _quantized_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """x [M, K] as the kernel quantizes it: per row, per group of 32 inputs, int8 against
-    max-abs / 127 (round half to even, as nearbyint), back to float."""
+def _codes(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the kernel quantizes it: per row, per group of 32 inputs, int8 codes
+    against max-abs / 127 (round half to even, as nearbyint), as float [M, G, 32], and amax
+    [M, G, 1]."""
     m, k = x.shape
     xp = torch.nn.functional.pad(x, (0, -k % group)).view(m, -1, group)
     amax = xp.abs().amax(dim=-1, keepdim=True)
     # torch.full_like(...) / amax, not 127 / amax: the latter is amax.reciprocal() * 127,
     # which rounds differently from the kernel's one division.
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xp * inv).clamp(-127, 127)
-    return (q * (amax / 127)).view(m, -1)[:, :k]
+    return torch.round(xp * inv).clamp(-127, 127), amax
+
+
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] quantized as the kernel does, back to float."""
+    q, amax = _codes(x)
+    return (q * (amax / 127)).view(x.shape[0], -1)[:, : x.shape[1]]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -53,11 +59,16 @@ def test_w8a8_kernel_matches_the_quantized_reference(isa: str, k: int, n: int) -
 
 
 def test_w8a8_activation_quantization_matches_python() -> None:
+    # 70 inputs: two whole groups (the vector path) and a ragged one (the scalar path).
     torch.manual_seed(1)
     x = torch.randn(5, 70) * torch.logspace(-3, 2, 70)  # groups of very different scales
     x[2] = 0  # an all-zero row: scale 0, every code 0
+    x[3, 0], x[3, 1:32] = 127.0, torch.arange(31) - 15.5  # scale 1, every code a tie (to even)
     ops = kernels.w8a8_module("avx2")
     q, s = ops.quantize_activations(x)
+    codes, amax = _codes(x)
+    assert torch.equal(q.float(), codes.view(5, 96))  # every code exact
+    assert torch.equal(s, (amax / 127).view(5, 3))
     assert q.dtype == torch.int8 and q.shape == (5, 96) and s.shape == (5, 3)
     assert int(q.abs().max()) <= 127 and torch.all(q[:, 70:] == 0)
     back = (q.float().view(5, 3, 32) * s[:, :, None]).view(5, 96)[:, :70]

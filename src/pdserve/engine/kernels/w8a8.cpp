@@ -148,20 +148,60 @@ void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const
 #endif
 
 // One row of x (K floats) -> G groups of 32 int8 (+ kOffset) and their scales; the padding
-// past K is 0 (its weights are 0 too).
+// past K is 0 (its weights are 0 too). Whole groups run in AVX2 (both builds): a scalar loop
+// with one nearbyint per input cost ~1 ms of a batch-8 decode step of the default model (90
+// calls of 8 rows). The vector path does the scalar path's float operations (max |x|, then
+// x * (127 / amax), rounded to nearest even as nearbyint does under the default rounding mode,
+// clamped to +-127), so both give the same bytes.
+void quantize_group_scalar(const float* x, int64_t n, uint8_t* xq, float* xs) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::abs(x[k]));
+  *xs = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const float v = k < n ? std::nearbyint(x[k] * inv) : 0.f;
+    const int iv = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
+    xq[k] = static_cast<uint8_t>(iv + kOffset);
+  }
+}
+
+void quantize_group_avx2(const float* x, uint8_t* xq, float* xs) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    mx = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), mx);  // a NaN input is skipped, as std::max
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  *xs = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) {
+    // cvtps rounds to nearest even (MXCSR default), as nearbyint does; |x * inv| <= 127 up to
+    // rounding, and the clamp keeps the scalar path's bound exactly.
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    q[i] = _mm256_add_epi32(_mm256_min_epi32(hi, _mm256_max_epi32(lo, r)),
+                            _mm256_set1_epi32(kOffset));
+  }
+  // 32 int32 -> 32 bytes; packs work per 128-bit lane, the permute puts them back in order.
+  const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i b = kOffset ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), ordered);
+}
+
 void quantize_row(const float* x, int64_t K, int64_t G, uint8_t* xq, float* xs) {
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
-    float amax = 0.f;
-    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(x[k]));
-    const float scale = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    xs[g] = scale;
-    for (int64_t k = k0; k < k0 + kGroup; ++k) {
-      const float v = k < k1 ? std::nearbyint(x[k] * inv) : 0.f;
-      const int iv = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
-      xq[k] = static_cast<uint8_t>(iv + kOffset);
-    }
+    const int64_t k0 = g * kGroup, n = std::min(K, k0 + kGroup) - k0;
+    if (n == kGroup)
+      quantize_group_avx2(x + k0, xq + k0, xs + g);
+    else
+      quantize_group_scalar(x + k0, n, xq + k0, xs + g);
   }
 }
 
