@@ -82,7 +82,7 @@ def test_json_rows_are_positive_with_hf_side_by_side(bench_run: dict[str, Any]) 
 
 def test_targets_report_met_missed_or_not_run(bench_run: dict[str, Any]) -> None:
     targets = {t["name"]: t["status"] for t in bench_run["json"]["targets"]}
-    assert len(targets) == 14  # 7 per quantization
+    assert len(targets) == 16  # 8 per quantization
     assert targets["[int8] never slower than transformers (every pdserve/HF >= 1)"] in (
         "met", "missed",
     )  # fmt: skip
@@ -129,7 +129,7 @@ def test_report_without_peers_renders_dashes_and_na() -> None:
     rows = [
         Row("prefill", 512, 0.5, 1024.0, 0.6, 512.0, cpp_tokens_per_s=500.0),
         _decode(1, 128, 0.01),
-        _decode(1, 1024, 0.012, cpp_tokens_per_s=90.0),
+        _decode(1, 1024, 0.012, cpp_tokens_per_s=90.0, attention_share=0.25, kv_read_s=0.001),
         _decode(1, 2048, 0.014),
         _decode(8, 128, 0.02, samples=[0.02, 0.03]),
     ]
@@ -142,6 +142,8 @@ def test_report_without_peers_renders_dashes_and_na() -> None:
         "[none] prefill tokens/s >= 1.5x llama.cpp (every length)": "met",
         "[none] decode B=8 tokens/s >= 5x B=1 (C=128)": "missed",
         "[none] decode B=1 step at C=2048 <= 1.3x the step at C=128": "missed",
+        # 0.25 x 12 ms inside attention against 1 ms to read the KV: 3x
+        "[none] attention at B=1 C=1024 <= 2x the time to read its KV": "missed",
         "[none] never slower than transformers (every pdserve/HF >= 1)": "n/a",
     }
     rep = Report("2025-01-01T00:00:00+00:00", "pdserve bench engine --no-hf",
@@ -189,3 +191,15 @@ def test_decode_matmuls_vary_for_float32_weights_only() -> None:
     assert eb.variant_label("none", "float16", "torch") == "none kv=float16 mm=torch"
     with pytest.raises(SystemExit):
         parser.parse_args(["--decode-matmuls", "mkl"])
+
+
+def test_attention_target_is_attention_time_over_kv_read_time() -> None:
+    row = _decode(1, 1024, 0.020, attention_share=0.1, kv_read_s=0.0015)  # 2 ms vs 1.5 ms
+    status = {t.name: (t.measured, t.status) for t in evaluate_targets([row])}
+    assert status["[none] attention at B=1 C=1024 <= 2x the time to read its KV"] == (
+        "1.33x",
+        "met",
+    )
+    row.attention_share = None  # --no-attention
+    status = {t.name: t.status for t in evaluate_targets([row])}
+    assert status["[none] attention at B=1 C=1024 <= 2x the time to read its KV"] == "n/a"

@@ -272,6 +272,8 @@ def _decode_row(
     weight_bytes: int,
 ) -> Row:
     s, b = statistics.median(samples), point.batch
-    read = weight_bytes + cost.kv_bytes(b, ctx)
-    mbu = read / s / (roof.read_gbs * 1e9)
-    return Row("decode", b, s, b / s, mbu, ctx, samples, quantization, point.context)
+    kv = cost.kv_bytes(b, ctx)
+    mbu = (weight_bytes + kv) / s / (roof.read_gbs * 1e9)
+    row = Row("decode", b, s, b / s, mbu, ctx, samples, quantization, point.context)
+    row.kv_read_s = kv / (roof.read_gbs * 1e9)
+    return row

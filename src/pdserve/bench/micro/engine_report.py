@@ -23,6 +23,7 @@ TARGET_BATCH_SCALING = (8, 5.0)  # decode B=8 >= 5x the tokens/s of B=1 (issue 1
 TARGET_CONTEXT = 1024  # decode targets at this context
 TARGET_CONTEXT_GROWTH = (2048, 128, 1.3)  # step at 2048 <= 1.3x the step at 128 (B=1)
 TARGET_PREFILL_VS_CPP = 1.5
+TARGET_ATTENTION_VS_READ = 2.0  # attention at B=1 C=1024 <= 2x the time to read its KV
 
 
 # --------------------------------------------------------------------------- targets
@@ -82,6 +83,7 @@ def _targets_of(rows: list[Row]) -> list[common.Target]:
         ),
         _scaling_target(_find(rows, "decode", 1, low), _find(rows, "decode", b, low), b, factor),
         _growth_target(_find(rows, "decode", 1, long_c), _find(rows, "decode", 1, short_c), growth),
+        _attention_target(d1),
         common.Target(
             "never slower than transformers (every pdserve/HF >= 1)",
             f"min {min(ratios):.2f}x" if ratios else "not run",
@@ -114,6 +116,17 @@ def _growth_target(long: Row | None, short: Row | None, limit: float) -> common.
         return common.Target(name, "not run", None)
     growth = long.seconds / short.seconds
     return common.Target(name, f"{growth:.2f}x", growth <= limit)
+
+
+def _attention_target(d1: Row | None) -> common.Target:
+    name = (
+        f"attention at B=1 C={TARGET_CONTEXT} <= {TARGET_ATTENTION_VS_READ:g}x the time to "
+        "read its KV"
+    )
+    if d1 is None or d1.attention_share is None or not d1.kv_read_s:
+        return common.Target(name, "not run", None)
+    times = d1.attention_share * d1.seconds / d1.kv_read_s
+    return common.Target(name, f"{times:.2f}x", times <= TARGET_ATTENTION_VS_READ)
 
 
 # --------------------------------------------------------------------------- report

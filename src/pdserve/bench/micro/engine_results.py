@@ -91,6 +91,7 @@ class Row:
     quantization: str = "none"
     nominal_context: int = 0  # decode: C, the context the requests start from
     attention_share: float | None = None  # decode: time inside paged_attention / step time
+    kv_read_s: float | None = None  # decode: the step's KV bytes / the measured read GB/s
     hf_seconds: float | None = None
     hf_tokens_per_s: float | None = None
     hf_samples_s: list[float] = field(default_factory=list)
