@@ -161,3 +161,44 @@ def test_paged_on_cuda_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="attention must be"):
         resolve_attention("flash", torch.device("cpu"))
     assert resolve_attention("auto", torch.device("cuda")) == "gather"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_native_kv_write_stores_exactly_what_torch_stores(cache_dtype: torch.dtype) -> None:
+    """write_kv (the paged path's cache write) against torch's .to + index_copy_: the same
+    bytes, from K/V rows strided as the fused q|k|v output leaves them, float16 rounding to
+    nearest even included (ties, a subnormal, an overflow to inf), and a row length that is
+    not a multiple of 8 (the scalar tail)."""
+    from pdserve.engine.kernels import paged_attention_module
+
+    write = paged_attention_module().write_kv
+    torch.manual_seed(0)
+    t, kvh, d = 5, 3, 6
+    qkv = torch.randn(t, 4 * d + 2 * kvh * d) * 100
+    qkv[0, 4 * d : 4 * d + 4] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1e-6, 70000.0])
+    k = qkv[:, 4 * d : 4 * d + kvh * d].view(t, kvh, d)
+    v = qkv[:, 4 * d + kvh * d :].view(t, kvh, d)
+    slots = torch.tensor([0, 23, 7, 8, 15])
+    want_k, want_v = (
+        torch.zeros(6, 4, kvh, d, dtype=cache_dtype),
+        torch.zeros(6, 4, kvh, d, dtype=cache_dtype),
+    )
+    want_k.view(-1, kvh, d).index_copy_(0, slots, k.to(cache_dtype))
+    want_v.view(-1, kvh, d).index_copy_(0, slots, v.to(cache_dtype))
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    write(got_k, got_v, slots, k, v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_native_kv_write_refuses_what_it_cannot_store() -> None:
+    from pdserve.engine.kernels import paged_attention_module
+
+    write = paged_attention_module().write_kv
+    cache, rows = torch.zeros(2, 4, 1, 8), torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        write(cache, cache, torch.tensor([8]), rows, rows)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        bf16 = cache.to(torch.bfloat16)
+        write(bf16, bf16, torch.tensor([0]), rows, rows)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        write(cache, cache, torch.tensor([0]), rows.half(), rows.half())

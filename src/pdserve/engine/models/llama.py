@@ -45,6 +45,9 @@ class PagedPlan:
     limits: torch.Tensor  # [T] int32: keys visible to each row (0 for rows in no tile)
     kernel: Callable[..., torch.Tensor]  # pdserve.engine.kernels: paged_attention(...)
     split_tokens: int = 512  # key-range split per work item (flash-decoding)
+    # The same module's write_kv(k_cache, v_cache, slots, k, v): the step's K/V into the cache
+    # in one native call (float32 rows into a float32 or float16 cache); None: torch's ops.
+    write_kv: Callable[..., None] | None = None
 
 
 # Queries per SDPA call for a prompt chunk over a cached prefix (_prefill_attention). Measured
@@ -186,6 +189,10 @@ class LlamaLayer(nn.Module):
         return x @ weight
 
 
+# Cache dtypes the native write_kv stores float32 rows into (the same values as torch's .to).
+_NATIVE_KV_WRITES = (torch.float32, torch.float16)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -194,10 +201,14 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     k_cache, v_cache = kv
-    kvh, d = k.shape[1], k.shape[2]
-    # .to: a --kv-cache-dtype narrower than the model's rounds here, once per token.
-    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    write = meta.paged.write_kv if meta.paged is not None else None
+    if write is not None and k.dtype == torch.float32 and k_cache.dtype in _NATIVE_KV_WRITES:
+        write(k_cache, v_cache, meta.slot_mapping, k, v)
+    else:
+        kvh, d = k.shape[1], k.shape[2]
+        # .to: a --kv-cache-dtype narrower than the model's rounds here, once per token.
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.paged is not None:
         return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta, meta.paged)
     return gather_attention(q, k, v, k_cache, v_cache, meta)
