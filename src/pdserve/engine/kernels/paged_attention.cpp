@@ -335,18 +335,20 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
     for (int64_t j = 0; j < nq; j += kGroupQ) {
       const float* qj = qf.data() + j * D;
       float* aj = acc + j * D;
+      const KT* gk = j == 0 ? pk : nullptr;  // the first group prefetches for the rest
+      const KT* gv = j == 0 ? pv : nullptr;
       switch (std::min<int64_t>(kGroupQ, nq - j)) {
         case 3:
           block_group<NC, 3, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj,
-                                   m + j, l + j, j == 0 ? pk : nullptr, j == 0 ? pv : nullptr, pn);
+                                   m + j, l + j, gk, gv, pn);
           break;
         case 2:
           block_group<NC, 2, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj,
-                                   m + j, l + j, j == 0 ? pk : nullptr, j == 0 ? pv : nullptr, pn);
+                                   m + j, l + j, gk, gv, pn);
           break;
         default:
           block_group<NC, 1, KT>(qj, lim.data() + j, t0, n, kb, vb, rs, sbuf.data(), sbw, aj,
-                                   m + j, l + j, j == 0 ? pk : nullptr, j == 0 ? pv : nullptr, pn);
+                                   m + j, l + j, gk, gv, pn);
           break;
       }
     }
@@ -539,14 +541,14 @@ inline void store_row(const float* src, at::Half* dst, int64_t n) {
 template <typename C>
 void write_kv_impl(torch::Tensor& k_cache, torch::Tensor& v_cache, const int64_t* slots,
                    const torch::Tensor& k, const torch::Tensor& v) {
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), ks = k.stride(0), vs = v.stride(0);
   C* kc = k_cache.data_ptr<C>();
   C* vc = v_cache.data_ptr<C>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    store_row(kp + t * k.stride(0), kc + slots[t] * row, row);
-    store_row(vp + t * v.stride(0), vc + slots[t] * row, row);
+    store_row(kp + t * ks, kc + slots[t] * row, row);
+    store_row(vp + t * vs, vc + slots[t] * row, row);
   }
 }
 
