@@ -56,6 +56,19 @@ def test_tile_linear_hands_large_calls_to_torch_unchanged() -> None:
         lin(torch.randn(2, 95))
 
 
+def test_tile_linear_adds_a_residual_as_torch_does() -> None:
+    # The layer's `x + proj(h)`: bit for bit from the kernel's store (few rows) and from
+    # torch's GEMM plus an in-place add (many rows); refused for a 3-D input.
+    torch.manual_seed(2)
+    w, b = torch.randn(96, 50), torch.randn(50)
+    lin = quant.F32TileLinear(w, b)
+    for rows in (1, 5, lin.rows + 1):
+        x, residual = torch.randn(rows, 96), torch.randn(rows, 60)[:, 3:53]
+        assert torch.equal(lin(x, residual), residual + lin(x))
+    with pytest.raises(ValueError, match="2-D"):
+        lin(torch.randn(2, 3, 96), torch.randn(6, 50))
+
+
 def _greedy(llm: LLM, n: int = 8) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49000, (int(s),), generator=g).tolist() for s in range(3, 3 + n)]

@@ -33,3 +33,16 @@ def test_build_dirs_are_keyed_by_source_and_flags(tmp_path, monkeypatch):
     assert a == kernels.build_dir(kernels.SOURCE, list(kernels.CFLAGS))
     assert a != kernels.build_dir(kernels.SOURCE, [*kernels.CFLAGS, "-DX"])
     assert a != kernels.build_dir(kernels.W8G32_SOURCE, kernels.CFLAGS)
+
+
+def test_build_dirs_are_keyed_by_the_shared_headers_too(tmp_path, monkeypatch):
+    # A kernel that includes simd_math.h must rebuild when only the header changes.
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.cpp").write_text('#include "simd_math.h"\n')
+    (src / "simd_math.h").write_text("// one\n")
+    before = kernels.build_dir(src / "k.cpp", kernels.CFLAGS)
+    (src / "simd_math.h").write_text("// two\n")
+    assert kernels.build_dir(src / "k.cpp", kernels.CFLAGS) != before
+    assert [h.name for h in kernels.headers(kernels.SOURCE)] == ["simd_math.h"]

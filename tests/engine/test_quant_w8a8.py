@@ -58,6 +58,19 @@ def test_w8a8_kernel_matches_the_quantized_reference(isa: str, k: int, n: int) -
     assert lin.nbytes == tiles * 16 * groups * 32 + tiles * groups * 16 * 2 + n * 4
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_w8a8_residual_is_added_as_torch_adds_it(isa: str) -> None:
+    torch.manual_seed(12)
+    w, b = torch.randn(70, 40) * 0.05, torch.randn(40)
+    lin = quant.W8A8Linear(w, b, isa=isa)
+    for rows in (1, 9):
+        x = torch.randn(rows, 70)
+        residual = torch.randn(rows, 50)[:, 5:45]  # strided rows
+        assert torch.equal(lin(x, residual), residual + lin(x))
+    with pytest.raises(RuntimeError, match="residual"):
+        lin(torch.randn(2, 70), torch.randn(2, 41))
+
+
 def test_w8a8_activation_quantization_matches_python() -> None:
     # 70 inputs: two whole groups (the vector path) and a ragged one (the scalar path).
     torch.manual_seed(1)
@@ -83,7 +96,10 @@ def test_w8a8_vnni_and_avx2_builds_agree_bit_for_bit() -> None:
     w, b = torch.randn(200, 90) * 0.05, torch.randn(90)
     a2, vn = quant.W8A8Linear(w, b, isa="avx2"), quant.W8A8Linear(w, b, isa="vnni")
     assert a2._ops.rows == 4 and vn._ops.rows == 8
-    assert torch.equal(a2.q, vn.q) and torch.equal(a2.scales, vn.scales)  # one packed layout
+    # One packed layout; the VNNI build's bytes are the codes + 128 (unsigned operand).
+    assert a2._ops.weight_offset == 0 and vn._ops.weight_offset == 128
+    assert torch.equal(a2.q, vn.q ^ -128) and torch.equal(a2.scales, vn.scales)
+    assert torch.equal(a2.dequantized(), vn.dequantized())
     for rows in (1, 7, 8, 11, 33):
         x = torch.randn(rows, 200)
         assert torch.equal(a2(x), vn(x))

@@ -178,3 +178,38 @@ def test_fused_rms_norm_and_rope_match_torch(isa: str, rows: int) -> None:
     torch.testing.assert_close(ops.rope(qkv, heads, cos, sin), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="bad head count"):
         ops.rope(qkv, heads + 3, cos, sin)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_silu_mul_matches_torch(isa: str) -> None:
+    # 37 = four vectors of 8 and a tail; strided rows (a slice of a wider tensor), and the
+    # exp's edges (large |gate|: exp under- / overflow; zeros) in a vector and in the tail.
+    torch.manual_seed(7)
+    ops = quant.FusedOps(isa)
+    wide = torch.randn(4, 80) * 4
+    gate_up = wide[:, :74]  # [4, 2 * 37], row stride 80
+    edges = torch.tensor([100.0, -100.0, 0.0, -0.0, 88.5])
+    gate_up[0, :5] = gate_up[1, 32:37] = edges
+    gate, up = gate_up[:, :37], gate_up[:, 37:]
+    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_mul(gate_up, 37)
+    assert got.shape == (4, 37) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"2 \* I"):
+        ops.silu_mul(gate_up, 36)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_w8g32_residual_is_added_as_torch_adds_it(isa: str) -> None:
+    # `residual + (x @ W + bias)` bit for bit, from the kernel's store and from the prefill
+    # path (torch's GEMM, then an in-place add); a strided residual; a wrong shape refused.
+    torch.manual_seed(11)
+    w, b = torch.randn(70, 40) * 0.05, torch.randn(40)
+    lin = quant.W8G32Linear(w, b, isa=isa)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 70)
+        wide = torch.randn(rows, 50)
+        residual = wide[:, 5:45]
+        assert torch.equal(lin(x, residual), residual + lin(x))
+    with pytest.raises(RuntimeError, match="residual"):
+        lin(torch.randn(2, 70), torch.randn(3, 40))

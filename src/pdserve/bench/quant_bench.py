@@ -145,14 +145,15 @@ class _FakeQuant:
         self.bias, self.act = bias, act
         self.nbytes = w.numel()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         import torch
 
         if self.act:
             s = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(1e-30)
             x = torch.round(x / s) * s
         y = x @ self.w
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else residual + y
 
 
 def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None, proj: str) -> Any:

@@ -58,9 +58,11 @@ LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class Projection(Protocol):
-    """y = x @ W (+ bias), W [in, out]: how a layer runs one of its weight matrices."""
+    """y = x @ W (+ bias) (+ residual), W [in, out]: how a layer runs one of its weight
+    matrices. `residual` (x's rows by W's outputs) is added last, as torch's
+    `residual + (x @ W + bias)` would: native kernels add it as they store their output."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
 
     @property
     def nbytes(self) -> int: ...
@@ -120,13 +122,12 @@ class Int8Linear:
         """Bytes read per call: int8 weights + float32 scales (+ bias)."""
         return self._nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # Per-token scaling on top of the per-tensor kernel: rows at unit max-abs.
         amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
         y = torch.ops.quantized.linear_dynamic(x / amax, self._packed, self.reduce_range)
-        if self.bias is None:
-            return y.mul_(amax)
-        return torch.addcmul(self.bias, y, amax)
+        y = y.mul_(amax) if self.bias is None else torch.addcmul(self.bias, y, amax)
+        return _add_residual(y, residual)
 
 
 # Rows up to the limit run the streaming kernel; more rows (prefill) dequantize into a float32
@@ -156,6 +157,20 @@ W8G32_SCRATCH = 1 << 22
 def _packed_nbytes(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> int:
     """Bytes a call reads from a group-wise packed weight: int8 values, fp16 scales, bias."""
     return q.numel() + scales.numel() * 2 + (0 if bias is None else bias.numel() * 4)
+
+
+def _add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """y + residual in y's storage (the same values as `residual + y`), for the paths whose
+    kernel does not add it."""
+    return y if residual is None else y.add_(residual)
+
+
+def _native_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """The residual as a native kernel takes it ([rows, out] float32), when x is 2-D as the
+    layers pass it; None when there is none. A kernel refuses any other shape."""
+    if residual is not None and x.dim() != 2:
+        raise ValueError(f"a residual needs a 2-D input, got {tuple(x.shape)}")
+    return residual
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -196,13 +211,14 @@ class W8G32Linear:
         out = torch.empty(self.in_features, n)
         return self._ops.dequantize(self.q, self.scales, n, 0, n, out)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = _rows(x, self.in_features).float()
         if x2.shape[0] <= self._gemv_rows:
-            y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias)
+            res = _native_residual(x, residual)
+            y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias, res)
         else:
-            y = self._prefill(x2)
+            y = _add_residual(self._prefill(x2), residual)
         return y.reshape(*lead, self.out_features)
 
     def _prefill(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +264,9 @@ class W8A8Linear:
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
         tiles, self.scales = kernels.w8g32_module().pack(w)  # w8g32's rounding, its scales
-        self.q = _quads(tiles, self.in_features)
+        # The VNNI build takes its weights offset by 128 (unsigned bytes: see w8a8.cpp).
+        self._offset = int(self._ops.weight_offset)
+        self.q = _quads(tiles, self.in_features) ^ (-self._offset)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
 
@@ -260,14 +278,16 @@ class W8A8Linear:
     def dequantized(self) -> torch.Tensor:
         """The float32 [in, out] weight this projection computes with (for tests and checks)."""
         k, t = self.in_features, self.q.shape[0]
-        q = self.q.permute(0, 1, 3, 2).reshape(t, -1, W8A8_TILE)[:, :k]  # [T, K, 16]
+        codes = self.q ^ (-self._offset)  # the stored bytes back to the signed codes
+        q = codes.permute(0, 1, 3, 2).reshape(t, -1, W8A8_TILE)[:, :k]  # [T, K, 16]
         s = self.scales.float().repeat_interleave(W8A8_GROUP, dim=1)[:, :k]
         return (q.float() * s).permute(1, 0, 2).reshape(k, -1)[:, : self.out_features]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = _rows(x, self.in_features).float()
-        y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias)
+        res = _native_residual(x, residual)
+        y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias, res)
         return cast(torch.Tensor, y).reshape(*lead, self.out_features)
 
 
@@ -331,15 +351,16 @@ class F32TileLinear:
         """Bytes read per decode call: the float32 tiles (+ bias)."""
         return self.tiles.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = _rows(x, self.in_features)
         if x2.shape[0] <= self.rows:
-            y = self._ops.matmul_f32(x2, self.tiles, self.out_features, self.bias)
+            res = _native_residual(x, residual)
+            y = self._ops.matmul_f32(x2, self.tiles, self.out_features, self.bias, res)
         elif self.bias is None:
-            y = x2 @ self.weight
+            y = _add_residual(x2 @ self.weight, residual)
         else:
-            y = torch.addmm(self.bias, x2, self.weight)
+            y = _add_residual(torch.addmm(self.bias, x2, self.weight), residual)
         return y.reshape(*lead, self.out_features)
 
 
@@ -354,8 +375,9 @@ def tile_model(model: LlamaModel) -> None:
 
 
 class FusedOps:
-    """RMSNorm and RoPE as one native call each (kernels/w8g32.cpp) instead of torch's 5-8
-    small ops: at batch 1 those ops, ~60 norms and 30 RoPEs a step, cost more than their math.
+    """RMSNorm, RoPE and the MLP's silu(gate) * up as one native call each (kernels/w8g32.cpp)
+    instead of torch's 3-8 small ops: at batch 1 those ops, ~60 norms, 30 RoPEs and 30
+    activations a step, cost more than their math.
     Quantized (w8g32, w8a8) models only: the rounding differs slightly from torch's, and
     `--quantization none` keeps bit-exact parity with HF."""
 
@@ -366,6 +388,10 @@ class FusedOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return cast(torch.Tensor, self._ops.rms_norm(x, weight, eps))
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        """silu(gate) * up for the gate|up output [T, 2 * intermediate], in one pass."""
+        return cast(torch.Tensor, self._ops.silu_mul(gate_up, intermediate))
 
     def rope(
         self, x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor

@@ -47,12 +47,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
 
 
+def headers(source: Path) -> list[Path]:
+    """The shared headers beside a kernel source (simd_math.h ...): part of every build's key
+    and copied next to the source it compiles."""
+    return sorted(source.parent.glob("*.h"))
+
+
 def build_dir(source: Path, flags: list[str]) -> Path:
-    """One build directory per (source text, flags), so checkouts at two paths (worktrees, CI
-    clones) sharing a cache share a build. torch's loader keeps one build.ninja per directory
-    and rebuilds whenever the recorded source path differs: `build_and_load` therefore compiles
-    a copy of the source kept inside the build directory, whose path is the same for all."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    """One build directory per (source text, headers' text, flags), so checkouts at two paths
+    (worktrees, CI clones) sharing a cache share a build. torch's loader keeps one build.ninja
+    per directory and rebuilds whenever the recorded source path differs: `build_and_load`
+    therefore compiles a copy of the source kept inside the build directory, whose path is the
+    same for all."""
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in headers(source))
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:12]
     return cache_dir() / f"{source.stem}-{digest}"
 
 
@@ -74,13 +82,14 @@ def build_and_load(name: str, source: Path, flags: list[str]) -> ModuleType:
         if stale.exists():
             log.warning("removing a stale kernel build lock left by a killed build: %s", stale)
             stale.unlink(missing_ok=True)
-        copy = build / source.name
-        text = source.read_bytes()
-        if not copy.exists() or copy.read_bytes() != text:
-            copy.write_bytes(text)
+        for path in [*headers(source), source]:
+            copy = build / path.name
+            text = path.read_bytes()
+            if not copy.exists() or copy.read_bytes() != text:
+                copy.write_bytes(text)
         return load(
             name=name,
-            sources=[str(copy)],
+            sources=[str(build / source.name)],
             extra_cflags=flags,
             build_directory=str(build),
             verbose=False,

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_math.h"
+
 namespace {
 
 constexpr int kMaxTile = 16;
@@ -109,31 +111,10 @@ void run_item(const Item& it, const T* q, const C* kc, const C* vc, const int32_
 // the output accumulator in memory: compute-bound at ~4x the time it takes to read the keys and
 // values. For float32 with head_dim a multiple of 8 (every model here) run_item_f32 instead
 // works a block at a time on groups of up to 3 queries (block_group): each K and V row loaded
-// once per group, 4 keys' scores per hadd tree, masking / max / exp (exp8 below: a Cephes-style
-// polynomial, within ~2 ulp of std::exp) as vector ops, a branch-free value loop with the
-// outputs in registers. Each key/value block is read from memory once per item and reused from
+// once per group, 4 keys' scores per hadd tree, masking / max / exp (exp8 from simd_math.h: a
+// Cephes-style polynomial, within ~2 ulp of std::exp) as vector ops, a branch-free value loop
+// with the outputs in registers. Each key/value block is read from memory once per item and reused from
 // L1 by the G query heads of its KV group (and the rows of the tile).
-
-inline __m256 exp8(__m256 x) {
-  // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2].
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447505531f);
-  const __m256 zero_below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // underflow (and -inf): 0
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(zero_below, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
 
 // 8 cache elements widened to float32: the fast path's only dependence on the cache dtype.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

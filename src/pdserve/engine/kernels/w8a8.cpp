@@ -16,8 +16,10 @@
 //
 // Two builds of this file (never -march=native), picked at run time by kernels.w8a8_module():
 //  * "vnni" (`-mavx512f -mavx512bw -mavx512vl -mavx512vnni`): vpdpbusd multiplies unsigned by
-//    signed bytes, so the activations are stored offset by 128 (xq + 128, 0..254) and each
-//    group subtracts 128 * sum(w), itself one vpdpbusd per quad shared by every row.
+//    signed bytes, so this build's weights are stored offset by 128 (wq + 128, 1..255: the
+//    module's `weight_offset`, applied by quant.W8A8Linear) and each row's group subtracts
+//    128 * sum(xq) (summed as the row is quantized). The offset went on the activations before,
+//    which needed 128 * sum(w) per quad: one more vpdpbusd per quad, 1/9 of the work at 8 rows.
 //  * "avx2" (`-mavx2 -mfma -mf16c`): vpmaddubsw with the sign trick (|w| times x carrying w's
 //    sign); |xq|, |wq| <= 127 so a pair sum (<= 32258) never saturates int16.
 // Both compute the same int32 group sums exactly, then the same float operations in the same
@@ -30,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -47,49 +50,44 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 #if defined(__AVX512VNNI__)
 constexpr const char* kIsa = "vnni";
 constexpr int64_t kRows = 8;
-constexpr int kOffset = 128;  // activations stored as xq + 128 (unsigned operand)
+constexpr int kWeightOffset = 128;  // weights stored as wq + 128 (vpdpbusd's unsigned operand)
 
-// Rows [0, NR) of xq (row stride ldx bytes, offset by 128) against one tile; out[r * 16 + c].
+// Rows [0, NR) of xq (row stride ldx bytes) against one tile; out[r * 16 + c]. xc[r * G + g]
+// is 128 * the sum of row r's codes in group g: what the weights' offset adds to each dot.
 // U accumulator sets take alternate quads: with few rows, U = 2 keeps >= 2 dependency chains
 // per row; from 4 rows on the rows are the chains and U = 1 leaves registers for them (an
 // accumulator indexed by a run-time j & 1 made the compiler keep them all on the stack).
 template <int NR, int U>
-void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const int8_t* q,
-               const at::Half* s, float* out) {
+void tile_rows(const int8_t* xq, int64_t ldx, const float* xs, const int32_t* xc, int64_t G,
+               const int8_t* q, const at::Half* s, float* out) {
   __m512 tot[NR];
   for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
-  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < G; ++g) {
     const int8_t* qg = q + g * kQuads * 64;
-    const uint8_t* xg = xq + g * kGroup;
-    __m512i acc[U][NR], corr[U];
-    for (int u = 0; u < U; ++u) {
-      corr[u] = _mm512_setzero_si512();
+    const int8_t* xg = xq + g * kGroup;
+    __m512i acc[U][NR];
+    for (int u = 0; u < U; ++u)
       for (int r = 0; r < NR; ++r) acc[u][r] = _mm512_setzero_si512();
-    }
 #pragma GCC unroll 8
     for (int j = 0; j < kQuads; j += U) {
 #pragma GCC unroll 2
       for (int u = 0; u < U; ++u) {
         _mm_prefetch(reinterpret_cast<const char*>(qg + (j + u) * 64 + kPrefetch), _MM_HINT_T0);
         const __m512i w = _mm512_loadu_si512(qg + (j + u) * 64);
-        corr[u] = _mm512_dpbusd_epi32(corr[u], k128, w);
 #pragma GCC unroll 8
         for (int r = 0; r < NR; ++r) {
           int32_t quad;
           std::memcpy(&quad, xg + r * ldx + (j + u) * 4, 4);
-          acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], _mm512_set1_epi32(quad), w);
+          acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], w, _mm512_set1_epi32(quad));
         }
       }
     }
-    __m512i c = corr[0];
-    for (int u = 1; u < U; ++u) c = _mm512_add_epi32(c, corr[u]);
     const __m512 sw = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * kTile)));
     for (int r = 0; r < NR; ++r) {
       __m512i dot = acc[0][r];
       for (int u = 1; u < U; ++u) dot = _mm512_add_epi32(dot, acc[u][r]);
-      dot = _mm512_sub_epi32(dot, c);
+      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(xc[r * G + g]));
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[r * G + g]));
       tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, tot[r]);
     }
@@ -99,11 +97,11 @@ void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const
 #else
 constexpr const char* kIsa = "avx2";
 constexpr int64_t kRows = 4;
-constexpr int kOffset = 0;
+constexpr int kWeightOffset = 0;
 
 template <int NR, int U>
-void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const int8_t* q,
-               const at::Half* s, float* out) {
+void tile_rows(const int8_t* xq, int64_t ldx, const float* xs, const int32_t*, int64_t G,
+               const int8_t* q, const at::Half* s, float* out) {
   __m256 tot[NR][2];
   for (int r = 0; r < NR; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -147,25 +145,29 @@ void tile_rows(const uint8_t* xq, int64_t ldx, const float* xs, int64_t G, const
 }
 #endif
 
-// One row of x (K floats) -> G groups of 32 int8 (+ kOffset) and their scales; the padding
-// past K is 0 (its weights are 0 too). Whole groups run in AVX2 (both builds): a scalar loop
-// with one nearbyint per input cost ~1 ms of a batch-8 decode step of the default model (90
+// One row of x (K floats) -> G groups of 32 int8 codes, their scales and 128 * the sum of
+// each group's codes (what the VNNI build's weight offset adds; unused by the AVX2 build); the
+// padding past K is 0 (its weights are 0 too). Whole groups run in AVX2 (both builds): a scalar
+// loop with one nearbyint per input cost ~1 ms of a batch-8 decode step of the default model (90
 // calls of 8 rows). The vector path does the scalar path's float operations (max |x|, then
 // x * (127 / amax), rounded to nearest even as nearbyint does under the default rounding mode,
 // clamped to +-127), so both give the same bytes.
-void quantize_group_scalar(const float* x, int64_t n, uint8_t* xq, float* xs) {
+void quantize_group_scalar(const float* x, int64_t n, int8_t* xq, float* xs, int32_t* xc) {
   float amax = 0.f;
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::abs(x[k]));
   *xs = amax / 127.f;
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
   for (int64_t k = 0; k < kGroup; ++k) {
     const float v = k < n ? std::nearbyint(x[k] * inv) : 0.f;
     const int iv = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
-    xq[k] = static_cast<uint8_t>(iv + kOffset);
+    xq[k] = static_cast<int8_t>(iv);
+    sum += iv;
   }
+  *xc = kWeightOffset * sum;
 }
 
-void quantize_group_avx2(const float* x, uint8_t* xq, float* xs) {
+void quantize_group_avx2(const float* x, int8_t* xq, float* xs, int32_t* xc) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
@@ -185,23 +187,27 @@ void quantize_group_avx2(const float* x, uint8_t* xq, float* xs) {
     // cvtps rounds to nearest even (MXCSR default), as nearbyint does; |x * inv| <= 127 up to
     // rounding, and the clamp keeps the scalar path's bound exactly.
     const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    q[i] = _mm256_add_epi32(_mm256_min_epi32(hi, _mm256_max_epi32(lo, r)),
-                            _mm256_set1_epi32(kOffset));
+    q[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, r));
   }
+  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *xc = kWeightOffset * _mm_cvtsi128_si32(s4);
   // 32 int32 -> 32 bytes; packs work per 128-bit lane, the permute puts them back in order.
   const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
-  const __m256i b = kOffset ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
+  const __m256i b = _mm256_packs_epi16(w01, w23);
   const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), ordered);
 }
 
-void quantize_row(const float* x, int64_t K, int64_t G, uint8_t* xq, float* xs) {
+void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* xs, int32_t* xc) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * kGroup, n = std::min(K, k0 + kGroup) - k0;
     if (n == kGroup)
-      quantize_group_avx2(x + k0, xq + k0, xs + g);
+      quantize_group_avx2(x + k0, xq + k0, xs + g, xc + g);
     else
-      quantize_group_scalar(x + k0, n, xq + k0, xs + g);
+      quantize_group_scalar(x + k0, n, xq + k0, xs + g, xc + g);
   }
 }
 
@@ -223,18 +229,20 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = ceil_div(K, kGroup);
-  auto xq = torch::empty({M, G * kGroup}, torch::kUInt8);
+  auto xq = torch::empty({M, G * kGroup}, torch::kInt8);
   auto xs = torch::empty({M, G}, torch::kFloat);
+  std::vector<int32_t> xc(G);
   for (int64_t r = 0; r < M; ++r)
-    quantize_row(x.data_ptr<float>() + r * K, K, G, xq.data_ptr<uint8_t>() + r * G * kGroup,
-                 xs.data_ptr<float>() + r * G);
-  return {(xq.to(torch::kInt) - kOffset).to(torch::kInt8), xs};
+    quantize_row(x.data_ptr<float>() + r * K, K, G, xq.data_ptr<int8_t>() + r * G * kGroup,
+                 xs.data_ptr<float>() + r * G, xc.data());
+  return {xq, xs};
 }
 
-// x float32 [M, K] -> y float32 [M, N] (+ bias [N]). The rows are quantized first (spread over
-// torch's threads), then work items (tile, block of kRows rows) in tile-major order.
+// x float32 [M, K] -> y float32 [M, N] (+ bias [N]) (+ residual [M, N]). The rows are quantized
+// first (spread over torch's threads), then work items (tile, block of kRows rows) in tile-major
+// order.
 torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t N,
-                     c10::optional<torch::Tensor> bias) {
+                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
@@ -245,45 +253,67 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
                 "bias: float32 [N]");
     bp = bias->data_ptr<float>();
   }
-  auto xq = torch::empty({M, G * kGroup}, torch::kUInt8);
-  auto xs = torch::empty({M, G}, torch::kFloat);
+  // The optional residual added to the output (a layer's `x + proj(h)` in one pass).
+  const float* rp = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dtype() == torch::kFloat && residual->dim() == 2 &&
+                    residual->size(0) == M && residual->size(1) == N && residual->stride(1) == 1,
+                "residual: float32 [M, N] with unit column stride");
+    rp = residual->data_ptr<float>();
+    ldr = residual->stride(0);
+  }
+  // The quantized rows live in this thread's scratch (codes, scales, corrections): three
+  // tensor allocations a call cost ~3 us, ~0.3 ms of a decode step at 90 calls.
+  const int64_t ldx = G * kGroup;
+  static thread_local std::vector<int32_t> scratch;
+  scratch.resize(static_cast<size_t>(M * (ldx / 4 + 2 * G)));
+  int8_t* xqp = reinterpret_cast<int8_t*>(scratch.data());
+  float* xsp = reinterpret_cast<float*>(scratch.data() + M * ldx / 4);
+  int32_t* xcp = scratch.data() + M * (ldx / 4 + G);
   const float* xp = x.data_ptr<float>();
-  uint8_t* xqp = xq.data_ptr<uint8_t>();
-  float* xsp = xs.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r)
-      quantize_row(xp + r * K, K, G, xqp + r * G * kGroup, xsp + r * G);
+      quantize_row(xp + r * K, K, G, xqp + r * ldx, xsp + r * G, xcp + r * G);
   });
   auto y = torch::empty({M, N}, torch::kFloat);
   const int8_t* qp = q.data_ptr<int8_t>();
   const at::Half* sp = s.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = G * kGroup, row_blocks = ceil_div(M, kRows);
+  const int64_t row_blocks = ceil_div(M, kRows);
   at::parallel_for(0, T * row_blocks, 1, [&](int64_t a, int64_t b) {
     float out[kRows * kTile];
     for (int64_t item = a; item < b; ++item) {
       const int64_t t = item / row_blocks, r0 = (item % row_blocks) * kRows;
       const int64_t nr = std::min(kRows, M - r0);
-      const uint8_t* xr = xqp + r0 * ldx;
+      const int8_t* xr = xqp + r0 * ldx;
       const float* sr = xsp + r0 * G;
+      const int32_t* cr = xcp + r0 * G;
       const int8_t* qt = qp + t * G * kQuads * 64;
       const at::Half* st = sp + t * G * kTile;
       switch (nr) {
 #if defined(__AVX512VNNI__)
-        case 8: tile_rows<8, 1>(xr, ldx, sr, G, qt, st, out); break;
-        case 7: tile_rows<7, 1>(xr, ldx, sr, G, qt, st, out); break;
-        case 6: tile_rows<6, 1>(xr, ldx, sr, G, qt, st, out); break;
-        case 5: tile_rows<5, 1>(xr, ldx, sr, G, qt, st, out); break;
+        case 8: tile_rows<8, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
+        case 7: tile_rows<7, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
+        case 6: tile_rows<6, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
+        case 5: tile_rows<5, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
 #endif
-        case 4: tile_rows<4, 1>(xr, ldx, sr, G, qt, st, out); break;
-        case 3: tile_rows<3, 2>(xr, ldx, sr, G, qt, st, out); break;
-        case 2: tile_rows<2, 2>(xr, ldx, sr, G, qt, st, out); break;
-        default: tile_rows<1, 2>(xr, ldx, sr, G, qt, st, out); break;
+        case 4: tile_rows<4, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
+        case 3: tile_rows<3, 2>(xr, ldx, sr, cr, G, qt, st, out); break;
+        case 2: tile_rows<2, 2>(xr, ldx, sr, cr, G, qt, st, out); break;
+        default: tile_rows<1, 2>(xr, ldx, sr, cr, G, qt, st, out); break;
       }
       const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
       for (int64_t r = 0; r < nr; ++r) {
         float* dst = yp + (r0 + r) * N + n0;
-        for (int64_t c = 0; c < nc; ++c) dst[c] = out[r * kTile + c] + (bp ? bp[n0 + c] : 0.f);
+        const float* res = rp ? rp + (r0 + r) * ldr + n0 : nullptr;
+        // (sum + bias) + residual: the order of torch's `residual + (x @ W + bias)`.
+        for (int64_t c = 0; c < nc; ++c) {
+          float v = out[r * kTile + c];
+          if (bp) v += bp[n0 + c];
+          if (res) v += res[c];
+          dst[c] = v;
+        }
       }
     }
   });
@@ -291,8 +321,12 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias)");
+  m.def("matmul", &matmul,
+        "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias) (+ residual [M, N])",
+        py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
   m.attr("rows") = kRows;
+  m.attr("weight_offset") = kWeightOffset;  // added to each stored weight code (vnni: 128)
 }

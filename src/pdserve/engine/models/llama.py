@@ -140,7 +140,8 @@ class LlamaLayer(nn.Module):
         # Quantized stand-ins for the projections above, by name (quant.quantize_model); a
         # projection not listed here runs on its float weight.
         self.quantized: dict[str, Projection] = {}
-        # Native RMSNorm / RoPE (quant.FusedOps), set for w8g32 models; None: torch's ops.
+        # Native RMSNorm / RoPE / silu * up (quant.FusedOps), set for quantized (w8g32, w8a8)
+        # models; None: torch's ops.
         self.fused: FusedOps | None = None
 
     def forward(
@@ -164,29 +165,38 @@ class LlamaLayer(nn.Module):
         attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
         if meta.layer_hook is not None:
             meta.layer_hook(self.index, k, v)
-        x = x + self.project("o", attn.reshape(t, self.q_size))
+        x = self.project("o", attn.reshape(t, self.q_size), residual=x)
         h = self.rms_norm(x, self.post_norm)
         gate_up = self.project("gate_up", h)
-        # Slices and an in-place product: chunk() and a fresh product tensor cost ~10 us a
-        # layer at decode sizes, for no arithmetic (the values are the same ops' bit for bit).
-        act = F.silu(gate_up[:, : self.intermediate_size])
-        act.mul_(gate_up[:, self.intermediate_size :])
-        return x + self.project("down", act)
+        if self.fused is not None:
+            act = self.fused.silu_mul(gate_up, self.intermediate_size)
+        else:
+            # Slices and an in-place product: chunk() and a fresh product tensor cost ~10 us a
+            # layer at decode sizes, for no arithmetic (the same ops' values bit for bit).
+            act = F.silu(gate_up[:, : self.intermediate_size])
+            act.mul_(gate_up[:, self.intermediate_size :])
+        return self.project("down", act, residual=x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.rms_norm(x, weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
-    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """x @ W (+ bias) for the projection `name`: quantized if it was, else in float."""
+    def project(
+        self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ W (+ bias) (+ residual) for the projection `name`: quantized (or tiled) if it
+        was, else in float. The residual is added last, as `residual + x @ W` (bit for bit:
+        the native kernels add it as they store, saving an op and a tensor a projection)."""
         quantized = self.quantized.get(name)
         if quantized is not None:
-            return quantized(x)
+            return quantized(x, residual)
         weight = getattr(self, name)
         if name == "qkv" and self.qkv_bias is not None:
-            return torch.addmm(self.qkv_bias, x, weight)
-        return x @ weight
+            y = torch.addmm(self.qkv_bias, x, weight)
+        else:
+            y = x @ weight
+        return y if residual is None else residual + y
 
 
 # Cache dtypes the native write_kv stores float32 rows into (the same values as torch's .to).
