@@ -129,6 +129,19 @@ def test_w8a8_rejects_a_wrong_input_width() -> None:
         lin(torch.randn(2, 63))
 
 
+def test_quantized_projections_take_any_leading_shape() -> None:
+    # The layers pass float32 [rows, in] straight to the kernel; other shapes and dtypes go
+    # through the reshaping path and give the same rows.
+    torch.manual_seed(4)
+    w = torch.randn(64, 48) * 0.05
+    x = torch.randn(6, 64)
+    for lin in (quant.W8A8Linear(w), quant.W8G32Linear(w)):
+        flat = lin(x)
+        assert flat.shape == (6, 48)
+        assert torch.equal(lin(x.view(2, 3, 64)), flat.view(2, 3, 48))
+        assert torch.equal(lin(x.double()), flat)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
 def test_w8a8_engine_agrees_with_float32(fixture: str, request: pytest.FixtureRequest) -> None:
     path = str(request.getfixturevalue(fixture))

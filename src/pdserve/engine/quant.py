@@ -173,6 +173,12 @@ def _native_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Te
     return residual
 
 
+def _flat_rows(x: torch.Tensor, in_features: int) -> bool:
+    """x is float32 [rows, in_features], as the layers pass it: the kernel takes it as it is
+    (a step's four reshapes, dtype checks and calls per projection cost ~0.5 ms at batch 1)."""
+    return x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32
+
+
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as [rows, in_features] (a view where it can be), or a clear error for another width."""
     if x.shape[-1] != in_features:
@@ -212,6 +218,8 @@ class W8G32Linear:
         return self._ops.dequantize(self.q, self.scales, n, 0, n, out)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if _flat_rows(x, self.in_features) and x.shape[0] <= self._gemv_rows:
+            return self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
         lead = x.shape[:-1]
         x2 = _rows(x, self.in_features).float()
         if x2.shape[0] <= self._gemv_rows:
@@ -284,6 +292,9 @@ class W8A8Linear:
         return (q.float() * s).permute(1, 0, 2).reshape(k, -1)[:, : self.out_features]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if _flat_rows(x, self.in_features):
+            y = self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
+            return cast(torch.Tensor, y)
         lead = x.shape[:-1]
         x2 = _rows(x, self.in_features).float()
         res = _native_residual(x, residual)

@@ -350,8 +350,10 @@ class LlamaModel(nn.Module):
             self.rope = RotaryEmbedding(self.arch, self.embed.device)
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, x.dtype)
+        # layer.forward, not layer(...): nn.Module's call machinery (hooks, tracing checks)
+        # costs ~10 us a layer a step, and nothing here registers hooks.
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer.forward(x, cos, sin, kv, meta)
         if meta.sample_rows is not None:
             x = x[meta.sample_rows]
         eps = self.arch.rms_norm_eps
