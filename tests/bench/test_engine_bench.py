@@ -203,3 +203,23 @@ def test_attention_target_is_attention_time_over_kv_read_time() -> None:
     row.attention_share = None  # --no-attention
     status = {t.name: t.status for t in evaluate_targets([row])}
     assert status["[none] attention at B=1 C=1024 <= 2x the time to read its KV"] == "n/a"
+
+
+def test_decode_repeats_go_round_the_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Warm-ups first, then every point once per repeat: B=1 and B=8 samples alternate in time.
+    from pdserve.bench.micro import engine_measure as em
+    from pdserve.bench.micro.engine_results import DecodePoint
+
+    calls: list[tuple[int, int]] = []
+
+    def fake_once(engine: Any, point: DecodePoint, gen: Any) -> tuple[float, float]:
+        calls.append((point.batch, point.context))
+        return 0.01 * len(calls), float(point.context)
+
+    monkeypatch.setattr(em, "_decode_once", fake_once)
+    points = [DecodePoint(1, 128, 4), DecodePoint(8, 128, 4)]
+    engine = argparse.Namespace(quantization="none")
+    got = em.pdserve_decode(engine, points, 3, gen=None)  # type: ignore[arg-type]
+    assert calls == [(1, 128), (8, 128)] * 4  # one warm-up each, then three rounds
+    assert got[points[0]] == ([0.03, 0.05, 0.07], 128.0)
+    assert got[points[1]] == ([0.04, 0.06, 0.08], 128.0)

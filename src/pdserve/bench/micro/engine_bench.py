@@ -22,6 +22,8 @@ through the P/D hand-off API (`reserve_kv`, `write_kv` of random K/V for C token
 `admit_prefilled`), so every request decodes from C tokens of context in its own KV blocks
 without B prefills of C tokens (minutes at B=32, C=2048; they do not change a decode step's
 work). After one warm-up step, `--decode-steps` steps are timed; tokens/s = B * steps / time.
+The `--repeats` go round the decode points (every point once, then every point again), so
+ratios between points compare samples taken close together on a machine whose speed drifts.
   MBU = (weight bytes + KV bytes) / step time / read GB/s, with
         weight bytes = the projection and LM head matrices as stored (int8 + scales when
                        quantized; `quant.projection_bytes`) (a step reads only its tokens' rows

@@ -132,12 +132,24 @@ def _prefill_once(engine: LLMEngine, ids: list[int]) -> float:
 
 
 def pdserve_decode(
-    engine: LLMEngine, point: DecodePoint, repeats: int, gen: torch.Generator
-) -> tuple[list[float], float]:
-    """Seconds per decode step for each timed repeat, and the mean keys attended per step."""
-    _decode_once(engine, point, gen)  # warm-up
-    runs = [_decode_once(engine, point, gen) for _ in range(repeats)]
-    return [r[0] for r in runs], runs[0][1]
+    engine: LLMEngine, points: list[DecodePoint], repeats: int, gen: torch.Generator
+) -> dict[DecodePoint, tuple[list[float], float]]:
+    """Per point: seconds per decode step for each timed repeat, and the mean keys attended
+    per step. The repeats go round the points (B=1, B=8, B=1, B=8, ...), so the ratios between
+    points (batch 8 / batch 1, C=2048 / C=128) compare samples taken minutes apart at most
+    rather than a whole point's repeats against another's: on a shared VM whose speed drifts
+    by 1.3x between runs, that is what keeps a ratio from measuring the drift."""
+    for point in points:
+        log(f"pdserve ({engine.quantization}) decode warm-up B={point.batch} C={point.context}")
+        _decode_once(engine, point, gen)
+    runs: dict[DecodePoint, list[tuple[float, float]]] = {p: [] for p in points}
+    for i in range(repeats):
+        log(
+            f"pdserve ({engine.quantization}) decode repeat {i + 1}/{repeats}, {len(points)} points"
+        )
+        for point in points:
+            runs[point].append(_decode_once(engine, point, gen))
+    return {p: ([r[0] for r in rs], rs[0][1]) for p, rs in runs.items()}
 
 
 def admit_decoding(engine: LLMEngine, point: DecodePoint, gen: torch.Generator) -> list[str]:
@@ -244,11 +256,13 @@ def run_pdserve(
         log(f"pdserve ({q}) prefill {n}")
         samples = pdserve_prefill(engine, n, args.repeats, gen)
         rows.append(_prefill_row(n, samples, cost, roof, q))
-    for point in decode_points(args):
-        log(f"pdserve ({q}) decode B={point.batch} C={point.context}")
-        samples, ctx = pdserve_decode(engine, point, args.repeats, gen)
+    points = decode_points(args)
+    measured = pdserve_decode(engine, points, args.repeats, gen)
+    for point in points:
+        samples, ctx = measured[point]
         row = _decode_row(point, samples, ctx, cost, roof, q, weight_bytes)
         if not args.no_attention:
+            log(f"pdserve ({q}) attention share B={point.batch} C={point.context}")
             row.attention_share = attention_share(engine, point, gen)
         rows.append(row)
     return rows

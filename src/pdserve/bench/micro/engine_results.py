@@ -130,7 +130,7 @@ class Report(common.ReportHead):
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodePoint:
     batch: int
     context: int  # C: tokens of KV each request starts from
