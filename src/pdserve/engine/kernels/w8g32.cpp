@@ -245,18 +245,21 @@ const float* residual_ptr(const c10::optional<torch::Tensor>& res, int64_t M, in
 inline void store_tile(const float* sums, int64_t rows, float* y, int64_t N, int64_t n0,
                        const float* bias, const float* res = nullptr, int64_t ldr = 0) {
   const int64_t nc = std::min(kTile, N - n0);
+  const float* b = bias ? bias + n0 : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = y + r * N + n0;
     const float* src = sums + r * kTile;
-    if (!bias && !res) {
+    const float* rr = res ? res + r * ldr + n0 : nullptr;
+    // One loop per case, so each vectorises (a test inside the loop made the compiler emit
+    // scalar code, +30% on an 8-row w8a8 call with the same store).
+    if (b && rr) {
+      for (int64_t c = 0; c < nc; ++c) dst[c] = (src[c] + b[c]) + rr[c];
+    } else if (rr) {
+      for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + rr[c];
+    } else if (b) {
+      for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + b[c];
+    } else {
       std::memcpy(dst, src, nc * sizeof(float));
-      continue;
-    }
-    for (int64_t c = 0; c < nc; ++c) {
-      float v = src[c];
-      if (bias) v += bias[n0 + c];
-      if (res) v += res[r * ldr + n0 + c];
-      dst[c] = v;
     }
   }
 }
