@@ -36,13 +36,13 @@ def test_build_dirs_are_keyed_by_source_and_flags(tmp_path, monkeypatch):
 
 
 def test_build_dirs_are_keyed_by_the_shared_headers_too(tmp_path, monkeypatch):
-    # A kernel that includes simd_math.h must rebuild when only the header changes.
+    # A kernel that includes common.h must rebuild when only the header changes.
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "src"
     src.mkdir()
-    (src / "k.cpp").write_text('#include "simd_math.h"\n')
-    (src / "simd_math.h").write_text("// one\n")
+    (src / "k.cpp").write_text('#include "common.h"\n')
+    (src / "common.h").write_text("// one\n")
     before = kernels.build_dir(src / "k.cpp", kernels.CFLAGS)
-    (src / "simd_math.h").write_text("// two\n")
+    (src / "common.h").write_text("// two\n")
     assert kernels.build_dir(src / "k.cpp", kernels.CFLAGS) != before
-    assert [h.name for h in kernels.headers(kernels.SOURCE)] == ["simd_math.h"]
+    assert [h.name for h in kernels.headers(kernels.SOURCE)] == ["common.h"]

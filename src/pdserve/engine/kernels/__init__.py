@@ -48,7 +48,7 @@ def cache_dir() -> Path:
 
 
 def headers(source: Path) -> list[Path]:
-    """The shared headers beside a kernel source (simd_math.h ...): part of every build's key
+    """The shared headers beside a kernel source (common.h ...): part of every build's key
     and copied next to the source it compiles."""
     return sorted(source.parent.glob("*.h"))
 

@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "simd_math.h"
+#include "common.h"
 
 namespace {
 
@@ -111,7 +111,7 @@ void run_item(const Item& it, const T* q, const C* kc, const C* vc, const int32_
 // the output accumulator in memory: compute-bound at ~4x the time it takes to read the keys and
 // values. For float32 with head_dim a multiple of 8 (every model here) run_item_f32 instead
 // works a block at a time on groups of up to 3 queries (block_group): each K and V row loaded
-// once per group, 4 keys' scores per hadd tree, masking / max / exp (exp8 from simd_math.h: a
+// once per group, 4 keys' scores per hadd tree, masking / max / exp (exp8 from common.h: a
 // Cephes-style polynomial, within ~2 ulp of std::exp) as vector ops, a branch-free value loop
 // with the outputs in registers. Each key/value block is read from memory once per item and reused from
 // L1 by the G query heads of its KV group (and the rows of the tile).

@@ -21,7 +21,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "simd_math.h"
+#include "common.h"
 
 namespace {
 
@@ -245,23 +245,9 @@ const float* residual_ptr(const c10::optional<torch::Tensor>& res, int64_t M, in
 inline void store_tile(const float* sums, int64_t rows, float* y, int64_t N, int64_t n0,
                        const float* bias, const float* res = nullptr, int64_t ldr = 0) {
   const int64_t nc = std::min(kTile, N - n0);
-  const float* b = bias ? bias + n0 : nullptr;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = y + r * N + n0;
-    const float* src = sums + r * kTile;
-    const float* rr = res ? res + r * ldr + n0 : nullptr;
-    // One loop per case, so each vectorises (a test inside the loop made the compiler emit
-    // scalar code, +30% on an 8-row w8a8 call with the same store).
-    if (b && rr) {
-      for (int64_t c = 0; c < nc; ++c) dst[c] = (src[c] + b[c]) + rr[c];
-    } else if (rr) {
-      for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + rr[c];
-    } else if (b) {
-      for (int64_t c = 0; c < nc; ++c) dst[c] = src[c] + b[c];
-    } else {
-      std::memcpy(dst, src, nc * sizeof(float));
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    add_store(sums + r * kTile, bias ? bias + n0 : nullptr, res ? res + r * ldr + n0 : nullptr,
+              nc, y + r * N + n0);
 }
 
 // x float32 [M, K] -> y float32 [M, N] (+ bias [N]). Work items: (tile, block of kRows rows),
@@ -529,7 +515,7 @@ torch::Tensor rope(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Ten
 
 // y [T, I] = silu(x[:, :I]) * x[:, I:] for the gate|up output x [T, 2I] (rows may be strided):
 // the MLP's activation as one pass instead of torch's silu, two slices and a product (~10-20 us
-// a layer at decode sizes). silu(g) = g / (1 + exp(-g)) with exp8 (simd_math.h, ~2 ulp).
+// a layer at decode sizes). silu(g) = g / (1 + exp(-g)) with exp8 (common.h, ~2 ulp).
 torch::Tensor silu_mul(torch::Tensor x, int64_t I) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1 && I >= 1 &&
                   x.size(1) == 2 * I,
