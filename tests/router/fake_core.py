@@ -183,6 +183,11 @@ class FakeCore:
                 "lease_reclaims": 0,
                 "handoffs_acked": 4 if row["role"] == "prefill" else 0,
                 "handoffs_received": 4 if row["role"] == "decode" else 0,
+                "gc_collections": 12,
+                "gc_full_collections": 1,
+                "gc_pause_seconds": 0.25,
+                "gc_max_pause_seconds": 0.2,
+                "gc_frozen_objects": 800_000,
                 "worker_id": row["id"],
                 "role": row["role"],
             }

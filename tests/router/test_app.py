@@ -413,6 +413,11 @@ def test_metrics(client: TestClient, core: FakeCore, metrics: Metrics) -> None:
     assert s[("pdserve_worker_prefix_cache_hit_rate", p0)] == 0.5
     assert s[("pdserve_worker_handoffs_total", (("direction", "sent"), *p0))] == 4
     assert s[("pdserve_worker_preemptions_total", p0)] == 1
+    assert s[("pdserve_worker_gc_collections_total", p0)] == 12
+    assert s[("pdserve_worker_gc_full_collections_total", p0)] == 1
+    assert s[("pdserve_worker_gc_pause_seconds_total", p0)] == 0.25
+    assert s[("pdserve_worker_gc_max_pause_seconds", p0)] == 0.2
+    assert s[("pdserve_worker_gc_frozen_objects", p0)] == 800_000
     assert ("pdserve_kv_transfer_failures_total", p0) in s
     assert all(name.startswith("pdserve_") for name, _ in s)
 

@@ -66,6 +66,14 @@ WORKER_GAUGES = {
         "worker_prefix_cache_hit_rate",
         "Fraction of prompt tokens found in the worker's prefix cache.",
     ),
+    "gc_max_pause_seconds": (
+        "worker_gc_max_pause_seconds",
+        "The longest garbage-collection pause the worker has had.",
+    ),
+    "gc_frozen_objects": (
+        "worker_gc_frozen_objects",
+        "Start-up objects the worker froze out of the garbage collector's reach.",
+    ),
 }
 WORKER_COUNTERS = {
     "preemptions": ("worker_preemptions", "Requests the worker preempted."),
@@ -73,6 +81,15 @@ WORKER_COUNTERS = {
     "decode_tokens": ("worker_decode_tokens", "Decode tokens computed (rate() = decode tok/s)."),
     "lease_reclaims": ("worker_lease_reclaims", "KV holds a prefill worker reclaimed on expiry."),
     "transfer_failures": ("kv_transfer_failures", "KV hand-offs that failed on the worker."),
+    "gc_collections": ("worker_gc_collections", "Python garbage collections in the worker."),
+    "gc_full_collections": (
+        "worker_gc_full_collections",
+        "Full (generation 2) garbage collections in the worker: each stalls its main loop.",
+    ),
+    "gc_pause_seconds": (
+        "worker_gc_pause_seconds",
+        "Wall time the worker's main loop spent inside garbage collections.",
+    ),
 }
 HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
 

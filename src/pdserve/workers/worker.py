@@ -45,6 +45,7 @@ from pdserve.workers import auth
 from pdserve.workers import messages as m
 from pdserve.workers import pool as kvpool
 from pdserve.workers.decode import DecodeSide
+from pdserve.workers.gc_pauses import GcPauses, freeze_startup_heap
 from pdserve.workers.heartbeat import Heartbeat
 from pdserve.workers.prefill import PrefillSide
 
@@ -118,6 +119,8 @@ class Worker:
             f"inproc://hb-{self.worker_id}" if transport == "inproc" else f"tcp://{host}:*"
         )
         self.heartbeat = Heartbeat(self.ctx, hb_endpoint, self.worker_id, lambda: self.loop_at)
+        # Every collection in this process, timed (gc_pauses.py): a full one stalls the loop.
+        self.gc_pauses = GcPauses().install()
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -392,6 +395,7 @@ class Worker:
         return {
             **self.engine.stats(),
             **self.counters,
+            **self.gc_pauses.stats(),
             "worker_id": self.worker_id,
             "role": self.role,
             "transfers_out": len(self.prefill.out),
@@ -400,6 +404,7 @@ class Worker:
         }
 
     def close(self) -> None:
+        self.gc_pauses.close()
         if self.kv_pool is not None:
             self.kv_pool.close()
         self.heartbeat.close()
@@ -469,6 +474,8 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     worker = Worker(args.role, engine_args, worker_id=args.worker_id, config=config)
     if args.exit_with_parent:
         worker.parent_pid = os.getppid()
+    frozen = freeze_startup_heap()  # the model, tokenizer and sockets live as long as we do
+    worker.log.info("froze %d start-up objects out of the garbage collector's reach", frozen)
     ready = {
         "worker_id": worker.worker_id,
         "role": worker.role,
