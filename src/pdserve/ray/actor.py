@@ -44,7 +44,6 @@ class WorkerActor:
 
         from pdserve.workers import auth
         from pdserve.workers import messages as m
-        from pdserve.workers.gc_pauses import freeze_startup_heap
         from pdserve.workers.worker import Worker
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -60,7 +59,7 @@ class WorkerActor:
         self.incarnation = uuid.uuid4().hex
         self.stopping = False
         self.worker = Worker(role, engine, worker_id=worker_id, config=cfg, ctx=zmq.Context())
-        freeze_startup_heap()  # this actor's process holds one worker (workers/gc_pauses.py)
+        self.worker.gc_pauses.freeze_startup_heap()  # this process holds one worker
         self.thread = threading.Thread(target=self._serve, name=f"worker-{worker_id}", daemon=True)
         self.thread.start()
         log.info("worker %s (%s) on node %s at %s", worker_id, role, self.node_id[:8], host)

@@ -4,8 +4,8 @@ Why: a worker that has loaded a model and its tokenizer holds ~800k objects the 
 collector tracks (the default model, w8a8, Intel Xeon: one full collection took 260-280 ms;
 docs/benchmarks/engine.md). A full (generation 2) collection runs inside whatever the main
 loop was doing, so it lands as a 15x-long decode step on every running request. Objects that
-live as long as the process need no collecting: `freeze_startup_heap` moves them to the
-permanent generation once start-up is done (as vLLM and SGLang do), and a full collection
+live as long as the process need no collecting: `GcPauses.freeze_startup_heap` moves them to
+the permanent generation once start-up is done (as vLLM and SGLang do), and a full collection
 afterwards only walks what was allocated since. `GcPauses` times every collection through
 `gc.callbacks`, so the pauses that remain are visible (worker stats, /metrics) rather than
 unexplained TPOT outliers; one over `warn_s` is also logged.
@@ -23,14 +23,6 @@ log = logging.getLogger(__name__)
 GENERATIONS = (0, 1, 2)
 
 
-def freeze_startup_heap() -> int:
-    """Collect what start-up left as garbage, then freeze the rest; returns how many objects
-    were frozen. Call once per process, after the engine is built and before serving."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 class GcPauses:
     """Collections and their wall time per generation, from `gc.callbacks`."""
 
@@ -40,7 +32,29 @@ class GcPauses:
         self.pause_s = dict.fromkeys(GENERATIONS, 0.0)
         self.max_pause_s = 0.0
         self._started: float | None = None
+        self._counting = True
         self._installed = False
+
+    def freeze_startup_heap(self) -> int:
+        """Collect what start-up left as garbage, then freeze the rest; returns how many
+        objects were frozen. Call once per process, after the engine is built and before
+        serving. That one collection is start-up work, not a pause of the serving loop: it is
+        logged, not counted."""
+        self._counting = False
+        try:
+            t0 = time.perf_counter()
+            gc.collect()
+            gc.freeze()
+        finally:
+            self._counting = True
+        frozen = gc.get_freeze_count()
+        log.info(
+            "froze %d start-up objects out of the garbage collector's reach (the collection "
+            "before it took %.0f ms)",
+            frozen,
+            (time.perf_counter() - t0) * 1e3,
+        )
+        return frozen
 
     def install(self) -> GcPauses:
         if not self._installed:
@@ -54,6 +68,8 @@ class GcPauses:
             self._installed = False
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if not self._counting:
+            return
         if phase == "start":
             self._started = time.perf_counter()
             return

@@ -45,7 +45,7 @@ from pdserve.workers import auth
 from pdserve.workers import messages as m
 from pdserve.workers import pool as kvpool
 from pdserve.workers.decode import DecodeSide
-from pdserve.workers.gc_pauses import GcPauses, freeze_startup_heap
+from pdserve.workers.gc_pauses import GcPauses
 from pdserve.workers.heartbeat import Heartbeat
 from pdserve.workers.prefill import PrefillSide
 
@@ -474,8 +474,7 @@ def run(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     worker = Worker(args.role, engine_args, worker_id=args.worker_id, config=config)
     if args.exit_with_parent:
         worker.parent_pid = os.getppid()
-    frozen = freeze_startup_heap()  # the model, tokenizer and sockets live as long as we do
-    worker.log.info("froze %d start-up objects out of the garbage collector's reach", frozen)
+    worker.gc_pauses.freeze_startup_heap()  # the model and tokenizer live as long as we do
     ready = {
         "worker_id": worker.worker_id,
         "role": worker.role,
