@@ -131,13 +131,20 @@ class Int8Linear:
 
 
 # Rows up to the limit run the streaming kernel; more rows (prefill) dequantize into a float32
-# scratch and use torch's GEMM. Where that GEMM is fast (MKL on Intel: its AVX-512 paths) the
-# crossover is ~16 rows. MKL runs slower code paths on other vendors' CPUs: on an AMD EPYC
-# (Zen 5, one thread) the AVX-512 kernel ran 1.8-2x faster than MKL's float32 GEMM at every
-# row count measured (8 to 2048, [576 x 3072] and [1536 x 576]), and the AVX2 build up to ~64
-# rows (docs/benchmarks/engine.md), so there the limit is none / 64.
-W8G32_GEMV_ROWS = 16
+# scratch and use torch's GEMM. Measured with 30 copies of a weight cycled as a decode step
+# cycles its layers (one thread; docs/benchmarks/engine.md): on the Intel Xeon (model 207) the
+# kernel beat dequantize + MKL's GEMM 2.3-2.9x at 16 rows, 1.09-1.24x at 64 and was level at
+# 128 ([576 x 3072] 1.05x, [1536 x 576] 0.90x), so the limit is 64 there (it was 16, from a
+# single weight in cache, which put batch-32 decode steps on the GEMM path at 6x the time of
+# batch 8). MKL runs slower code paths on other vendors' CPUs: on an AMD EPYC (Zen 5) the
+# AVX-512 kernel ran 1.8-2x faster than MKL's float32 GEMM at every row count measured (8 to
+# 2048), and the AVX2 build up to ~64 rows, so there the limit is none / 64.
+W8G32_GEMV_ROWS = 64
 W8G32_GEMV_ROWS_NOT_INTEL = {"avx512": 1 << 62, "avx2": 64}
+# The float32 tiles (F32TileLinear) against MKL's GEMM on the float weight itself (no
+# dequantizing): on the same Xeon the tiles were 1.26-1.43x faster at 8 rows, 0.93-1.13x at 16,
+# 0.71-0.92x at 24, so 16 rows there; elsewhere as many as the kernel takes.
+F32_TILE_ROWS_INTEL = 16
 
 
 def gemv_rows(isa: str) -> int:
@@ -353,9 +360,10 @@ class F32TileLinear:
         self.bias = bias
         self.in_features, self.out_features = weight.shape
         self.tiles = self._ops.pack_f32(weight.detach())
-        # Intel: the same 16-row limit as w8g32, where MKL's own fast paths start (the tiles
-        # were measured on AMD EPYC only); elsewhere as many rows as the kernel takes (64).
-        self.rows = min(int(self._ops.f32_max_rows), gemv_rows(self._ops.isa))
+        # Intel: up to 16 rows, where MKL's own fast paths start (F32_TILE_ROWS_INTEL);
+        # elsewhere as many rows as the kernel takes (64).
+        intel = kernels.cpu_vendor() == "GenuineIntel"
+        self.rows = min(int(self._ops.f32_max_rows), F32_TILE_ROWS_INTEL if intel else 1 << 62)
 
     @property
     def nbytes(self) -> int:
