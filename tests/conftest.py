@@ -1,8 +1,10 @@
 """Shared fixtures: tiny random HF models (Llama, Qwen2 with bias) saved as safetensors folders
-with the default model's tokenizer, and the default SmolLM2 engine, each built once per session."""
+with the default model's tokenizer (once per session), and the default SmolLM2 engine (once per
+module)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -102,12 +104,15 @@ def tiny_tool_llama_path(tmp_path_factory, tool_tokenizer) -> Path:  # type: ign
     return _save_tiny(tmp_path_factory.mktemp("tiny-tool-llama"), "llama", tool_tokenizer)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2():  # type: ignore[no-untyped-def]
-    """The default model, loaded once (about 10 s)."""
+    """The default model, loaded once per module that uses it (about 10 s). Not per session: an
+    engine holding it takes ~2.2 GB, which a session fixture kept in each pytest worker for the
+    rest of the slow run, next to the other tests' servers (a CI run on 24 GiB was OOM-killed)."""
     from pdserve import LLM
 
-    return LLM()
+    yield LLM()
+    gc.collect()  # the engine's reference cycles: free its memory now, not at some later collection
 
 
 # ---- which tests are slow: decided here, in one place -------------------------------------------
