@@ -112,7 +112,7 @@ def smollm2():  # type: ignore[no-untyped-def]
     from pdserve import LLM
 
     yield LLM()
-    gc.collect()  # the engine's reference cycles: free its memory now, not at some later collection
+    gc.collect()  # free the engine now should it sit in reference cycles, not at a later collection
 
 
 # ---- which tests are slow: decided here, in one place -------------------------------------------
