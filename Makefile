@@ -45,8 +45,9 @@ redis:
 # The fast tests in two processes (xdist); then the slow ones two at a time too (they start
 # worker processes, but much of their time is start-up and waiting: 909 s one at a time, 576 s
 # two at a time on two cores), except the `serial` ones, timed against the wall clock, which
-# run alone at the end. --durations: the slowest tests in every CI log, to keep the suite
-# under ~20 minutes.
+# run alone at the end. The tests holding the default model (in several processes) take turns
+# under a lock while the other process goes on (tests/conftest.py: side by side they took
+# ~11 GB). --durations: the slowest tests in every CI log, to keep the suite under ~20 minutes.
 test: setup chromium redis kernels
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" -n 2 --maxprocesses 2 --durations=10
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow and not serial" -n 2 --maxprocesses 2 --durations=25

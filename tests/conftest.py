@@ -4,6 +4,7 @@ module)."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import tempfile
@@ -137,6 +138,18 @@ SLOW_MODULES = {
 # another test its restarts missed that window.
 SERIAL_MODULES = {"test_chaos.py"}
 SLOW_FIXTURES = {"smollm2"}  # the default model, about 10 s to load
+# Tests holding the default model, some in several processes at once (~2 GB each), run one at
+# a time (`default_model` mark, the `_one_default_model_test_at_a_time` lock below), the other
+# xdist worker going on with other tests. Side by side, a default-model server and a
+# default-model 1P1D cluster took ~11 GB; in CI runs on 24 GiB (beside a third test) they were
+# once OOM-killed and once had a decode worker stall 30 s ("stuck") mid-request. (xdist's
+# `--dist loadgroup` would do this, but with pytest 9.2 it no longer groups: it renames
+# `item._nodeid`, which pytest 9 no longer reads.)
+DEFAULT_MODEL_FIXTURES = {"smollm2"}
+DEFAULT_MODEL_TESTS = {
+    "test_serve.py::test_default_model_answers_paris_over_http",  # a 1P1D default-model server
+    "test_loader.py::test_default_gguf_weights_match_transformers",  # ours and transformers'
+}
 SLOW_TESTS = {
     "test_loader.py::test_default_gguf_weights_match_transformers",  # the default model
     "test_loader.py::test_default_gguf_tokenizer",
@@ -157,6 +170,23 @@ def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-unt
             item.add_marker(pytest.mark.slow)
         if item.path.name in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        if name in DEFAULT_MODEL_TESTS or DEFAULT_MODEL_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.default_model)
+
+
+@pytest.fixture(autouse=True)
+def _one_default_model_test_at_a_time(request):  # type: ignore[no-untyped-def]
+    """A `default_model` test waits for any other one (of any pytest process on this machine)
+    to end: an flock, which the OS releases should its holder die."""
+    if request.node.get_closest_marker("default_model") is None:
+        yield
+        return
+    lock = Path(tempfile.gettempdir()) / "pdserve-tests-default-model.lock"
+    with open(lock, "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        yield
 
 
 # ---- leak checks after every test, by fixture --------------------------------------------------
