@@ -153,6 +153,7 @@ DEFAULT_MODEL_TESTS = {
 SLOW_TESTS = {
     "test_loader.py::test_default_gguf_weights_match_transformers",  # the default model
     "test_loader.py::test_default_gguf_tokenizer",
+    "test_loader.py::test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache",
     "test_compare.py::test_compare_end_to_end_on_tiny_model",  # servers in subprocesses
     "test_auth.py::test_cluster_with_a_shared_secret_serves_and_rejects_untagged",
     "test_auth.py::test_worker_refuses_a_network_address_without_a_secret",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
+import signal
 import socket
 import threading
 import time
@@ -325,3 +327,16 @@ def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
     for a, b in zip(ref, got, strict=True):
         same += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
     return same / sum(map(len, ref))
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for servers a test starts: the child gets SIGTERM when the pytest process
+    that started it dies. A pytest worker OOM-killed mid-test otherwise leaves its `pdserve
+    serve` (and that one's workers, which follow their parent) holding GBs for the next run on
+    the machine; one such leftover made a later CI run here run out of memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from factories import eventually
+from factories import die_with_parent, eventually
 from pdserve import LLM, SamplingParams
 
 
@@ -44,6 +44,7 @@ class Server:
             ],
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=die_with_parent,
             # An empty cache: a cost model that another test of this session profiled for the
             # same tiny model would turn on SLO routing (a request may then run whole on D).
             env={
@@ -287,6 +288,7 @@ def test_router_alone_in_front_of_separately_started_workers(tiny_llama_path) ->
             ],
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + 60
         assert router.stdout is not None

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
@@ -29,6 +31,13 @@ DECODE_MATMULS = ("auto", "tiles", "torch")
 # is up to half a decode step at 2k context. w8a8 lost 8 points of agreement with it (54.3% ->
 # 46.4%, below llama.cpp Q4_1's 49.3%; KL +2.7%), so it keeps float32 unless asked.
 FLOAT16_KV_QUANTIZATIONS = ("w8g32",)
+
+
+def cache_dir() -> Path:
+    """Where pdserve keeps what it derives once and reuses (cost models, tokenizers converted
+    from GGUF): $PDSERVE_CACHE_DIR if set, else ~/.cache/pdserve."""
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdserve"
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, quantization: str, dtype: str = "float32") -> str:

@@ -19,7 +19,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from pdserve.engine import loader
+from pdserve.engine import loader, model_cache
 from pdserve.engine.loader import (
     ModelSource,
     load_arch,
@@ -301,6 +301,45 @@ def test_default_gguf_tokenizer(default_src: ModelSource) -> None:
         add_generation_prompt=True,
     )
     assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(
+    default_src: ModelSource,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    saved = model_cache.tokenizer_cache_path(default_src.path)
+    assert saved.is_relative_to(tmp_path) and not saved.exists()
+    converted = model_cache.gguf_tokenizer(default_src.path)  # load_tokenizer is memoized
+    assert (saved / "tokenizer.json").is_file()
+    reloaded = model_cache.gguf_tokenizer(default_src.path)
+    assert reloaded.name_or_path == str(saved)  # from the saved copy, not the GGUF file
+    texts = [
+        "What is the capital of France?",
+        "héllo 你好 🚀\n\n\t<|im_start|>x",
+        "def f(x):\n  return x",
+    ]
+    for text in texts:
+        assert reloaded.encode(text) == converted.encode(text)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    assert reloaded.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids = list(range(0, len(converted), 97))
+    assert reloaded.decode(ids) == converted.decode(ids)
+    assert (reloaded.bos_token_id, reloaded.eos_token_id, len(reloaded)) == (
+        converted.bos_token_id,
+        converted.eos_token_id,
+        len(converted),
+    )
+    # A saved copy that no longer loads is said, converted again and replaced.
+    (saved / "tokenizer.json").write_text("{")
+    again = model_cache.gguf_tokenizer(default_src.path)
+    assert "converting the tokenizer again" in caplog.text
+    assert again.encode(texts[1]) == converted.encode(texts[1])
+    assert model_cache.gguf_tokenizer(default_src.path).name_or_path == str(saved)
 
 
 def test_default_missing_wheel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from factories import die_with_parent
+
 SKIP_ENV = "PDSERVE_TEST_SKIP_REDIS"
 
 
@@ -46,7 +48,12 @@ class RedisServer:
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--maxmemory", self.maxmemory,
                 "--maxmemory-policy", "allkeys-lru", "--dir", self.workdir]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 10.0) -> None:

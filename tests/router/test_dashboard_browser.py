@@ -30,6 +30,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from factories import die_with_parent
+
 KEY = "sk-dashboard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHROMIUM_ARGS = [
@@ -72,6 +74,7 @@ class Serve:
             [sys.executable, "-m", "pdserve.cli", *args],
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import platform
 import re
 from collections.abc import Callable, Sequence
@@ -42,6 +41,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+from pdserve.config import cache_dir  # where cost models live
 
 # 3: per-batch decode terms and the D-side receive term; 2: may carry a "contention" section
 # (costmodel/contention.py); 1 and 2 still load (no per-batch terms, receive = 0)
@@ -310,12 +311,6 @@ class CostModel:
 
 
 # ---- where cost models live --------------------------------------------------------------------
-def cache_dir() -> Path:
-    """$PDSERVE_CACHE_DIR if set, else ~/.cache/pdserve."""
-    root = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdserve"
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "unknown"
 

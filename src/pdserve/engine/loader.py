@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from pdserve.engine import model_cache
 from pdserve.engine.models.arch import ModelArch
 
 if TYPE_CHECKING:
@@ -463,10 +464,12 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (with chat template), cached: building one from GGUF takes seconds."""
+    """The model's tokenizer (with chat template), kept per process."""
     from transformers import AutoTokenizer
 
+    if src.kind == "gguf":
+        return model_cache.gguf_tokenizer(src.path)
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-        str(src.folder), gguf_file=src.gguf_file, local_files_only=True
+        str(src.folder), local_files_only=True
     )
     return tokenizer
