@@ -39,6 +39,9 @@ TINY: dict[str, Any] = dict(
 )
 
 
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
 def _save(model: PreTrainedModel, folder: Path, **kwargs: Any) -> Path:
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     return folder
@@ -252,6 +255,52 @@ def test_tiny_qwen2_gguf_is_not_permuted(qwen2: Qwen2ForCausalLM, tmp_path: Path
     want = {k: v for k, v in qwen2.state_dict().items() if k != "lm_head.weight"}
     want["model.embed_tokens.weight"] = torch.from_numpy(emb)
     _assert_same(load_weights(src, arch), want)
+
+
+def test_gguf_index_reads_what_the_gguf_reader_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "mixed.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("mixed")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(100)])  # long: length only
+    writer.add_array("mixed.short", [3, 1, 2])
+    writer.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((4, 8)).astype(np.float16))
+    writer.add_tensor("i32", rng.integers(-9, 9, (2, 3)).astype(np.int32))
+    q8 = gguf.quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), Q8_0)
+    writer.add_tensor("q8", q8, raw_dtype=Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    reader = gguf.GGUFReader(path)
+    model_cache.gguf_index.cache_clear()
+    index = model_cache.gguf_index(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for tensor, want in zip(index.tensors, reader.tensors, strict=True):
+        got = index.data(file, tensor)
+        assert (got.dtype, got.shape) == (want.data.dtype, want.data.shape), tensor.name
+        assert np.array_equal(got, want.data), tensor.name
+        assert tensor.qtype == want.tensor_type
+    assert index.field("general.name") == "mixed" and index.field("mixed.short") == [3, 1, 2]
+    assert index.array_lengths["tokenizer.ggml.tokens"] == 100
+    assert "tokenizer.ggml.tokens" not in index.metadata
+    # Saved, and read back the same from the cache directory.
+    (saved,) = (tmp_path / "cache" / "gguf-index").glob("*.json")
+    model_cache.gguf_index.cache_clear()
+    assert model_cache.gguf_index(path) == index
+    # A saved index that no longer reads is said and made again.
+    saved.write_text('{"tensors": []')
+    model_cache.gguf_index.cache_clear()
+    assert model_cache.gguf_index(path) == index
+    assert "indexing the GGUF file again" in caplog.text
+    assert json.loads(saved.read_text())["byte_order"] == "I"
+    model_cache.gguf_index.cache_clear()
 
 
 # ----------------------------------------------------------------------------- default GGUF

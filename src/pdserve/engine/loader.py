@@ -26,7 +26,6 @@ from pdserve.engine import model_cache
 from pdserve.engine.models.arch import ModelArch
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
     from transformers import PreTrainedTokenizerBase
 
 # Set before anything imports huggingface_hub (it reads the variable once, at import time);
@@ -237,22 +236,9 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(path: Path) -> GGUFReader:
-    """Parsing the header (tokenizer arrays included) takes seconds; load_arch+weights share it."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def _gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _gguf_arch(path: Path) -> ModelArch:
-    reader = _gguf_reader(path)
-    arch = _gguf_field(reader, "general.architecture")
+    index = model_cache.gguf_index(path)  # the header, parsed once and kept (seconds)
+    arch = index.field("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"Unsupported GGUF architecture {arch!r} in {path}; "
@@ -260,7 +246,7 @@ def _gguf_arch(path: Path) -> ModelArch:
         )
 
     def meta(key: str, default: Any = None) -> Any:
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return index.field(f"{arch}.{key}", default)
 
     heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
@@ -268,10 +254,10 @@ def _gguf_arch(path: Path) -> ModelArch:
     if int(meta("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings are not supported.")
     theta = float(meta("rope.freq_base", 10000.0))
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = {t.name for t in index.tensors}
     return ModelArch(
         architecture=arch,
-        vocab_size=int(meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)),
+        vocab_size=int(meta("vocab_size") or index.array_lengths["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_layers=int(meta("block_count")),
@@ -280,26 +266,26 @@ def _gguf_arch(path: Path) -> ModelArch:
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
-        rope_scaling=_gguf_rope_scaling(reader, arch, theta, head_dim),
+        rope_scaling=_gguf_rope_scaling(path, index, arch, theta, head_dim),
         max_position_embeddings=int(meta("context_length", 2048)),
         # llama.cpp drops output.weight when it equals the embedding.
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_gguf_eos_ids(reader),
-        name=str(_gguf_field(reader, "general.name") or path.stem),
+        bos_token_id=index.field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_gguf_eos_ids(index),
+        name=str(index.field("general.name") or path.stem),
     )
 
 
-def _gguf_eos_ids(reader: GGUFReader) -> tuple[int, ...]:
+def _gguf_eos_ids(index: model_cache.GgufIndex) -> tuple[int, ...]:
     """EOS plus llama.cpp's end-of-turn / end-of-message ids: all of them end a generation."""
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = (_gguf_field(reader, f"tokenizer.ggml.{k}") for k in keys)
+    ids = (index.field(f"tokenizer.ggml.{k}") for k in keys)
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def _gguf_rope_scaling(
-    reader: GGUFReader, arch: str, theta: float, head_dim: int
+    path: Path, index: model_cache.GgufIndex, arch: str, theta: float, head_dim: int
 ) -> dict[str, Any] | None:
     """Recover llama3 RoPE scaling, which llama.cpp stores only as a `rope_freqs` factor tensor.
 
@@ -307,15 +293,16 @@ def _gguf_rope_scaling(
     (low 1, high 4, original context 8192, as in every Llama 3.x) and check they reproduce the
     stored factors exactly; anything else is refused rather than silently mis-rotated.
     """
-    scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling_type = index.field(f"{arch}.rope.scaling.type", "none")
     if scaling_type not in ("none", ""):
         raise ValueError(f"GGUF RoPE scaling {scaling_type!r} is not supported (only llama3).")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = next((t for t in index.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None
     from gguf.quants import dequantize
 
-    stored = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+    data = index.data(np.memmap(path, dtype=np.uint8, mode="r"), freqs)
+    stored = dequantize(data, freqs.qtype).astype(np.float64).reshape(-1)
     scaling = {
         "rope_type": "llama3",
         "factor": float(stored.max()),
@@ -421,20 +408,22 @@ def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32 and undo llama.cpp's Q/K row permutation."""
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(path)
-    permuted = _gguf_field(reader, "general.architecture") == "llama"
+    index = model_cache.gguf_index(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    permuted = index.field("general.architecture") == "llama"
     out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in index.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             continue
         # GGUF lists dims fastest-first, the reverse of torch's order.
-        w = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+        w = dequantize(index.data(file, tensor), tensor.qtype)
+        w = w.reshape(tuple(reversed(tensor.shape)))
         if permuted and ".self_attn.q_proj." in name:
             w = _unpermute_rows(w, arch.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
             w = _unpermute_rows(w, arch.num_kv_heads)
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: reader is mmapped
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: the file is mmapped
     return out
 
 
