@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,29 @@ def test_gguf_index_reads_what_the_gguf_reader_reads(
     assert model_cache.gguf_index(path) == index
     assert "indexing the GGUF file again" in caplog.text
     assert json.loads(saved.read_text())["byte_order"] == "I"
+    model_cache.gguf_index.cache_clear()
+
+
+def test_every_gguf_file_version_has_its_own_cache_entries(
+    llama: LlamaForCausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two quantizations of one model differ only after the name's last dot (`m.Q4_1.gguf`,
+    `m.Q8_0.gguf`); a file rewritten in place differs in size or time. None may share an
+    entry: a wrong index means reading another file's bytes as weights."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "m.Q4_1.gguf", tmp_path / "m.Q8_0.gguf"
+    _write_tiny_gguf(llama, a)
+    _write_tiny_gguf(llama, b)
+    entries = (model_cache.index_cache_path, model_cache.tokenizer_cache_path)
+    paths = {entry(path) for path in (a, b) for entry in entries}
+    assert len(paths) == 4
+    before = model_cache.index_cache_path(a)
+    os.utime(a, ns=(1, 1))
+    assert model_cache.index_cache_path(a) != before
+    model_cache.gguf_index.cache_clear()
+    for path in (a, b):
+        model_cache.gguf_index(path)
+        assert model_cache.index_cache_path(path).is_file()
     model_cache.gguf_index.cache_clear()
 
 

@@ -94,7 +94,7 @@ _PLAIN_DTYPES = {
 def gguf_index(gguf: Path) -> GgufIndex:
     """The file's index, made once (the header parsed by the gguf library: ~2.5 s on the
     default model) and read from the cache directory after (milliseconds)."""
-    saved = _entry_path("gguf-index", gguf, _library_version("gguf")).with_suffix(".json")
+    saved = index_cache_path(gguf)
     if saved.is_file():
         try:
             return _index_from_json(json.loads(saved.read_text()))
@@ -166,6 +166,12 @@ def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     )
     _save(saved, lambda staging: tokenizer.save_pretrained(str(staging)))
     return tokenizer
+
+
+def index_cache_path(gguf: Path) -> Path:
+    """Where a GGUF file's index is kept (a JSON file)."""
+    entry = _entry_path("gguf-index", gguf, _library_version("gguf"))
+    return entry.with_name(f"{entry.name}.json")  # not with_suffix: names hold dots (".Q4_1")
 
 
 def tokenizer_cache_path(gguf: Path) -> Path:
