@@ -301,6 +301,14 @@ def test_gguf_index_reads_what_the_gguf_reader_reads(
     assert model_cache.gguf_index(path) == index
     assert "indexing the GGUF file again" in caplog.text
     assert json.loads(saved.read_text())["byte_order"] == "I"
+    # So is one that points past the end of the file.
+    raw = json.loads(saved.read_text())
+    raw["tensors"][-1]["offset"] = path.stat().st_size
+    saved.write_text(json.dumps(raw))
+    caplog.clear()
+    model_cache.gguf_index.cache_clear()
+    assert model_cache.gguf_index(path) == index
+    assert "lies outside the file" in caplog.text
     model_cache.gguf_index.cache_clear()
 
 

@@ -97,7 +97,11 @@ def gguf_index(gguf: Path) -> GgufIndex:
     saved = index_cache_path(gguf)
     if saved.is_file():
         try:
-            return _index_from_json(json.loads(saved.read_text()))
+            index = _index_from_json(json.loads(saved.read_text()))
+            size = gguf.stat().st_size
+            if any(t.offset < 0 or t.offset + t.n_bytes > size for t in index.tensors):
+                raise ValueError(f"a tensor lies outside the file's {size} bytes")
+            return index
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("indexing the GGUF file again: the saved index %s fails (%s)", saved, e)
             saved.unlink(missing_ok=True)
