@@ -6,13 +6,19 @@ replies would call a busy worker dead. torch releases the GIL inside its kernels
 answers within milliseconds while a step runs. A process that is gone or stopped (SIGSTOP, a
 frozen VM) answers nothing. A process whose main loop hangs still answers, but its `loop_age_s`
 (time since the loop last turned) grows, so the router can tell "stuck" from "busy".
+
+A loop that has not turned for `stall_log_s` is also logged once per stall, with the stack of
+the thread that runs it: a router calls a worker stuck after 30 s, and the log then says where
+it was (a CI run once lost a decode worker that way with nothing to show why).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import zmq
@@ -29,8 +35,13 @@ class Heartbeat:
         endpoint: str,
         worker_id: str,
         loop_tick: Callable[[], float],
+        loop_thread: Callable[[], int | None] = lambda: None,
+        stall_log_s: float = 10.0,
     ) -> None:
         self.worker_id, self.loop_tick = worker_id, loop_tick
+        self.loop_thread, self.stall_log_s = loop_thread, stall_log_s
+        self.stalls_logged = 0
+        self._logged_tick: float | None = None  # the loop_tick of the stall last logged
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
@@ -52,6 +63,7 @@ class Heartbeat:
                         self._answer()
                     except Exception:  # never let one bad ping end liveness for good
                         log.exception("heartbeat: could not answer a ping")
+                self._check_stall()
         finally:
             self.sock.close(0)
 
@@ -67,6 +79,20 @@ class Heartbeat:
             age = max(0.0, time.monotonic() - self.loop_tick())
             pong = m.Pong(ping.seq, self.worker_id, age)
             self.sock.send_multipart([parts[0], m.encode(pong)], zmq.NOBLOCK)
+
+    def _check_stall(self) -> None:
+        tick = self.loop_tick()
+        age = time.monotonic() - tick
+        if age < self.stall_log_s or tick == self._logged_tick:
+            return
+        self._logged_tick = tick
+        self.stalls_logged += 1
+        ident = self.loop_thread()
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(unknown)\n"
+        log.warning(
+            "%s: main loop has not turned for %.1f s; it is at:\n%s", self.worker_id, age, where
+        )
 
     def close(self) -> None:
         self._stop.set()

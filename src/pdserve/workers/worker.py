@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,12 +119,16 @@ class Worker:
         hb_endpoint = (
             f"inproc://hb-{self.worker_id}" if transport == "inproc" else f"tcp://{host}:*"
         )
-        self.heartbeat = Heartbeat(self.ctx, hb_endpoint, self.worker_id, lambda: self.loop_at)
+        self.loop_thread: int | None = None  # the thread serving the main loop (serve_forever)
+        self.heartbeat = Heartbeat(
+            self.ctx, hb_endpoint, self.worker_id, lambda: self.loop_at, lambda: self.loop_thread
+        )
         # Every collection in this process, timed (gc_pauses.py): a full one stalls the loop.
         self.gc_pauses = GcPauses().install()
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        self.loop_thread = threading.get_ident()
         try:
             while self.running:
                 self.run_once()

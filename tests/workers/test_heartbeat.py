@@ -1,0 +1,50 @@
+"""The heartbeat thread's own duties besides pongs: logging where a stalled main loop is."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import zmq
+
+from factories import eventually
+from pdserve.workers.heartbeat import Heartbeat
+
+
+def _stuck_in_a_known_place(release: threading.Event) -> None:
+    release.wait(30)
+
+
+def test_a_stalled_main_loop_is_logged_once_with_its_stack(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release = threading.Event()
+    loop = threading.Thread(target=_stuck_in_a_known_place, args=(release,), daemon=True)
+    loop.start()
+    tick = time.monotonic()
+    ctx = zmq.Context()
+    hb = Heartbeat(ctx, "inproc://hb-test", "W0", lambda: tick, lambda: loop.ident, 0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdserve.worker.heartbeat"):
+            eventually(lambda: hb.stalls_logged or None, 10.0, "the stall is logged")
+            time.sleep(0.5)  # several more checks of the same stall: still one line
+        assert hb.stalls_logged == 1
+        (record,) = [r for r in caplog.records if "has not turned" in r.getMessage()]
+        assert "W0" in record.getMessage() and "_stuck_in_a_known_place" in record.getMessage()
+    finally:
+        release.set()
+        hb.close()
+        ctx.term()
+
+
+def test_a_turning_loop_is_never_logged() -> None:
+    ctx = zmq.Context()
+    hb = Heartbeat(ctx, "inproc://hb-test-2", "W1", time.monotonic, lambda: None, 0.2)
+    try:
+        time.sleep(0.6)
+        assert hb.stalls_logged == 0
+    finally:
+        hb.close()
+        ctx.term()
