@@ -107,8 +107,9 @@ def tiny_tool_llama_path(tmp_path_factory, tool_tokenizer) -> Path:  # type: ign
 
 @pytest.fixture(scope="module")
 def smollm2():  # type: ignore[no-untyped-def]
-    """The default model, loaded once per module that uses it (about 10 s). Not per session: an
-    engine holding it takes ~2.2 GB, which a session fixture kept in each pytest worker for the
+    """The default model, loaded once per module that uses it (~3 s; ~9 s for a pytest process's
+    first, which converts its GGUF header into the cache). Not per session: an engine holding
+    it took ~2.2 GB (1.5 GB now), which a session fixture kept in each pytest worker for the
     rest of the slow run, next to the other tests' servers (a CI run on 24 GiB was OOM-killed)."""
     from pdserve import LLM
 
@@ -137,7 +138,7 @@ SLOW_MODULES = {
 # rest (which run two at a time): the chaos run must fit its faults into 40 s, and beside
 # another test its restarts missed that window.
 SERIAL_MODULES = {"test_chaos.py"}
-SLOW_FIXTURES = {"smollm2"}  # the default model, about 10 s to load
+SLOW_FIXTURES = {"smollm2"}  # the default model: seconds to load, GBs to hold
 # Tests holding the default model, some in several processes at once (~2 GB each), run one at
 # a time (`default_model` mark, the `_one_default_model_test_at_a_time` lock below), the other
 # xdist worker going on with other tests. Side by side, a default-model server and a
