@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
-QUANTIZATIONS = ("none", "int8", "w8g32", "w8a8")
+QUANTIZATIONS = ("none", "int8", "w8g32", "w8a8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How matmuls of a few rows (decode steps) run on float32 weights (engine/quant.py).
 DECODE_MATMULS = ("auto", "tiles", "torch")
@@ -78,7 +78,8 @@ class ModelConfig:
         "projection weights: none (as --dtype) | int8 (int8 per output channel, int8 "
         "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
         "channel, float32 activations) | w8a8 (the same weights, activations int8 with one scale "
-        "per 32 inputs, integer dot products); quantized: CPU, float32 only",
+        "per 32 inputs, integer dot products) | gguf (a GGUF file's own Q4_1 / Q8_0 weights as "
+        "stored, float32 activations); quantized: CPU, float32 only",
     )
     decode_matmul: str = _f(
         "auto",

@@ -165,9 +165,14 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _write_tiny_gguf(
-    model: PreTrainedModel, path: Path, arch: str = "llama", rope_freqs: np.ndarray | None = None
+    model: PreTrainedModel,
+    path: Path,
+    arch: str = "llama",
+    rope_freqs: np.ndarray | None = None,
+    blocks: gguf.GGMLQuantizationType | None = None,
 ) -> np.ndarray:
-    """Write `model` the way llama.cpp would (Llama Q/K permuted, Q8_0 embedding)."""
+    """Write `model` the way llama.cpp would (Llama Q/K permuted, Q8_0 embedding; the layers'
+    weight matrices in `blocks` when given, float32 otherwise)."""
     names = {
         v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in loader._GGUF_TOP.items()
     }
@@ -207,6 +212,8 @@ def _write_tiny_gguf(
         if name == "token_embd.weight":
             emb_q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, emb_q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif blocks is not None and name.startswith("blk.") and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, blocks), raw_dtype=blocks)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))
     if rope_freqs is not None:

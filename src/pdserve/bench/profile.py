@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        help="projection weights: none | int8 | w8g32 | w8a8 (none)",
+        help="projection weights: none | int8 | w8g32 | w8a8 | gguf (none)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -28,9 +28,12 @@ Candidates (`--variants`):
   * w8a8-all: every projection and the LM head on int8 activations;
   * w8a8-g32-P (P one of qkv, o, gate_up, down, head): w8a8-all with projection P on w8g32
     (float32 activations): which projection's activation rounding costs the most;
+  * gguf: what `--quantization gguf` runs: the file's own Q4_1 projections on kernels/q4_1.cpp
+    and its Q8_0 LM head on w8g32 (engine/quant_gguf.py), float32 activations;
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
-    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16: both (the first is what
-    `--quantization w8g32` runs by default: config.FLOAT16_KV_QUANTIZATIONS). Every other
+    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16, gguf+kv-float16: both (the
+    first is what `--quantization w8g32` runs by default: config.FLOAT16_KV_QUANTIZATIONS).
+    Every other
     variant keeps a float32 KV cache: the weights alone.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
 agreement; `logits_all` over prompt + reference tokens for the KL. Its Q4_1 matmuls quantize
@@ -79,6 +82,8 @@ VARIANTS = (
     "kv-bfloat16",
     "w8g32+kv-float16",
     "w8a8+kv-float16",
+    "gguf",
+    "gguf+kv-float16",
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
@@ -196,20 +201,47 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     _set_kv_dtype(engine, kv or "float32")
     variant = weights.removesuffix("+") or None
     model = engine.model
-    # The real w8g32 / w8a8 variants run what `--quantization` runs: its native RMSNorm / RoPE too.
-    real = variant in ("w8g32", "w8g32-head-f32") or (variant or "").startswith("w8a8")
+    # The real w8g32 / w8a8 / gguf variants run what `--quantization` runs: its native RMSNorm /
+    # RoPE too.
+    real = variant in ("w8g32", "w8g32-head-f32", "gguf") or (variant or "").startswith("w8a8")
     fused = FusedOps() if real else None
     model.fused = fused
-    for layer in layers_of(model):
+    for i, layer in enumerate(layers_of(model)):
         layer.fused = fused
         layer.quantized.clear()
         if variant is None:
             continue
         for proj in LAYER_PROJECTIONS:
             bias = layer.qkv_bias if proj == "qkv" else None
-            layer.quantized[proj] = _projection(variant, getattr(layer, proj), bias, proj)
+            w = getattr(layer, proj)
+            layer.quantized[proj] = (
+                _file_projection(engine, i, proj, w, bias)
+                if variant == "gguf"
+                else _projection(variant, w, bias, proj)
+            )
     head = variant is not None and variant not in HEAD_F32
-    model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
+    if variant == "gguf":
+        model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None)
+    else:
+        model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
+
+
+_FILE_WEIGHTS: dict[int, Any] = {}
+
+
+def _file_projection(
+    engine: LLMEngine, layer: int, proj: str, w: torch.Tensor, bias: torch.Tensor | None
+) -> Any:
+    """What `--quantization gguf` runs for projection `proj` of `layer` (-1: the LM head); the
+    file's tensors are read once per engine."""
+    from pdserve.engine import loader, quant, quant_gguf
+
+    if id(engine) not in _FILE_WEIGHTS:
+        _FILE_WEIGHTS.clear()
+        _FILE_WEIGHTS[id(engine)] = loader.gguf_weights(engine.source, engine.arch)
+    tensors = _FILE_WEIGHTS[id(engine)]
+    parts = [tensors[n] for n in quant.file_tensor_names(engine.model, layer, proj)]
+    return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}")
 
 
 # --------------------------------------------------------------------------- measuring

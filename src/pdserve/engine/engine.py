@@ -155,7 +155,10 @@ class LLMEngine:
         model = model.to_empty(device=self.device).to(self.dtype).requires_grad_(False)
         model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
         del weights
-        quant.quantize_model(model, self.quantization)
+        gguf = None
+        if self.quantization == "gguf":
+            gguf = loader.gguf_weights(self.source, self.arch)
+        quant.quantize_model(model, self.quantization, gguf=gguf)
         if self.decode_matmul == "tiles":
             quant.tile_model(model)
         return model.eval()

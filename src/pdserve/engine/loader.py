@@ -28,6 +28,8 @@ from pdserve.engine.models.arch import ModelArch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pdserve.engine.quant_gguf import GgufWeight
+
 # Set before anything imports huggingface_hub (it reads the variable once, at import time);
 # the from_pretrained calls below also pass local_files_only=True in case it was imported first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -424,6 +426,33 @@ def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
         elif permuted and ".self_attn.k_proj." in name:
             w = _unpermute_rows(w, arch.num_kv_heads)
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: the file is mmapped
+    return out
+
+
+def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
+    """Every 2-D weight of a GGUF model as the file stores it (its block format and raw rows),
+    by HF name, Q/K rows unpermuted as in `_gguf_weights`: what `--quantization gguf` runs."""
+    from pdserve.engine.quant_gguf import GgufWeight
+
+    if src.kind != "gguf":
+        raise ValueError(
+            f"quantization gguf runs a GGUF file's own weights; {src.folder} is not a GGUF model"
+        )
+    index = model_cache.gguf_index(src.path)
+    file = np.memmap(src.path, dtype=np.uint8, mode="r")
+    permuted = index.field("general.architecture") == "llama"
+    out: dict[str, GgufWeight] = {}
+    for tensor in index.tensors:
+        name = _hf_name(tensor.name)
+        if name is None or len(tensor.shape) != 2:
+            continue
+        rows = int(tensor.shape[1])  # GGUF lists dims fastest-first: [in, out]
+        raw = np.asarray(index.data(file, tensor)).view(np.uint8).reshape(rows, -1)
+        if permuted and ".self_attn.q_proj." in name:
+            raw = _unpermute_rows(raw, arch.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            raw = _unpermute_rows(raw, arch.num_kv_heads)
+        out[name] = GgufWeight(tensor.qtype.name, np.array(raw))  # copy: the file is mmapped
     return out
 
 

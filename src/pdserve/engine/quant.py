@@ -1,4 +1,6 @@
-"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8`.
+"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8 | gguf`.
+
+`gguf` runs a GGUF file's own Q4_1 / Q8_0 weights as stored (engine/quant_gguf.py).
 
 `w8a8` stores the same int8 weights as w8g32 and quantizes the activations too, one scale per
 32 inputs per row (llama.cpp's Q8 activations): integer dot products (kernels/w8a8.cpp) do 4
@@ -50,9 +52,11 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from pdserve.config import DECODE_MATMULS, QUANTIZATIONS, check_quantization
+from pdserve.engine import quant_gguf
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaLayer, LlamaModel
+    from pdserve.engine.quant_gguf import GgufWeight
 
 LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -79,7 +83,7 @@ def check_supported(name: str, device: torch.device, dtype: torch.dtype) -> None
         raise ValueError(
             f"quantization {name!r} takes float32 activations; use --dtype float32, not {dtype}"
         )
-    if name in ("w8g32", "w8a8"):
+    if name in ("w8g32", "w8a8", "gguf"):
         from pdserve.engine import kernels
 
         if not kernels.cpu_supported():
@@ -466,27 +470,59 @@ def quantize(
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
 
 
-def quantize_model(model: LlamaModel, name: str, head: bool = True) -> None:
+def quantize_model(
+    model: LlamaModel,
+    name: str,
+    head: bool = True,
+    gguf: dict[str, GgufWeight] | None = None,
+) -> None:
     """Replace every projection (and the LM head when `head`) by its quantized form, and free
-    the float copies: a quantized model holds no float32 projection weights."""
+    the float copies: a quantized model holds no float32 projection weights. `gguf` (the file's
+    own tensors by HF name, loader.gguf_weights) is what `gguf` runs."""
     if name == "none":
         return
-    for layer in layers_of(model):
+    if name == "gguf" and gguf is None:
+        raise ValueError("quantization gguf runs a GGUF file's own weights; this model has none")
+    for i, layer in enumerate(layers_of(model)):
         for proj in LAYER_PROJECTIONS:
             weight = getattr(layer, proj)
             bias = layer.qkv_bias if proj == "qkv" else None
-            quantized = quantize(name, weight, bias, proj)
-            assert quantized is not None
-            layer.quantized[proj] = quantized
-            weight.data = weight.data.new_empty(0)
-    if name in ("w8g32", "w8a8"):
+            if gguf is not None:
+                parts = [gguf[n] for n in file_tensor_names(model, i, proj)]
+                quantized = quant_gguf.projection(parts, weight, bias, f"layer {i} {proj}")
+            else:
+                quantized = quantize(name, weight, bias, proj)
+            if quantized is not None:
+                layer.quantized[proj] = cast(Projection, quantized)
+                weight.data = weight.data.new_empty(0)
+    if name in ("w8g32", "w8a8", "gguf"):
         fused = FusedOps()
         model.fused = fused
         for layer in layers_of(model):
             layer.fused = fused
     if head:
-        model.quantized_head = quantize(name, model.lm_head, proj="head")
-        model.lm_head.data = model.lm_head.data.new_empty(0)
+        if gguf is not None:
+            parts = [gguf[n] for n in file_tensor_names(model, -1, "head")]
+            found = quant_gguf.projection(parts, model.lm_head, None, "the LM head")
+            model.quantized_head = cast("Projection | None", found)
+        else:
+            model.quantized_head = quantize(name, model.lm_head, proj="head")
+        if model.quantized_head is not None:
+            model.lm_head.data = model.lm_head.data.new_empty(0)
+
+
+def file_tensor_names(model: LlamaModel, layer: int, proj: str) -> list[str]:
+    """The HF tensor names a fused projection is made of, in the order they are fused."""
+    if proj == "head":
+        tied = model.arch.tie_word_embeddings
+        return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+    return {
+        "qkv": [a + f"{n}_proj.weight" for n in "qkv"],
+        "o": [a + "o_proj.weight"],
+        "gate_up": [m + "gate_proj.weight", m + "up_proj.weight"],
+        "down": [m + "down_proj.weight"],
+    }[proj]
 
 
 def projection_bytes(model: LlamaModel) -> int:

@@ -9,6 +9,9 @@ built twice from one source: `-mavx2 -mfma -mf16c` everywhere, and `-mavx512f -m
 version; the result is cached under `PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`)
 and reused by every later process.
 
+`q4_1.cpp` (GGUF Q4_1 weights as the file stores them, float32 activations: `--quantization
+gguf`) has w8g32's two builds and the same choice between them.
+
 `w8a8.cpp` (int8 weights x int8 activations, one scale per 32 inputs each: `--quantization
 w8a8`) is built twice too: `-mavx2 -mfma -mf16c` (vpmaddubsw) and, where the CPU has AVX-512
 VNNI (its /proc/cpuinfo flag `avx512_vnni`, which torch's capability does not report), with
@@ -40,6 +43,8 @@ W8G32_BUILDS = {"avx2": W8G32_CFLAGS, "avx512": W8G32_AVX512_CFLAGS}
 W8A8_SOURCE = Path(__file__).with_name("w8a8.cpp")
 W8A8_BUILDS = {"avx2": W8G32_CFLAGS, "vnni": [*W8G32_AVX512_CFLAGS, "-mavx512vnni"]}
 _w8a8: dict[str, ModuleType] = {}
+Q4_1_SOURCE = Path(__file__).with_name("q4_1.cpp")
+_q4_1: dict[str, ModuleType] = {}
 
 
 def cache_dir() -> Path:
@@ -128,6 +133,15 @@ def w8g32_module(isa: str | None = None) -> ModuleType:
     runs = isa != "avx512" or _capability() == "AVX512"
     needs = "AVX-512" if isa == "avx512" else "AVX2"
     return _isa_module("w8g32", isa, W8G32_SOURCE, W8G32_BUILDS, _w8g32, runs, needs)
+
+
+def q4_1_module(isa: str | None = None) -> ModuleType:
+    """Build (once per source version and ISA) and import the GGUF Q4_1 weight-only matmul
+    (`--quantization gguf`); the same two builds and choice as w8g32's."""
+    isa = isa or w8g32_isa()
+    runs = isa != "avx512" or _capability() == "AVX512"
+    needs = "AVX-512" if isa == "avx512" else "AVX2"
+    return _isa_module("q4_1", isa, Q4_1_SOURCE, W8G32_BUILDS, _q4_1, runs, needs)
 
 
 def w8a8_isa() -> str:

@@ -18,6 +18,8 @@ BUILDS = {
     "paged_attention": "kernels.paged_attention_module()",
     "w8g32 avx2": "kernels.w8g32_module('avx2')",
     "w8g32 avx512": "kernels.w8g32_module('avx512')",
+    "q4_1 avx2": "kernels.q4_1_module('avx2')",
+    "q4_1 avx512": "kernels.q4_1_module('avx512')",
     "w8a8 avx2": "kernels.w8a8_module('avx2')",
     "w8a8 vnni": "kernels.w8a8_module('vnni')",
 }
@@ -30,7 +32,7 @@ def wanted() -> list[str]:
         return []
     skip = set()
     if kernels.w8g32_isa() != "avx512":
-        skip.add("w8g32 avx512")
+        skip |= {"w8g32 avx512", "q4_1 avx512"}
     if kernels.w8a8_isa() != "vnni":
         skip.add("w8a8 vnni")
     return [b for b in BUILDS if b not in skip]
