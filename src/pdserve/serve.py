@@ -275,7 +275,7 @@ def _cost_model(
         return CostModel.load(Path(args.cost_model))
     path = _default_cost_path(args, model, threads)
     if path.is_file() or (may_profile and _needs_cost_model(args)):
-        settings = _cost_engine_args(args)
+        settings = _cost_engine_args(args, model)
         return profile.load_or_profile(
             model,
             threads,
@@ -290,10 +290,19 @@ def _cost_model(
     return None
 
 
-def _cost_engine_args(args: argparse.Namespace) -> dict[str, str]:
-    """The engine settings a cost model is measured for (and named after)."""
+def _cost_engine_args(args: argparse.Namespace, model: str | None) -> dict[str, str]:
+    """The engine settings a cost model is measured for (and named after): the quantization
+    the workers will run (`auto` resolved for this model, as their engines resolve it)."""
+    from pdserve.engine.loader import resolve_quantization
+
+    quantization = resolve_quantization(
+        getattr(args, "quantization", None) or "auto",
+        model,
+        getattr(args, "device", None) or "cpu",
+        getattr(args, "dtype", None) or "float32",
+    )
     return {
-        "quantization": getattr(args, "quantization", None) or "none",
+        "quantization": quantization,
         "kv_cache_dtype": getattr(args, "kv_cache_dtype", None) or "auto",
         "decode_matmul": getattr(args, "decode_matmul", None) or "auto",
     }
@@ -304,7 +313,7 @@ def _default_cost_path(args: argparse.Namespace, model: str | None, threads: int
     and what stall-free workers are handed: the same file)."""
     from pdserve.costmodel import profile
 
-    settings = _cost_engine_args(args)
+    settings = _cost_engine_args(args, model)
     kv = cost_kv_cache_dtype(settings["kv_cache_dtype"], settings["quantization"])
     return default_path(profile.model_path(model), threads, **{**settings, "kv_cache_dtype": kv})
 

@@ -161,4 +161,7 @@ def test_serve_names_the_cost_model_after_the_allocated_cache(tmp_path, monkeypa
     assert name(quantization="w8g32") == name(quantization="w8g32", kv_cache_dtype="float16")
     assert "-kv-" not in name(quantization="w8g32", kv_cache_dtype="float32")
     assert "-kv-" not in name(quantization="w8a8")
-    assert "-kv-" not in name()
+    assert "-kv-" not in name(quantization="none")
+    # The default (`auto`) is named after what the workers run on the default model: the Q4_1
+    # file's own weights, float16 KV; the same file `bench profile --quantization gguf` writes.
+    assert name() == name(quantization="gguf") and "-gguf-kv-float16-" in name()

@@ -166,3 +166,31 @@ def test_default_model_runs_its_own_q4_1_weights() -> None:
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
     # The same weights summed in another order: only a near-tie may flip.
     assert greedy_agreement(ref, got) >= 0.9
+
+
+def test_auto_is_gguf_only_for_a_gguf_file_it_has_kernels_for(
+    tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2)).eval()
+    q4 = _write_tiny_gguf_at(hf, tmp_path / "q4", Q4_1)
+    f32 = _write_tiny_gguf_at(hf, tmp_path / "f32", None)  # only the embedding is Q8_0
+    q5 = _write_tiny_gguf_at(hf, tmp_path / "q5", gguf.GGMLQuantizationType.Q5_0)
+    resolve = loader.resolve_quantization
+    assert resolve("auto", q4) == "gguf"
+    assert resolve("auto", f32) == "gguf"  # its Q8_0 embedding has a kernel; the rest is float
+    assert resolve("auto", q5) == "none"  # Q5_0: no kernel here, so float32
+    assert resolve("auto", str(tiny_llama_path)) == "none"  # an HF folder
+    assert resolve("auto", q4, "cpu", torch.bfloat16) == "none"
+    assert resolve("auto", q4, "cuda") == "none"
+    assert resolve("w8a8", q4) == "w8a8" and resolve("none", q4) == "none"  # asked: kept
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert resolve("auto", q4) == "none"  # no AVX2: the kernel cannot run
+
+
+def _write_tiny_gguf_at(
+    hf: LlamaForCausalLM, folder: Path, blocks: gguf.GGMLQuantizationType | None
+) -> loader.ModelSource:
+    folder.mkdir()
+    _write_tiny_gguf(hf, folder / "m.gguf", blocks=blocks)
+    return loader.resolve_model(folder / "m.gguf")

@@ -8,16 +8,26 @@ from factories import assert_engine_idle
 from pdserve import SamplingParams
 
 
+def test_the_default_runs_the_files_own_weights(smollm2) -> None:  # type: ignore[no-untyped-def]
+    # `--quantization auto`: the Q4_1 file's own weights (gguf), over a float16 KV cache.
+    assert smollm2.engine.quantization == "gguf"
+    assert smollm2.engine.cache.dtype == torch.float16
+
+
 def test_greedy_matches_transformers_gguf(smollm2) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    src = smollm2.engine.source
+    from pdserve import LLM
+
+    # Exact greedy parity is `none`'s promise: float32 weights as transformers loads them.
+    llm = LLM(quantization="none")
+    src = llm.engine.source
     ref = AutoModelForCausalLM.from_pretrained(
         src.folder, gguf_file=src.gguf_file, dtype=torch.float32
     ).eval()
-    tok = smollm2.get_tokenizer()
+    tok = llm.get_tokenizer()
     prompts = ["The capital of Germany is", "def fibonacci(n):", "Water boils at"]
-    ours = smollm2.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    ours = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, ours, strict=True):
         ids = torch.tensor([tok.encode(prompt)])
         want = ref.generate(
@@ -28,7 +38,7 @@ def test_greedy_matches_transformers_gguf(smollm2) -> None:  # type: ignore[no-u
             pad_token_id=tok.eos_token_id,
         )[0, ids.shape[1] :].tolist()
         assert out.outputs[0].token_ids == want
-    assert_engine_idle(smollm2)
+    assert_engine_idle(llm)
 
 
 def test_chat_knows_the_capital_of_france(smollm2) -> None:  # type: ignore[no-untyped-def]

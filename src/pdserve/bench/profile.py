@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few small points (seconds)")
     parser.add_argument(
         "--quantization",
-        default="none",
-        help="projection weights: none | int8 | w8g32 | w8a8 | gguf (none)",
+        default="auto",
+        help="projection weights: auto | none | int8 | w8g32 | w8a8 | gguf (auto: what serve runs)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.loader import resolve_quantization
+
+    # The file is named after what the engine runs (`auto` made concrete, as serve names it).
+    args.quantization = resolve_quantization(args.quantization, args.model)
     result = profile_engine(
         args.model,
         args.threads,

@@ -469,8 +469,16 @@ def load_or_profile(
     A file is reused when it loads and was measured with the same thread count; anything else
     (missing, corrupt, another version) is profiled again and overwritten.
     """
-    quantization = str(engine_args.get("quantization", "none"))
+    from pdserve.engine.loader import resolve_quantization
+
     dtype = str(engine_args.get("dtype", "float32"))
+    quantization = resolve_quantization(
+        str(engine_args.get("quantization", "auto")),
+        model,
+        str(engine_args.get("device", "cpu")),
+        dtype,
+    )
+    engine_args["quantization"] = quantization
     kv = cost_kv_cache_dtype(str(engine_args.get("kv_cache_dtype", "auto")), quantization, dtype)
     mm = str(engine_args.get("decode_matmul", "auto"))
     path = path or default_path(model_path(model), threads, quantization=quantization,

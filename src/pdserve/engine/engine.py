@@ -94,14 +94,16 @@ class LLMEngine:
             torch.set_num_threads(config.parallel_config.threads)
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
-        self.quantization = mc.quantization
-        kv_name = resolve_kv_cache_dtype(cc.kv_cache_dtype, mc.quantization, mc.dtype)
-        kv_dtype = kv_cache_dtype(kv_name, self.dtype)  # refused before the slow load
-        quant.check_supported(mc.quantization, self.device, self.dtype)  # before the slow load
-        self.decode_matmul = quant.decode_matmul(
-            mc.decode_matmul, mc.quantization, self.device, self.dtype
-        )
         self.source = loader.resolve_model(mc.model)
+        self.quantization = loader.resolve_quantization(
+            mc.quantization, self.source, self.device, self.dtype
+        )
+        kv_name = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.quantization, mc.dtype)
+        kv_dtype = kv_cache_dtype(kv_name, self.dtype)  # refused before the slow load
+        quant.check_supported(self.quantization, self.device, self.dtype)  # before the slow load
+        self.decode_matmul = quant.decode_matmul(
+            mc.decode_matmul, self.quantization, self.device, self.dtype
+        )
         self.arch = loader.load_arch(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
         self.max_model_len = min(

