@@ -78,7 +78,7 @@ def test_bad_quantization_is_a_value_error_at_start_up(tiny_llama_path: Path) ->
 def test_quantization_round_trips_through_config() -> None:
     cfg = EngineConfig.from_kwargs(quantization="int8")
     assert cfg.model_config.quantization == "int8"
-    assert EngineConfig().model_config.quantization == "auto"  # loader.resolve_quantization
+    assert EngineConfig().model_config.quantization == "auto"  # quant_gguf.resolve_quantization
     # its flag on serve / worker / generate: tests/test_config.py (one test for every engine flag)
 
 

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tests.engine.test_loader import _write_tiny_gguf
+from tests.engine.test_loader import TINY, _write_tiny_gguf
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from factories import greedy_agreement
@@ -24,15 +24,6 @@ Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512"))]
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=256,
-)
 
 
 def _file_weight(w_out_in: np.ndarray, qtype: gguf.GGMLQuantizationType) -> GgufWeight:
@@ -130,7 +121,7 @@ def test_the_files_q4_1_tensors_reach_their_projections(kind: str, tmp_path: Pat
         for p in quant.LAYER_PROJECTIONS
     }
     head = model.lm_head.detach().clone()
-    quant.quantize_model(model, "gguf", gguf=loader.gguf_weights(src, arch))
+    quant.quantize_model(model, "gguf", gguf=quant_gguf.gguf_weights(src, arch))
     for (i, p), want in floats.items():
         got = quant.layers_of(model)[i].quantized[p]
         assert isinstance(got, Q41Linear), (i, p)
@@ -176,7 +167,7 @@ def test_auto_is_gguf_only_for_a_gguf_file_it_has_kernels_for(
     q4 = _write_tiny_gguf_at(hf, tmp_path / "q4", Q4_1)
     f32 = _write_tiny_gguf_at(hf, tmp_path / "f32", None)  # only the embedding is Q8_0
     q5 = _write_tiny_gguf_at(hf, tmp_path / "q5", gguf.GGMLQuantizationType.Q5_0)
-    resolve = loader.resolve_quantization
+    resolve = quant_gguf.resolve_quantization
     assert resolve("auto", q4) == "gguf"
     assert resolve("auto", f32) == "gguf"  # its Q8_0 embedding has a kernel; the rest is float
     assert resolve("auto", q5) == "none"  # Q5_0: no kernel here, so float32

@@ -234,11 +234,11 @@ def _file_projection(
 ) -> Any:
     """What `--quantization gguf` runs for projection `proj` of `layer` (-1: the LM head); the
     file's tensors are read once per engine."""
-    from pdserve.engine import loader, quant, quant_gguf
+    from pdserve.engine import quant, quant_gguf
 
     if id(engine) not in _FILE_WEIGHTS:
         _FILE_WEIGHTS.clear()
-        _FILE_WEIGHTS[id(engine)] = loader.gguf_weights(engine.source, engine.arch)
+        _FILE_WEIGHTS[id(engine)] = quant_gguf.gguf_weights(engine.source, engine.arch)
     tensors = _FILE_WEIGHTS[id(engine)]
     parts = [tensors[n] for n in quant.file_tensor_names(engine.model, layer, proj)]
     return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}")

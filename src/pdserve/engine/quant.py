@@ -47,12 +47,11 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from pdserve.config import DECODE_MATMULS, QUANTIZATIONS, check_quantization
-from pdserve.engine import quant_gguf
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaLayer, LlamaModel
@@ -197,7 +196,61 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features)
 
 
-class W8G32Linear:
+class StreamedLinear:
+    """A packed weight that a native kernel streams for up to `gemv_rows()` rows (decode) and
+    dequantizes in column chunks for torch's GEMM past that (prefill): w8g32's int8 here, and
+    gguf's Q4_1 (quant_gguf.Q41Linear). A subclass packs its weight, sets `_ops` and calls
+    `_setup`; it supplies the kernel's matmul and dequantize calls."""
+
+    _ops: Any
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    def _setup(self, bias: torch.Tensor | None, scratch_floats: int) -> None:
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._gemv_rows = gemv_rows(self._ops.isa)
+        # Columns per prefill chunk: a multiple of the kernels' 16-channel tiles.
+        cols = max(16, (scratch_floats // max(1, self.in_features)) // 16 * 16)
+        self._chunk = min(self.out_features, cols)
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dequantize(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+        """Columns [n0, n1) of the float32 weight into out [in, n1 - n0]."""
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [in, out] weight this projection computes with (for tests and checks)."""
+        n = self.out_features
+        return self._dequantize(0, n, torch.empty(self.in_features, n))
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if _flat_rows(x, self.in_features) and x.shape[0] <= self._gemv_rows:
+            return self._matmul(x, residual)
+        lead = x.shape[:-1]
+        x2 = _rows(x, self.in_features).float()
+        if x2.shape[0] <= self._gemv_rows:
+            y = self._matmul(x2, _native_residual(x, residual))
+        else:
+            y = _add_residual(self._prefill(x2), residual)
+        return y.reshape(*lead, self.out_features)
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.out_features
+        if self._chunk >= n:
+            w = self._dequantize(0, n, _scratch(self.in_features, n))
+            return x @ w if self.bias is None else torch.addmm(self.bias, x, w)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for n0 in range(0, n, self._chunk):
+            n1 = min(n, n0 + self._chunk)
+            w = self._dequantize(n0, n1, _scratch(self.in_features, n1 - n0))
+            y[:, n0:n1] = x @ w if self.bias is None else torch.addmm(self.bias[n0:n1], x, w)
+        return y
+
+
+class W8G32Linear(StreamedLinear):
     """int8 weights, one fp16 scale per 32 inputs per output channel; float32 activations."""
 
     def __init__(
@@ -210,48 +263,19 @@ class W8G32Linear:
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
         self.q, self.scales = self._ops.pack(w)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._setup(bias, W8G32_SCRATCH)
         self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
-        self._gemv_rows = gemv_rows(self._ops.isa)
-        # Columns per prefill chunk: a multiple of the kernel's 16-channel tiles.
-        cols = max(16, (W8G32_SCRATCH // max(1, self.in_features)) // 16 * 16)
-        self._chunk = min(self.out_features, cols)
 
     @property
     def nbytes(self) -> int:
         """Bytes read per decode call: int8 weights + fp16 scales (+ bias)."""
         return self._nbytes
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 [in, out] weight this projection computes with (for tests and checks)."""
-        n = self.out_features
-        out = torch.empty(self.in_features, n)
-        return self._ops.dequantize(self.q, self.scales, n, 0, n, out)
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if _flat_rows(x, self.in_features) and x.shape[0] <= self._gemv_rows:
-            return self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
-        lead = x.shape[:-1]
-        x2 = _rows(x, self.in_features).float()
-        if x2.shape[0] <= self._gemv_rows:
-            res = _native_residual(x, residual)
-            y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias, res)
-        else:
-            y = _add_residual(self._prefill(x2), residual)
-        return y.reshape(*lead, self.out_features)
-
-    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.out_features
-        if self._chunk >= n:
-            w = self._ops.dequantize(self.q, self.scales, n, 0, n, _scratch(self.in_features, n))
-            return x @ w if self.bias is None else torch.addmm(self.bias, x, w)
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for n0 in range(0, n, self._chunk):
-            n1 = min(n, n0 + self._chunk)
-            out = _scratch(self.in_features, n1 - n0)
-            w = self._ops.dequantize(self.q, self.scales, n, n0, n1, out)
-            y[:, n0:n1] = x @ w if self.bias is None else torch.addmm(self.bias[n0:n1], x, w)
-        return y
+    def _dequantize(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+        return self._ops.dequantize(self.q, self.scales, self.out_features, n0, n1, out)
 
 
 W8A8_TILE, W8A8_GROUP = 16, 32  # output channels per tile, inputs per scale (both kernels)
@@ -478,7 +502,9 @@ def quantize_model(
 ) -> None:
     """Replace every projection (and the LM head when `head`) by its quantized form, and free
     the float copies: a quantized model holds no float32 projection weights. `gguf` (the file's
-    own tensors by HF name, loader.gguf_weights) is what `gguf` runs."""
+    own tensors by HF name, quant_gguf.gguf_weights) is what `gguf` runs."""
+    from pdserve.engine import quant_gguf
+
     if name == "none":
         return
     if name == "gguf" and gguf is None:

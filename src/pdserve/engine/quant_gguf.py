@@ -17,10 +17,19 @@ another order than torch's GEMM (quality: docs/benchmarks/quant.md).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pdserve.engine import loader, model_cache
+from pdserve.engine.loader import ModelSource
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.quant import StreamedLinear, W8G32Linear
+
+log = logging.getLogger(__name__)
 
 # GGUF block formats with a kernel here, by the name gguf.GGMLQuantizationType gives them.
 Q4_1, Q8_0 = "Q4_1", "Q8_0"
@@ -75,67 +84,34 @@ def pack_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(packed)), tiles(d), tiles(m)
 
 
-class Q41Linear:
+class Q41Linear(StreamedLinear):
     """GGUF Q4_1 weights (the file's codes, scales and minimums); float32 activations."""
 
     def __init__(
         self, parts: list[GgufWeight], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
         from pdserve.engine import kernels
-        from pdserve.engine.quant import gemv_rows
 
         self._ops = kernels.q4_1_module(isa)
         raw = np.concatenate([p.raw for p in parts]) if len(parts) > 1 else parts[0].raw
         self.out_features = raw.shape[0]
         self.in_features = raw.shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
         self.q, self.d, self.m = pack_q4_1(raw)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._setup(bias, Q4_1_PREFILL_SCRATCH)
         self._nbytes = self.q.numel() + 2 * (self.d.numel() + self.m.numel())
         self._nbytes += 0 if self.bias is None else self.bias.numel() * 4
-        self._gemv_rows = gemv_rows(self._ops.isa)
-        cols = max(TILE, (Q4_1_PREFILL_SCRATCH // max(1, self.in_features)) // TILE * TILE)
-        self._chunk = min(self.out_features, cols)
 
     @property
     def nbytes(self) -> int:
         """Bytes read per decode call: codes + scales + minimums (+ bias)."""
         return self._nbytes
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 [in, out] weight (d * q + m), for tests and checks."""
-        n = self.out_features
-        out = torch.empty(self.in_features, n)
-        return self._ops.dequantize(self.q, self.d, self.m, n, 0, n, out)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        from pdserve.engine.quant import _add_residual, _flat_rows, _native_residual, _rows
-
-        if _flat_rows(x, self.in_features) and x.shape[0] <= self._gemv_rows:
-            return self._matmul(x, residual)
-        lead = x.shape[:-1]
-        x2 = _rows(x, self.in_features).float()
-        if x2.shape[0] <= self._gemv_rows:
-            y = self._matmul(x2, _native_residual(x, residual))
-        else:
-            y = _add_residual(self._prefill(x2), residual)
-        return y.reshape(*lead, self.out_features)
-
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self._ops.matmul(x, self.q, self.d, self.m, self.out_features, self.bias, residual)
 
-    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: dequantize column chunks into the shared scratch, then torch's GEMM."""
-        from pdserve.engine.quant import _scratch
-
-        n = self.out_features
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for n0 in range(0, n, self._chunk):
-            n1 = min(n, n0 + self._chunk)
-            w = self._ops.dequantize(
-                self.q, self.d, self.m, n, n0, n1, _scratch(self.in_features, n1 - n0)
-            )
-            y[:, n0:n1] = x @ w if self.bias is None else torch.addmm(self.bias[n0:n1], x, w)
-        return y
+    def _dequantize(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+        """Bit for bit the gguf package's `d * q + m` (what `none` loads)."""
+        return self._ops.dequantize(self.q, self.d, self.m, self.out_features, n0, n1, out)
 
 
 def projection(
@@ -143,8 +119,6 @@ def projection(
 ) -> object | None:
     """The stand-in running `parts` (the file's tensors fused into this [in, out] `weight`,
     e.g. q, k, v) in their own format; None keeps the float weight (a float file tensor)."""
-    from pdserve.engine.quant import W8G32Linear
-
     kinds = {p.qtype for p in parts}
     if len(kinds) != 1:
         raise ValueError(
@@ -162,3 +136,62 @@ def projection(
         f"quantization gguf: {what} is {kind}, which pdserve has no kernel for (it runs Q4_1, "
         "Q8_0 and float tensors); use --quantization w8g32 or none"
     )
+
+
+def resolve_quantization(
+    name: str,
+    model: ModelSource | str | os.PathLike[str] | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = "float32",
+) -> str:
+    """`--quantization auto` (the default) made concrete; any other name is returned as it is.
+
+    auto is `gguf` for a GGUF file whose weight matrices are all in formats with a kernel here
+    (Q4_1, Q8_0, float) and at least one quantized, on a CPU with AVX2, float32: the file's own
+    weights, as llama.cpp and vLLM run a GGUF file (60 of 60 outputs equal to float32's,
+    docs/benchmarks/quant.md). Anything else (an HF folder, a K-quant file, CUDA, bfloat16) is
+    `none`. The choice is logged and shown wherever the quantization is (stats, /admin/workers,
+    the cost-model file name)."""
+    if name != "auto":
+        return name
+    from pdserve.engine import kernels
+
+    src = model if isinstance(model, ModelSource) else loader.resolve_model(model)
+    chosen = "none"
+    on_cpu = torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
+    if src.kind == "gguf" and on_cpu and kernels.cpu_supported():
+        kinds = {
+            t.qtype.name
+            for t in model_cache.gguf_index(src.path).tensors
+            if len(t.shape) == 2 and loader.gguf_hf_name(t.name) is not None
+        }
+        quantized = kinds - set(FLOAT_TYPES)
+        if quantized and quantized <= {Q4_1, Q8_0}:
+            chosen = "gguf"
+    log.info("quantization auto: %s (%s)", chosen, src.path.name)
+    return chosen
+
+
+def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
+    """Every 2-D weight of a GGUF model as the file stores it (its block format and raw rows),
+    by HF name, Q/K rows unpermuted as in `_gguf_weights`: what `--quantization gguf` runs."""
+    if src.kind != "gguf":
+        raise ValueError(
+            f"quantization gguf runs a GGUF file's own weights; {src.folder} is not a GGUF model"
+        )
+    index = model_cache.gguf_index(src.path)
+    file = np.memmap(src.path, dtype=np.uint8, mode="r")
+    permuted = index.field("general.architecture") == "llama"
+    out: dict[str, GgufWeight] = {}
+    for tensor in index.tensors:
+        name = loader.gguf_hf_name(tensor.name)
+        if name is None or len(tensor.shape) != 2:
+            continue
+        rows = int(tensor.shape[1])  # GGUF lists dims fastest-first: [in, out]
+        raw = np.asarray(index.data(file, tensor)).view(np.uint8).reshape(rows, -1)
+        if permuted and ".self_attn.q_proj." in name:
+            raw = loader.unpermute_rows(raw, arch.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            raw = loader.unpermute_rows(raw, arch.num_kv_heads)
+        out[name] = GgufWeight(tensor.qtype.name, np.array(raw))  # copy: the file is mmapped
+    return out

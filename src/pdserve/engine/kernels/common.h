@@ -2,6 +2,7 @@
 // A header, not a copy in each source: kernels.build_dir hashes it into every build's key.
 #pragma once
 
+#include <torch/extension.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -47,6 +48,27 @@ inline void add_store(const float* src, const float* bias, const float* res, int
   } else {
     std::memcpy(dst, src, n * sizeof(float));
   }
+}
+
+// The optional bias of a matmul: float32 [N], or nullptr.
+inline const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+              "bias: float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// The optional residual a matmul adds to its output (a layer's `x + proj(h)` in one pass):
+// float32 [M, N] with unit column stride, or nullptr. Its row stride goes to *ld.
+inline const float* residual_ptr(const c10::optional<torch::Tensor>& res, int64_t M, int64_t N,
+                                 int64_t* ld) {
+  *ld = 0;
+  if (!res.has_value()) return nullptr;
+  TORCH_CHECK(res->dtype() == torch::kFloat && res->dim() == 2 && res->size(0) == M &&
+                  res->size(1) == N && res->stride(1) == 1,
+              "residual: float32 [M, N] with unit column stride");
+  *ld = res->stride(0);
+  return res->data_ptr<float>();
 }
 
 }  // namespace

@@ -175,13 +175,6 @@ void check_packed(const torch::Tensor& q, const torch::Tensor& d, const torch::T
                 "d, m: fp16 [T, K/32, 16] matching K, N");
 }
 
-const float* optional_ptr(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->dtype() == torch::kFloat && t->is_contiguous() && t->numel() == n, what,
-              ": float32 [", n, "]");
-  return t->data_ptr<float>();
-}
-
 }  // namespace
 
 // x float32 [M, K] -> y float32 [M, N] (+ bias [N]) (+ residual [M, N]). Work items: (tile,
@@ -193,16 +186,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::T
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile), G = K / kGroup;
   check_packed(q, d, m, K, N);
-  const float* bp = optional_ptr(bias, N, "bias");
-  const float* rp = nullptr;
-  int64_t ldr = 0;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->dtype() == torch::kFloat && residual->dim() == 2 &&
-                    residual->size(0) == M && residual->size(1) == N && residual->stride(1) == 1,
-                "residual: float32 [M, N] with unit column stride");
-    rp = residual->data_ptr<float>();
-    ldr = residual->stride(0);
-  }
+  const float* bp = bias_ptr(bias, N);
+  int64_t ldr;
+  const float* rp = residual_ptr(residual, M, N, &ldr);
   const float* xp = x.data_ptr<float>();
   std::vector<float> xs(M * G);  // each row's sum over each block (what m multiplies)
   for (int64_t r = 0; r < M; ++r)

@@ -249,22 +249,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
   check_packed(q, s, K, N);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias: float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
-  // The optional residual added to the output (a layer's `x + proj(h)` in one pass).
-  const float* rp = nullptr;
-  int64_t ldr = 0;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->dtype() == torch::kFloat && residual->dim() == 2 &&
-                    residual->size(0) == M && residual->size(1) == N && residual->stride(1) == 1,
-                "residual: float32 [M, N] with unit column stride");
-    rp = residual->data_ptr<float>();
-    ldr = residual->stride(0);
-  }
+  const float* bp = bias_ptr(bias, N);
+  int64_t ldr;  // the optional residual added to the output (a layer's `x + proj(h)`)
+  const float* rp = residual_ptr(residual, M, N, &ldr);
   // The quantized rows live in this thread's scratch (codes, scales, corrections): three
   // tensor allocations a call cost ~3 us, ~0.3 ms of a decode step at 90 calls.
   const int64_t ldx = G * kGroup;

@@ -217,27 +217,6 @@ std::vector<torch::Tensor> pack(torch::Tensor w) {
   return {q, s};
 }
 
-// The optional bias of a matmul: float32 [N], or nullptr.
-const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->dtype() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
-              "bias: float32 [N]");
-  return bias->data_ptr<float>();
-}
-
-// The optional residual a matmul adds to its output (a layer's `x + proj(h)` in one pass):
-// float32 [M, N] with unit column stride, or nullptr. Its row stride goes to *ld.
-const float* residual_ptr(const c10::optional<torch::Tensor>& res, int64_t M, int64_t N,
-                          int64_t* ld) {
-  *ld = 0;
-  if (!res.has_value()) return nullptr;
-  TORCH_CHECK(res->dtype() == torch::kFloat && res->dim() == 2 && res->size(0) == M &&
-                  res->size(1) == N && res->stride(1) == 1,
-              "residual: float32 [M, N] with unit column stride");
-  *ld = res->stride(0);
-  return res->data_ptr<float>();
-}
-
 // One tile's sums (`rows` rows of kTile, row stride kTile) into y's columns [n0, n0 + 16),
 // trimmed at N, plus the bias and then the residual (row stride ldr) where given: (sum + bias)
 // + residual, the order of torch's `residual + (x @ W + bias)`. `y` and `res` point at the
