@@ -207,12 +207,23 @@ class StreamedLinear:
     out_features: int
     bias: torch.Tensor | None
 
-    def _setup(self, bias: torch.Tensor | None, scratch_floats: int) -> None:
+    def _setup(
+        self, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None, scratch_floats: int
+    ) -> None:
+        """`packed`: the tensors a decode call reads (codes, scales, ...)."""
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._nbytes = sum(t.nbytes for t in packed) + (
+            0 if self.bias is None else self.bias.nbytes
+        )
         self._gemv_rows = gemv_rows(self._ops.isa)
         # Columns per prefill chunk: a multiple of the kernels' 16-channel tiles.
         cols = max(16, (scratch_floats // max(1, self.in_features)) // 16 * 16)
         self._chunk = min(self.out_features, cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per decode call: the packed weight (+ bias)."""
+        return self._nbytes
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -263,13 +274,7 @@ class W8G32Linear(StreamedLinear):
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
         self.q, self.scales = self._ops.pack(w)
-        self._setup(bias, W8G32_SCRATCH)
-        self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes read per decode call: int8 weights + fp16 scales (+ bias)."""
-        return self._nbytes
+        self._setup((self.q, self.scales), bias, W8G32_SCRATCH)
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)

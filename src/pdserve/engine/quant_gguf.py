@@ -46,15 +46,11 @@ Q4_1_PREFILL_SCRATCH = 1 << 18
 
 @dataclass(frozen=True)
 class GgufWeight:
-    """One weight matrix as the file stores it: `rows` output channels of `qtype` blocks,
-    `raw` [rows, bytes per row] (Q/K rows already in HF order)."""
+    """One weight matrix as the file stores it: `raw` [output channels, bytes per row] of
+    `qtype` blocks (Q/K rows already in HF order)."""
 
     qtype: str
     raw: np.ndarray
-
-    @property
-    def rows(self) -> int:
-        return int(self.raw.shape[0])
 
 
 def pack_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,14 +93,7 @@ class Q41Linear(StreamedLinear):
         self.out_features = raw.shape[0]
         self.in_features = raw.shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
         self.q, self.d, self.m = pack_q4_1(raw)
-        self._setup(bias, Q4_1_PREFILL_SCRATCH)
-        self._nbytes = self.q.numel() + 2 * (self.d.numel() + self.m.numel())
-        self._nbytes += 0 if self.bias is None else self.bias.numel() * 4
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes read per decode call: codes + scales + minimums (+ bias)."""
-        return self._nbytes
+        self._setup((self.q, self.d, self.m), bias, Q4_1_PREFILL_SCRATCH)
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self._ops.matmul(x, self.q, self.d, self.m, self.out_features, self.bias, residual)
