@@ -87,6 +87,19 @@ def test_mixed_decode_and_prefill_batch_with_cached_prefixes() -> None:
     _close(got, ref)
 
 
+@pytest.mark.parametrize("spec", [[(1024, 1)], [(2000, 1)], [(130, 1), (9, 1), (700, 1)]])
+def test_two_threads_split_ranges_and_items(spec: list[tuple[int, int]]) -> None:
+    """Two threads: batch 1's key range is cut into a multiple of two equal block ranges, and a
+    thread's items prefetch into the next item's blocks; the results are the reference's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref, got = _compare(spec, heads=9, kv_heads=3, head_dim=64, bs=16, seed=7)
+    finally:
+        torch.set_num_threads(threads)
+    _close(got, ref)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 1), (9, 3)])
 def test_head_layouts(heads: int, kv_heads: int) -> None:
     ref, got = _compare([(50, 1), (7, 1), (20, 10)], heads=heads, kv_heads=kv_heads, seed=3)
