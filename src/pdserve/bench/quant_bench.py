@@ -84,6 +84,8 @@ VARIANTS = (
     "w8a8+kv-float16",
     "gguf",
     "gguf+kv-float16",
+    "gguf-a8",
+    "gguf-a8+kv-float16",
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
@@ -195,7 +197,7 @@ def _set_kv_dtype(engine: LLMEngine, name: str) -> None:
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     """Swap the model's projections for `variant`'s (None: back to float32) and its KV cache's
     dtype; the float weights stay, so one loaded model serves every variant."""
-    from pdserve.engine.quant import LAYER_PROJECTIONS, FusedOps, layers_of
+    from pdserve.engine.quant import LAYER_PROJECTIONS, W8A8_FLOAT_ACTIVATIONS, FusedOps, layers_of
 
     weights, _, kv = (variant or "").partition("kv-")
     _set_kv_dtype(engine, kv or "float32")
@@ -203,7 +205,8 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     model = engine.model
     # The real w8g32 / w8a8 / gguf variants run what `--quantization` runs: its native RMSNorm /
     # RoPE too.
-    real = variant in ("w8g32", "w8g32-head-f32", "gguf") or (variant or "").startswith("w8a8")
+    file = variant in ("gguf", "gguf-a8")  # the GGUF file's own tensors
+    real = file or variant in ("w8g32", "w8g32-head-f32") or (variant or "").startswith("w8a8")
     fused = FusedOps() if real else None
     model.fused = fused
     for i, layer in enumerate(layers_of(model)):
@@ -214,14 +217,16 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
         for proj in LAYER_PROJECTIONS:
             bias = layer.qkv_bias if proj == "qkv" else None
             w = getattr(layer, proj)
+            a8 = variant == "gguf-a8" and proj not in W8A8_FLOAT_ACTIVATIONS
             layer.quantized[proj] = (
-                _file_projection(engine, i, proj, w, bias)
-                if variant == "gguf"
+                _file_projection(engine, i, proj, w, bias, a8)
+                if file
                 else _projection(variant, w, bias, proj)
             )
     head = variant is not None and variant not in HEAD_F32
-    if variant == "gguf":
-        model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None)
+    if file:
+        a8 = variant == "gguf-a8"
+        model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None, a8)
     else:
         model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
 
@@ -230,10 +235,15 @@ _FILE_WEIGHTS: dict[int, Any] = {}
 
 
 def _file_projection(
-    engine: LLMEngine, layer: int, proj: str, w: torch.Tensor, bias: torch.Tensor | None
+    engine: LLMEngine,
+    layer: int,
+    proj: str,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    int8_activations: bool = False,
 ) -> Any:
-    """What `--quantization gguf` runs for projection `proj` of `layer` (-1: the LM head); the
-    file's tensors are read once per engine."""
+    """What `--quantization gguf` (or gguf-a8: `int8_activations`) runs for projection `proj` of
+    `layer` (-1: the LM head); the file's tensors are read once per engine."""
     from pdserve.engine import quant, quant_gguf
 
     if id(engine) not in _FILE_WEIGHTS:
@@ -241,7 +251,7 @@ def _file_projection(
         _FILE_WEIGHTS[id(engine)] = quant_gguf.gguf_weights(engine.source, engine.arch)
     tensors = _FILE_WEIGHTS[id(engine)]
     parts = [tensors[n] for n in quant.file_tensor_names(engine.model, layer, proj)]
-    return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}")
+    return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}", int8_activations)
 
 
 # --------------------------------------------------------------------------- measuring

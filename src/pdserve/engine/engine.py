@@ -158,7 +158,7 @@ class LLMEngine:
         model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
         del weights
         gguf = None
-        if self.quantization == "gguf":
+        if self.quantization in quant_gguf.GGUF_QUANTIZATIONS:
             gguf = quant_gguf.gguf_weights(self.source, self.arch)
         quant.quantize_model(model, self.quantization, gguf=gguf)
         if self.decode_matmul == "tiles":

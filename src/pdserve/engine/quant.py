@@ -1,6 +1,7 @@
-"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8 | gguf`.
+"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8 | gguf | gguf-a8`.
 
-`gguf` runs a GGUF file's own Q4_1 / Q8_0 weights as stored (engine/quant_gguf.py).
+`gguf` runs a GGUF file's own Q4_1 / Q8_0 weights as stored, `gguf-a8` the same weights
+against int8 activations (engine/quant_gguf.py).
 
 `w8a8` stores the same int8 weights as w8g32 and quantizes the activations too, one scale per
 32 inputs per row (llama.cpp's Q8 activations): integer dot products (kernels/w8a8.cpp) do 4
@@ -82,7 +83,7 @@ def check_supported(name: str, device: torch.device, dtype: torch.dtype) -> None
         raise ValueError(
             f"quantization {name!r} takes float32 activations; use --dtype float32, not {dtype}"
         )
-    if name in ("w8g32", "w8a8", "gguf"):
+    if name in ("w8g32", "w8a8", "gguf", "gguf-a8"):
         from pdserve.engine import kernels
 
         if not kernels.cpu_supported():
@@ -512,21 +513,23 @@ def quantize_model(
 
     if name == "none":
         return
-    if name == "gguf" and gguf is None:
-        raise ValueError("quantization gguf runs a GGUF file's own weights; this model has none")
+    if name in quant_gguf.GGUF_QUANTIZATIONS and gguf is None:
+        raise ValueError(f"quantization {name} runs a GGUF file's own weights; this model has none")
+    int8 = name == "gguf-a8"  # the file's weights, int8 activations
     for i, layer in enumerate(layers_of(model)):
         for proj in LAYER_PROJECTIONS:
             weight = getattr(layer, proj)
             bias = layer.qkv_bias if proj == "qkv" else None
             if gguf is not None:
                 parts = [gguf[n] for n in file_tensor_names(model, i, proj)]
-                quantized = quant_gguf.projection(parts, weight, bias, f"layer {i} {proj}")
+                a8 = int8 and proj not in W8A8_FLOAT_ACTIVATIONS
+                quantized = quant_gguf.projection(parts, weight, bias, f"layer {i} {proj}", a8)
             else:
                 quantized = quantize(name, weight, bias, proj)
             if quantized is not None:
                 layer.quantized[proj] = cast(Projection, quantized)
                 weight.data = weight.data.new_empty(0)
-    if name in ("w8g32", "w8a8", "gguf"):
+    if name in ("w8g32", "w8a8", "gguf", "gguf-a8"):
         fused = FusedOps()
         model.fused = fused
         for layer in layers_of(model):
@@ -534,7 +537,7 @@ def quantize_model(
     if head:
         if gguf is not None:
             parts = [gguf[n] for n in file_tensor_names(model, -1, "head")]
-            found = quant_gguf.projection(parts, model.lm_head, None, "the LM head")
+            found = quant_gguf.projection(parts, model.lm_head, None, "the LM head", int8)
             model.quantized_head = cast("Projection | None", found)
         else:
             model.quantized_head = quantize(name, model.lm_head, proj="head")

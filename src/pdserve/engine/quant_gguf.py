@@ -13,6 +13,12 @@ comes from. Under `gguf` each projection computes with exactly the weights the f
 Any other block format (Q4_K, Q6_K, ...) is refused at start-up with the tensor named: no
 silent float32 fallback. Only the greedy-parity rule of `none` does not apply: the sums run in
 another order than torch's GEMM (quality: docs/benchmarks/quant.md).
+
+`gguf-a8` runs the same weights against int8 activations (one scale per 32 inputs per row, as
+llama.cpp's Q8 activations): Q4_1 on kernels/w8a8.cpp's matmul_q4_1 (integer dot products of the
+codes), Q8_0 on W8A8Linear, q|k|v on float activations as under w8a8
+(quant.W8A8_FLOAT_ACTIVATIONS). The speed of integer arithmetic where a batch of rows makes the
+float kernel compute-bound, for the activations' rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,10 +34,19 @@ import torch
 from pdserve.engine import loader, model_cache
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.quant import StreamedLinear, W8G32Linear
+from pdserve.engine.quant import (
+    StreamedLinear,
+    W8A8Linear,
+    W8G32Linear,
+    _flat_rows,
+    _native_residual,
+    _rows,
+)
 
 log = logging.getLogger(__name__)
 
+# The quantizations that run a GGUF file's own weights: float32 or int8 activations.
+GGUF_QUANTIZATIONS = ("gguf", "gguf-a8")
 # GGUF block formats with a kernel here, by the name gguf.GGMLQuantizationType gives them.
 Q4_1, Q8_0 = "Q4_1", "Q8_0"
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -53,11 +69,10 @@ class GgufWeight:
     raw: np.ndarray
 
 
-def pack_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_q4_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1 rows [N, G * 20] (ggml's block_q4_1: d, m, then byte j holding code j in its low
-    nibble and code j + 16 in its high one) -> the kernel's tiles: codes uint8 [T, K/2, 16]
-    (byte = code of input 2p | code of input 2p + 1 << 4), d and m fp16 [T, G, 16]; N padded
-    to whole tiles with zero weights."""
+    nibble and code j + 16 in its high one) -> codes uint8 [Np, K] and d, m fp16 [Np, G], N
+    padded to Np (whole 16-channel tiles) with zero weights."""
     n, width = raw.shape
     if width % Q4_1_BLOCK_BYTES:
         raise ValueError(f"Q4_1 rows of {width} bytes are not whole blocks")
@@ -67,17 +82,35 @@ def pack_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     m = blocks[:, :, 2:4].copy().view(np.float16).reshape(n, g)
     qs = blocks[:, :, 4:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, g * Q4_1_BLOCK)  # [N, K]
-    t = -(-n // TILE)
-    pad = t * TILE - n
-    codes = np.pad(codes, ((0, pad), (0, 0)))
-    d, m = np.pad(d, ((0, pad), (0, 0))), np.pad(m, ((0, pad), (0, 0)))
+    pad = -(-n // TILE) * TILE - n
+    return tuple(np.pad(a, ((0, pad), (0, 0))) for a in (codes, d, m))  # type: ignore[return-value]
+
+
+def _scale_tiles(a: np.ndarray) -> torch.Tensor:
+    """d or m [Np, G] -> [T, G, 16]: a tile's 16 channels of one block side by side."""
+    t, g = a.shape[0] // TILE, a.shape[1]
+    return torch.from_numpy(np.ascontiguousarray(a.reshape(t, TILE, g).transpose(0, 2, 1)))
+
+
+def pack_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows [N, G * 20] -> kernels/q4_1.cpp's tiles: codes uint8 [T, K/2, 16] (byte = code
+    of input 2p | code of input 2p + 1 << 4), d and m fp16 [T, G, 16]."""
+    codes, d, m = unpack_q4_1(raw)
+    t = codes.shape[0] // TILE
     pairs = codes.reshape(t, TILE, -1, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(0, 2, 1)  # [T, K/2, 16]
+    return torch.from_numpy(np.ascontiguousarray(packed)), _scale_tiles(d), _scale_tiles(m)
 
-    def tiles(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(t, TILE, g).transpose(0, 2, 1)))
 
-    return torch.from_numpy(np.ascontiguousarray(packed)), tiles(d), tiles(m)
+def pack_q4_1_a8(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows [N, G * 20] -> matmul_q4_1's tiles (kernels/w8a8.cpp): codes uint8
+    [T, G, 4, 16, 4], line i's lane c holding channel c's inputs 32g + 4i + j (low nibble) and
+    32g + 16 + 4i + j (high nibble) for j < 4; d and m fp16 [T, G, 16]."""
+    codes, d, m = unpack_q4_1(raw)
+    t, g = codes.shape[0] // TILE, codes.shape[1] // Q4_1_BLOCK
+    c = codes.reshape(t, TILE, g, 2, 4, 4)  # [T, channel, block, half, line, byte]
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+    return torch.from_numpy(np.ascontiguousarray(packed)), _scale_tiles(d), _scale_tiles(m)
 
 
 class Q41Linear(StreamedLinear):
@@ -103,11 +136,63 @@ class Q41Linear(StreamedLinear):
         return self._ops.dequantize(self.q, self.d, self.m, self.out_features, n0, n1, out)
 
 
+class Q41A8Linear:
+    """GGUF Q4_1 weights (the file's codes, scales and minimums) times int8 activations, one
+    scale per 32 inputs per row (`gguf-a8`): kernels/w8a8.cpp's matmul_q4_1 for every row
+    count, as W8A8Linear."""
+
+    def __init__(
+        self, parts: list[GgufWeight], bias: torch.Tensor | None = None, isa: str | None = None
+    ) -> None:
+        from pdserve.engine import kernels
+
+        self._ops = kernels.w8a8_module(isa)  # isa: "avx2" | "vnni"; None picks by the CPU
+        raw = np.concatenate([p.raw for p in parts]) if len(parts) > 1 else parts[0].raw
+        self.out_features = raw.shape[0]
+        self.in_features = raw.shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
+        self.q, self.d, self.m = pack_q4_1_a8(raw)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        packed = (self.q, self.d, self.m) + (() if self.bias is None else (self.bias,))
+        self._nbytes = sum(t.nbytes for t in packed)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per call: codes, scales and minimums (+ bias)."""
+        return self._nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [in, out] weight (d * q + m), for tests and checks."""
+        t, g = self.q.shape[:2]
+        lo, hi = (self.q & 0x0F).long(), (self.q >> 4).long()  # [T, G, line, 16, byte]
+        codes = torch.stack([lo, hi], dim=2)  # [T, G, half, line, 16, byte]
+        codes = codes.permute(0, 1, 2, 3, 5, 4).reshape(t, g * Q4_1_BLOCK, TILE)  # [T, K, 16]
+        d = self.d.float().repeat_interleave(Q4_1_BLOCK, dim=1)
+        m = self.m.float().repeat_interleave(Q4_1_BLOCK, dim=1)
+        w = d * codes.float() + m  # [T, K, 16]
+        return w.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if _flat_rows(x, self.in_features):
+            return self._matmul(x, residual)
+        lead = x.shape[:-1]
+        y = self._matmul(_rows(x, self.in_features).float(), _native_residual(x, residual))
+        return y.reshape(*lead, self.out_features)
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        y = self._ops.matmul_q4_1(x, self.q, self.d, self.m, self.out_features, self.bias, residual)
+        return cast(torch.Tensor, y)
+
+
 def projection(
-    parts: list[GgufWeight], weight: torch.Tensor, bias: torch.Tensor | None, what: str
+    parts: list[GgufWeight],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    what: str,
+    int8_activations: bool = False,
 ) -> object | None:
     """The stand-in running `parts` (the file's tensors fused into this [in, out] `weight`,
-    e.g. q, k, v) in their own format; None keeps the float weight (a float file tensor)."""
+    e.g. q, k, v) in their own format, against float32 activations or (`int8_activations`,
+    gguf-a8) int8 ones; None keeps the float weight (a float file tensor)."""
     kinds = {p.qtype for p in parts}
     if len(kinds) != 1:
         raise ValueError(
@@ -116,9 +201,9 @@ def projection(
         )
     kind = kinds.pop()
     if kind == Q4_1:
-        return Q41Linear(parts, bias)
-    if kind == Q8_0:
-        return W8G32Linear(weight, bias)  # the same codes and scales (module docstring)
+        return Q41A8Linear(parts, bias) if int8_activations else Q41Linear(parts, bias)
+    if kind == Q8_0:  # w8g32's codes and scales are the file's (module docstring)
+        return W8A8Linear(weight, bias) if int8_activations else W8G32Linear(weight, bias)
     if kind in FLOAT_TYPES:
         return None
     raise ValueError(

@@ -24,6 +24,16 @@
 //    sign); |xq|, |wq| <= 127 so a pair sum (<= 32258) never saturates int16.
 // Both compute the same int32 group sums exactly, then the same float operations in the same
 // order: the builds agree bit for bit.
+//
+// matmul_q4_1 (`--quantization gguf-a8`) runs a GGUF file's own Q4_1 weights the same way (as
+// llama.cpp does: its Q4_1 x Q8 dot product): per block of 32 inputs a fp16 scale d, a fp16
+// minimum m and 4-bit codes q in 0..15 (w = d * q + m), so
+//   y[r, n] = sum_g  d[g, n] * sx[r, g] * sum_{k in g} xq[r, k] * q[k, n]  +  m[g, n] * S[r, g]
+// with S[r, g] the float sum of row r's inputs in block g (exact: the rounding is xq's only).
+// The codes are unsigned already (vpdpbusd's unsigned operand, vpmaddubsw's too): no offset.
+// Layout (quant_gguf.pack_q4_1_a8): per tile and block 4 lines of 64 bytes; line i's 32-bit
+// lane c holds channel c's codes of inputs 4i..4i+3 in its low nibbles and of 16+4i..16+4i+3
+// in its high ones (ggml's own pairing of code j with code j + 16). 0.625 bytes a weight.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -41,6 +52,7 @@ namespace {
 constexpr int64_t kTile = 16;   // output channels per tile
 constexpr int64_t kGroup = 32;  // inputs per scale (weights and activations)
 constexpr int64_t kQuads = kGroup / 4;
+constexpr int64_t kQ4Block = kGroup * kTile / 2;  // bytes of Q4_1 codes per tile and block
 // Software prefetch this many bytes ahead in the weight stream, one per 64-byte line (see
 // w8g32.cpp: the hardware prefetcher alone left one thread at ~half the read bandwidth). 8192
 // ran best of 1024 / 2048 / 4096 / 8192 on Zen 4 (VNNI build, LM head and [576 x 3072] from
@@ -96,6 +108,47 @@ void tile_rows(const int8_t* xq, int64_t ldx, const float* xs, const int32_t* xc
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
 }
+
+// Q4_1 tiles (see the top): rows [0, NR) of xq against one tile; xs / xsum [r * G + g] the
+// rows' scales and float sums per block. The low and high nibbles feed two accumulators.
+template <int NR>
+void tile_rows_q4(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t G,
+                  const uint8_t* q, const at::Half* d, const at::Half* m, float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 tot[NR];
+  for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* qg = q + g * kQ4Block;
+    const int8_t* xg = xq + g * kGroup;
+    __m512i lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(qg + i * 64 + kPrefetch), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512(qg + i * 64);
+      const __m512i wl = _mm512_and_si512(w, low);
+      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        int32_t a, b;
+        std::memcpy(&a, xg + r * ldx + 4 * i, 4);
+        std::memcpy(&b, xg + r * ldx + 16 + 4 * i, 4);
+        lo[r] = _mm512_dpbusd_epi32(lo[r], wl, _mm512_set1_epi32(a));
+        hi[r] = _mm512_dpbusd_epi32(hi[r], wh, _mm512_set1_epi32(b));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kTile)));
+    const __m512 mv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kTile)));
+    for (int r = 0; r < NR; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
+      tot[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * G + g])), tot[r]);
+      tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), mv, tot[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
+}
 #else
 constexpr const char* kIsa = "avx2";
 constexpr int64_t kRows = 4;
@@ -145,6 +198,52 @@ void tile_rows(const int8_t* xq, int64_t ldx, const float* xs, const int32_t*, i
     _mm256_storeu_ps(out + r * kTile + 8, tot[r][1]);
   }
 }
+
+// Q4_1 tiles with vpmaddubsw (codes <= 15 unsigned, |xq| <= 127: a pair sum is <= 3810, a
+// block's four lines of low + high pairs <= 30480, so the block sums in int16 and widens once).
+// One half tile (8 channels) at a time: both at once would not fit the 16 registers.
+template <int NR>
+void tile_rows_q4(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t G,
+                  const uint8_t* q, const at::Half* d, const at::Half* m, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 tot[NR];
+    for (int r = 0; r < NR; ++r) tot[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* qg = q + g * kQ4Block + h * 32;
+      const int8_t* xg = xq + g * kGroup;
+      __m256i acc[NR];
+      for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        if (h == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(qg + i * 64 + kPrefetch), _MM_HINT_T0);
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + i * 64));
+        const __m256i wl = _mm256_and_si256(w, low);
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+          int32_t a, b;
+          std::memcpy(&a, xg + r * ldx + 4 * i, 4);
+          std::memcpy(&b, xg + r * ldx + 16 + 4 * i, 4);
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)),
+                                             _mm256_maddubs_epi16(wh, _mm256_set1_epi32(b)));
+          acc[r] = _mm256_add_epi16(acc[r], p);
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kTile + 8 * h)));
+      const __m256 mv = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kTile + 8 * h)));
+      for (int r = 0; r < NR; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
+        tot[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xs[r * G + g])), tot[r]);
+        tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[r * G + g]), mv, tot[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, tot[r]);
+  }
+}
 #endif
 
 // One row of x (K floats) -> G groups of 32 int8 codes, their scales and 128 * the sum of
@@ -154,7 +253,13 @@ void tile_rows(const int8_t* xq, int64_t ldx, const float* xs, const int32_t*, i
 // calls of 8 rows). The vector path does the scalar path's float operations (max |x|, then
 // x * (127 / amax), rounded to nearest even as nearbyint does under the default rounding mode,
 // clamped to +-127), so both give the same bytes.
-void quantize_group_scalar(const float* x, int64_t n, int8_t* xq, float* xs, int32_t* xc) {
+void quantize_group_scalar(const float* x, int64_t n, int8_t* xq, float* xs, int32_t* xc,
+                           float* xsum) {
+  if (xsum != nullptr) {
+    float sum = 0.f;
+    for (int64_t k = 0; k < n; ++k) sum += x[k];
+    *xsum = sum;
+  }
   float amax = 0.f;
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::abs(x[k]));
   *xs = amax / 127.f;
@@ -169,7 +274,15 @@ void quantize_group_scalar(const float* x, int64_t n, int8_t* xq, float* xs, int
   *xc = kWeightOffset * sum;
 }
 
-void quantize_group_avx2(const float* x, int8_t* xq, float* xs, int32_t* xc) {
+// The sum of 8 lanes (gguf-a8's block sums: pairs of halves, then of pairs).
+inline float hsum8(__m256 s) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+void quantize_group_avx2(const float* x, int8_t* xq, float* xs, int32_t* xc, float* xsum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
@@ -177,6 +290,8 @@ void quantize_group_avx2(const float* x, int8_t* xq, float* xs, int32_t* xc) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     mx = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), mx);  // a NaN input is skipped, as std::max
   }
+  if (xsum != nullptr)
+    *xsum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -203,14 +318,84 @@ void quantize_group_avx2(const float* x, int8_t* xq, float* xs, int32_t* xc) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), ordered);
 }
 
-void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* xs, int32_t* xc) {
+// xsum (or nullptr): each group's float sum, for gguf-a8's minimum term.
+void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* xs, int32_t* xc,
+                  float* xsum) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * kGroup, n = std::min(K, k0 + kGroup) - k0;
+    float* sum = xsum != nullptr ? xsum + g : nullptr;
     if (n == kGroup)
-      quantize_group_avx2(x + k0, xq + k0, xs + g, xc + g);
+      quantize_group_avx2(x + k0, xq + k0, xs + g, xc + g, sum);
     else
-      quantize_group_scalar(x + k0, n, xq + k0, xs + g, xc + g);
+      quantize_group_scalar(x + k0, n, xq + k0, xs + g, xc + g, sum);
   }
+}
+
+// The rows of x as the matmuls take them: codes (row stride ldx bytes), scales, the VNNI
+// offset's corrections and (if asked) float block sums, in this thread's scratch: three tensor
+// allocations a call cost ~3 us, ~0.3 ms of a decode step at 90 calls.
+struct Rows {
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xc;
+  const float* xsum;
+  int64_t ldx;
+};
+
+Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G, bool sums) {
+  const int64_t ldx = G * kGroup;
+  static thread_local std::vector<int32_t> scratch;
+  scratch.resize(static_cast<size_t>(M * (ldx / 4 + 3 * G)));
+  int8_t* xq = reinterpret_cast<int8_t*>(scratch.data());
+  float* xs = reinterpret_cast<float*>(scratch.data() + M * ldx / 4);
+  int32_t* xc = scratch.data() + M * (ldx / 4 + G);
+  float* xsum = sums ? reinterpret_cast<float*>(scratch.data() + M * (ldx / 4 + 2 * G)) : nullptr;
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      quantize_row(xp + r * K, K, G, xq + r * ldx, xs + r * G, xc + r * G,
+                   sums ? xsum + r * G : nullptr);
+  });
+  return {xq, xs, xc, xsum, ldx};
+}
+
+// f(std::integral_constant<int, NR>) for a block of nr rows (nr <= kRows).
+template <class F>
+void by_rows(int64_t nr, F f) {
+  switch (nr) {
+#if defined(__AVX512VNNI__)
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+#endif
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// y float32 [M, N] (+ bias) (+ residual): work items (tile, block of kRows rows) in tile-major
+// order over torch's threads; tile(t, r0, nr, out) writes rows r0.. of tile t to out[r * 16].
+template <class Tile>
+torch::Tensor run_tiles(int64_t M, int64_t N, const float* bp, const float* rp, int64_t ldr,
+                        Tile tile) {
+  auto y = torch::empty({M, N}, torch::kFloat);
+  float* yp = y.data_ptr<float>();
+  const int64_t T = ceil_div(N, kTile), row_blocks = ceil_div(M, kRows);
+  at::parallel_for(0, T * row_blocks, 1, [&](int64_t a, int64_t b) {
+    float out[kRows * kTile];
+    for (int64_t item = a; item < b; ++item) {
+      const int64_t t = item / row_blocks, r0 = (item % row_blocks) * kRows;
+      const int64_t nr = std::min(kRows, M - r0);
+      tile(t, r0, nr, out);
+      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
+      for (int64_t r = 0; r < nr; ++r)
+        add_store(out + r * kTile, bp ? bp + n0 : nullptr,
+                  rp ? rp + (r0 + r) * ldr + n0 : nullptr, nc, yp + (r0 + r) * N + n0);
+    }
+  });
+  return y;
 }
 
 void check_packed(const torch::Tensor& q, const torch::Tensor& s, int64_t K, int64_t N) {
@@ -236,7 +421,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   std::vector<int32_t> xc(G);
   for (int64_t r = 0; r < M; ++r)
     quantize_row(x.data_ptr<float>() + r * K, K, G, xq.data_ptr<int8_t>() + r * G * kGroup,
-                 xs.data_ptr<float>() + r * G, xc.data());
+                 xs.data_ptr<float>() + r * G, xc.data(), nullptr);
   return {xq, xs};
 }
 
@@ -247,58 +432,62 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t 
                      c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), T = ceil_div(N, kTile), G = ceil_div(K, kGroup);
+  const int64_t M = x.size(0), K = x.size(1), G = ceil_div(K, kGroup);
   check_packed(q, s, K, N);
   const float* bp = bias_ptr(bias, N);
   int64_t ldr;  // the optional residual added to the output (a layer's `x + proj(h)`)
   const float* rp = residual_ptr(residual, M, N, &ldr);
-  // The quantized rows live in this thread's scratch (codes, scales, corrections): three
-  // tensor allocations a call cost ~3 us, ~0.3 ms of a decode step at 90 calls.
-  const int64_t ldx = G * kGroup;
-  static thread_local std::vector<int32_t> scratch;
-  scratch.resize(static_cast<size_t>(M * (ldx / 4 + 2 * G)));
-  int8_t* xqp = reinterpret_cast<int8_t*>(scratch.data());
-  float* xsp = reinterpret_cast<float*>(scratch.data() + M * ldx / 4);
-  int32_t* xcp = scratch.data() + M * (ldx / 4 + G);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r)
-      quantize_row(xp + r * K, K, G, xqp + r * ldx, xsp + r * G, xcp + r * G);
-  });
-  auto y = torch::empty({M, N}, torch::kFloat);
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, G, false);
   const int8_t* qp = q.data_ptr<int8_t>();
   const at::Half* sp = s.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  const int64_t row_blocks = ceil_div(M, kRows);
-  at::parallel_for(0, T * row_blocks, 1, [&](int64_t a, int64_t b) {
-    float out[kRows * kTile];
-    for (int64_t item = a; item < b; ++item) {
-      const int64_t t = item / row_blocks, r0 = (item % row_blocks) * kRows;
-      const int64_t nr = std::min(kRows, M - r0);
-      const int8_t* xr = xqp + r0 * ldx;
-      const float* sr = xsp + r0 * G;
-      const int32_t* cr = xcp + r0 * G;
-      const int8_t* qt = qp + t * G * kQuads * 64;
-      const at::Half* st = sp + t * G * kTile;
-      switch (nr) {
-#if defined(__AVX512VNNI__)
-        case 8: tile_rows<8, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
-        case 7: tile_rows<7, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
-        case 6: tile_rows<6, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
-        case 5: tile_rows<5, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
-#endif
-        case 4: tile_rows<4, 1>(xr, ldx, sr, cr, G, qt, st, out); break;
-        case 3: tile_rows<3, 2>(xr, ldx, sr, cr, G, qt, st, out); break;
-        case 2: tile_rows<2, 2>(xr, ldx, sr, cr, G, qt, st, out); break;
-        default: tile_rows<1, 2>(xr, ldx, sr, cr, G, qt, st, out); break;
-      }
-      const int64_t n0 = t * kTile, nc = std::min(kTile, N - n0);
-      for (int64_t r = 0; r < nr; ++r)
-        add_store(out + r * kTile, bp ? bp + n0 : nullptr,
-                  rp ? rp + (r0 + r) * ldr + n0 : nullptr, nc, yp + (r0 + r) * N + n0);
-    }
+  return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+    const int8_t* qt = qp + t * G * kQuads * 64;
+    const at::Half* st = sp + t * G * kTile;
+    by_rows(nr, [&](auto c) {
+      constexpr int NR = decltype(c)::value;
+      tile_rows<NR, (NR <= 3 ? 2 : 1)>(rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G,
+                                        rows.xc + r0 * G, G, qt, st, out);
+    });
   });
-  return y;
+}
+
+void check_q4_1(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m,
+                int64_t K, int64_t N) {
+  const int64_t T = ceil_div(N, kTile), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "Q4_1: the input size must be a multiple of 32, got ", K);
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous() && q.dim() == 5 &&
+                  q.size(0) == T && q.size(1) == G && q.size(2) == 4 && q.size(3) == kTile &&
+                  q.size(4) == 4,
+              "q: uint8 [T, K/32, 4, 16, 4] matching K, N");
+  for (const auto* t : {&d, &m})
+    TORCH_CHECK(t->dtype() == torch::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == T && t->size(1) == G && t->size(2) == kTile,
+                "d, m: fp16 [T, K/32, 16] matching K, N");
+}
+
+// x float32 [M, K] -> y float32 [M, N] (+ bias [N]) (+ residual [M, N]) with GGUF Q4_1 weights
+// (layout at the top; K = in_features, a multiple of 32).
+torch::Tensor matmul_q4_1(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
+                          int64_t N, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  check_q4_1(q, d, m, K, N);
+  const float* bp = bias_ptr(bias, N);
+  int64_t ldr;
+  const float* rp = residual_ptr(residual, M, N, &ldr);
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, G, true);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+    by_rows(nr, [&](auto c) {
+      tile_rows_q4<decltype(c)::value>(rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G,
+                                       rows.xsum + r0 * G, G, qp + t * G * kQ4Block,
+                                       dp + t * G * kTile, mp + t * G * kTile, out);
+    });
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -306,6 +495,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
+  m.def("matmul_q4_1", &matmul_q4_1,
+        "x [M, K] (quantized per 32 inputs) @ GGUF Q4_1 tiles (+ bias) (+ residual [M, N])",
+        py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("residual") = py::none());
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
   m.attr("rows") = kRows;
