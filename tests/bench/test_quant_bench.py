@@ -7,6 +7,8 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from pdserve import cli
 from pdserve.bench import quant_bench as qb
 
@@ -51,3 +53,21 @@ def test_kv_variants_swap_the_cache_dtype_and_back(tiny_llama_path: Path) -> Non
     qb.apply_variant(engine, None)
     assert engine.cache.dtype == torch.float32
     assert all(v.dtype == torch.float32 for _, v in engine.cache.layers)
+
+
+@pytest.mark.default_model
+@pytest.mark.slow
+def test_gguf_variants_of_the_default_model_against_a_float32_reference(tmp_path: Path) -> None:
+    # The default model, whose default (`auto`) is gguf: the reference must still be float32
+    # and every variant built from the float weights (the default once freed them: a crash).
+    js = tmp_path / "q.json"
+    argv = ["bench", "quant", "--threads", "1", "--num-prompts", "2", "--max-tokens", "4",
+            "--kl-steps", "2", "--variants", "gguf,gguf-a8", "--no-llama-cpp",
+            "--json", str(js)]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(argv) == 0
+    rows = {q["name"]: q for q in json.loads(js.read_text())["quality"]}
+    assert set(rows) == {"none (reference)", "gguf", "gguf-a8"}
+    assert rows["none (reference)"]["kl_mean"] == 0.0
+    # gguf computes with the float32 reference's own weights: only summation order differs.
+    assert rows["gguf"]["kl_mean"] < 1e-4 and 0.0 < rows["gguf-a8"]["kl_mean"] < 0.1

@@ -182,7 +182,13 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     tokens = max(args.batch_sizes) * (max(args.contexts) + BLOCK_SIZE)
     num_blocks = -(-tokens // BLOCK_SIZE) + 1
-    engine = LLM(args.model, block_size=BLOCK_SIZE, num_blocks=num_blocks, threads=args.threads)
+    engine = LLM(
+        args.model,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        threads=args.threads,
+        quantization="none",  # float32, as the method above says (auto would run gguf)
+    )
     gbs = read_gbs()
     cells: list[Cell] = []
     for b in args.batch_sizes:

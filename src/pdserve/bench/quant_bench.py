@@ -30,8 +30,11 @@ Candidates (`--variants`):
     (float32 activations): which projection's activation rounding costs the most;
   * gguf: what `--quantization gguf` runs: the file's own Q4_1 projections on kernels/q4_1.cpp
     and its Q8_0 LM head on w8g32 (engine/quant_gguf.py), float32 activations;
+  * gguf-a8: what `--quantization gguf-a8` runs: the same file tensors times int8 activations
+    per 32 inputs (kernels/w8a8.cpp's matmul_q4_1, the head on w8a8), q|k|v on float32
+    activations (llama.cpp's own method, but for q|k|v);
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
-    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16, gguf+kv-float16: both (the
+    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16, gguf(-a8)+kv-float16: both (the
     first is what `--quantization w8g32` runs by default: config.FLOAT16_KV_QUANTIZATIONS).
     Every other
     variant keeps a float32 KV cache: the weights alone.
@@ -424,9 +427,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         cpp_version = "not installed"
     machine = common.machine_info(args.threads, llama_cpp=cpp_version)
+    # quantization="none": the reference is float32 and every variant is built from the float
+    # weights (the default, auto, would load the file's own weights and free the floats).
     llm = LLM(
         args.model, threads=args.threads, block_size=BLOCK_SIZE, enable_prefix_caching=False,
-        max_num_seqs=args.num_prompts, kv_cache_memory_gb=2.0,
+        max_num_seqs=args.num_prompts, kv_cache_memory_gb=2.0, quantization="none",
     )  # fmt: skip
     engine = llm.engine
     prompts = _chat_prompts(llm, args.num_prompts)
