@@ -1,6 +1,6 @@
 """`quantization="gguf-a8"`: the file's own Q4_1 weights against int8 activations. The kernel
 against a reference computed in float64 (activations quantized as w8a8 quantizes them, the
-minimum term on their exact block sums), both builds bit for bit, the layout round trip, the
+the file's weights), both builds bit for bit, the layout round trip, the
 projections each file tensor reaches, and the default model answering."""
 
 from __future__ import annotations
@@ -23,13 +23,8 @@ from pdserve.engine.quant_gguf import Q41A8Linear, Q41Linear
 
 
 def _reference(weight: quant_gguf.GgufWeight, x: torch.Tensor) -> torch.Tensor:
-    """y = sum_g d * (xq * sx) . q + m * sum(x): the scaled codes against the quantized rows,
-    the minimums against the rows as they are, in float64."""
-    codes, d, m = (torch.from_numpy(a) for a in quant_gguf.unpack_q4_1(weight.raw))
-    n, k = weight.raw.shape[0], x.shape[1]
-    scaled = (d.double().repeat_interleave(32, dim=1) * codes.double())[:n].T  # [K, N]
-    minimum = m.double().repeat_interleave(32, dim=1)[:n].T
-    return _quantized_rows(x).double() @ scaled + x.double() @ minimum[:k]
+    """The rows quantized as w8a8 quantizes them times the file's weights, in float64."""
+    return _quantized_rows(x).double() @ _dequantized(weight).double()
 
 
 @pytest.mark.parametrize("isa", ISAS)
