@@ -124,6 +124,6 @@ def test_default_model_runs_gguf_a8() -> None:
     p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(threads=1).generate(prompts, p)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
-    # int8 activations flip near-ties (quality: docs/benchmarks/quant.md; 0.62 measured here);
+    # int8 activations flip near-ties (quality: docs/benchmarks/quant.md; 0.78 measured here);
     # half the tokens before a divergence is far above what a wrong layout would give.
     assert greedy_agreement(ref, got) >= 0.5
