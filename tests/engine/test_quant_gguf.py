@@ -101,17 +101,17 @@ def test_unsupported_and_mixed_formats_are_start_up_errors() -> None:
         quant_gguf.pack_q4_1(np.zeros((4, 30), np.uint8))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_files_q4_1_tensors_reach_their_projections(kind: str, tmp_path: Path) -> None:
-    # A tiny model written as llama.cpp writes a Q4_1 file (Llama's Q/K rows permuted, Q8_0
-    # embedding): every projection must compute with exactly what `none` loads from that file.
+def tiny_q4_1_model(kind: str, folder: Path) -> tuple[LlamaModel, dict, torch.Tensor, dict]:
+    """A tiny model written as llama.cpp writes a Q4_1 file (Llama's Q/K rows permuted, a Q8_0
+    embedding when tied), loaded as `none` loads it: (model, its float projections by (layer,
+    name), its float LM head, the file's own tensors for quantize_model)."""
     torch.manual_seed(0)
     if kind == "llama":
         hf = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2))
     else:
         hf = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
-    _write_tiny_gguf(hf.eval(), tmp_path / "tiny.gguf", arch=kind, blocks=Q4_1)
-    src = loader.resolve_model(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(hf.eval(), folder / "tiny.gguf", arch=kind, blocks=Q4_1)
+    src = loader.resolve_model(folder / "tiny.gguf")
     arch = loader.load_arch(src)
     model = LlamaModel(arch)
     model.load_hf_weights(loader.load_weights(src, arch))
@@ -120,8 +120,15 @@ def test_the_files_q4_1_tensors_reach_their_projections(kind: str, tmp_path: Pat
         for i, layer in enumerate(quant.layers_of(model))
         for p in quant.LAYER_PROJECTIONS
     }
-    head = model.lm_head.detach().clone()
-    quant.quantize_model(model, "gguf", gguf=quant_gguf.gguf_weights(src, arch))
+    return model, floats, model.lm_head.detach().clone(), quant_gguf.gguf_weights(src, arch)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_files_q4_1_tensors_reach_their_projections(kind: str, tmp_path: Path) -> None:
+    # Every projection must compute with exactly what `none` loads from the file.
+    model, floats, head, tensors = tiny_q4_1_model(kind, tmp_path)
+    arch = model.arch
+    quant.quantize_model(model, "gguf", gguf=tensors)
     for (i, p), want in floats.items():
         got = quant.layers_of(model)[i].quantized[p]
         assert isinstance(got, Q41Linear), (i, p)

@@ -10,15 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.engine.test_loader import TINY, _write_tiny_gguf
-from tests.engine.test_quant_gguf import Q4_1, _dequantized, _file_weight
+from tests.engine.test_quant_gguf import Q4_1, _dequantized, _file_weight, tiny_q4_1_model
 from tests.engine.test_quant_w8a8 import ISAS, VNNI, _quantized_rows
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
-from pdserve.engine import loader, quant, quant_gguf
-from pdserve.engine.models.llama import LlamaModel
+from pdserve.engine import quant, quant_gguf
 from pdserve.engine.quant_gguf import Q41A8Linear, Q41Linear
 
 
@@ -77,23 +74,9 @@ def test_gguf_a8_rejects_a_wrong_input_width() -> None:
 def test_the_files_tensors_reach_their_gguf_a8_projections(kind: str, tmp_path: Path) -> None:
     # q|k|v keeps float activations (as under w8a8); the other projections run the file's
     # Q4_1 codes on int8 activations, a Q8_0 head on w8a8: every one with the file's weights.
-    torch.manual_seed(0)
-    if kind == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2))
-    else:
-        hf = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
-    _write_tiny_gguf(hf.eval(), tmp_path / "tiny.gguf", arch=kind, blocks=Q4_1)
-    src = loader.resolve_model(tmp_path / "tiny.gguf")
-    arch = loader.load_arch(src)
-    model = LlamaModel(arch)
-    model.load_hf_weights(loader.load_weights(src, arch))
-    floats = {
-        (i, p): getattr(layer, p).detach().clone()
-        for i, layer in enumerate(quant.layers_of(model))
-        for p in quant.LAYER_PROJECTIONS
-    }
-    head = model.lm_head.detach().clone()
-    quant.quantize_model(model, "gguf-a8", gguf=quant_gguf.gguf_weights(src, arch))
+    model, floats, head, tensors = tiny_q4_1_model(kind, tmp_path)
+    arch = model.arch
+    quant.quantize_model(model, "gguf-a8", gguf=tensors)
     for (i, p), want in floats.items():
         got = quant.layers_of(model)[i].quantized[p]
         kind = Q41Linear if p in quant.W8A8_FLOAT_ACTIVATIONS else Q41A8Linear
