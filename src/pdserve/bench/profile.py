@@ -35,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="auto",
-        help="projection weights: auto | none | int8 | w8g32 | w8a8 | gguf (auto: what serve runs)",
+        help=(
+            "projection weights: auto | none | int8 | w8g32 | w8a8 | gguf | gguf-a8 "
+            "(auto: what serve runs)"
+        ),
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -140,8 +140,8 @@ class LlamaLayer(nn.Module):
         # Quantized stand-ins for the projections above, by name (quant.quantize_model); a
         # projection not listed here runs on its float weight.
         self.quantized: dict[str, Projection] = {}
-        # Native RMSNorm / RoPE / silu * up (quant.FusedOps), set for quantized (w8g32, w8a8, gguf)
-        # models; None: torch's ops.
+        # Native RMSNorm / RoPE / silu * up (quant.FusedOps), set for quantized (w8g32, w8a8,
+        # gguf, gguf-a8) models; None: torch's ops.
         self.fused: FusedOps | None = None
 
     def forward(
