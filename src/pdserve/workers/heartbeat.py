@@ -86,13 +86,15 @@ class Heartbeat:
         if age < self.stall_log_s or tick == self._logged_tick:
             return
         self._logged_tick = tick
-        self.stalls_logged += 1
         ident = self.loop_thread()
         frame = sys._current_frames().get(ident) if ident is not None else None
         where = "".join(traceback.format_stack(frame)) if frame is not None else "(unknown)\n"
         log.warning(
             "%s: main loop has not turned for %.1f s; it is at:\n%s", self.worker_id, age, where
         )
+        # Counted once logged: a reader seeing the count finds the record (a test that waited
+        # on the count read the records while this thread was still formatting the stack).
+        self.stalls_logged += 1
 
     def close(self) -> None:
         self._stop.set()
