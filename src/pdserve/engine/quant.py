@@ -296,7 +296,33 @@ def _quads(tiles: torch.Tensor, k: int) -> torch.Tensor:
     return padded.view(t, kp // 4, 4, W8A8_TILE).permute(0, 1, 3, 2).contiguous()
 
 
-class W8A8Linear:
+class RowsLinear:
+    """A packed weight one native kernel runs for every row count (decode and prefill alike):
+    `__call__` hands it [rows, in] float32 (and a residual it can add as it stores), keeping
+    any leading dimensions. Subclasses set `in_features`, `out_features`, `_nbytes` and
+    supply `_matmul`: W8A8Linear here, quant_gguf.Q41A8Linear."""
+
+    in_features: int
+    out_features: int
+    _nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per call: the packed weight (+ bias)."""
+        return self._nbytes
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if _flat_rows(x, self.in_features):
+            return self._matmul(x, residual)
+        lead = x.shape[:-1]
+        y = self._matmul(_rows(x, self.in_features).float(), _native_residual(x, residual))
+        return y.reshape(*lead, self.out_features)
+
+
+class W8A8Linear(RowsLinear):
     """int8 weights (one fp16 scale per 32 inputs per output channel, w8g32's rounding) times
     int8 activations (one scale per 32 inputs per row, quantized inside the call): every group
     of 32 products is an exact int32 sum (kernels/w8a8.cpp; vpdpbusd where the CPU has AVX-512
@@ -319,11 +345,6 @@ class W8A8Linear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes read per call: int8 weights + fp16 scales (+ bias)."""
-        return self._nbytes
-
     def dequantized(self) -> torch.Tensor:
         """The float32 [in, out] weight this projection computes with (for tests and checks)."""
         k, t = self.in_features, self.q.shape[0]
@@ -332,15 +353,9 @@ class W8A8Linear:
         s = self.scales.float().repeat_interleave(W8A8_GROUP, dim=1)[:, :k]
         return (q.float() * s).permute(1, 0, 2).reshape(k, -1)[:, : self.out_features]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if _flat_rows(x, self.in_features):
-            y = self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
-            return cast(torch.Tensor, y)
-        lead = x.shape[:-1]
-        x2 = _rows(x, self.in_features).float()
-        res = _native_residual(x, residual)
-        y = self._ops.matmul(x2, self.q, self.scales, self.out_features, self.bias, res)
-        return cast(torch.Tensor, y).reshape(*lead, self.out_features)
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        y = self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
+        return cast(torch.Tensor, y)
 
 
 def decode_matmul(name: str, quantization: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -34,14 +34,7 @@ import torch
 from pdserve.engine import loader, model_cache
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.quant import (
-    StreamedLinear,
-    W8A8Linear,
-    W8G32Linear,
-    _flat_rows,
-    _native_residual,
-    _rows,
-)
+from pdserve.engine.quant import RowsLinear, StreamedLinear, W8A8Linear, W8G32Linear
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +129,7 @@ class Q41Linear(StreamedLinear):
         return self._ops.dequantize(self.q, self.d, self.m, self.out_features, n0, n1, out)
 
 
-class Q41A8Linear:
+class Q41A8Linear(RowsLinear):
     """GGUF Q4_1 weights (the file's codes, scales and minimums) times int8 activations, one
     scale per 32 inputs per row (`gguf-a8`): kernels/w8a8.cpp's matmul_q4_1 for every row
     count, as W8A8Linear."""
@@ -155,11 +148,6 @@ class Q41A8Linear:
         packed = (self.q, self.d, self.m) + (() if self.bias is None else (self.bias,))
         self._nbytes = sum(t.nbytes for t in packed)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes read per call: codes, scales and minimums (+ bias)."""
-        return self._nbytes
-
     def dequantized(self) -> torch.Tensor:
         """The float32 [in, out] weight (d * q + m), for tests and checks."""
         t, g = self.q.shape[:2]
@@ -170,13 +158,6 @@ class Q41A8Linear:
         m = self.m.float().repeat_interleave(Q4_1_BLOCK, dim=1)
         w = d * codes.float() + m  # [T, K, 16]
         return w.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features]
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if _flat_rows(x, self.in_features):
-            return self._matmul(x, residual)
-        lead = x.shape[:-1]
-        y = self._matmul(_rows(x, self.in_features).float(), _native_residual(x, residual))
-        return y.reshape(*lead, self.out_features)
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         y = self._ops.matmul_q4_1(x, self.q, self.d, self.m, self.out_features, self.bias, residual)
