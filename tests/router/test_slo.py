@@ -237,3 +237,55 @@ def test_n_choices_count_as_n_decode_streams() -> None:
     ls["D0"].add(Job("n4", 0.0, 500, 100, True, 0.0, streams=4))
     decoding(ls["D0"], 1)
     assert ls["D0"].decode_streams() == 5 and ls["D0"].context_sum() == 4 * 500 + 500
+
+
+def test_prefills_queued_ahead_stall_a_request_only_where_it_decodes_beside_them() -> None:
+    p = planner()
+    # a colocated worker prefilling a 2000-token prompt (2 s owed): the next request's own
+    # prefill comes after it, so that prefill never runs beside the next request's decode
+    ls = loads("C0")
+    ls["C0"].add(Job("a", 2.0, 0, 300, True, queued_at=0.0))
+    pred = p.predict(1000, 100, Route("colocated", "C0"), ls, {}, now=0.0)
+    assert pred.ttft_s == pytest.approx(2.0 + p.prefill_time(1000, 0, ls["C0"]))
+    assert pred.tpot_s == pytest.approx(MODEL.decode_step_s(2, 1050))  # "a" decodes beside it
+    # remote: D's local prefill (3 s) outlasts this request's TTFT on P (~1.01 s): the rest
+    # stalls its first steps, spread over its answer
+    ls = loads("P0", "D0")
+    ls["D0"].add(Job("b", 3.0, 0, 300, True, queued_at=0.0))
+    pred = p.predict(1000, 100, Route("remote", "P0", "D0"), ls, {}, now=0.0)
+    left = 3.0 - MODEL.prefill_s(1000)
+    handoff = MODEL.transfer_s(1000 * 1000) + 0.002
+    assert pred.tpot_s == pytest.approx(MODEL.decode_step_s(2, 1050) + (left + handoff) / 99)
+
+
+def test_a_request_prefilling_ahead_is_protected_from_the_next_prefill() -> None:
+    # "a" will decode (300 tokens at ~22 ms) while the next 2000-token prompt prefills beside
+    # it (2 s): ~33 ms a token against a 28 ms SLO
+    p = planner(slo_ttft_s=10.0, slo_tpot_s=0.028)
+    ls = loads("C0")
+    ls["C0"].add(Job("a", 0.5, 500, 300, True, queued_at=0.0))
+    d = p.decide(2000, 100, [Route("colocated", "C0")], ls, {}, now=0.0)
+    assert d.chosen is None and d.reject == "slo_tpot_running"
+    # a short prompt stalls it far less: admitted
+    assert p.decide(50, 100, [Route("colocated", "C0")], ls, {}, now=0.0).chosen is not None
+
+
+def test_with_requests_arriving_long_prompts_go_to_an_idle_p_and_short_ones_stay_local() -> None:
+    p = planner()
+    routes = p.routes(["P0"], ["D0"], [])
+    ls = loads("P0", "D0")
+    # no arrival history: a lone long prompt is local (no hand-off), as before
+    first = p.decide(2000, 100, routes, ls, {}, now=0.0)
+    assert first.chosen is not None and first.chosen.route.kind == "local"
+    for t in (10.0, 20.0, 30.0):  # one request every 10 s
+        p.decide(10, 1, routes, loads("P0", "D0"), {}, now=t)
+    assert p.arrival_rate() == pytest.approx(0.1)
+    # 2 s of prefill on D would stall the decodes arriving meanwhile (0.1/s x 2 s x 1 s on
+    # average): more than the hand-off costs, so the idle P takes it
+    long = p.decide(2000, 100, routes, ls, {}, now=40.0)
+    assert long.chosen is not None and long.chosen.route.kind == "remote"
+    short = p.decide(20, 100, routes, ls, {}, now=41.0)
+    assert short.chosen is not None and short.chosen.route.kind == "local"
+    # retries are not arrivals
+    p.decide(20, 100, routes, ls, {}, now=41.5, admit_all=True)
+    assert len(p._arrivals) == 6

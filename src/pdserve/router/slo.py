@@ -11,12 +11,14 @@ cost model predicts
     TTFT = the worker's queued prefill work + this prompt's prefill (new tokens after what the
            worker already caches), stretched by the decode steps it shares while it computes
     TPOT = D's decode step with one more request and its context, plus, spread over the answer,
-           the prefills queued on D (they stall every step) and the KV transfer (remote: the
-           wire, and D's own work to register the KV, `CostModel.receive_s`)
+           what is left of D's queued prefills when it starts decoding there (they stall every
+           step; prefills run in arrival order) and the KV transfer (remote: the wire, and D's
+           own work to register the KV, `CostModel.receive_s`)
 
-and checks the running requests on D: a local prefill (or a hand-off's receive) stalls each of
-them, a bigger batch slows each step; a running request predicted to end within its TPOT SLO
-must stay within it ("slo_tpot_running"). A request whose every route misses an SLO is rejected
+and checks the requests on D, decoding or still waiting for their first token: a local prefill
+(or a hand-off's receive) stalls each of them, a bigger batch slows each step; one predicted to
+end within its TPOT SLO must stay within it ("slo_tpot_running"). A local route is also charged
+the stall of the requests expected to reach D while it prefills (`_future_stall`). A request whose every route misses an SLO is rejected
 before any prefill is spent (when admission is on); otherwise the feasible route with the least
 predicted latency (the new request's end-to-end plus the delay it adds to running ones) wins.
 Cached prefixes enter as fewer new tokens, so "longest cached prefix, weighed against load" falls
@@ -30,12 +32,14 @@ process and misses the serving loop's own overheads.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.costmodel.model import CostModel
 from pdserve.router.pool_index import PoolBandwidth
 
 ROUTES = ("remote", "local", "colocated")
+ARRIVAL_WINDOW = 16  # first attempts the planner's arrival rate is measured over
 MODES = ("conditional", "always")
 
 
@@ -196,6 +200,15 @@ class SloPlanner:
         self.pool_bytes_per_s = pool_bytes_per_s
         self.pool_bandwidth = PoolBandwidth(pool_bytes_per_s)
         self.calibration = Calibration()
+        self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)
+        self._decode_rate = 0.0  # arrivals per second per decode worker, at the last decision
+
+    def arrival_rate(self) -> float:
+        """Requests per second over the last ARRIVAL_WINDOW first attempts (0 until two came
+        apart in time)."""
+        if len(self._arrivals) < 2 or self._arrivals[-1] <= self._arrivals[0]:
+            return 0.0
+        return (len(self._arrivals) - 1) / (self._arrivals[-1] - self._arrivals[0])
 
     def observe_transfer(self, nbytes: int, tokens: int) -> None:
         """A KV transfer of `tokens` tokens moved `nbytes`: learn KV bytes per token (codec,
@@ -247,6 +260,10 @@ class SloPlanner:
         worker, the prompt's leading tokens it could load from its KV pool."""
         if not routes:
             return Decision(None, "unavailable", 1)
+        if not admit_all:  # a first attempt: an arrival (a retry is not a new request)
+            self._arrivals.append(now)
+        decoders = {r.decode or r.first for r in routes if r.kind != "colocated"}
+        self._decode_rate = self.arrival_rate() / max(1, len(decoders))
         preds = [
             self.predict(prompt_len, max_tokens, r, loads, cached, now, streams, pooled)
             for r in routes
@@ -290,14 +307,19 @@ class SloPlanner:
             with_pool = self.prefill_time(prompt_len, c_first, first, p_first)
             p_first = p_first if with_pool < prefill else 0
             prefill = min(prefill, with_pool)
-        ttft = (first.prefill_backlog(now) + prefill) * self.calibration.ttft
-        # D's view: its queued prefills stall every decode step; a local prefill is one more
+        first_token = first.prefill_backlog(now) + prefill
+        ttft = first_token * self.calibration.ttft
         local = route.kind != "remote"
-        d_backlog = dec.prefill_backlog(now) + (prefill if local else 0.0)
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
         step_new = self.model.decode_step_s(batch + streams, ctx + streams * per_stream)
-        spread = d_backlog - (prefill if local else 0.0)  # our own prefill is not in our TPOT
+        # D runs its queued prefills in arrival order, and each stalls the decode steps beside
+        # it. Those queued now end before this request decodes if it prefills there (local,
+        # colocated: its own prefill comes after them); on a remote route, only what is left
+        # of them when its KV arrives stalls it. (Counting the whole queue rejected requests
+        # that met both SLOs: two 2000-token prompts one second apart on an idle 1-thread
+        # colocated worker, the second predicted at +13 ms a token for the first's prefill.)
+        spread = 0.0 if local else max(0.0, dec.prefill_backlog(now) - first_token)
         transfer = receive = 0.0
         if not local:
             nbytes = int((prompt_len - c_dec) * self.kv_bytes_per_token)
@@ -308,6 +330,8 @@ class SloPlanner:
         tpot = (step_new + (spread + transfer) / max(1, out - 1)) * self.calibration.tpot
         stall = prefill if local else receive
         worst, added, pushed = self._running(dec, batch, ctx, per_stream, stall, now, streams)
+        if local:
+            added += self._future_stall(prefill)
         miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
         own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
             self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
@@ -316,6 +340,17 @@ class SloPlanner:
         return Prediction(
             route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed, p_first
         )
+
+    def _future_stall(self, prefill: float) -> float:
+        """Expected delay a local prefill of `prefill` seconds adds to requests that reach the
+        decode worker while it runs: they arrive at the worker's rate, each waits on average
+        half of it. The requests decoding there already are charged in `_running`. Why: with
+        only those counted, an idle P and an idle D tie on a long prompt, and the local route
+        won by the hand-off's few ms. Every request then prefilled on D (KB-QA on 2 cores,
+        2000-token prompts: P idle, D doing both phases, attainment 75% against 88-100% with
+        every prefill on P). A prompt queued on P is not charged the same way: a later prompt
+        can still be routed around P's queue, while the decodes on D cannot leave it."""
+        return self._decode_rate * prefill * prefill / 2
 
     def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad, pooled: int = 0) -> float:
         """This prompt's prefill on `w`, in chunks beside w's decodes (one step each); `pooled`
@@ -361,9 +396,11 @@ class SloPlanner:
         for j in dec.decoding():
             tokens = j.generated + j.remaining
             added += stall + j.remaining * (step_new - step_old)
-            if self.slo_tpot_s is None or tokens < 2 or j.first_at is None:
+            if self.slo_tpot_s is None or tokens < 2:
                 continue
-            ran = max(0.0, now - j.first_at)
+            # A request still waiting for its first token here (prefilling ahead of this one,
+            # or its KV on the way from P) decodes through this stall too.
+            ran = max(0.0, now - j.first_at) if j.first_at is not None else 0.0
             old = (ran + j.remaining * step_old) / (tokens - 1)
             new = (ran + stall + j.remaining * step_new) / (tokens - 1)
             if old <= self.slo_tpot_s < new:
