@@ -289,3 +289,12 @@ def test_with_requests_arriving_long_prompts_go_to_an_idle_p_and_short_ones_stay
     # retries are not arrivals
     p.decide(20, 100, routes, ls, {}, now=41.5, admit_all=True)
     assert len(p._arrivals) == 6
+
+
+def test_a_short_requests_tpot_does_not_calibrate_the_model() -> None:
+    p = planner()
+    # a 4-token request: its TPOT is the first steps' one-off costs (measured 3.5x the model)
+    p.learn((1.0, 0.010), ttft=1.0, tpot=0.035, tokens=4)
+    assert p.calibration.tpot == 1.0 and p.calibration.samples == 1  # its TTFT still counts
+    p.learn((1.0, 0.010), ttft=1.0, tpot=0.020, tokens=300)
+    assert p.calibration.tpot == pytest.approx(1.2)

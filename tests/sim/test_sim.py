@@ -130,12 +130,13 @@ def test_the_planner_learns_from_finished_requests_as_the_router_does() -> None:
     request's predictions. The model predicts half the real step: the ratio is 2."""
     half = CostModel((0.5, 0.25, 0.0), (0.5, 0.25, 0.0))
     cfg = SimConfig(colocated=1, planner=True)
-    sim, (a, b) = run(cfg, [req("a", 0.0, 4, 3), req("b", 20.0, 4, 3, base=500)],
+    sim, (a, b) = run(cfg, [req("a", 0.0, 4, 3), req("b", 20.0, 4, 20, base=500)],
                       planner_model=half)  # fmt: skip
     # a: predicted 0.5 + 0.25 x 4 = 1.5 s on the idle worker, took 1 + 0.5 x 4 = 3 s
     assert a.predicted_ttft == pytest.approx(1.5) and a.ttft == pytest.approx(3.0)
     assert b.predicted_ttft == pytest.approx(1.5 * (0.8 + 0.2 * 2))  # scaled by what a taught
-    assert sim.planner is not None and sim.planner.calibration.samples == 4  # a's and b's
+    # a's TTFT, b's TTFT and TPOT: a's 3 tokens are too short for its TPOT to count
+    assert sim.planner is not None and sim.planner.calibration.samples == 3
     assert sim.planner.calibration.tpot > 1.0
 
 
@@ -148,8 +149,9 @@ def test_probes_teach_the_simulated_planner_before_the_run() -> None:
     cfg = SimConfig(colocated=1, planner=True)
     built = Built(cfg, LinearStep(), LinearStep(), Link(1000.0, 0.25), half, None)
     cal = probe_calibration(built, [req("p0", 0.0, 4, 3), req("p1", 0.0, 4, 3, base=500)])
-    # each probe: TTFT 3 s (1 + 0.5 x 4) against 1.5 s predicted (0.5 + 0.25 x 4): ratio 2
-    assert cal is not None and cal.samples == 4
+    # each probe: TTFT 3 s (1 + 0.5 x 4) against 1.5 s predicted (0.5 + 0.25 x 4): ratio 2;
+    # their 3-token TPOTs are too short to calibrate (slo.CALIBRATION_MIN_TOKENS), as in the router
+    assert cal is not None and cal.samples == 2 and cal.tpot == 1.0
     learned = cal.ttft
     assert learned == pytest.approx(0.8 * (0.8 + 0.2 * 2) + 0.2 * 2)
     _, (a,) = run(cfg, [req("a", 0.0, 4, 3, base=900)], planner_model=half, calibration=cal)

@@ -167,4 +167,4 @@ class Timelines:
             if actual is not None and actual > 0:
                 self.events.prediction(kind, abs(predicted - actual) / actual)
         if planner is not None and flight.attempt == 1:
-            planner.learn(flight.raw_pred, ttft, tpot)
+            planner.learn(flight.raw_pred, ttft, tpot, n)

@@ -501,7 +501,7 @@ class Simulation:
         raw = self._raw.pop(rid, None)
         if raw is not None and self.planner is not None:
             # the router's online calibration (timeline.score): actual vs predicted, per request
-            self.planner.learn(raw, rec.ttft, rec.tpot)
+            self.planner.learn(raw, rec.ttft, rec.tpot, rec.tokens)
         pair = self.routes.pop(rid, (w, None))
         for x in pair:
             if x is not None:
