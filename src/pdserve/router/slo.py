@@ -203,7 +203,6 @@ class SloPlanner:
         self.pool_bandwidth = PoolBandwidth(pool_bytes_per_s)
         self.calibration = Calibration()
         self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)
-        self._decode_rate = 0.0  # arrivals per second per decode worker, at the last decision
 
     def arrival_rate(self) -> float:
         """Requests per second over the last ARRIVAL_WINDOW first attempts (0 until two came
@@ -280,9 +279,9 @@ class SloPlanner:
         if not admit_all:  # a first attempt: an arrival (a retry is not a new request)
             self._arrivals.append(now)
         decoders = {r.decode or r.first for r in routes if r.kind != "colocated"}
-        self._decode_rate = self.arrival_rate() / max(1, len(decoders))
+        rate = self.arrival_rate() / max(1, len(decoders))  # per decode worker
         preds = [
-            self.predict(prompt_len, max_tokens, r, loads, cached, now, streams, pooled)
+            self.predict(prompt_len, max_tokens, r, loads, cached, now, streams, pooled, rate)
             for r in routes
         ]
         feasible = [p for p in preds if p.miss is None]
@@ -309,10 +308,12 @@ class SloPlanner:
         now: float,
         streams: int = 1,
         pooled: dict[str, int] | None = None,
+        decode_rate: float = 0.0,
     ) -> Prediction:
         """`streams`: the request's decode sequences (n choices share one prefill); `pooled`:
         per worker, prompt tokens it could load from its KV pool (used when loading them is
-        predicted faster than computing them)."""
+        predicted faster than computing them); `decode_rate`: requests per second reaching
+        each decode worker (`decide` measures it; see `_future_stall`)."""
         first = loads[route.first]
         dec = loads[route.decode] if route.decode is not None else first
         c_first = min(cached.get(route.first, 0), prompt_len - 1)
@@ -348,7 +349,7 @@ class SloPlanner:
         stall = prefill if local else receive
         worst, added, pushed = self._running(dec, batch, ctx, per_stream, stall, now, streams)
         if local:
-            added += self._future_stall(prefill)
+            added += _future_stall(prefill, decode_rate)
         miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
         own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
             self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
@@ -357,17 +358,6 @@ class SloPlanner:
         return Prediction(
             route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed, p_first
         )
-
-    def _future_stall(self, prefill: float) -> float:
-        """Expected delay a local prefill of `prefill` seconds adds to requests that reach the
-        decode worker while it runs: they arrive at the worker's rate, each waits on average
-        half of it. The requests decoding there already are charged in `_running`. Why: with
-        only those counted, an idle P and an idle D tie on a long prompt, and the local route
-        won by the hand-off's few ms. Every request then prefilled on D (KB-QA on 2 cores,
-        2000-token prompts: P idle, D doing both phases, attainment 75% against 88-100% with
-        every prefill on P). A prompt queued on P is not charged the same way: a later prompt
-        can still be routed around P's queue, while the decodes on D cannot leave it."""
-        return self._decode_rate * prefill * prefill / 2
 
     def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad, pooled: int = 0) -> float:
         """This prompt's prefill on `w`, in chunks beside w's decodes (one step each); `pooled`
@@ -432,3 +422,15 @@ class SloPlanner:
         if running_worst > 0:
             return "slo_tpot_running"
         return None
+
+
+def _future_stall(prefill: float, rate: float) -> float:
+    """Expected delay a local prefill of `prefill` seconds adds to requests that reach the
+    decode worker while it runs: they arrive at the worker's rate, each waits on average
+    half of it. The requests decoding there already are charged in `_running`. Why: with
+    only those counted, an idle P and an idle D tie on a long prompt, and the local route
+    won by the hand-off's few ms. Every request then prefilled on D (KB-QA on 2 cores,
+    2000-token prompts: P idle, D doing both phases, attainment 75% against 88-100% with
+    every prefill on P). A prompt queued on P is not charged the same way: a later prompt
+    can still be routed around P's queue, while the decodes on D cannot leave it."""
+    return rate * prefill * prefill / 2
