@@ -81,7 +81,7 @@ def make_scheduler(
     chunked: bool = True,
     decode_first: bool = True,
     caching: bool = True,
-    prefill_budget: Callable[[int, int], int] | None = None,
+    prefill_budget: Callable[[int, int, int], int] | None = None,
 ) -> Scheduler:
     policy = SchedulerPolicy(
         max_num_batched_tokens=budget,

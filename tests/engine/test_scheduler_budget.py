@@ -23,10 +23,10 @@ def _decoding(s, n: int = 3):  # type: ignore[no-untyped-def]
 
 
 def test_prompt_tokens_limited_by_budget_while_decodes_run() -> None:
-    calls: list[tuple[int, int]] = []
+    calls: list[tuple[int, int, int]] = []
 
-    def budget(batch: int, context: int) -> int:
-        calls.append((batch, context))
+    def budget(batch: int, context: int, cached: int) -> int:
+        calls.append((batch, context, cached))
         return 4
 
     s = make_scheduler(budget=64, prefill_budget=budget)
@@ -37,9 +37,10 @@ def test_prompt_tokens_limited_by_budget_while_decodes_run() -> None:
     got = scheduled(out)
     assert all(got[d.request_id] == 1 for d in decs)
     assert got["long"] == 4  # not the 61 the token budget leaves
-    assert calls[-1] == (3, 3 * 3)  # 3 decodes, each at position 2 -> 3 keys
-    out = step(s)  # the running chunk continues under the same budget
+    assert calls[-1] == (3, 3 * 3, 0)  # 3 decodes, each at position 2 -> 3 keys; a new prompt
+    out = step(s)  # the running chunk continues under the same budget, priced after its 4
     assert scheduled(out)["long"] == 4
+    assert calls[-1] == (3, 3 * 4, 4)
     for d in decs:
         s.abort_request(d.request_id)
     res = run_to_completion(s)
@@ -48,7 +49,7 @@ def test_prompt_tokens_limited_by_budget_while_decodes_run() -> None:
 
 
 def test_without_decodes_prompts_use_the_whole_token_budget() -> None:
-    s = make_scheduler(budget=32, prefill_budget=lambda b, c: 1)
+    s = make_scheduler(budget=32, prefill_budget=lambda b, c, k: 1)
     s.add_request(make_request("p", prompt_len=40, max_tokens=1))
     assert scheduled(step(s)) == {"p": 32}
     run_to_completion(s)
@@ -56,7 +57,7 @@ def test_without_decodes_prompts_use_the_whole_token_budget() -> None:
 
 
 def test_zero_budget_defers_prompts_but_decodes_finish_and_then_prompts_run() -> None:
-    s = make_scheduler(budget=32, prefill_budget=lambda b, c: 0)
+    s = make_scheduler(budget=32, prefill_budget=lambda b, c, k: 0)
     decs = _decoding(s, 2)
     s.add_request(make_request("late", prompt_len=10, max_tokens=3))
     out = step(s)
@@ -68,7 +69,7 @@ def test_zero_budget_defers_prompts_but_decodes_finish_and_then_prompts_run() ->
 
 def test_budget_needs_decode_first() -> None:
     with pytest.raises(ValueError, match="decode_first"):
-        SchedulerPolicy(decode_first=False, prefill_budget=lambda b, c: 8)
+        SchedulerPolicy(decode_first=False, prefill_budget=lambda b, c, k: 8)
 
 
 def _cost() -> CostModel:
@@ -80,7 +81,7 @@ def test_tpot_budget_from_cost_model() -> None:
     budget = tpot_prefill_budget(_cost(), tpot_s=0.1, max_tokens=2048)
     # 0.03 + 0.001 * 4 + 0.004 (4k context) = 0.038 s of decodes: 62 ms left = 124 tokens
     assert budget(4, 4000) == 124
-    assert budget(200, 100_000) == 16  # decodes alone exceed the SLO: the minimum chunk
+    assert budget(200, 100_000) == 1  # decodes alone exceed the SLO: the minimum chunk
     assert tpot_prefill_budget(_cost(), tpot_s=10.0, max_tokens=512)(1, 10) == 512
     with pytest.raises(ValueError):
         tpot_prefill_budget(_cost(), tpot_s=0.0, max_tokens=512)
@@ -146,3 +147,43 @@ def test_budget_learns_that_steps_run_slower_than_the_cost_model_says() -> None:
     assert budget.ratio == pytest.approx(2.0)
     budget.observe(4, 4000, 0, 1e6)  # clamped
     assert budget.ratio == 8.0
+
+
+def _cost_with_attention() -> CostModel:
+    # as _cost, plus 0.01 ms per prompt token per 1k tokens it attends to
+    return CostModel(
+        prefill=(0.02, 0.0005, 0.00001), decode=(0.03, 0.001, 0.001), transfer=(0.0, 1e9)
+    )
+
+
+def test_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens() -> None:
+    budget = tpot_prefill_budget(_cost_with_attention(), tpot_s=0.1, max_tokens=2048)
+    at_start, deep = budget(4, 4000, 0), budget(4, 4000, 2000)
+    assert deep < at_start
+    for n, cached in ((at_start, 0), (deep, 2000)):  # each is the largest chunk that fits
+        assert (
+            budget.predict_s(4, 4000, n, cached) <= 0.1 < budget.predict_s(4, 4000, n + 1, cached)
+        )
+    # what the engine observes is priced the same way: a deep chunk that took its predicted
+    # time teaches no slowdown
+    budget.observe(4, 4000, deep, budget.predict_s(4, 4000, deep, 2000), cached=2000)
+    assert budget.ratio == pytest.approx(1.0)
+
+
+def test_the_waiting_heads_cached_prefix_prices_its_first_chunk_without_counting_a_query() -> None:
+    calls: list[int] = []
+
+    def budget(batch: int, context: int, cached: int) -> int:
+        calls.append(cached)
+        return 4
+
+    s = make_scheduler(budget=64, num_blocks=64, prefill_budget=budget)
+    prompt = list(range(500, 533))
+    s.add_request(make_request("first", max_tokens=1, prompt=prompt))
+    run_to_completion(s)  # its 8 full blocks of 4 stay cached
+    _decoding(s, 1)
+    queries = s.kv.stats.queries
+    s.add_request(make_request("again", max_tokens=1, prompt=prompt))
+    step(s)
+    assert calls[-1] == 32
+    assert s.kv.stats.queries - queries == 33  # the admission's own lookup, counted once

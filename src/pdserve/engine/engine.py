@@ -85,7 +85,7 @@ class ReservedKV(list[int]):
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, prefill_budget: Callable[[int, int], int] | None = None
+        self, config: EngineConfig, prefill_budget: Callable[[int, int, int], int] | None = None
     ) -> None:
         """`prefill_budget`: stall-free batching (scheduler.py, engine/step_budget.py)."""
         self.config = config
@@ -401,9 +401,13 @@ class LLMEngine:
         budget = self.scheduler.policy.prefill_budget
         if isinstance(budget, StallFreeBudget):
             decodes = [s for s in out.scheduled if s.num_tokens == 1]
+            chunks = [s for s in out.scheduled if s.num_tokens > 1]
             context = sum(s.start_pos + 1 for s in decodes)
-            prompt = out.num_batched_tokens - len(decodes)
-            budget.observe(len(decodes), context, prompt, seconds)
+            prompt = sum(s.num_tokens for s in chunks)
+            # Several chunks are priced as one of their summed size at their token-weighted
+            # cached prefix (a slight over-estimate of the attention term).
+            cached = sum(s.num_tokens * s.start_pos for s in chunks) // max(1, prompt)
+            budget.observe(len(decodes), context, prompt, seconds, cached)
 
     def _count_batch(self, out: SchedulerOutput) -> None:
         decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)

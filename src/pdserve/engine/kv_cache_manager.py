@@ -98,6 +98,12 @@ class KVCacheManager:
         self._count(request.num_tokens, hit)
         return hit
 
+    def peek_cached_prefix_tokens(self, request: Request) -> int:
+        """How many tokens `find_cached_prefix` would find now, without counting a query."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self._lookup(request, request.num_tokens - 1).num_tokens
+
     def _lookup(self, request: Request, max_tokens: int) -> PrefixHit:
         """Cached leading full blocks covering at most `max_tokens` tokens (no stats)."""
         hashes = self._request_hashes(request)

@@ -13,11 +13,12 @@ Each `schedule()` fills a token budget (`max_num_batched_tokens`):
     prompts only and running decodes wait; the classic aggregated behaviour, kept as a baseline.
 Stall-free batching (`prefill_budget`, as in Sarathi-Serve): with a budget function set and
 decode-first on, each step schedules the running decodes first, then asks
-`prefill_budget(num_decodes, decode_context_tokens)` how many prompt tokens (chunks of running
-prompts, then waiting prompts) may join them; the function is computed outside from the TPOT
-SLO and the cost model (engine/step_budget.py), so a step with decodes stays within the TPOT
-budget instead of carrying a whole 2048-token chunk. A step without decodes has nothing to
-protect and uses the whole token budget.
+`prefill_budget(num_decodes, decode_context_tokens, prompt_cached_tokens)` how many prompt
+tokens (chunks of running prompts, then waiting prompts) may join them. The third argument is
+the KV the next prompt chunk attends to, so a chunk deep into a 2k prompt is priced as such.
+The function is computed outside from the TPOT SLO and the cost model (engine/step_budget.py),
+so a step with decodes stays within the TPOT budget instead of carrying a whole 2048-token
+chunk. A step without decodes has nothing to protect and uses the whole token budget.
 When blocks run out, the most recently admitted running request is preempted by recompute: its
 blocks are freed, `num_computed_tokens` resets to 0, and it goes back to the front of `waiting`
 with the tokens it has generated, which are recomputed as part of its prompt later.
@@ -39,9 +40,10 @@ class SchedulerPolicy:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     decode_first: bool = True
-    # (decodes this step, their summed context tokens) -> prompt tokens that may join them;
-    # None: prompts take whatever of max_num_batched_tokens the decodes leave.
-    prefill_budget: Callable[[int, int], int] | None = None
+    # (decodes this step, their summed context tokens, tokens already cached for the next
+    # prompt chunk) -> prompt tokens that may join them; None: prompts take whatever of
+    # max_num_batched_tokens the decodes leave.
+    prefill_budget: Callable[[int, int, int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -205,7 +207,7 @@ class Scheduler:
         return out
 
     def _schedule_stall_free(
-        self, out: SchedulerOutput, budget: int, prefill_budget: Callable[[int, int], int]
+        self, out: SchedulerOutput, budget: int, prefill_budget: Callable[[int, int, int], int]
     ) -> None:
         """Decodes first; then prompt tokens up to what the budget function allows."""
         budget = self._schedule_running(out, budget, decodes_only=True)
@@ -214,10 +216,24 @@ class Scheduler:
         decodes = out.scheduled
         if decodes:
             context = sum(s.start_pos + 1 for s in decodes)
-            budget = min(budget, max(0, prefill_budget(len(decodes), context)))
+            cached = self._next_prompt_cached()
+            budget = min(budget, max(0, prefill_budget(len(decodes), context, cached)))
         left = self._schedule_running(out, budget, prefills_only=True)
         if not out.preempted:
             self._schedule_waiting(out, left)
+
+    def _next_prompt_cached(self) -> int:
+        """Tokens the next prompt chunk will attend to: the first running prompt's computed
+        tokens, else the waiting head's cached prefix (looked up without counting a query)."""
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens > 1:
+                return request.num_computed_tokens
+        if not self.waiting:
+            return 0
+        head = self.waiting[0]
+        if head.num_computed_tokens:
+            return head.num_computed_tokens
+        return self.kv.peek_cached_prefix_tokens(head)
 
     def _schedule_running(
         self,

@@ -7,17 +7,20 @@ plain numbers. Pure arithmetic over a cost model (costmodel/model.py's `CostMode
 the same two methods), no engine state.
 
 A mixed step is modelled as the decode step plus the marginal cost of its prompt tokens:
-    decode_step_s(B, L) + prefill_s(n, 0) - prefill_s(0, 0) <= tpot_s
-(the fixed part of a prefill — reading the weights — is already paid by the decode step; the
-cached prefix of a chunk is not known here, so it is taken as 0). At least `min_tokens` prompt
-tokens are always allowed, so prompts progress even when the decodes alone exceed the SLO.
+    decode_step_s(B, L) + prefill_s(n, cached) - prefill_s(0, 0) <= tpot_s
+(the fixed part of a prefill — reading the weights — is already paid by the decode step).
+`cached` is the KV the chunk attends to: on this kind of host a 16-token chunk after 2000 cached
+tokens costs about twice one at 0, so pricing every chunk from 0 let steps run 2-3x past the SLO
+deep into a long prompt. At least `min_tokens` prompt tokens are always allowed, so prompts
+progress even when the decodes alone fill the SLO; the default is one token, which keeps that
+overshoot to a single token's cost (decode priority: prompts take what the decodes leave).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-MIN_PREFILL_TOKENS = 16
+MIN_PREFILL_TOKENS = 1
 
 
 class StepCost(Protocol):
@@ -46,31 +49,33 @@ class StallFreeBudget:
         self.base = cost.prefill_s(0, 0)
         self.ratio = 1.0  # measured / predicted step time, smoothed
 
-    def predict_s(self, batch: int, context: int, prompt_tokens: int) -> float:
-        extra = self.cost.prefill_s(prompt_tokens, 0) - self.base if prompt_tokens else 0.0
+    def predict_s(self, batch: int, context: int, prompt_tokens: int, cached: int = 0) -> float:
+        extra = self.cost.prefill_s(prompt_tokens, cached) - self.base if prompt_tokens else 0.0
         return self.cost.decode_step_s(batch, context) + extra
 
-    def observe(self, batch: int, context: int, prompt_tokens: int, seconds: float) -> None:
-        predicted = self.predict_s(batch, context, prompt_tokens)
+    def observe(
+        self, batch: int, context: int, prompt_tokens: int, seconds: float, cached: int = 0
+    ) -> None:
+        predicted = self.predict_s(batch, context, prompt_tokens, cached)
         if batch < 1 or predicted <= 0 or seconds <= 0:
             return
         r = min(8.0, max(0.25, seconds / predicted))
         self.ratio += self.smoothing * (r - self.ratio)
 
-    def __call__(self, batch: int, context: int) -> int:
+    def __call__(self, batch: int, context: int, cached: int = 0) -> int:
         lo, hi = self.min_tokens, self.max_tokens  # step time grows with n: binary search
-        if self._fits(batch, context, hi):
+        if self._fits(batch, context, cached, hi):
             return hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(batch, context, mid):
+            if self._fits(batch, context, cached, mid):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def _fits(self, batch: int, context: int, n: int) -> bool:
-        return self.ratio * self.predict_s(batch, context, n) <= self.tpot_s
+    def _fits(self, batch: int, context: int, cached: int, n: int) -> bool:
+        return self.ratio * self.predict_s(batch, context, n, cached) <= self.tpot_s
 
 
 def tpot_prefill_budget(
@@ -80,5 +85,6 @@ def tpot_prefill_budget(
     min_tokens: int = MIN_PREFILL_TOKENS,
     smoothing: float = 0.2,
 ) -> StallFreeBudget:
-    """(decodes, their context tokens) -> prompt tokens allowed with them this step."""
+    """(decodes, their context tokens, the next chunk's cached tokens) -> prompt tokens allowed
+    with them this step."""
     return StallFreeBudget(cost, tpot_s, max_tokens, min_tokens, smoothing)

@@ -429,7 +429,7 @@ def _stage_times(out: RequestOutput) -> dict[str, float]:
 
 def stall_free_budget(
     config: EngineConfig, slo_tpot_s: float | None, cost_model: str | None
-) -> Callable[[int, int], int] | None:
+) -> Callable[[int, int, int], int] | None:
     """With a TPOT SLO, each step's prompt tokens are sized to keep running decodes within it
     (stall-free batching); the time per token comes from the cost model file."""
     if slo_tpot_s is None:
@@ -443,7 +443,7 @@ def stall_free_budget(
 
     cost = CostModel.load(Path(cost_model))
     max_tokens = config.scheduler_config.max_num_batched_tokens
-    return tpot_prefill_budget(cost, slo_tpot_s, max_tokens, min(16, max_tokens))
+    return tpot_prefill_budget(cost, slo_tpot_s, max_tokens)
 
 
 # ---- process entry point ---------------------------------------------------------------------
