@@ -53,10 +53,50 @@ def test_prediction_uses_the_per_batch_decode_terms_and_the_receive_term() -> No
     step = 0.06 + 0.001 * (500 + 1050) / 1000
     handoff = MODEL.transfer_s(1000 * 1000) + 0.005 + 1e-5 * 1000 + 0.002
     assert pred.tpot_s == pytest.approx(step + handoff / 99)
-    # the running request: one more row (+ 40 ms a step), and the receive stalls it once
+    # the running request: one more row (+ 40 ms a step) for the 100 steps it shares with
+    # ours, and the receive stalls it once
     assert pred.cost_s - (pred.ttft_s + 100 * pred.tpot_s) == pytest.approx(
-        0.015 + 200 * (step - (0.02 + 0.0005))
+        0.015 + 100 * (step - (0.02 + 0.0005))
     )
+
+
+def test_a_remote_request_decodes_beside_only_the_jobs_still_running_when_its_kv_arrives() -> None:
+    from dataclasses import replace
+
+    # a lone decode step 20 ms, three rows 60 ms; no context term
+    model = replace(MODEL, decode_by_batch=((1, 0.02), (3, 0.06)), decode_context=0.0)
+    p = SloPlanner(model, kv_bytes_per_token=1000, slo_tpot_s=0.05)
+    ls = loads("P0", "D0")
+    decoding(ls["D0"], 2, remaining=40)  # done before P has prefilled 2000 tokens
+    route = Route("remote", "P0", "D0")
+    pred = p.predict(2000, 200, route, ls, {}, now=0.0)
+    handoff = MODEL.transfer_s(2000 * 1000) + 0.002
+    assert pred.ttft_s > 40 * 0.04  # their 40 steps at a batch of 2
+    assert pred.tpot_s == pytest.approx(0.02 + handoff / 199)  # alone: within the SLO
+    assert p.decide(2000, 200, [route], ls, {}, now=0.0).chosen is not None
+    # the same jobs with their whole answers ahead share every step: a batch of 3, refused
+    decoding(ls["D0"], 2, remaining=5000)
+    pred = p.predict(2000, 200, route, ls, {}, now=0.0)
+    assert pred.tpot_s == pytest.approx(0.06 + handoff / 199)
+    assert pred.miss == "slo_tpot"
+
+
+def test_a_job_not_yet_decoding_counts_for_every_step_and_a_finishing_one_for_part() -> None:
+    from dataclasses import replace
+
+    model = replace(MODEL, decode_by_batch=((1, 0.02), (2, 0.04)), decode_context=0.0)
+    p = SloPlanner(model, kv_bytes_per_token=1000)
+    ls = loads("P0", "D0")
+    ls["D0"].add(Job("waiting", 0.0, 500, 10, True, 0.0))  # its KV still on the way
+    pred = p.predict(100, 101, Route("local", "D0"), ls, {}, now=0.0)
+    assert pred.tpot_s == pytest.approx(0.04)  # in the batch for all 101 steps
+    ls = loads("P0", "D0")
+    # 75 steps left at 20 ms a step: 1.5 s; ours starts decoding after its prefill
+    decoding(ls["D0"], 1, remaining=75)
+    pred = p.predict(100, 101, Route("local", "D0"), ls, {}, now=0.0)
+    shared = (1.5 - pred.ttft_s) / 0.02  # its 101 steps start at its first token
+    assert 0 < shared < 75
+    assert pred.tpot_s == pytest.approx((shared * 0.04 + (101 - shared) * 0.02) / 101)
 
 
 def test_idle_short_prompt_runs_locally_and_a_busy_decoder_sends_long_ones_to_p() -> None:
