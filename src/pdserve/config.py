@@ -209,6 +209,11 @@ class WorkerConfig:
     kv_codec: str = _f("none", "KV wire codec: none | int8 | int4")
     deadline_s: float = _f(5.0, "seconds of silence before a hand-off fails", "--deadline")
     lease_s: float = _f(10.0, "seconds P keeps sent KV waiting for D's acknowledgement", "--lease")
+    kv_wait_s: float = _f(
+        30.0, "seconds D holds blocks reserved for a hand-off before its first KV frame (P may "
+        "be computing the prompts queued ahead; the router's stuck check covers a P that never "
+        "starts)", "--kv-wait",
+    )  # fmt: skip
     cpus: str | None = _f(None, "pin to these CPUs, e.g. 0 or 0,1")
     stream_kv: bool = _f(
         True, "stream each layer's KV while the prompt computes (default) or send it all after"
@@ -246,8 +251,8 @@ class WorkerConfig:
             raise ValueError(
                 f"kv_pool_redis must look like redis://HOST:PORT[/DB], got {self.kv_pool_redis!r}"
             )
-        if self.deadline_s <= 0 or self.lease_s <= 0:
-            raise ValueError("deadline and lease must be > 0 seconds")
+        if self.deadline_s <= 0 or self.lease_s <= 0 or self.kv_wait_s <= 0:
+            raise ValueError("deadline, lease and kv_wait must be > 0 seconds")
         if self.slo_tpot_s is not None and self.slo_tpot_s <= 0:
             raise ValueError("slo_tpot_s must be > 0 seconds")
         if self.shm_mb < 0:

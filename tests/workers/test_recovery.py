@@ -231,3 +231,35 @@ def test_a_request_queued_behind_long_prompts_is_not_silent(
         assert all(o.outputs[0].token_ids == want[:2] for o in outs)
         assert c.stats["queued_silence_extended"] >= 1
         assert_cluster_idle(c)
+
+
+def test_prompts_queued_on_p_past_the_hand_off_deadline_are_not_failed_by_d(
+    tiny_llama_path,
+) -> None:  # type: ignore[no-untyped-def]
+    """1P1D, P's steps take 1 s each and hold one prompt: the fourth prompt's first KV frame
+    comes ~4 s after D reserved its blocks, eight times the 0.5 s hand-off deadline. That is
+    P's queue, not a lost transfer: D waits for the first frame (`kv_wait_s`), nothing is
+    retried and every output is exact. Before, D failed the queued hand-offs at the deadline
+    and the router retried them (seen with KB-QA's 2000-token prompts on one-thread P)."""
+    prompts = [f"{PROMPT} in year {1400 + 7 * i}" for i in range(4)]  # distinct: no prefix hits
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_path)).generate(prompts, short)]
+    with LocalCluster(
+        str(tiny_llama_path),
+        transport="tcp",
+        threads=1,
+        deadline_s=0.5,
+        prefill=1,
+        decode=1,
+        prefill_args={"max_num_batched_tokens": 20, "enable_chunked_prefill": False},
+    ) as c:  # fmt: skip  (one whole prompt a step: a chunk a step apart would be silence too)
+        c.set_fault("P0", "slow", count=-1, delay_s=1.0)
+        _, fut = c.submit(prompts, short)
+        outs = fut.result(timeout=90)
+        c.set_fault("P0", "none")
+        assert [o.error for o in outs] == [None] * 4
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        failed = [e for o in outs for e, _, _ in o.timeline or [] if e.startswith("failed")]
+        assert failed == [] and c.stats["retries"] == 0
+        assert c.worker_stats()["D0"].get("transfer_failures", 0) == 0
+        assert_cluster_idle(c)

@@ -221,12 +221,23 @@ class DecodeSide:
         for inc in list(self.inc.values()):
             if inc.stage == "reserving":
                 self._try_reserve(inc)
-            if inc.rid in self.inc and now - inc.last_activity > self.w.deadline_s:
+            if inc.rid in self.inc and now - inc.last_activity > self._limit(inc):
                 what = "KV blocks" if inc.stage == "reserving" else "KV frames"
-                self.fail(inc, f"no progress on {what} for {self.w.deadline_s:g}s")
+                self.fail(inc, f"no progress on {what} for {self._limit(inc):g}s")
         for rid, (_, t) in list(self.early_wants.items()):
             if now - t > self.w.deadline_s:
                 del self.early_wants[rid]
+
+    def _limit(self, inc: Incoming) -> float:
+        """Seconds of silence a hand-off may keep. Until its first frame, `kv_wait_s`: P sends
+        a prompt's frames as it computes it, after the prompts queued ahead of it there, and
+        its loop does not turn inside a step (one step of a 2000-token prompt on one thread:
+        ~8 s). With `deadline_s` alone, KB-QA on 1P1D failed the second prompt of a burst at
+        5 s, re-queued it on P and counted a retry. A P that dies or sticks is the router's to
+        detect; it aborts the reservation here."""
+        if inc.stage == "receiving" and "first_frame" not in inc.times:
+            return self.w.kv_wait_s
+        return self.w.deadline_s
 
     def fail(
         self, inc: Incoming, reason: str, tell_src: bool = True, stage: str = "transfer"

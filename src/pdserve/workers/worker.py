@@ -81,6 +81,7 @@ class Worker:
         self.stream_kv = stream_kv  # send each layer's KV as it is computed (else after prefill)
         self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
         self.deadline_s, self.lease_s = deadline_s, lease_s
+        self.kv_wait_s = max(deadline_s, cfg.kv_wait_s)
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
         engine_config = EngineConfig.from_kwargs(**engine_args)
         budget = stall_free_budget(engine_config, cfg.slo_tpot_s, cfg.cost_model)
