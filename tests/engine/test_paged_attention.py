@@ -73,9 +73,16 @@ def test_decodes_of_mixed_lengths_gqa() -> None:
     _close(got, ref)
 
 
-def test_long_context_splits_merge() -> None:
-    """Contexts beyond the kernel's split (512 keys) merge partial softmaxes exactly."""
-    ref, got = _compare([(2000, 1), (513, 1), (511, 1), (1024, 1)], bs=16, seed=1)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_context_splits_merge(threads: int) -> None:
+    """With two threads, contexts beyond the kernel's split (512 keys) merge partial softmaxes
+    exactly; with one, each is one range."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, got = _compare([(2000, 1), (513, 1), (511, 1), (1024, 1)], bs=16, seed=1)
+    finally:
+        torch.set_num_threads(before)
     _close(got, ref)
 
 
