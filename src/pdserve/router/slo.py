@@ -331,8 +331,7 @@ class SloPlanner:
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
         step_now = self.model.decode_step_s(max(1, batch), ctx)
-        start = first_token if local else max(first_token, dec.prefill_backlog(now))
-        overlap = _overlaps(dec.decoding(), start, out, step_now)
+        overlap = _overlaps(dec.decoding(), first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
         # it. Those queued now end before this request decodes if it prefills there (local,
