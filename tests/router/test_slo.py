@@ -81,15 +81,27 @@ def test_a_remote_request_decodes_beside_only_the_jobs_still_running_when_its_kv
     assert pred.miss == "slo_tpot"
 
 
-def test_a_job_not_yet_decoding_counts_for_every_step_and_a_finishing_one_for_part() -> None:
+def test_jobs_not_yet_decoding_start_when_their_prefill_ends_and_finishing_ones_count_in_part() -> (
+    None
+):
     from dataclasses import replace
 
     model = replace(MODEL, decode_by_batch=((1, 0.02), (2, 0.04)), decode_context=0.0)
     p = SloPlanner(model, kv_bytes_per_token=1000)
+    # "queued" still prefills on P, 1 s ahead of the new request's own prefill there: its 300
+    # tokens outlast the new request's answer, so it shares every step of it
     ls = loads("P0", "D0")
-    ls["D0"].add(Job("waiting", 0.0, 500, 10, True, 0.0))  # its KV still on the way
-    pred = p.predict(100, 101, Route("local", "D0"), ls, {}, now=0.0)
-    assert pred.tpot_s == pytest.approx(0.04)  # in the batch for all 101 steps
+    ls["P0"].add(Job("queued", 1.0, 0, 0, False, 0.0))
+    ls["D0"].add(Job("queued", 0.0, 500, 300, True, 0.0))
+    route = Route("remote", "P0", "D0")
+    assert p.predict(100, 101, route, ls, {}, now=0.0).tpot_s == pytest.approx(
+        0.04 + (model.transfer_s(100 * 1000) + 0.002) / 100
+    )
+    # with 3 tokens to go it ends before the new request's KV arrives: shares none
+    ls["D0"].jobs["queued"].remaining = 3
+    assert p.predict(100, 101, route, ls, {}, now=0.0).tpot_s == pytest.approx(
+        0.02 + (model.transfer_s(100 * 1000) + 0.002) / 100
+    )
     ls = loads("P0", "D0")
     # 75 steps left at 20 ms a step: 1.5 s; ours starts decoding after its prefill
     decoding(ls["D0"], 1, remaining=75)
@@ -289,13 +301,16 @@ def test_prefills_queued_ahead_stall_a_request_only_where_it_decodes_beside_them
     assert pred.ttft_s == pytest.approx(2.0 + p.prefill_time(1000, 0, ls["C0"]))
     assert pred.tpot_s == pytest.approx(MODEL.decode_step_s(2, 1050))  # "a" decodes beside it
     # remote: D's local prefill (3 s) outlasts this request's TTFT on P (~1.01 s): the rest
-    # stalls its first steps, spread over its answer
+    # stalls its first steps, spread over its answer; "b" decodes beside it only from 3 s on
     ls = loads("P0", "D0")
     ls["D0"].add(Job("b", 3.0, 0, 300, True, queued_at=0.0))
     pred = p.predict(1000, 100, Route("remote", "P0", "D0"), ls, {}, now=0.0)
-    left = 3.0 - MODEL.prefill_s(1000)
+    start, step = MODEL.prefill_s(1000), MODEL.decode_step_s(1, 0)
+    shared = (start + 100 * step - 3.0) / step
+    assert 0 < shared < 100
+    mean = shared * MODEL.decode_step_s(2, 1050) + (100 - shared) * MODEL.decode_step_s(1, 1050)
     handoff = MODEL.transfer_s(1000 * 1000) + 0.002
-    assert pred.tpot_s == pytest.approx(MODEL.decode_step_s(2, 1050) + (left + handoff) / 99)
+    assert pred.tpot_s == pytest.approx(mean / 100 + (3.0 - start + handoff) / 99)
 
 
 def test_a_request_prefilling_ahead_is_protected_from_the_next_prefill() -> None:

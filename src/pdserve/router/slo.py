@@ -77,6 +77,20 @@ class WorkerLoad:
         ran = max(0.0, now - max(head.queued_at, self.prefill_free_at))
         return sum(j.prefill_s for j in owed) - min(ran, head.prefill_s)
 
+    def prefilled_in(self, rid: str, now: float) -> float | None:
+        """Seconds until the prefill of `rid` queued here ends (those queued before it run
+        first), or None when none is owed here."""
+        owed = sorted((j for j in self.jobs.values() if j.prefill_s > 0), key=lambda j: j.queued_at)
+        if all(j.rid != rid for j in owed):
+            return None
+        head = owed[0]
+        total = -min(max(0.0, now - max(head.queued_at, self.prefill_free_at)), head.prefill_s)
+        for j in owed:
+            total += j.prefill_s
+            if j.rid == rid:
+                break
+        return total
+
     def oldest_wait(self, now: float) -> float:
         """How long the longest-queued prompt here has waited for its first token: the
         measured side of the queue, which a worker slower than its model shows (the
@@ -331,7 +345,8 @@ class SloPlanner:
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
         step_now = self.model.decode_step_s(max(1, batch), ctx)
-        overlap = _overlaps(dec.decoding(), first_token, out, step_now)
+        starts = _decode_starts(dec, loads, now)
+        overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
         # it. Those queued now end before this request decodes if it prefills there (local,
@@ -461,20 +476,35 @@ def _future_stall(prefill: float, rate: float) -> float:
     return rate * prefill * prefill / 2
 
 
-def _overlaps(jobs: list[Job], start: float, out: int, step: float) -> dict[str, float]:
-    """Per job decoding on a worker, how many of a new request's `out` decode steps it is
-    still in the batch for, when the new request starts decoding `start` seconds from now and
-    a step takes `step`. A job still waiting for its first token there (its prefill queued,
-    its KV on the way) is counted for every step: when it starts is not known.
+def _decode_starts(dec: WorkerLoad, loads: dict[str, WorkerLoad], now: float) -> dict[str, float]:
+    """Per job on `dec` not decoding yet, seconds until it starts: when its prefill ends, on
+    `dec` or on the P it was sent to (0 when none is owed anywhere: its KV is on the way)."""
+    starts = {}
+    for j in dec.decoding():
+        if j.first_at is None or j.prefill_s > 0:
+            ends = (w.prefilled_in(j.rid, now) for w in loads.values())
+            starts[j.rid] = max((t for t in ends if t is not None), default=0.0)
+    return starts
 
-    Why: counting every running job for the new request's whole answer made a remote route
-    look as slow as a batch of 3 at 2k context (23.5 ms a token against a 20.9 ms SLO, on one
-    thread), when P's ~7 s prefill meant those jobs had mostly finished before its KV arrived;
-    one-thread 1P1D refused 3 of 8 KB-QA requests at 0.06 req/s that unscheduled met it."""
+
+def _overlaps(
+    jobs: list[Job], starts: dict[str, float], start: float, out: int, step: float
+) -> dict[str, float]:
+    """Per job decoding on a worker, how many of a new request's `out` decode steps it shares
+    with it: the job decodes from `starts` (0: now) for its tokens left, the new request from
+    `start` seconds from now, both at `step` a token. (`_mean_step` counts the shared steps
+    from the new request's first; a job starting later would share later ones.)
+
+    Why: counting every job for the new request's whole answer made a remote route look as
+    slow as a batch of 3 at 2k context (23.5 ms a token against a 20.9 ms SLO, on one thread),
+    when P's ~7 s prefill meant those jobs had mostly finished before its KV arrived; one-thread
+    1P1D refused 3 of 8 KB-QA requests at 0.06 req/s that unscheduled met it. And a job whose
+    own prefill was queued on P ahead of the new one was counted for every step, though it
+    would finish before the new one's KV came."""
+    end = start + out * step
     overlap = {}
     for j in jobs:
-        if j.first_at is None or j.prefill_s > 0:
-            overlap[j.rid] = float(out)
-        else:
-            overlap[j.rid] = min(float(out), max(0.0, (j.remaining * step - start) / step))
+        s_j = starts.get(j.rid, 0.0)
+        shared = min(end, s_j + j.remaining * step) - max(start, s_j)
+        overlap[j.rid] = min(float(out), max(0.0, shared / step))
     return overlap
