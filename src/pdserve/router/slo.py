@@ -68,28 +68,29 @@ class WorkerLoad:
     jobs: dict[str, Job] = field(default_factory=dict)
     prefill_free_at: float = 0.0  # when the prefill head-of-line started (approximation)
 
+    def _queue(self, now: float) -> tuple[list[Job], float]:
+        """The prefills owed here in the order they run, and how long the head has run."""
+        owed = sorted((j for j in self.jobs.values() if j.prefill_s > 0), key=lambda j: j.queued_at)
+        if not owed:
+            return owed, 0.0
+        ran = max(0.0, now - max(owed[0].queued_at, self.prefill_free_at))
+        return owed, min(ran, owed[0].prefill_s)
+
     def prefill_backlog(self, now: float) -> float:
         """Seconds of prefill queued here, minus what the head has already run."""
-        owed = [j for j in self.jobs.values() if j.prefill_s > 0]
-        if not owed:
-            return 0.0
-        head = min(owed, key=lambda j: j.queued_at)
-        ran = max(0.0, now - max(head.queued_at, self.prefill_free_at))
-        return sum(j.prefill_s for j in owed) - min(ran, head.prefill_s)
+        owed, ran = self._queue(now)
+        return sum(j.prefill_s for j in owed) - ran
 
     def prefilled_in(self, rid: str, now: float) -> float | None:
         """Seconds until the prefill of `rid` queued here ends (those queued before it run
         first), or None when none is owed here."""
-        owed = sorted((j for j in self.jobs.values() if j.prefill_s > 0), key=lambda j: j.queued_at)
-        if all(j.rid != rid for j in owed):
-            return None
-        head = owed[0]
-        total = -min(max(0.0, now - max(head.queued_at, self.prefill_free_at)), head.prefill_s)
+        owed, total = self._queue(now)
+        total = -total
         for j in owed:
             total += j.prefill_s
             if j.rid == rid:
-                break
-        return total
+                return total
+        return None
 
     def oldest_wait(self, now: float) -> float:
         """How long the longest-queued prompt here has waited for its first token: the

@@ -221,9 +221,10 @@ class DecodeSide:
         for inc in list(self.inc.values()):
             if inc.stage == "reserving":
                 self._try_reserve(inc)
-            if inc.rid in self.inc and now - inc.last_activity > self._limit(inc):
+            limit = self._limit(inc)
+            if inc.rid in self.inc and now - inc.last_activity > limit:
                 what = "KV blocks" if inc.stage == "reserving" else "KV frames"
-                self.fail(inc, f"no progress on {what} for {self._limit(inc):g}s")
+                self.fail(inc, f"no progress on {what} for {limit:g}s")
         for rid, (_, t) in list(self.early_wants.items()):
             if now - t > self.w.deadline_s:
                 del self.early_wants[rid]
