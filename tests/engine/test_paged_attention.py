@@ -94,6 +94,43 @@ def test_mixed_decode_and_prefill_batch_with_cached_prefixes() -> None:
     _close(got, ref)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_prompt_rows_whose_keys_end_before_a_span(head_dim: int) -> None:
+    """A softmax pass covers a span of 4 blocks: prompt rows whose visible keys end before a
+    span starts (limits 13..16 against the span from key 16, block size 4) take nothing from it
+    while the tile's later rows do; a span cut short by the item's end; 4 rows per GQA group of
+    3 (groups of 3, 1)."""
+    spec = [(12, 9), (15, 2), (47, 14), (3, 30)]
+    ref, got = _compare(spec, heads=9, kv_heads=3, head_dim=head_dim, bs=4, seed=11)
+    _close(got, ref)
+
+
+def test_the_kernel_writes_the_steps_kv_in_the_same_call() -> None:
+    """paged_attention(..., slots, k, v) stores this step's K/V first (what write_kv stores) and
+    attends over it: the same cache and output as the two calls; slots, k and v come together."""
+    from pdserve.engine.kernels import paged_attention_module
+
+    mod = paged_attention_module()
+    torch.manual_seed(0)
+    kvh, d, bs = 3, 64, 16
+    k_cache = torch.randn(8, bs, kvh, d).half()
+    v_cache = torch.randn(8, bs, kvh, d).half()
+    table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    tiles = torch.tensor([[0, 0, 1]], dtype=torch.int32)
+    limit = torch.tensor([40], dtype=torch.int32)
+    q, k, v = torch.randn(1, 9, d), torch.randn(1, kvh, d), torch.randn(1, kvh, d)
+    slot = torch.tensor([7 * bs + 7])  # token 39: the row's own key, the last it sees
+    args = (table, tiles, limit, 512, 0.125)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    mod.write_kv(want_k, want_v, slot, k, v)
+    want = mod.paged_attention(q, want_k, want_v, *args)
+    got = mod.paged_attention(q, k_cache, v_cache, *args, slot, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="come together"):
+        mod.paged_attention(q, k_cache, v_cache, *args, slot, k)
+
+
 @pytest.mark.parametrize("spec", [[(1024, 1)], [(2000, 1)], [(130, 1), (9, 1), (700, 1)]])
 def test_two_threads_split_ranges_and_items(spec: list[tuple[int, int]]) -> None:
     """Two threads: batch 1's key range is cut into a multiple of two equal block ranges, and a

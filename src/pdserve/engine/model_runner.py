@@ -79,12 +79,10 @@ class ModelRunner:
         self.layer_hook: LayerHook | None = None
         self.attention = resolve_attention(attention, device)
         self._kernel: Callable[..., torch.Tensor] | None = None
-        self._write_kv: Callable[..., None] | None = None
         if self.attention == "paged":  # build/load the kernel now, off the request path
             from pdserve.engine.kernels import paged_attention_module
 
             self._kernel = paged_attention_module().paged_attention
-            self._write_kv = paged_attention_module().write_kv
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
@@ -176,7 +174,7 @@ class ModelRunner:
             tiles=torch.tensor(tiles, dtype=torch.int32, device=dev).view(-1, 3),
             limits=torch.tensor(limits, dtype=torch.int32, device=dev),
             kernel=self._kernel,
-            write_kv=self._write_kv,
+            writes_kv=True,
         )
 
     def _prepare_decodes(self, decodes: list[ScheduledRequest], meta: AttentionMetadata) -> None:

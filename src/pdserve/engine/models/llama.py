@@ -45,9 +45,9 @@ class PagedPlan:
     limits: torch.Tensor  # [T] int32: keys visible to each row (0 for rows in no tile)
     kernel: Callable[..., torch.Tensor]  # pdserve.engine.kernels: paged_attention(...)
     split_tokens: int = 512  # key-range split per work item (flash-decoding)
-    # The same module's write_kv(k_cache, v_cache, slots, k, v): the step's K/V into the cache
-    # in one native call (float32 rows into a float32 or float16 cache); None: torch's ops.
-    write_kv: Callable[..., None] | None = None
+    # The kernel writes the step's K/V into the cache itself (its slots / k / v arguments:
+    # float32 rows into a float32 or float16 cache) in the same call; False: torch's ops.
+    writes_kv: bool = False
 
 
 # Queries per SDPA call for a prompt chunk over a cached prefix (_prefill_attention). Measured
@@ -211,16 +211,16 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     k_cache, v_cache = kv
-    write = meta.paged.write_kv if meta.paged is not None else None
-    if write is not None and k.dtype == torch.float32 and k_cache.dtype in _NATIVE_KV_WRITES:
-        write(k_cache, v_cache, meta.slot_mapping, k, v)
-    else:
-        kvh, d = k.shape[1], k.shape[2]
-        # .to: a --kv-cache-dtype narrower than the model's rounds here, once per token.
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if meta.paged is not None:
-        return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta, meta.paged)
+    plan = meta.paged
+    native = k.dtype == torch.float32 and k_cache.dtype in _NATIVE_KV_WRITES
+    if plan is not None and plan.writes_kv and native:
+        return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta, plan, write=True)
+    kvh, d = k.shape[1], k.shape[2]
+    # .to: a --kv-cache-dtype narrower than the model's rounds here, once per token.
+    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if plan is not None:
+        return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta, plan)
     return gather_attention(q, k, v, k_cache, v_cache, meta)
 
 
@@ -232,12 +232,14 @@ def _paged_kernel_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     plan: PagedPlan,
+    write: bool = False,
 ) -> torch.Tensor:
-    """Decodes and short cached-prefix chunks read the blocks in place; the rest use SDPA."""
+    """Decodes and short cached-prefix chunks read the blocks in place; the rest use SDPA.
+    `write`: the kernel first writes this step's K/V (k, v at meta.slot_mapping)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = plan.kernel(
-        q, k_cache, v_cache, plan.tables, plan.tiles, plan.limits, plan.split_tokens, scale
-    )  # [T, H, D]; rows outside the plan's tiles are filled below
+    args = (q, k_cache, v_cache, plan.tables, plan.tiles, plan.limits, plan.split_tokens, scale)
+    # [T, H, D]; rows outside the plan's tiles are filled below
+    out = plan.kernel(*args, meta.slot_mapping, k, v) if write else plan.kernel(*args)
     for seg in meta.prefills:
         if not seg.paged:
             rows = slice(seg.start, seg.start + seg.length)
