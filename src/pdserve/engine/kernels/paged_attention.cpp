@@ -351,12 +351,16 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
     }
     for (int64_t j = 0; j < nq; ++j)
       hi = std::max(hi, std::clamp<int64_t>(static_cast<int64_t>(lim[j]) - s0, 0, off[nb]));
-    for (int64_t b = 0; b < nb && off[b] < hi; ++b) {
-      const int64_t n = std::min(off[b + 1], hi) - off[b];
-      // Blocks sit anywhere in the cache and a head's rows are strided (KVH * D apart), which
-      // the hardware prefetcher does not follow across blocks: each head's rows of the block
-      // kAhead on in this thread's order are fetched into L2 as this block's are used.
-      const Span* pf = bi + b + kAhead < nahead ? &ahead[bi + b + kAhead] : nullptr;
+    // f(b, n, pf) for each block b of the span with a visible key: n its keys, pf the block
+    // kAhead on in this thread's order (or nullptr). Blocks sit anywhere in the cache and a
+    // head's rows are strided (KVH * D apart), which the hardware prefetcher does not follow
+    // across blocks: each head's rows of pf are fetched into L2 as block b's are used.
+    const auto each_block = [&](auto&& f) {
+      for (int64_t b = 0; b < nb && off[b] < hi; ++b)
+        f(b, std::min(off[b + 1], hi) - off[b],
+          bi + b + kAhead < nahead ? &ahead[bi + b + kAhead] : nullptr);
+    };
+    each_block([&](int64_t b, int64_t n, const Span* pf) {
       for_groups(nh, nqh, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
         const KT* pk = pf && j0 == 0 ? kc + pf->base + ho : nullptr;
@@ -368,13 +372,11 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         else if (qb == 2) group_scores<NC, 2, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
         else group_scores<NC, 1, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
       });
-    }
+    });
     for (int64_t j = 0; j < nq; ++j)
       nv[j] = std::clamp<int64_t>(static_cast<int64_t>(lim[j]) - s0, 0, hi);
     span_softmax(sbuf.data(), sbw, nv.data(), nq, hi, m, l, mx.data(), corr.data());
-    for (int64_t b = 0; b < nb && off[b] < hi; ++b) {
-      const int64_t n = std::min(off[b + 1], hi) - off[b];
-      const Span* pf = bi + b + kAhead < nahead ? &ahead[bi + b + kAhead] : nullptr;
+    each_block([&](int64_t b, int64_t n, const Span* pf) {
       for_groups(nh, nqh, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
         const KT* pv = pf && j0 == 0 ? vc + pf->base + ho : nullptr;
@@ -387,7 +389,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         else if (qb == 2) group_values<NC, 2, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
         else group_values<NC, 1, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
       });
-    }
+    });
     bi += nb;
     s0 += off[nb];
   }
