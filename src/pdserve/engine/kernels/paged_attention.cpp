@@ -200,42 +200,49 @@ inline void group_scores(const float* q, int64_t n, const KT* kb, int64_t rs, fl
   }
 }
 
-// Online softmax of nq queries over a span's scores (query j's row at s + j * sbw, n keys):
-// keys from nv[j] on (and the padding to a multiple of 8) score -inf, so exp8 makes their
-// weight exactly 0. corr[j]: the factor query j's accumulated output is rescaled by. The
-// rescale factors of all queries come out of one vector exp (nq scalar exps cost ~10% of the
-// kernel at B=1 C=1024).
-inline void span_softmax(float* s, int64_t sbw, const int64_t* nv, int64_t nq, int64_t n,
-                         float* m, float* l, float* mx, float* corr) {
+// Online softmax of nq queries over a span's scores (query j's row at s + j * sbw, n keys
+// from token s0): keys at or past lim[j] (and the padding to a multiple of 8) score -inf, so
+// exp8 makes their weight exactly 0. corr[j]: the factor query j's accumulated output is
+// rescaled by. The rescale factors of all queries come out of one vector exp (nq scalar exps
+// cost ~10% of the kernel at B=1 C=1024).
+inline void span_softmax(float* s, int64_t sbw, const int32_t* lim, int64_t s0, int64_t nq,
+                         int64_t n, float* m, float* l, float* corr) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t padded = (n + 7) / 8 * 8;
+  const auto visible = [&](int64_t j) {
+    return std::clamp<int64_t>(static_cast<int64_t>(lim[j]) - s0, 0, n);
+  };
+  // Each query's new running max, held in corr until the rescale factors replace it.
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = s + j * sbw;
-    mx[j] = m[j];
-    if (nv[j] == 0) continue;  // nothing visible to this query here: weights 0 (below)
-    for (int64_t x = nv[j]; x < padded; ++x) sj[x] = ninf;
+    const int64_t nv = visible(j);
+    corr[j] = m[j];
+    if (nv == 0) continue;  // nothing visible to this query here: weights 0 (below)
+    for (int64_t x = nv; x < padded; ++x) sj[x] = ninf;
     __m256 mxv = _mm256_set1_ps(ninf);
     for (int64_t x = 0; x < padded; x += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(sj + x));
-    mx[j] = std::max(m[j], hmax(mxv));
+    corr[j] = std::max(m[j], hmax(mxv));
   }
-  // corr = exp(m - mx): m = -inf on a query's first visible span gives 0 (acc is 0 anyway);
-  // a query with nothing visible yet keeps m = mx = -inf, corr 1 (nan from -inf - -inf).
+  // corr = exp(m - max), then m = max: m = -inf on a query's first visible span gives 0 (acc
+  // is 0 anyway); one with nothing visible yet keeps m = -inf, corr 1 (not -inf - -inf, nan).
   for (int64_t j = 0; j < nq; j += 8) {
     float d[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t x = j; x < std::min<int64_t>(nq, j + 8); ++x)
-      d[x - j] = mx[x] == ninf ? 0.f : m[x] - mx[x];
+    for (int64_t x = j; x < std::min<int64_t>(nq, j + 8); ++x) {
+      d[x - j] = corr[x] == ninf ? 0.f : m[x] - corr[x];
+      m[x] = corr[x];
+    }
     float e[8];
     _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(d)));
     for (int64_t x = j; x < std::min<int64_t>(nq, j + 8); ++x) corr[x] = e[x - j];
   }
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = s + j * sbw;
-    if (nv[j] == 0) {
+    if (visible(j) == 0) {
       std::fill(sj, sj + padded, 0.f);
       corr[j] = 1.f;
       continue;
     }
-    const __m256 mv = _mm256_set1_ps(mx[j]);
+    const __m256 mv = _mm256_set1_ps(m[j]);
     __m256 lsum = _mm256_setzero_ps();
     for (int64_t x = 0; x < padded; x += 8) {
       const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + x), mv));
@@ -243,7 +250,6 @@ inline void span_softmax(float* s, int64_t sbw, const int64_t* nv, int64_t nq, i
       lsum = _mm256_add_ps(lsum, p);
     }
     l[j] = l[j] * corr[j] + hsum(lsum);
-    m[j] = mx[j];
   }
 }
 
@@ -316,8 +322,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
   const int64_t G = H / KVH, nqh = nrows * G, nq = nh * nqh;
   // Scratch: the scaled queries, their limits, a span's scores (a row per query, padded to a
   // multiple of 8) and each query's rescale factor.
-  std::vector<float> qf(nq * D), corr(nq), mx(nq);
-  std::vector<int64_t> nv(nq);
+  std::vector<float> qf(nq * D), corr(nq);
   std::vector<int32_t> lim(nq);
   const int64_t span_blocks =
       std::clamp<int64_t>(kSpanScores / (nq * BS), 1, kSpanBlocks);
@@ -373,9 +378,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         else group_scores<NC, 1, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
       });
     });
-    for (int64_t j = 0; j < nq; ++j)
-      nv[j] = std::clamp<int64_t>(static_cast<int64_t>(lim[j]) - s0, 0, hi);
-    span_softmax(sbuf.data(), sbw, nv.data(), nq, hi, m, l, mx.data(), corr.data());
+    span_softmax(sbuf.data(), sbw, lim.data(), s0, nq, hi, m, l, corr.data());
     each_block([&](int64_t b, int64_t n, const Span* pf) {
       for_groups(nh, nqh, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
