@@ -205,21 +205,44 @@ def test_attention_target_is_attention_time_over_kv_read_time() -> None:
     assert status["[none] attention at B=1 C=1024 <= 2x the time to read its KV"] == "n/a"
 
 
-def test_decode_repeats_go_round_the_points(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Warm-ups first, then every point once per repeat: B=1 and B=8 samples alternate in time.
-    from pdserve.bench.micro import engine_measure as em
+class _FakeSystem:
+    """A side of the rounds that records its calls and returns the call's number (seconds)."""
+
+    def __init__(self, name: str, keys: list[Any], calls: list[tuple[str, Any]]) -> None:
+        self.name, self.keys, self._calls = name, keys, calls
+
+    def once(self, key: Any) -> float:
+        self._calls.append((self.name, key))
+        return float(len(self._calls))
+
+
+def test_rounds_run_each_point_on_every_side_in_turn() -> None:
     from pdserve.bench.micro.engine_results import DecodePoint
 
-    calls: list[tuple[int, int]] = []
+    p, d1, d8 = (
+        ("prefill", 16),
+        ("decode", DecodePoint(1, 128, 4)),
+        ("decode", DecodePoint(8, 128, 4)),
+    )
+    calls: list[tuple[str, Any]] = []
+    a = _FakeSystem("a", [p, d1, d8], calls)
+    b = _FakeSystem("b", [p, d1], calls)
+    got = eb.run_rounds([a, b], 2)
+    # Each point on a then b in the warm-up round and round 2, b then a in round 1; b has no d8.
+    warm = [("a", p), ("b", p), ("a", d1), ("b", d1), ("a", d8)]
+    reverse = [("b", p), ("a", p), ("b", d1), ("a", d1), ("a", d8)]
+    assert calls == warm + reverse + warm
+    assert got["a"] == {p: [7.0, 11.0], d1: [9.0, 13.0], d8: [10.0, 15.0]}  # warm-up dropped
+    assert got["b"] == {p: [6.0, 12.0], d1: [8.0, 14.0]}
 
-    def fake_once(engine: Any, point: DecodePoint, gen: Any) -> tuple[float, float]:
-        calls.append((point.batch, point.context))
-        return 0.01 * len(calls), float(point.context)
 
-    monkeypatch.setattr(em, "_decode_once", fake_once)
-    points = [DecodePoint(1, 128, 4), DecodePoint(8, 128, 4)]
-    engine = argparse.Namespace(quantization="none")
-    got = em.pdserve_decode(engine, points, 3, gen=None)  # type: ignore[arg-type]
-    assert calls == [(1, 128), (8, 128)] * 4  # one warm-up each, then three rounds
-    assert got[points[0]] == ([0.03, 0.05, 0.07], 128.0)
-    assert got[points[1]] == ([0.04, 0.06, 0.08], 128.0)
+def test_peer_ratios_pair_the_samples_of_each_round() -> None:
+    # pdserve ran 2x faster than the peer in two rounds of three while the machine drifted:
+    # the median of the rounds' ratios says 2x, the ratio of the medians would say 1x.
+    row = _decode(1, 1024, 2.0, samples=[1.0, 3.0, 2.0])
+    row.hf_samples_s, row.hf_tokens_per_s = [2.0, 6.0, 1.0], 0.5
+    row.cpp_samples_s, row.cpp_tokens_per_s = [4.0], 0.25  # not from the same rounds
+    assert row.ratio == pytest.approx(2.0)
+    assert row.cpp_ratio == pytest.approx((1 / 2.0) / 0.25)  # the medians' speeds
+    row.hf_samples_s, row.hf_tokens_per_s = [], None
+    assert row.ratio is None

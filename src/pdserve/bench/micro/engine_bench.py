@@ -22,8 +22,16 @@ through the P/D hand-off API (`reserve_kv`, `write_kv` of random K/V for C token
 `admit_prefilled`), so every request decodes from C tokens of context in its own KV blocks
 without B prefills of C tokens (minutes at B=32, C=2048; they do not change a decode step's
 work). After one warm-up step, `--decode-steps` steps are timed; tokens/s = B * steps / time.
-The `--repeats` go round the decode points (every point once, then every point again), so
-ratios between points compare samples taken close together on a machine whose speed drifts.
+Rounds (`run_rounds`): a warm-up round, then `--repeats` rounds; a round goes through the
+points (prefill lengths, then decode points), and each point runs once on every side that has
+it (each pdserve variant, transformers, llama.cpp), back to back, the sides in reverse order
+every other round. So sample i of every side and point comes from round i: the ratios between
+sides compare samples taken seconds apart, and those between points (batch 8 / batch 1,
+C=2048 / C=128) samples of the same round, not a side's repeats against another's a quarter
+of an hour later. A ratio against a peer is the median of the rounds' ratios (`paired_ratio`): on a
+shared VM whose speed drifts by 1.3x between runs, the old order (all of pdserve, then all of
+transformers) put pdserve's prefill at 2048 tokens at 0.90x, 0.99x and 1.01x of transformers'
+in three runs.
   MBU = (weight bytes + KV bytes) / step time / read GB/s, with
         weight bytes = the projection and LM head matrices as stored (int8 + scales when
                        quantized; `quant.projection_bytes`) (a step reads only its tokens' rows
@@ -48,7 +56,7 @@ llama.cpp (llama-cpp-python on the same GGUF, its own Q4_1 kernels, the same thr
 installed; `make bench-peers`): prefill = one `eval` of an n-token prompt from an empty cache;
 decode (batch 1 only: the Python API runs one sequence) = `eval` of C random tokens, one
 warm-up token, then `--decode-steps` single-token `eval`s timed (its sampling is left out).
-Every number is the median over `--repeats` runs, each after a warm-up run.
+Every number is the median over the `--repeats` rounds, after the warm-up round.
 
 Code: this module is the command (flags, run); `engine_results` the rows, roofline and
 model cost; `engine_measure` the roofline and pdserve; `engine_peers` transformers and
@@ -59,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import shlex
 from pathlib import Path
@@ -67,15 +74,25 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve import argtypes
 from pdserve.bench import common
-from pdserve.bench.micro.engine_measure import build_engine, measure_roofline, run_pdserve
-from pdserve.bench.micro.engine_peers import llama_cpp_version, run_hf, run_llama_cpp
+from pdserve.bench.micro.engine_measure import (
+    PdserveSystem,
+    build_engine,
+    measure_roofline,
+    pdserve_rows,
+)
+from pdserve.bench.micro.engine_peers import (
+    HFSystem,
+    attach_peer,
+    llama_cpp_system,
+    llama_cpp_version,
+)
 from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
-from pdserve.bench.micro.engine_results import ModelCost, Report, Row, log
+from pdserve.bench.micro.engine_results import SEED, Key, ModelCost, Report, Row, System, log
 from pdserve.config import DECODE_MATMULS, KV_CACHE_DTYPES, QUANTIZATIONS
+from pdserve.engine.quant import projection_bytes
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.loader import ModelSource
 
 SETTINGS = (
     "prompt_lens",
@@ -222,25 +239,30 @@ def run(args: argparse.Namespace) -> int:
     _warn_if_busy(machine)
     log(f"roofline with {threads} threads")
     roof = measure_roofline()
-    rows: list[Row] = []
-    model: dict[str, Any] = {}
-    source: ModelSource | None = None
+    gen = torch.Generator().manual_seed(SEED)
+    engines: list[tuple[PdserveSystem, ModelCost]] = []
     for q, kv, mm in variants(args):
         label = variant_label(q, kv, mm)
         log(f"loading pdserve engine ({label})")
         engine = build_engine(args, threads, q, kv, mm)
         cost = ModelCost.from_arch(engine.arch, engine.dtype.itemsize, engine.cache.dtype.itemsize)
-        rows += run_pdserve(args, engine, cost, roof, label)
-        source, model = engine.source, model or model_info(engine, cost)
-        from pdserve.engine.quant import projection_bytes
-
-        model["weight_bytes_per_step"][q] = projection_bytes(engine.model)
-        del engine
-        gc.collect()
-    assert source is not None
-    if not args.no_hf:
-        run_hf(args, source, rows)
-    notes = [] if args.no_llama_cpp else [run_llama_cpp(args, source, threads, rows)]
+        engines.append((PdserveSystem(label, engine, args, gen), cost))
+    first = engines[0][0]
+    source, keys = first.engine.source, first.keys
+    systems: list[System] = [s for s, _ in engines]
+    hf = None if args.no_hf else HFSystem(args, source, keys)
+    cpp, note = (None, None) if args.no_llama_cpp else llama_cpp_system(args, source, threads, keys)
+    systems += [s for s in (hf, cpp) if s is not None]
+    samples = run_rounds(systems, args.repeats)
+    rows: list[Row] = []
+    model = model_info(first.engine, engines[0][1])
+    for system, cost in engines:
+        rows += pdserve_rows(args, system, samples[system.name], cost, roof)
+        q = system.engine.quantization
+        model["weight_bytes_per_step"][q] = projection_bytes(system.engine.model)
+    for side, peer in (("hf", hf), ("cpp", cpp)):
+        if peer is not None:
+            attach_peer(rows, side, samples[peer.name])
     machine["load_average_end"] = list(os.getloadavg())
     rep = Report(
         date=date,
@@ -251,10 +273,29 @@ def run(args: argparse.Namespace) -> int:
         roofline=roof,
         rows=rows,
         targets=evaluate_targets(rows),
-        notes=notes,
+        notes=[] if note is None else [note],
     )
     common.write(render_markdown(rep), report_json(rep), args)
     return 0
+
+
+def run_rounds(systems: list[System], repeats: int) -> dict[str, dict[Key, list[float]]]:
+    """A warm-up round (discarded), then `repeats` rounds; a round goes through the points in
+    order, and each point runs once on every side that has it, back to back: the sides in
+    turn, in reverse order every other round (so no side always runs first). Sample i of every
+    side and point comes from round i, seconds apart from the other sides' sample i. Returns
+    each system's samples per point."""
+    samples: dict[str, dict[Key, list[float]]] = {s.name: {k: [] for k in s.keys} for s in systems}
+    keys = list(dict.fromkeys(k for s in systems for k in s.keys))
+    for r in range(repeats + 1):
+        log("warm-up round" if r == 0 else f"round {r}/{repeats}")
+        for key in keys:
+            for system in systems if r % 2 == 0 else systems[::-1]:
+                if key in samples[system.name]:
+                    seconds = system.once(key)
+                    if r > 0:
+                        samples[system.name][key].append(seconds)
+    return samples
 
 
 def _warn_if_busy(machine: dict[str, Any]) -> None:

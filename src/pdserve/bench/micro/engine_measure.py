@@ -15,9 +15,9 @@ from pdserve.bench import common
 from pdserve.bench.micro.engine_results import (
     BANDWIDTH_MIB,
     MATMUL_N,
-    SEED,
     WARMUP_STEPS,
     DecodePoint,
+    Key,
     ModelCost,
     Roofline,
     Row,
@@ -131,25 +131,29 @@ def _prefill_once(engine: LLMEngine, ids: list[int]) -> float:
     return seconds
 
 
-def pdserve_decode(
-    engine: LLMEngine, points: list[DecodePoint], repeats: int, gen: torch.Generator
-) -> dict[DecodePoint, tuple[list[float], float]]:
-    """Per point: seconds per decode step for each timed repeat, and the mean keys attended
-    per step. The repeats go round the points (B=1, B=8, B=1, B=8, ...), so the ratios between
-    points (batch 8 / batch 1, C=2048 / C=128) compare samples taken minutes apart at most
-    rather than a whole point's repeats against another's: on a shared VM whose speed drifts
-    by 1.3x between runs, that is what keeps a ratio from measuring the drift."""
-    for point in points:
-        log(f"pdserve ({engine.quantization}) decode warm-up B={point.batch} C={point.context}")
-        _decode_once(engine, point, gen)
-    runs: dict[DecodePoint, list[tuple[float, float]]] = {p: [] for p in points}
-    for i in range(repeats):
-        log(
-            f"pdserve ({engine.quantization}) decode repeat {i + 1}/{repeats}, {len(points)} points"
-        )
-        for point in points:
-            runs[point].append(_decode_once(engine, point, gen))
-    return {p: ([r[0] for r in rs], rs[0][1]) for p, rs in runs.items()}
+class PdserveSystem:
+    """One pdserve engine (a quantization / KV dtype variant) as a side of the rounds: its
+    prompt lengths and decode points, one timed sample at a time."""
+
+    def __init__(
+        self, label: str, engine: LLMEngine, args: argparse.Namespace, gen: torch.Generator
+    ) -> None:
+        self.name = f"pdserve ({label})"
+        self.label, self.engine, self.gen = label, engine, gen
+        self.keys: list[Key] = [("prefill", n) for n in args.prompt_lens]
+        self.keys += [("decode", p) for p in decode_points(args)]
+        self.contexts: dict[DecodePoint, float] = {}  # mean keys attended per timed step
+
+    def once(self, key: Key) -> float:
+        what = key[1]
+        if isinstance(what, DecodePoint):
+            seconds, self.contexts[what] = _decode_once(self.engine, what, self.gen)
+            return seconds
+        return _prefill_once(self.engine, common.random_ids(self.gen, what, self.vocab))
+
+    @property
+    def vocab(self) -> int:
+        return self.engine.arch.vocab_size
 
 
 def admit_decoding(engine: LLMEngine, point: DecodePoint, gen: torch.Generator) -> list[str]:
@@ -235,35 +239,26 @@ def decode_points(args: argparse.Namespace) -> list[DecodePoint]:
     return [DecodePoint(b, c, args.decode_steps) for c in args.contexts for b in args.batch_sizes]
 
 
-def run_pdserve(
+def pdserve_rows(
     args: argparse.Namespace,
-    engine: LLMEngine,
+    system: PdserveSystem,
+    samples: dict[Key, list[float]],
     cost: ModelCost,
     roof: Roofline,
-    label: str | None = None,
 ) -> list[Row]:
-    """Every prefill and decode point on this engine; rows carry `label` (default: the
-    engine's quantization) as their variant."""
-    import torch
-
+    """The rows of one pdserve variant from its rounds' samples, each decode row with its
+    attention share (measured here, after the rounds)."""
     from pdserve.engine.quant import projection_bytes
 
-    gen = torch.Generator().manual_seed(SEED)
-    q = label or engine.quantization
+    engine, q = system.engine, system.label
     weight_bytes = projection_bytes(engine.model)
-    rows = []
-    for n in args.prompt_lens:
-        log(f"pdserve ({q}) prefill {n}")
-        samples = pdserve_prefill(engine, n, args.repeats, gen)
-        rows.append(_prefill_row(n, samples, cost, roof, q))
-    points = decode_points(args)
-    measured = pdserve_decode(engine, points, args.repeats, gen)
-    for point in points:
-        samples, ctx = measured[point]
-        row = _decode_row(point, samples, ctx, cost, roof, q, weight_bytes)
+    rows = [_prefill_row(n, samples[("prefill", n)], cost, roof, q) for n in args.prompt_lens]
+    for point in decode_points(args):
+        ctx = system.contexts[point]
+        row = _decode_row(point, samples[("decode", point)], ctx, cost, roof, q, weight_bytes)
         if not args.no_attention:
             log(f"pdserve ({q}) attention share B={point.batch} C={point.context}")
-            row.attention_share = attention_share(engine, point, gen)
+            row.attention_share = attention_share(engine, point, system.gen)
         rows.append(row)
     return rows
 

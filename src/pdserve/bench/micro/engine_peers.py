@@ -1,19 +1,27 @@
 """`pdserve bench engine`'s peers on the same weights and threads: Hugging Face transformers
-(prefill and batched decode) and llama.cpp (prefill and batch-1 decode, when installed). Each
-is measured once per point and its numbers are shown beside every quantization's row. The method
-is in `pdserve.bench.micro.engine_bench`."""
+(prefill and batched decode) and llama.cpp (prefill and batch-1 decode, when installed), each a
+side of the rounds (`engine_bench.run_rounds`). Each is measured once per point and round, and
+its numbers are shown beside every quantization's row. The method is in
+`pdserve.bench.micro.engine_bench`."""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import inspect
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench import common
-from pdserve.bench.micro.engine_results import SEED, WARMUP_STEPS, DecodePoint, Row, log
+from pdserve.bench.micro.engine_results import (
+    SEED,
+    WARMUP_STEPS,
+    DecodePoint,
+    Key,
+    Row,
+    key_label,
+    log,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -61,20 +69,34 @@ class HFRunner:
         return out.logits[:, -1].argmax(-1, keepdim=True), cache
 
 
-def hf_prefill_times(hf: HFRunner, n: int, repeats: int, gen: torch.Generator) -> list[float]:
-    import torch
+class HFSystem:
+    """Transformers as a side of the rounds: every prompt length, and the decode points whose
+    B * C is within --hf-max-kv-tokens (its cache grows by concatenation)."""
 
-    ids = torch.tensor([common.random_ids(gen, n, hf.model.config.vocab_size)])
-    with torch.inference_mode():
-        return common.sample_times(lambda: hf.prefill(ids), repeats)
+    name = "transformers"
 
+    def __init__(self, args: argparse.Namespace, source: ModelSource, points: list[Key]) -> None:
+        import torch
 
-def hf_decode_times(
-    hf: HFRunner, point: DecodePoint, repeats: int, gen: torch.Generator
-) -> list[float]:
-    """Seconds per greedy decode step of B requests from C tokens of (random) KV, per repeat."""
-    _hf_decode_once(hf, point, gen)  # warm-up
-    return [_hf_decode_once(hf, point, gen) for _ in range(repeats)]
+        log("transformers: loading the same weights")
+        self.hf = HFRunner(load_hf(source))
+        self.gen = torch.Generator().manual_seed(SEED)
+        self.keys = [
+            k
+            for k in points
+            if not isinstance(k[1], DecodePoint)
+            or k[1].batch * k[1].context <= args.hf_max_kv_tokens
+        ]
+
+    def once(self, key: Key) -> float:
+        import torch
+
+        what = key[1]
+        if isinstance(what, DecodePoint):
+            return _hf_decode_once(self.hf, what, self.gen)
+        ids = torch.tensor([common.random_ids(self.gen, what, self.hf.model.config.vocab_size)])
+        with torch.inference_mode():
+            return common.timed(lambda: self.hf.prefill(ids))
 
 
 def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> float:
@@ -100,30 +122,17 @@ def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> f
         return common.timed(step, point.steps) / point.steps
 
 
-def _same_point(rows: list[Row], row: Row) -> list[Row]:
-    """Rows of every quantization at `row`'s point (peers are measured once per point)."""
-    return [r for r in rows if r.label == row.label]
-
-
-def run_hf(args: argparse.Namespace, source: ModelSource, rows: list[Row]) -> None:
-    import torch
-
-    log("transformers: loading the same weights")
-    hf = HFRunner(load_hf(source))
-    gen = torch.Generator().manual_seed(SEED)
-    for row in [r for r in rows if r.quantization == rows[0].quantization]:
-        if row.phase == "decode" and row.size * row.nominal_context > args.hf_max_kv_tokens:
+def attach_peer(rows: list[Row], side: str, samples: dict[Key, list[float]]) -> None:
+    """A peer's samples ("hf" or "cpp") beside every quantization's row of the same point."""
+    by_label = {key_label(k): v for k, v in samples.items()}
+    for row in rows:
+        got = by_label.get(row.label)
+        if not got:
             continue
-        log(f"transformers {row.label}")
-        if row.phase == "prefill":
-            samples = hf_prefill_times(hf, row.size, args.repeats, gen)
-        else:
-            point = DecodePoint(row.size, row.nominal_context, args.decode_steps)
-            samples = hf_decode_times(hf, point, args.repeats, gen)
-        for same in _same_point(rows, row):
-            same.hf_samples_s = samples
-            same.hf_seconds = statistics.median(samples)
-            same.hf_tokens_per_s = row.size / same.hf_seconds
+        seconds = statistics.median(got)
+        setattr(row, f"{side}_samples_s", got)
+        setattr(row, f"{side}_seconds", seconds)
+        setattr(row, f"{side}_tokens_per_s", row.size / seconds)
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -137,44 +146,45 @@ def llama_cpp_version() -> str | None:
     return str(llama_cpp.__version__)
 
 
-def run_llama_cpp(
-    args: argparse.Namespace, source: ModelSource, threads: int, rows: list[Row]
-) -> str:
-    """Fill the llama.cpp columns (prefill, decode B=1); returns a note on what ran."""
+def llama_cpp_system(
+    args: argparse.Namespace, source: ModelSource, threads: int, points: list[Key]
+) -> tuple[CppSystem | None, str]:
+    """llama.cpp as a side of the rounds (or None), and a note on what ran."""
     if source.kind != "gguf":
-        return "llama.cpp: not run (the model is not a GGUF file)"
+        return None, "llama.cpp: not run (the model is not a GGUF file)"
     if llama_cpp_version() is None:
-        return "llama.cpp: not run (llama-cpp-python is not installed; `make bench-peers`)"
-    import torch
-    from llama_cpp import Llama
+        return None, "llama.cpp: not run (llama-cpp-python is not installed; `make bench-peers`)"
+    note = f"llama.cpp: llama-cpp-python {llama_cpp_version()}, decode at batch 1 only"
+    return CppSystem(args, source, threads, points), note
 
-    n_ctx = max(*args.prompt_lens, max(args.contexts) + WARMUP_STEPS + args.decode_steps + 2)
-    log("llama.cpp: loading the same GGUF")
-    llm = Llama(
-        model_path=str(source.path), n_ctx=n_ctx, n_batch=max(args.prompt_lens),
-        n_ubatch=max(args.prompt_lens), n_threads=threads, n_threads_batch=threads,
-        verbose=False,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(SEED)
-    vocab = llm.n_vocab()
-    for row in [r for r in rows if r.quantization == rows[0].quantization]:
-        if row.phase == "decode" and row.size != 1:
-            continue
-        log(f"llama.cpp {row.label}")
-        if row.phase == "prefill":
-            samples = common.sample_times(
-                functools.partial(_cpp_prefill, llm, gen, row.size, vocab), args.repeats
-            )
-        else:
-            c = row.nominal_context
-            samples = [
-                _cpp_decode(llm, gen, c, args.decode_steps, vocab) for _ in range(args.repeats + 1)
-            ][1:]
-        for same in _same_point(rows, row):
-            same.cpp_samples_s = samples
-            same.cpp_seconds = statistics.median(samples)
-            same.cpp_tokens_per_s = row.size / same.cpp_seconds
-    return f"llama.cpp: llama-cpp-python {llama_cpp_version()}, decode at batch 1 only"
+
+class CppSystem:
+    """llama.cpp: every prompt length, decode at batch 1 (the Python API runs one sequence)."""
+
+    name = "llama.cpp"
+
+    def __init__(
+        self, args: argparse.Namespace, source: ModelSource, threads: int, points: list[Key]
+    ) -> None:
+        import torch
+        from llama_cpp import Llama
+
+        n_ctx = max(*args.prompt_lens, max(args.contexts) + WARMUP_STEPS + args.decode_steps + 2)
+        log("llama.cpp: loading the same GGUF")
+        self.llm = Llama(
+            model_path=str(source.path), n_ctx=n_ctx, n_batch=max(args.prompt_lens),
+            n_ubatch=max(args.prompt_lens), n_threads=threads, n_threads_batch=threads,
+            verbose=False,
+        )  # fmt: skip
+        self.gen = torch.Generator().manual_seed(SEED)
+        self.vocab = self.llm.n_vocab()
+        self.keys = [k for k in points if not isinstance(k[1], DecodePoint) or k[1].batch == 1]
+
+    def once(self, key: Key) -> float:
+        what = key[1]
+        if isinstance(what, DecodePoint):
+            return _cpp_decode(self.llm, self.gen, what.context, what.steps, self.vocab)
+        return _cpp_prefill(self.llm, self.gen, what, self.vocab)
 
 
 def _cpp_prefill(llm: Any, gen: torch.Generator, n: int, vocab: int) -> float:

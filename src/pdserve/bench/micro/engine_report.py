@@ -182,7 +182,9 @@ def _header(rep: Report) -> list[str]:
         f"{roof.sum_gbs:.1f} and matvec {roof.matvec_gbs:.1f}: the MBU reference); copy "
         f"{roof.copy_gbs:.1f} GB/s ((read + written) / time)",
         f"- decode: requests admitted with C tokens of random KV, {WARMUP_STEPS} warm-up + "
-        f"{st['decode_steps']} timed steps; every number is a median of {st['repeats']} runs",
+        f"{st['decode_steps']} timed steps; every number is a median of {st['repeats']} rounds "
+        "(every side and point once a round, in turn); pdserve/HF and pdserve/llama.cpp are "
+        "medians of the rounds' ratios",
         *(f"- {note}" for note in rep.notes),
     ]
 

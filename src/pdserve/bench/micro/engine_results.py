@@ -5,9 +5,10 @@ method and formulas are in `pdserve.bench.micro.engine_bench`."""
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.bench import common
 
@@ -107,17 +108,33 @@ class Row:
 
     @property
     def ratio(self) -> float | None:
-        return None if not self.hf_tokens_per_s else self.tokens_per_s / self.hf_tokens_per_s
+        """pdserve's speed over transformers' (see paired_ratio)."""
+        return paired_ratio(
+            self.samples_s, self.hf_samples_s, self.tokens_per_s, self.hf_tokens_per_s
+        )
 
     @property
     def cpp_ratio(self) -> float | None:
-        return None if not self.cpp_tokens_per_s else self.tokens_per_s / self.cpp_tokens_per_s
+        return paired_ratio(
+            self.samples_s, self.cpp_samples_s, self.tokens_per_s, self.cpp_tokens_per_s
+        )
 
     @property
     def spread(self) -> float:
         """Largest max/min over the timed repeats of any side: > NOISY_SPREAD is suspect."""
         sides = (self.samples_s, self.hf_samples_s, self.cpp_samples_s)
         return max((max(s) / min(s) for s in sides if s), default=1.0)
+
+
+def paired_ratio(
+    mine: list[float], theirs: list[float], speed: float, their_speed: float | None
+) -> float | None:
+    """How many times faster pdserve ran than a peer: with both sides' samples (seconds for the
+    same work, sample i of each taken in round i: side by side), the median of the rounds'
+    ratios; else the ratio of the median speeds (tokens/s); None without the peer."""
+    if mine and len(mine) == len(theirs):
+        return statistics.median(t / m for m, t in zip(mine, theirs, strict=True))
+    return None if not their_speed else speed / their_speed
 
 
 @dataclass
@@ -135,6 +152,28 @@ class DecodePoint:
     batch: int
     context: int  # C: tokens of KV each request starts from
     steps: int
+
+
+# What a system measures: ("prefill", prompt length) or ("decode", point).
+Key = tuple[str, int] | tuple[str, DecodePoint]
+
+
+def key_label(key: Key) -> str:
+    """The label of the row a key's samples belong to (Row.label)."""
+    what = key[1]
+    if isinstance(what, DecodePoint):
+        return f"decode B={what.batch} C={what.context}"
+    return f"prefill {what}"
+
+
+class System(Protocol):
+    """One side of the comparison (a pdserve variant, transformers, llama.cpp): its points,
+    and one timed sample of a point (seconds per prefill, or per decode step)."""
+
+    name: str
+    keys: list[Key]
+
+    def once(self, key: Key) -> float: ...
 
 
 def log(msg: str) -> None:
