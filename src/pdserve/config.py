@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 # Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
-QUANTIZATIONS = ("auto", "none", "int8", "w8g32", "w8a8", "gguf", "gguf-a8")
+QUANTIZATIONS = ("auto", "none", "int8", "w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How matmuls of a few rows (decode steps) run on float32 weights (engine/quant.py).
 DECODE_MATMULS = ("auto", "tiles", "torch")
@@ -34,8 +34,8 @@ DECODE_MATMULS = ("auto", "tiles", "torch")
 # 3.0e-7 (the float16 cache's own cost: float32 weights over it measured the same), a tenth of
 # w8g32's agreement loss at a ten-thousandth of its KL, for half the KV bytes per token. gguf-a8
 # (the file's weights, int8 activations): 55.0% / KL 1.80e-3 with float16 against 52.6% / 1.87e-3
-# with float32 (the activations' rounding dominates).
-FLOAT16_KV_QUANTIZATIONS = ("w8g32", "gguf", "gguf-a8")
+# with float32 (the activations' rounding dominates). gguf-a16 (int16 activations): as gguf.
+FLOAT16_KV_QUANTIZATIONS = ("w8g32", "gguf", "gguf-a8", "gguf-a16")
 
 
 def cache_dir() -> Path:
@@ -85,7 +85,8 @@ class ModelConfig:
         "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
         "channel, float32 activations) | w8a8 (the same weights, activations int8 with one scale "
         "per 32 inputs, integer dot products) | gguf (a GGUF file's own Q4_1 / Q8_0 weights as "
-        "stored, float32 activations) | gguf-a8 (the same weights, w8a8's int8 activations); "
+        "stored, float32 activations) | gguf-a8 (the same weights, w8a8's int8 activations) | "
+        "gguf-a16 (the same weights, int16 activations per 32 inputs); "
         "quantized: CPU, float32 only",
     )
     decode_matmul: str = _f(

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         help=(
-            "projection weights: auto | none | int8 | w8g32 | w8a8 | gguf | gguf-a8 "
+            "projection weights: auto | none | int8 | w8g32 | w8a8 | gguf | gguf-a8 | gguf-a16 "
             "(auto: what serve runs)"
         ),
     )

@@ -33,11 +33,14 @@ Candidates (`--variants`):
   * gguf-a8: what `--quantization gguf-a8` runs: the same file tensors times int8 activations
     per 32 inputs (kernels/w8a8.cpp's matmul_q4_1, the head on w8a8), q|k|v on float32
     activations (llama.cpp's own method, but for q|k|v);
+  * gguf-a16: what `--quantization gguf-a16` runs: the same file tensors times int16 activations
+    per 32 inputs (kernels/w8a8.cpp's matmul_q4_1_a16), every Q4_1 projection; the Q8_0 head
+    as under gguf;
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
-    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16, gguf(-a8)+kv-float16: both (the
-    first is what `--quantization w8g32` runs by default: config.FLOAT16_KV_QUANTIZATIONS).
-    Every other
-    variant keeps a float32 KV cache: the weights alone.
+    `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16, gguf(-a8, -a16)+kv-float16:
+    both (the first is what `--quantization w8g32` runs by default:
+    config.FLOAT16_KV_QUANTIZATIONS). Every other variant keeps a float32 KV cache: the weights
+    alone.
 llama.cpp (llama-cpp-python, when installed): the same token ids, greedy (`temp=0`) for the
 agreement; `logits_all` over prompt + reference tokens for the KL. Its Q4_1 matmuls quantize
 activations to 8 bits per block of 32 (Q8_1) and use the file's own 4-bit weights.
@@ -89,6 +92,8 @@ VARIANTS = (
     "gguf+kv-float16",
     "gguf-a8",
     "gguf-a8+kv-float16",
+    "gguf-a16",
+    "gguf-a16+kv-float16",
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
@@ -200,7 +205,8 @@ def _set_kv_dtype(engine: LLMEngine, name: str) -> None:
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     """Swap the model's projections for `variant`'s (None: back to float32) and its KV cache's
     dtype; the float weights stay, so one loaded model serves every variant."""
-    from pdserve.engine.quant import LAYER_PROJECTIONS, W8A8_FLOAT_ACTIVATIONS, FusedOps, layers_of
+    from pdserve.engine.quant import LAYER_PROJECTIONS, FusedOps, layers_of
+    from pdserve.engine.quant_gguf import GGUF_QUANTIZATIONS, activations_of
 
     weights, _, kv = (variant or "").partition("kv-")
     _set_kv_dtype(engine, kv or "float32")
@@ -208,7 +214,7 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     model = engine.model
     # The real w8g32 / w8a8 / gguf variants run what `--quantization` runs: its native RMSNorm /
     # RoPE too.
-    file = variant in ("gguf", "gguf-a8")  # the GGUF file's own tensors
+    file = variant in GGUF_QUANTIZATIONS  # the GGUF file's own tensors
     real = file or variant in ("w8g32", "w8g32-head-f32") or (variant or "").startswith("w8a8")
     fused = FusedOps() if real else None
     model.fused = fused
@@ -220,16 +226,15 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
         for proj in LAYER_PROJECTIONS:
             bias = layer.qkv_bias if proj == "qkv" else None
             w = getattr(layer, proj)
-            a8 = variant == "gguf-a8" and proj not in W8A8_FLOAT_ACTIVATIONS
             layer.quantized[proj] = (
-                _file_projection(engine, i, proj, w, bias, a8)
+                _file_projection(engine, i, proj, w, bias, activations_of(variant, proj))
                 if file
                 else _projection(variant, w, bias, proj)
             )
     head = variant is not None and variant not in HEAD_F32
     if file:
-        a8 = variant == "gguf-a8"
-        model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None, a8)
+        acts = activations_of(variant or "", "head")
+        model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None, acts)
     else:
         model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
 
@@ -243,10 +248,10 @@ def _file_projection(
     proj: str,
     w: torch.Tensor,
     bias: torch.Tensor | None,
-    int8_activations: bool = False,
+    activations: str = "float",
 ) -> Any:
-    """What `--quantization gguf` (or gguf-a8: `int8_activations`) runs for projection `proj` of
-    `layer` (-1: the LM head); the file's tensors are read once per engine."""
+    """What `--quantization gguf` (gguf-a8, gguf-a16: `activations`) runs for projection `proj`
+    of `layer` (-1: the LM head); the file's tensors are read once per engine."""
     from pdserve.engine import quant, quant_gguf
 
     if id(engine) not in _FILE_WEIGHTS:
@@ -254,7 +259,7 @@ def _file_projection(
         _FILE_WEIGHTS[id(engine)] = quant_gguf.gguf_weights(engine.source, engine.arch)
     tensors = _FILE_WEIGHTS[id(engine)]
     parts = [tensors[n] for n in quant.file_tensor_names(engine.model, layer, proj)]
-    return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}", int8_activations)
+    return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}", activations)
 
 
 # --------------------------------------------------------------------------- measuring

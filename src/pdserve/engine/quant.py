@@ -1,7 +1,8 @@
-"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8 | gguf | gguf-a8`.
+"""Quantized projection weights: `--quantization none | int8 | w8g32 | w8a8 | gguf | gguf-a8 |
+gguf-a16`.
 
-`gguf` runs a GGUF file's own Q4_1 / Q8_0 weights as stored, `gguf-a8` the same weights
-against int8 activations (engine/quant_gguf.py).
+`gguf` runs a GGUF file's own Q4_1 / Q8_0 weights as stored, `gguf-a8` and `gguf-a16` the same
+weights against int8 / int16 activations (engine/quant_gguf.py).
 
 `w8a8` stores the same int8 weights as w8g32 and quantizes the activations too, one scale per
 32 inputs per row (llama.cpp's Q8 activations): integer dot products (kernels/w8a8.cpp) do 4
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
     from pdserve.engine.quant_gguf import GgufWeight
 
 LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The quantizations that run pdserve's own kernels (w8g32.cpp, w8a8.cpp, q4_1.cpp) and its
+# native RMSNorm / RoPE / silu * up (FusedOps).
+NATIVE_QUANTIZATIONS = ("w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
 
 
 class Projection(Protocol):
@@ -83,7 +87,7 @@ def check_supported(name: str, device: torch.device, dtype: torch.dtype) -> None
         raise ValueError(
             f"quantization {name!r} takes float32 activations; use --dtype float32, not {dtype}"
         )
-    if name in ("w8g32", "w8a8", "gguf", "gguf-a8"):
+    if name in NATIVE_QUANTIZATIONS:
         from pdserve.engine import kernels
 
         if not kernels.cpu_supported():
@@ -530,21 +534,20 @@ def quantize_model(
         return
     if name in quant_gguf.GGUF_QUANTIZATIONS and gguf is None:
         raise ValueError(f"quantization {name} runs a GGUF file's own weights; this model has none")
-    int8 = name == "gguf-a8"  # the file's weights, int8 activations
     for i, layer in enumerate(layers_of(model)):
         for proj in LAYER_PROJECTIONS:
             weight = getattr(layer, proj)
             bias = layer.qkv_bias if proj == "qkv" else None
             if gguf is not None:
                 parts = [gguf[n] for n in file_tensor_names(model, i, proj)]
-                a8 = int8 and proj not in W8A8_FLOAT_ACTIVATIONS
-                quantized = quant_gguf.projection(parts, weight, bias, f"layer {i} {proj}", a8)
+                acts = quant_gguf.activations_of(name, proj)
+                quantized = quant_gguf.projection(parts, weight, bias, f"layer {i} {proj}", acts)
             else:
                 quantized = quantize(name, weight, bias, proj)
             if quantized is not None:
                 layer.quantized[proj] = cast(Projection, quantized)
                 weight.data = weight.data.new_empty(0)
-    if name in ("w8g32", "w8a8", "gguf", "gguf-a8"):
+    if name in NATIVE_QUANTIZATIONS:
         fused = FusedOps()
         model.fused = fused
         for layer in layers_of(model):
@@ -552,7 +555,8 @@ def quantize_model(
     if head:
         if gguf is not None:
             parts = [gguf[n] for n in file_tensor_names(model, -1, "head")]
-            found = quant_gguf.projection(parts, model.lm_head, None, "the LM head", int8)
+            acts = quant_gguf.activations_of(name, "head")
+            found = quant_gguf.projection(parts, model.lm_head, None, "the LM head", acts)
             model.quantized_head = cast("Projection | None", found)
         else:
             model.quantized_head = quantize(name, model.lm_head, proj="head")

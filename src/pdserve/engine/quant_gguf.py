@@ -19,6 +19,13 @@ llama.cpp's Q8 activations): Q4_1 on kernels/w8a8.cpp's matmul_q4_1 (integer dot
 codes), Q8_0 on W8A8Linear, q|k|v on float activations as under w8a8
 (quant.W8A8_FLOAT_ACTIVATIONS). The speed of integer arithmetic where a batch of rows makes the
 float kernel compute-bound, for the activations' rounding.
+
+`gguf-a16` runs the same Q4_1 weights against int16 activations (one scale per 32 inputs per
+row; kernels/w8a8.cpp's matmul_q4_1_a16), every projection, at every row count (decode and
+prefill): the codes are multiplied as integers (vpdpwssd / vpmaddwd) instead of widened to
+float one by one, and the rounding (2^-16 of each block's largest input) is below the float16
+KV cache's. The Q8_0 LM head keeps float activations (w8g32: no int16 kernel for it; at batch 1
+it is a memory-bound read).
 """
 
 from __future__ import annotations
@@ -38,8 +45,8 @@ from pdserve.engine.quant import RowsLinear, StreamedLinear, W8A8Linear, W8G32Li
 
 log = logging.getLogger(__name__)
 
-# The quantizations that run a GGUF file's own weights: float32 or int8 activations.
-GGUF_QUANTIZATIONS = ("gguf", "gguf-a8")
+# The quantizations that run a GGUF file's own weights: float32, int8 or int16 activations.
+GGUF_QUANTIZATIONS = ("gguf", "gguf-a8", "gguf-a16")
 # GGUF block formats with a kernel here, by the name gguf.GGMLQuantizationType gives them.
 Q4_1, Q8_0 = "Q4_1", "Q8_0"
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -164,16 +171,37 @@ class Q41A8Linear(RowsLinear):
         return cast(torch.Tensor, y)
 
 
+class Q41A16Linear(Q41A8Linear):
+    """GGUF Q4_1 weights times int16 activations, one scale per 32 inputs per row (`gguf-a16`):
+    kernels/w8a8.cpp's matmul_q4_1_a16 on gguf-a8's tiles, for every row count."""
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        y = self._ops.matmul_q4_1_a16(
+            x, self.q, self.d, self.m, self.out_features, self.bias, residual
+        )
+        return cast(torch.Tensor, y)
+
+
+def activations_of(quantization: str, proj: str) -> str:
+    """What projection `proj` (or "head") of a GGUF quantization multiplies its weights with:
+    "float", "int8" (gguf-a8, but for q|k|v) or "int16" (gguf-a16)."""
+    from pdserve.engine.quant import W8A8_FLOAT_ACTIVATIONS
+
+    if quantization == "gguf-a8" and proj not in W8A8_FLOAT_ACTIVATIONS:
+        return "int8"
+    return "int16" if quantization == "gguf-a16" else "float"
+
+
 def projection(
     parts: list[GgufWeight],
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     what: str,
-    int8_activations: bool = False,
+    activations: str = "float",
 ) -> object | None:
     """The stand-in running `parts` (the file's tensors fused into this [in, out] `weight`,
-    e.g. q, k, v) in their own format, against float32 activations or (`int8_activations`,
-    gguf-a8) int8 ones; None keeps the float weight (a float file tensor)."""
+    e.g. q, k, v) in their own format, against `activations` (activations_of); None keeps the
+    float weight (a float file tensor)."""
     kinds = {p.qtype for p in parts}
     if len(kinds) != 1:
         raise ValueError(
@@ -182,9 +210,11 @@ def projection(
         )
     kind = kinds.pop()
     if kind == Q4_1:
-        return Q41A8Linear(parts, bias) if int8_activations else Q41Linear(parts, bias)
+        q41 = {"int8": Q41A8Linear, "int16": Q41A16Linear}.get(activations, Q41Linear)
+        return q41(parts, bias)
     if kind == Q8_0:  # w8g32's codes and scales are the file's (module docstring)
-        return W8A8Linear(weight, bias) if int8_activations else W8G32Linear(weight, bias)
+        # int16: no such Q8_0 kernel; float activations (module docstring).
+        return W8A8Linear(weight, bias) if activations == "int8" else W8G32Linear(weight, bias)
     if kind in FLOAT_TYPES:
         return None
     raise ValueError(

@@ -13,7 +13,8 @@ and reused by every later process.
 gguf`) has w8g32's two builds and the same choice between them.
 
 `w8a8.cpp` (int8 weights x int8 activations, one scale per 32 inputs each: `--quantization
-w8a8`; and GGUF Q4_1 weights x the same int8 activations: `--quantization gguf-a8`) is built
+w8a8`; GGUF Q4_1 weights x the same int8 activations: `--quantization gguf-a8`; and x int16
+activations: `--quantization gguf-a16`) is built
 twice too: `-mavx2 -mfma -mf16c` (vpmaddubsw) and, where the CPU has AVX-512
 VNNI (its /proc/cpuinfo flag `avx512_vnni`, which torch's capability does not report), with
 `-mavx512f -mavx512bw -mavx512vl -mavx512vnni` (vpdpbusd).

@@ -38,6 +38,18 @@
 // Layout (quant_gguf.pack_q4_1_a8): per tile and block 4 lines of 64 bytes; line i's 32-bit
 // lane c holds channel c's codes of inputs 4i..4i+3 in its low nibbles and of 16+4i..16+4i+3
 // in its high ones (ggml's own pairing of code j with code j + 16). 0.625 bytes a weight.
+//
+// matmul_q4_1_a16 (`--quantization gguf-a16`) runs the same tiles against activations rounded to
+// int16, one scale per 32 inputs per row (sx = max |x| / 32767): 2^-16 of the block's largest
+// input, under the float16 KV cache's own rounding (60 chat prompts x 64 greedy tokens: the
+// same 98.4% agreement with float32 as float activations, KL 3.0e-7 against 2.4e-7). Why: with
+// float activations every code is widened to float (zero-extend, convert) and costs an FMA per
+// 16 products; int16 pairs are multiplied and summed 32 at a time by vpdpwssd (AVX2: vpmaddwd
+// + vpaddd), and a code needs a shift and a mask. A line's 32-bit lane c, masked with
+// 0x000F000F after a shift of 0 / 4 / 8 / 12 bits, holds two codes as int16 (bytes 0 and 2,
+// low then high nibbles, then bytes 1 and 3): inputs (4i, 4i+2), (16+4i, 16+4i+2), (4i+1,
+// 4i+3), (16+4i+1, 16+4i+3). The row is quantized into that pair order, so each pair is one
+// 32-bit broadcast. The minimum term is sx * sum(xq), as gguf-a8's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -153,6 +165,51 @@ void tile_rows_q4(const int8_t* xq, int64_t ldx, const float* xs, const float* x
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
 }
+
+// gguf-a16 (see the top): rows [0, NR) of xq (int16, pair order, row stride ldx) against one
+// Q4_1 tile. U accumulator sets take alternate pairs (>= 2 chains a row with few rows).
+template <int NR, int U>
+void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
+                      int64_t G, const uint8_t* q, const at::Half* d, const at::Half* m,
+                      float* out) {
+  const __m512i mask = _mm512_set1_epi32(0x000F000F);
+  __m512 tot[NR];
+  for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* qg = q + g * kQ4Block;
+    const int16_t* xg = xq + g * kGroup;
+    __m512i acc[U][NR];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) acc[u][r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(qg + i * 64 + kPrefetch), _MM_HINT_T0);
+      const __m512i line = _mm512_loadu_si512(qg + i * 64);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i w = _mm512_and_si512(p == 0 ? line : _mm512_srli_epi32(line, 4 * p), mask);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xg + r * ldx + 8 * i + 2 * p, 4);
+          acc[p % U][r] = _mm512_dpwssd_epi32(acc[p % U][r], w, _mm512_set1_epi32(pair));
+        }
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kTile)));
+    const __m512 mv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kTile)));
+    for (int r = 0; r < NR; ++r) {
+      __m512i dot = acc[0][r];
+      for (int u = 1; u < U; ++u) dot = _mm512_add_epi32(dot, acc[u][r]);
+      tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                               _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * G + g])), tot[r]);
+      tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), mv, tot[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
+}
 #else
 constexpr const char* kIsa = "avx2";
 constexpr int64_t kRows = 4;
@@ -242,6 +299,57 @@ void tile_rows_q4(const int8_t* xq, int64_t ldx, const float* xs, const float* x
       for (int r = 0; r < NR; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
         tot[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xs[r * G + g])), tot[r]);
+        tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[r * G + g]), mv, tot[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, tot[r]);
+  }
+}
+
+// gguf-a16 with vpmaddwd (a pair's two int16 products summed in int32, <= 2 * 15 * 32767), one
+// half tile at a time as tile_rows_q4. The same int32 sums and float operations as the VNNI
+// build: the builds agree bit for bit.
+template <int NR, int U>
+void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
+                      int64_t G, const uint8_t* q, const at::Half* d, const at::Half* m,
+                      float* out) {
+  const __m256i mask = _mm256_set1_epi32(0x000F000F);
+  for (int h = 0; h < 2; ++h) {
+    __m256 tot[NR];
+    for (int r = 0; r < NR; ++r) tot[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* qg = q + g * kQ4Block + h * 32;
+      const int16_t* xg = xq + g * kGroup;
+      __m256i acc[U][NR];
+      for (int u = 0; u < U; ++u)
+        for (int r = 0; r < NR; ++r) acc[u][r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        if (h == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(qg + i * 64 + kPrefetch), _MM_HINT_T0);
+        const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + i * 64));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m256i w =
+              _mm256_and_si256(p == 0 ? line : _mm256_srli_epi32(line, 4 * p), mask);
+#pragma GCC unroll 4
+          for (int r = 0; r < NR; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, xg + r * ldx + 8 * i + 2 * p, 4);
+            acc[p % U][r] = _mm256_add_epi32(
+                acc[p % U][r], _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));
+          }
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kTile + 8 * h)));
+      const __m256 mv = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kTile + 8 * h)));
+      for (int r = 0; r < NR; ++r) {
+        __m256i dot = acc[0][r];
+        for (int u = 1; u < U; ++u) dot = _mm256_add_epi32(dot, acc[u][r]);
+        tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(dv, _mm256_set1_ps(xs[r * G + g])), tot[r]);
         tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[r * G + g]), mv, tot[r]);
       }
     }
@@ -348,6 +456,67 @@ Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G, bool sums) 
                    sums ? xsum + r * G : nullptr);
   });
   return {xq, xs, xc, xsum, ldx};
+}
+
+// gguf-a16's rows: each group of 32 inputs rounded to int16 (x * (32767 / amax), to nearest even
+// as nearbyint), stored in the pair order the tiles read (see the top: input kPairOrder[j] at
+// j), with its scale and scale x the sum of its codes. AVX2 in both builds (a Q4_1 input size
+// is a multiple of 32: whole groups only).
+constexpr int kPairOrder[kGroup] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
+                                    8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
+
+void quantize_group16(const float* x, int16_t* xq, float* xs, float* xsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    mx = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), mx);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  *xs = amax / 32767.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+  const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+  alignas(32) int32_t codes[kGroup];
+  __m256i sum8 = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i c = _mm256_min_epi32(hi, _mm256_max_epi32(lo, r));
+    sum8 = _mm256_add_epi32(sum8, c);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), c);
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *xsum = *xs * static_cast<float>(_mm_cvtsi128_si32(s4));
+  for (int j = 0; j < kGroup; ++j) xq[j] = static_cast<int16_t>(codes[kPairOrder[j]]);
+}
+
+struct Rows16 {
+  const int16_t* xq;
+  const float* xs;
+  const float* xsum;
+  int64_t ldx;
+};
+
+// As quantize_rows, in int16 (this thread's scratch, its own buffer).
+Rows16 quantize_rows16(const float* xp, int64_t M, int64_t K, int64_t G) {
+  const int64_t ldx = G * kGroup;
+  static thread_local std::vector<int32_t> scratch;
+  scratch.resize(static_cast<size_t>(M * (ldx / 2 + 2 * G)));
+  int16_t* xq = reinterpret_cast<int16_t*>(scratch.data());
+  float* xs = reinterpret_cast<float*>(scratch.data() + M * ldx / 2);
+  float* xsum = reinterpret_cast<float*>(scratch.data() + M * (ldx / 2 + G));
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      for (int64_t g = 0; g < G; ++g)
+        quantize_group16(xp + r * K + g * kGroup, xq + r * ldx + g * kGroup, xs + r * G + g,
+                         xsum + r * G + g);
+  });
+  return {xq, xs, xsum, ldx};
 }
 
 // f(std::integral_constant<int, NR>) for a block of nr rows (nr <= kRows).
@@ -482,6 +651,51 @@ torch::Tensor matmul_q4_1(torch::Tensor x, torch::Tensor q, torch::Tensor d, tor
   });
 }
 
+// As matmul_q4_1, against int16 activations (gguf-a16, see the top).
+torch::Tensor matmul_q4_1_a16(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
+                              int64_t N, c10::optional<torch::Tensor> bias,
+                              c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  check_q4_1(q, d, m, K, N);
+  const float* bp = bias_ptr(bias, N);
+  int64_t ldr;
+  const float* rp = residual_ptr(residual, M, N, &ldr);
+  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+    by_rows(nr, [&](auto c) {
+      constexpr int NR = decltype(c)::value;
+      tile_rows_q4_a16<NR, (NR == 1 ? 4 : NR == 2 ? 2 : 1)>(
+          rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G,
+          qp + t * G * kQ4Block, dp + t * G * kTile, mp + t * G * kTile, out);
+    });
+  });
+}
+
+// x float32 [M, K] (K a multiple of 32) -> (xq int16 [M, K] in natural input order, xs float32
+// [M, G]): gguf-a16's activations, for tests.
+std::vector<torch::Tensor> quantize_activations16(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.size(1) % kGroup == 0,
+              "x: float32 [M, K], K a multiple of 32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G);
+  auto xq = torch::empty({M, K}, torch::kShort);
+  auto xs = torch::empty({M, G}, torch::kFloat);
+  int16_t* qp = xq.data_ptr<int16_t>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      xs.data_ptr<float>()[r * G + g] = rows.xs[r * G + g];
+      for (int j = 0; j < kGroup; ++j)
+        qp[r * K + g * kGroup + kPairOrder[j]] = rows.xq[r * rows.ldx + g * kGroup + j];
+    }
+  return {xq, xs};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul,
         "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias) (+ residual [M, N])",
@@ -491,7 +705,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] (quantized per 32 inputs) @ GGUF Q4_1 tiles (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("matmul_q4_1_a16", &matmul_q4_1_a16,
+        "x [M, K] (int16 per 32 inputs) @ GGUF Q4_1 tiles (+ bias) (+ residual [M, N])",
+        py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("residual") = py::none());
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
+  m.def("quantize_activations16", &quantize_activations16, "x [M, K] -> (int16 [M, K], scales)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
   m.attr("rows") = kRows;
   m.attr("weight_offset") = kWeightOffset;  // added to each stored weight code (vnni: 128)

@@ -141,7 +141,7 @@ class LlamaLayer(nn.Module):
         # projection not listed here runs on its float weight.
         self.quantized: dict[str, Projection] = {}
         # Native RMSNorm / RoPE / silu * up (quant.FusedOps), set for quantized (w8g32, w8a8,
-        # gguf, gguf-a8) models; None: torch's ops.
+        # gguf, gguf-a8, gguf-a16) models; None: torch's ops.
         self.fused: FusedOps | None = None
 
     def forward(
