@@ -80,8 +80,8 @@ class ModelConfig:
     dtype: str = _f("float32", "weights and activations: float32 | bfloat16 | float16")
     quantization: str = _f(
         "auto",
-        "projection weights: auto (gguf for a GGUF file of Q4_1 / Q8_0 weights on an AVX2 CPU in "
-        "float32, else none) | none (as --dtype) | int8 (int8 per output channel, int8 "
+        "projection weights: auto (gguf-a16 for a GGUF file of Q4_1 / Q8_0 weights on an AVX2 "
+        "CPU in float32, else none) | none (as --dtype) | int8 (int8 per output channel, int8 "
         "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
         "channel, float32 activations) | w8a8 (the same weights, activations int8 with one scale "
         "per 32 inputs, integer dot products) | gguf (a GGUF file's own Q4_1 / Q8_0 weights as "

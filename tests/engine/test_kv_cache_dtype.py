@@ -163,5 +163,6 @@ def test_serve_names_the_cost_model_after_the_allocated_cache(tmp_path, monkeypa
     assert "-kv-" not in name(quantization="w8a8")
     assert "-kv-" not in name(quantization="none")
     # The default (`auto`) is named after what the workers run on the default model: the Q4_1
-    # file's own weights, float16 KV; the same file `bench profile --quantization gguf` writes.
-    assert name() == name(quantization="gguf") and "-gguf-kv-float16-" in name()
+    # file's own weights on int16 activations, float16 KV; the same file `bench profile
+    # --quantization gguf-a16` writes.
+    assert name() == name(quantization="gguf-a16") and "-gguf-a16-kv-float16-" in name()

@@ -63,7 +63,10 @@ def test_int8_engine_stays_close_to_float32(fixture: str, request: pytest.Fixtur
 
 
 def test_bad_quantization_is_a_value_error_at_start_up(tiny_llama_path: Path) -> None:
-    message = "quantization must be one of auto, none, int8, w8g32, w8a8, gguf, gguf-a8, got .int3."
+    message = (
+        "quantization must be one of auto, none, int8, w8g32, w8a8, gguf, gguf-a8, gguf-a16, "
+        "got .int3."
+    )
     with pytest.raises(ValueError, match=message):
         ModelConfig(quantization="int3")
     with pytest.raises(ValueError, match="quantization must be one of"):

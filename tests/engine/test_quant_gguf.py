@@ -166,7 +166,7 @@ def test_default_model_runs_its_own_q4_1_weights() -> None:
     assert greedy_agreement(ref, got) >= 0.9
 
 
-def test_auto_is_gguf_only_for_a_gguf_file_it_has_kernels_for(
+def test_auto_is_gguf_a16_only_for_a_gguf_file_it_has_kernels_for(
     tmp_path: Path, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
@@ -175,8 +175,8 @@ def test_auto_is_gguf_only_for_a_gguf_file_it_has_kernels_for(
     f32 = _write_tiny_gguf_at(hf, tmp_path / "f32", None)  # only the embedding is Q8_0
     q5 = _write_tiny_gguf_at(hf, tmp_path / "q5", gguf.GGMLQuantizationType.Q5_0)
     resolve = quant_gguf.resolve_quantization
-    assert resolve("auto", q4) == "gguf"
-    assert resolve("auto", f32) == "gguf"  # its Q8_0 embedding has a kernel; the rest is float
+    assert resolve("auto", q4) == "gguf-a16"
+    assert resolve("auto", f32) == "gguf-a16"  # its Q8_0 embedding has a kernel; the rest float
     assert resolve("auto", q5) == "none"  # Q5_0: no kernel here, so float32
     assert resolve("auto", str(tiny_llama_path)) == "none"  # an HF folder
     assert resolve("auto", q4, "cpu", torch.bfloat16) == "none"

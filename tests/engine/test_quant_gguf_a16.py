@@ -86,6 +86,40 @@ def test_gguf_a16_is_far_closer_to_the_float_activations_than_gguf_a8() -> None:
     assert 0 < err16 < 1e-4 and err16 < err8 / 50
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), [(576, 100), (64, 48), (32, 7)])
+def test_int8_weights_on_int16_activations_match_the_rounded_reference(
+    isa: str, k: int, n: int
+) -> None:
+    # gguf-a16's Q8_0 head: w8g32's codes and scales (W8A8Linear's quads, without the VNNI
+    # build's offset) against the rows rounded as above; every row block, bias and residual.
+    torch.manual_seed(k + n)
+    w, bias = torch.randn(k, n) * 0.05, torch.randn(n)
+    lin = quant.W8A16Linear(w, bias, isa=isa)
+    assert lin._ops.isa == isa
+    assert torch.equal(lin.dequantized(), quant.W8A8Linear(w, isa=isa).dequantized())
+    for rows in (1, 2, 3, 5, 8, 9, 20):
+        x = torch.randn(rows, k) * 3
+        q, s = _codes16(x)
+        want = (q.double() * s.double().repeat_interleave(32, dim=1)) @ lin.dequantized().double()
+        want += bias.double()
+        torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
+        res = torch.randn(rows, n)
+        torch.testing.assert_close(lin(x, res).double(), want + res.double(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="whole groups"):
+        quant.W8A16Linear(torch.randn(40, 8))
+
+
+@pytest.mark.skipif(not VNNI, reason="needs AVX-512 VNNI")
+def test_int8_weights_on_int16_activations_builds_agree_bit_for_bit() -> None:
+    w = torch.randn(192, 70) * 0.05
+    a2, vn = quant.W8A16Linear(w, isa="avx2"), quant.W8A16Linear(w, isa="vnni")
+    assert torch.equal(a2.q, vn.q)  # no offset in either build
+    for rows in (1, 2, 11):
+        x = torch.randn(rows, 192) * 2
+        assert torch.equal(vn(x), a2(x))
+
+
 def test_gguf_a16_rejects_a_wrong_input_width() -> None:
     lin = Q41A16Linear([_file_weight(np.ones((16, 64)), Q4_1)])
     with pytest.raises(ValueError, match="64"):
@@ -94,8 +128,8 @@ def test_gguf_a16_rejects_a_wrong_input_width() -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_the_files_tensors_reach_their_gguf_a16_projections(kind: str, tmp_path: Path) -> None:
-    # Every Q4_1 projection (q|k|v too) runs on int16 activations; a Q8_0 head keeps float
-    # activations on w8g32 (no int16 kernel for it): every one with the file's weights.
+    # Every Q4_1 projection (q|k|v too) runs on int16 activations, a Q8_0 head too (w8g32's
+    # codes and scales, W8A16Linear): every one with the file's weights.
     model, floats, head, tensors = tiny_q4_1_model(kind, tmp_path)
     arch = model.arch
     quant.quantize_model(model, "gguf-a16", gguf=tensors)
@@ -104,7 +138,7 @@ def test_the_files_tensors_reach_their_gguf_a16_projections(kind: str, tmp_path:
         assert type(got) is Q41A16Linear, (i, p)
         assert torch.equal(got.dequantized(), want), (i, p)
     if arch.tie_word_embeddings:
-        assert type(model.quantized_head) is quant.W8G32Linear
+        assert type(model.quantized_head) is quant.W8A16Linear
         assert torch.equal(model.quantized_head.dequantized(), head)
     else:
         assert model.quantized_head is None and torch.equal(model.lm_head, head)

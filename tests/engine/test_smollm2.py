@@ -9,8 +9,9 @@ from pdserve import SamplingParams
 
 
 def test_the_default_runs_the_files_own_weights(smollm2) -> None:  # type: ignore[no-untyped-def]
-    # `--quantization auto`: the Q4_1 file's own weights (gguf), over a float16 KV cache.
-    assert smollm2.engine.quantization == "gguf"
+    # `--quantization auto`: the Q4_1 file's own weights against int16 activations (gguf-a16),
+    # over a float16 KV cache.
+    assert smollm2.engine.quantization == "gguf-a16"
     assert smollm2.engine.cache.dtype == torch.float16
 
 

@@ -343,8 +343,9 @@ class W8A8Linear(RowsLinear):
         w = weight.detach().float().contiguous()  # [in, out]
         self.in_features, self.out_features = w.shape
         tiles, self.scales = kernels.w8g32_module().pack(w)  # w8g32's rounding, its scales
-        # The VNNI build takes its weights offset by 128 (unsigned bytes: see w8a8.cpp).
-        self._offset = int(self._ops.weight_offset)
+        # The VNNI build's int8 activations take its weights offset by 128 (unsigned bytes: see
+        # w8a8.cpp); int16 activations (W8A16Linear) take them as they are.
+        self._offset = self._weight_offset()
         self.q = _quads(tiles, self.in_features) ^ (-self._offset)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._nbytes = _packed_nbytes(self.q, self.scales, self.bias)
@@ -357,8 +358,34 @@ class W8A8Linear(RowsLinear):
         s = self.scales.float().repeat_interleave(W8A8_GROUP, dim=1)[:, :k]
         return (q.float() * s).permute(1, 0, 2).reshape(k, -1)[:, : self.out_features]
 
+    def _weight_offset(self) -> int:
+        return int(self._ops.weight_offset)
+
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         y = self._ops.matmul(x, self.q, self.scales, self.out_features, self.bias, residual)
+        return cast(torch.Tensor, y)
+
+
+class W8A16Linear(W8A8Linear):
+    """W8A8Linear's int8 weights (w8g32's rounding and scales) times int16 activations, one
+    scale per 32 inputs per row (kernels/w8a8.cpp's matmul_a16): `gguf-a16`'s Q8_0 LM head.
+    The input size must be a multiple of 32 (a GGUF block's)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+    ) -> None:
+        if weight.shape[0] % W8A8_GROUP:
+            raise ValueError(
+                f"int16 activations take whole groups of {W8A8_GROUP} inputs; this weight has "
+                f"{weight.shape[0]}"
+            )
+        super().__init__(weight, bias, isa)
+
+    def _weight_offset(self) -> int:
+        return 0  # signed codes in both builds (matmul_a16 widens them to int16)
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        y = self._ops.matmul_a16(x, self.q, self.scales, self.out_features, self.bias, residual)
         return cast(torch.Tensor, y)
 
 

@@ -50,6 +50,10 @@
 // low then high nibbles, then bytes 1 and 3): inputs (4i, 4i+2), (16+4i, 16+4i+2), (4i+1,
 // 4i+3), (16+4i+1, 16+4i+3). The row is quantized into that pair order, so each pair is one
 // 32-bit broadcast. The minimum term is sx * sum(xq), as gguf-a8's.
+// matmul_a16 runs w8a8's quads (int8 codes, no offset in either build) against the same int16
+// activations: gguf-a16's Q8_0 LM head. A quad's 32-bit lane holds inputs 4j..4j+3 of one
+// channel; a 16-bit shift left then arithmetic right by 8 leaves (4j, 4j+2) as int16, a shift
+// right by 8 (4j+1, 4j+3).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -210,6 +214,46 @@ void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const flo
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
 }
+// gguf-a16's Q8_0 head (see the top): rows [0, NR) of xq (int16, quad pair order) against one
+// tile of w8a8's quads, stored without the offset.
+template <int NR, int U>
+void tile_rows_a16(const int16_t* xq, int64_t ldx, const float* xs, int64_t G, const int8_t* q,
+                   const at::Half* s, float* out) {
+  __m512 tot[NR];
+  for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* qg = q + g * kQuads * 64;
+    const int16_t* xg = xq + g * kGroup;
+    __m512i acc[U][NR];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) acc[u][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < kQuads; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(qg + j * 64 + kPrefetch), _MM_HINT_T0);
+      const __m512i line = _mm512_loadu_si512(qg + j * 64);
+      const __m512i w[2] = {_mm512_srai_epi16(_mm512_slli_epi16(line, 8), 8),
+                            _mm512_srai_epi16(line, 8)};
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xg + r * ldx + 4 * j + 2 * p, 4);
+          acc[p % U][r] = _mm512_dpwssd_epi32(acc[p % U][r], w[p], _mm512_set1_epi32(pair));
+        }
+      }
+    }
+    const __m512 sw = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * kTile)));
+    for (int r = 0; r < NR; ++r) {
+      __m512i dot = acc[0][r];
+      for (int u = 1; u < U; ++u) dot = _mm512_add_epi32(dot, acc[u][r]);
+      tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                               _mm512_mul_ps(sw, _mm512_set1_ps(xs[r * G + g])), tot[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
+}
 #else
 constexpr const char* kIsa = "avx2";
 constexpr int64_t kRows = 4;
@@ -356,6 +400,50 @@ void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const flo
     for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, tot[r]);
   }
 }
+// gguf-a16's Q8_0 head with vpmaddwd (|w| <= 127: a pair sum <= 2 * 127 * 32767), one half
+// tile at a time; the same int32 sums and float operations as the VNNI build.
+template <int NR, int U>
+void tile_rows_a16(const int16_t* xq, int64_t ldx, const float* xs, int64_t G, const int8_t* q,
+                   const at::Half* s, float* out) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 tot[NR];
+    for (int r = 0; r < NR; ++r) tot[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* qg = q + g * kQuads * 64 + h * 32;
+      const int16_t* xg = xq + g * kGroup;
+      __m256i acc[U][NR];
+      for (int u = 0; u < U; ++u)
+        for (int r = 0; r < NR; ++r) acc[u][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < kQuads; ++j) {
+        if (h == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(qg + j * 64 + kPrefetch), _MM_HINT_T0);
+        const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
+        const __m256i w[2] = {_mm256_srai_epi16(_mm256_slli_epi16(line, 8), 8),
+                              _mm256_srai_epi16(line, 8)};
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 4
+          for (int r = 0; r < NR; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, xg + r * ldx + 4 * j + 2 * p, 4);
+            acc[p % U][r] = _mm256_add_epi32(
+                acc[p % U][r], _mm256_madd_epi16(w[p], _mm256_set1_epi32(pair)));
+          }
+        }
+      }
+      const __m256 sw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kTile + 8 * h)));
+      for (int r = 0; r < NR; ++r) {
+        __m256i dot = acc[0][r];
+        for (int u = 1; u < U; ++u) dot = _mm256_add_epi32(dot, acc[u][r]);
+        tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * G + g])), tot[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, tot[r]);
+  }
+}
 #endif
 
 // One row of x (K floats) -> G groups of 32 int8 codes, their scales and 128 * the sum of
@@ -464,8 +552,11 @@ Rows quantize_rows(const float* xp, int64_t M, int64_t K, int64_t G, bool sums) 
 // is a multiple of 32: whole groups only).
 constexpr int kPairOrder[kGroup] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
                                     8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
+// The pair order of w8a8's quads (matmul_a16): (4j, 4j+2), (4j+1, 4j+3) per quad j.
+constexpr int kQuadPairOrder[kGroup] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
+                                        16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
 
-void quantize_group16(const float* x, int16_t* xq, float* xs, float* xsum) {
+void quantize_group16(const float* x, const int* order, int16_t* xq, float* xs, float* xsum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
@@ -492,7 +583,7 @@ void quantize_group16(const float* x, int16_t* xq, float* xs, float* xsum) {
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
   *xsum = *xs * static_cast<float>(_mm_cvtsi128_si32(s4));
-  for (int j = 0; j < kGroup; ++j) xq[j] = static_cast<int16_t>(codes[kPairOrder[j]]);
+  for (int j = 0; j < kGroup; ++j) xq[j] = static_cast<int16_t>(codes[order[j]]);
 }
 
 struct Rows16 {
@@ -502,8 +593,9 @@ struct Rows16 {
   int64_t ldx;
 };
 
-// As quantize_rows, in int16 (this thread's scratch, its own buffer).
-Rows16 quantize_rows16(const float* xp, int64_t M, int64_t K, int64_t G) {
+// As quantize_rows, in int16 (this thread's scratch, its own buffer), each group's codes in
+// `order` (kPairOrder or kQuadPairOrder).
+Rows16 quantize_rows16(const float* xp, int64_t M, int64_t K, int64_t G, const int* order) {
   const int64_t ldx = G * kGroup;
   static thread_local std::vector<int32_t> scratch;
   scratch.resize(static_cast<size_t>(M * (ldx / 2 + 2 * G)));
@@ -513,8 +605,8 @@ Rows16 quantize_rows16(const float* xp, int64_t M, int64_t K, int64_t G) {
   at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r)
       for (int64_t g = 0; g < G; ++g)
-        quantize_group16(xp + r * K + g * kGroup, xq + r * ldx + g * kGroup, xs + r * G + g,
-                         xsum + r * G + g);
+        quantize_group16(xp + r * K + g * kGroup, order, xq + r * ldx + g * kGroup,
+                         xs + r * G + g, xsum + r * G + g);
   });
   return {xq, xs, xsum, ldx};
 }
@@ -662,7 +754,7 @@ torch::Tensor matmul_q4_1_a16(torch::Tensor x, torch::Tensor q, torch::Tensor d,
   const float* bp = bias_ptr(bias, N);
   int64_t ldr;
   const float* rp = residual_ptr(residual, M, N, &ldr);
-  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G);
+  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kPairOrder);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.data_ptr<at::Half>();
@@ -676,6 +768,31 @@ torch::Tensor matmul_q4_1_a16(torch::Tensor x, torch::Tensor q, torch::Tensor d,
   });
 }
 
+// x float32 [M, K] (K a multiple of 32) -> y float32 [M, N] (+ bias) (+ residual) with w8a8's
+// packed int8 weights stored without the offset (both builds): int16 activations (see the top).
+torch::Tensor matmul_a16(torch::Tensor x, torch::Tensor q, torch::Tensor s, int64_t N,
+                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  TORCH_CHECK(x.size(1) % kGroup == 0, "matmul_a16: the input size must be a multiple of 32, got ",
+              x.size(1));
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  check_packed(q, s, K, N);
+  const float* bp = bias_ptr(bias, N);
+  int64_t ldr;
+  const float* rp = residual_ptr(residual, M, N, &ldr);
+  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kQuadPairOrder);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+    by_rows(nr, [&](auto c) {
+      constexpr int NR = decltype(c)::value;
+      tile_rows_a16<NR, (NR <= 2 ? 2 : 1)>(rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G,
+                                           G, qp + t * G * kQuads * 64, sp + t * G * kTile, out);
+    });
+  });
+}
+
 // x float32 [M, K] (K a multiple of 32) -> (xq int16 [M, K] in natural input order, xs float32
 // [M, G]): gguf-a16's activations, for tests.
 std::vector<torch::Tensor> quantize_activations16(torch::Tensor x) {
@@ -683,7 +800,7 @@ std::vector<torch::Tensor> quantize_activations16(torch::Tensor x) {
               "x: float32 [M, K], K a multiple of 32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G);
+  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kPairOrder);
   auto xq = torch::empty({M, K}, torch::kShort);
   auto xs = torch::empty({M, G}, torch::kFloat);
   int16_t* qp = xq.data_ptr<int16_t>();
@@ -709,6 +826,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] (int16 per 32 inputs) @ GGUF Q4_1 tiles (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("matmul_a16", &matmul_a16,
+        "x [M, K] (int16 per 32 inputs) @ packed int8 W [K, N], no offset (+ bias) (+ residual)",
+        py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
   m.def("quantize_activations16", &quantize_activations16, "x [M, K] -> (int16 [M, K], scales)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
