@@ -18,7 +18,7 @@ from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
 from pdserve.engine import loader, quant, quant_gguf
 from pdserve.engine.models.llama import LlamaModel
-from pdserve.engine.quant_gguf import GgufWeight, Q41Linear
+from pdserve.engine.quant_gguf import GgufWeight, Q41A8Linear, Q41A16Linear, Q41Linear
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -123,27 +123,52 @@ def tiny_q4_1_model(kind: str, folder: Path) -> tuple[LlamaModel, dict, torch.Te
     return model, floats, model.lm_head.detach().clone(), quant_gguf.gguf_weights(src, arch)
 
 
+# What each GGUF quantization runs a Q4_1 projection (by name) and a Q8_0 head on.
+_KERNELS = {
+    "gguf": (lambda p: Q41Linear, quant.W8G32Linear),
+    "gguf-a8": (
+        lambda p: Q41Linear if p in quant.W8A8_FLOAT_ACTIVATIONS else Q41A8Linear,
+        quant.W8A8Linear,
+    ),
+    "gguf-a16": (lambda p: Q41A16Linear, quant.W8A16Linear),
+}
+
+
+@pytest.mark.parametrize("quantization", list(_KERNELS))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_files_q4_1_tensors_reach_their_projections(kind: str, tmp_path: Path) -> None:
-    # Every projection must compute with exactly what `none` loads from the file.
+def test_the_files_q4_1_tensors_reach_their_projections(
+    quantization: str, kind: str, tmp_path: Path
+) -> None:
+    # Every projection must compute with exactly what `none` loads from the file, on its
+    # quantization's kernel: gguf-a8 keeps q|k|v on float activations (as w8a8), gguf-a16 runs
+    # every projection and the Q8_0 head on int16 ones.
     model, floats, head, tensors = tiny_q4_1_model(kind, tmp_path)
-    arch = model.arch
-    quant.quantize_model(model, "gguf", gguf=tensors)
+    projection_kind, head_kind = _KERNELS[quantization]
+    quant.quantize_model(model, quantization, gguf=tensors)
     for (i, p), want in floats.items():
         got = quant.layers_of(model)[i].quantized[p]
-        assert isinstance(got, Q41Linear), (i, p)
+        assert type(got) is projection_kind(p), (i, p)
         assert torch.equal(got.dequantized(), want), (i, p)
-    if arch.tie_word_embeddings:  # the head is the Q8_0 embedding: w8g32, exactly
-        assert isinstance(model.quantized_head, quant.W8G32Linear)
+    if model.arch.tie_word_embeddings:  # the head is the Q8_0 embedding: exactly its weights
+        assert type(model.quantized_head) is head_kind
         assert torch.equal(model.quantized_head.dequantized(), head)
     else:  # a float32 output.weight in the file stays float32
         assert model.quantized_head is None and torch.equal(model.lm_head, head)
-    assert model.fused is not None
 
 
-def test_gguf_on_a_model_that_is_not_gguf_is_a_start_up_error(tiny_llama_path: Path) -> None:
+@pytest.mark.parametrize("quantization", list(_KERNELS))
+def test_gguf_on_a_model_that_is_not_gguf_is_a_start_up_error(
+    quantization: str, tiny_llama_path: Path
+) -> None:
     with pytest.raises(ValueError, match="not a GGUF model"):
-        LLM(str(tiny_llama_path), quantization="gguf")
+        LLM(str(tiny_llama_path), quantization=quantization)
+
+
+@pytest.mark.parametrize("kind", [Q41Linear, Q41A8Linear, Q41A16Linear])
+def test_q4_1_projections_reject_a_wrong_input_width(kind: type) -> None:
+    lin = kind([_file_weight(np.ones((16, 64)), Q4_1)])
+    with pytest.raises(ValueError, match="64"):
+        lin(torch.randn(2, 96))
 
 
 @pytest.mark.default_model

@@ -5,12 +5,10 @@ reaches, and the default model answering as gguf does."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from tests.engine.test_quant_gguf import Q4_1, _dequantized, _file_weight, tiny_q4_1_model
+from tests.engine.test_quant_gguf import Q4_1, _dequantized, _file_weight
 from tests.engine.test_quant_w8a8 import ISAS, VNNI
 
 from factories import greedy_agreement
@@ -45,34 +43,6 @@ def test_the_activations_are_rounded_to_int16_per_32_inputs(isa: str) -> None:
     want, want_scales = _codes16(x)
     assert torch.equal(codes.float(), want) and torch.equal(scales, want_scales)
     assert codes[2, 5].abs().item() == 32767 and (codes[1, 32:64] == 0).all()
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize(("k", "n"), [(64, 48), (576, 200), (32, 17), (96, 5)])
-def test_gguf_a16_kernel_matches_the_rounded_reference(isa: str, k: int, n: int) -> None:
-    # Every row block the kernel dispatches (1..kRows and remainders), ragged tiles (n % 16),
-    # prefill-sized calls, bias and residual.
-    rng = np.random.default_rng(k * 10 + n)
-    weight = _file_weight(rng.standard_normal((n, k)) * 0.05, Q4_1)
-    bias = torch.randn(n)
-    lin = Q41A16Linear([weight], bias, isa=isa)
-    assert lin._ops.isa == isa and (lin.in_features, lin.out_features) == (k, n)
-    assert torch.equal(lin.dequantized(), _dequantized(weight))  # gguf-a8's tiles
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 70):
-        x = torch.randn(rows, k) * 3
-        want = _reference(weight, x) + bias.double()
-        torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
-        res = torch.randn(rows, n)
-        torch.testing.assert_close(lin(x, res).double(), want + res.double(), rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.skipif(not VNNI, reason="needs AVX-512 VNNI")
-def test_gguf_a16_vnni_and_avx2_builds_agree_bit_for_bit() -> None:
-    weight = _file_weight(np.random.default_rng(5).standard_normal((90, 192)), Q4_1)
-    a2, vn = Q41A16Linear([weight], isa="avx2"), Q41A16Linear([weight], isa="vnni")
-    for rows in (1, 2, 11):
-        x = torch.randn(rows, 192) * 2
-        assert torch.equal(vn(x), a2(x))
 
 
 def test_gguf_a16_is_far_closer_to_the_float_activations_than_gguf_a8() -> None:
@@ -118,35 +88,6 @@ def test_int8_weights_on_int16_activations_builds_agree_bit_for_bit() -> None:
     for rows in (1, 2, 11):
         x = torch.randn(rows, 192) * 2
         assert torch.equal(vn(x), a2(x))
-
-
-def test_gguf_a16_rejects_a_wrong_input_width() -> None:
-    lin = Q41A16Linear([_file_weight(np.ones((16, 64)), Q4_1)])
-    with pytest.raises(ValueError, match="64"):
-        lin(torch.randn(2, 96))
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_files_tensors_reach_their_gguf_a16_projections(kind: str, tmp_path: Path) -> None:
-    # Every Q4_1 projection (q|k|v too) runs on int16 activations, a Q8_0 head too (w8g32's
-    # codes and scales, W8A16Linear): every one with the file's weights.
-    model, floats, head, tensors = tiny_q4_1_model(kind, tmp_path)
-    arch = model.arch
-    quant.quantize_model(model, "gguf-a16", gguf=tensors)
-    for (i, p), want in floats.items():
-        got = quant.layers_of(model)[i].quantized[p]
-        assert type(got) is Q41A16Linear, (i, p)
-        assert torch.equal(got.dequantized(), want), (i, p)
-    if arch.tie_word_embeddings:
-        assert type(model.quantized_head) is quant.W8A16Linear
-        assert torch.equal(model.quantized_head.dequantized(), head)
-    else:
-        assert model.quantized_head is None and torch.equal(model.lm_head, head)
-
-
-def test_gguf_a16_on_a_model_that_is_not_gguf_is_a_start_up_error(tiny_llama_path: Path) -> None:
-    with pytest.raises(ValueError, match="not a GGUF model"):
-        LLM(str(tiny_llama_path), quantization="gguf-a16")
 
 
 @pytest.mark.default_model

@@ -718,11 +718,14 @@ void check_q4_1(const torch::Tensor& q, const torch::Tensor& d, const torch::Ten
                 "d, m: fp16 [T, K/32, 16] matching K, N");
 }
 
-// x float32 [M, K] -> y float32 [M, N] (+ bias [N]) (+ residual [M, N]) with GGUF Q4_1 weights
-// (layout at the top; K = in_features, a multiple of 32).
-torch::Tensor matmul_q4_1(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
-                          int64_t N, c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> residual) {
+namespace {
+
+// matmul_q4_1 and matmul_q4_1_a16: the checks, then the rows quantized to int8 or (int16) to
+// int16, then the tiles.
+torch::Tensor q4_1_tiles(torch::Tensor x, const torch::Tensor& q, const torch::Tensor& d,
+                         const torch::Tensor& m, int64_t N,
+                         const c10::optional<torch::Tensor>& bias,
+                         const c10::optional<torch::Tensor>& residual, bool int16) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
@@ -730,10 +733,21 @@ torch::Tensor matmul_q4_1(torch::Tensor x, torch::Tensor q, torch::Tensor d, tor
   const float* bp = bias_ptr(bias, N);
   int64_t ldr;
   const float* rp = residual_ptr(residual, M, N, &ldr);
-  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, G, true);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.data_ptr<at::Half>();
+  if (int16) {
+    const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kPairOrder);
+    return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+      by_rows(nr, [&](auto c) {
+        constexpr int NR = decltype(c)::value;
+        tile_rows_q4_a16<NR, (NR == 1 ? 4 : NR == 2 ? 2 : 1)>(
+            rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G,
+            qp + t * G * kQ4Block, dp + t * G * kTile, mp + t * G * kTile, out);
+      });
+    });
+  }
+  const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, G, true);
   return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
     by_rows(nr, [&](auto c) {
       tile_rows_q4<decltype(c)::value>(rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G,
@@ -743,29 +757,21 @@ torch::Tensor matmul_q4_1(torch::Tensor x, torch::Tensor q, torch::Tensor d, tor
   });
 }
 
+}  // namespace
+
+// x float32 [M, K] -> y float32 [M, N] (+ bias [N]) (+ residual [M, N]) with GGUF Q4_1 weights
+// (layout at the top; K = in_features, a multiple of 32).
+torch::Tensor matmul_q4_1(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
+                          int64_t N, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> residual) {
+  return q4_1_tiles(x, q, d, m, N, bias, residual, false);
+}
+
 // As matmul_q4_1, against int16 activations (gguf-a16, see the top).
 torch::Tensor matmul_q4_1_a16(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                               int64_t N, c10::optional<torch::Tensor> bias,
                               c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  check_q4_1(q, d, m, K, N);
-  const float* bp = bias_ptr(bias, N);
-  int64_t ldr;
-  const float* rp = residual_ptr(residual, M, N, &ldr);
-  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kPairOrder);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = m.data_ptr<at::Half>();
-  return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
-    by_rows(nr, [&](auto c) {
-      constexpr int NR = decltype(c)::value;
-      tile_rows_q4_a16<NR, (NR == 1 ? 4 : NR == 2 ? 2 : 1)>(
-          rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G,
-          qp + t * G * kQ4Block, dp + t * G * kTile, mp + t * G * kTile, out);
-    });
-  });
+  return q4_1_tiles(x, q, d, m, N, bias, residual, true);
 }
 
 // x float32 [M, K] (K a multiple of 32) -> y float32 [M, N] (+ bias) (+ residual) with w8a8's
