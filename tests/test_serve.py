@@ -224,9 +224,10 @@ def test_default_model_answers_paris_over_http() -> None:
             messages=[{"role": "user", "content": "What is the capital of France?"}],
         )
         assert "Paris" in (chat.choices[0].message.content or "")
-        # The default (`--quantization auto`) runs the Q4_1 file's own weights on every worker.
+        # The default (`--quantization auto`) runs the Q4_1 file's own weights on every worker,
+        # against int16 activations.
         workers = httpx.get(srv.url + "/admin/workers", timeout=10).json()
-        assert workers and {w["quantization"] for w in workers} == {"gguf"}
+        assert workers and {w["quantization"] for w in workers} == {"gguf-a16"}
     finally:
         assert srv.stop() == 0
 
