@@ -80,7 +80,10 @@ def test_int8_weights_on_int16_activations_match_the_rounded_reference(
         quant.W8A16Linear(torch.randn(40, 8))
 
 
-@pytest.mark.skipif(not VNNI, reason="needs AVX-512 VNNI")
+@pytest.mark.skipif(
+    not VNNI,
+    reason="compares the AVX-512 VNNI build with the AVX2 one; an AVX2-only CPU cannot run it",
+)
 def test_int8_weights_on_int16_activations_builds_agree_bit_for_bit() -> None:
     w = torch.randn(192, 70) * 0.05
     a2, vn = quant.W8A16Linear(w, isa="avx2"), quant.W8A16Linear(w, isa="vnni")

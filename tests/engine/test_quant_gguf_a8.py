@@ -51,7 +51,10 @@ def test_gguf_a8_and_a16_kernels_match_their_rounded_reference(
     assert lin.nbytes == tiles * 16 * k // 2 + 2 * 2 * tiles * 16 * groups + 4 * n
 
 
-@pytest.mark.skipif(not VNNI, reason="needs AVX-512 VNNI")
+@pytest.mark.skipif(
+    not VNNI,
+    reason="compares the AVX-512 VNNI build with the AVX2 one; an AVX2-only CPU cannot run it",
+)
 @pytest.mark.parametrize("kind", [Q41A8Linear, Q41A16Linear])
 def test_gguf_a8_and_a16_vnni_and_avx2_builds_agree_bit_for_bit(kind: type[Q41A8Linear]) -> None:
     weight = _file_weight(np.random.default_rng(5).standard_normal((90, 192)), Q4_1)
