@@ -23,6 +23,9 @@ QUANTIZATIONS = ("auto", "none", "int8", "w8g32", "w8a8", "gguf", "gguf-a8", "gg
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How matmuls of a few rows (decode steps) run on float32 weights (engine/quant.py).
 DECODE_MATMULS = ("auto", "tiles", "torch")
+# Prompt rows' weight format (engine/prefill_format.py) and which phases' formats an engine holds.
+PREFILL_FORMATS = ("auto", "bf16x3", "bf16", "none")
+PHASES = ("both", "prefill", "decode")
 
 
 # Quantizations whose `--kv-cache-dtype auto` is float16 rather than the model's float32. Measured
@@ -95,6 +98,21 @@ class ModelConfig:
         "in 16-channel tiles, streamed by a native kernel: on CPU 2-4x torch's GEMM at 2-16 "
         "rows) | torch (torch's GEMM only) | auto (tiles for float32 weights on an AVX2 CPU)",
     )
+    prefill_format: str = _f(
+        "auto",
+        "prompt rows' projections: bf16x3 (AMX tiles, three bfloat16 products a projection: "
+        "float32's agreement) | bf16 (bfloat16 copies on torch's oneDNN GEMM, AMX or AVX-512 "
+        "BF16, and bfloat16 attention: fastest, agrees less with float32) | none (the decode "
+        "format, as --quantization) | auto (bf16x3 for a quantized decode format on a CPU with "
+        "AMX where it measures faster at start-up, else none)",
+    )
+    phases: str = _f(
+        "both",
+        "which phases' weight formats this engine holds: both (colocated: prompt rows on the "
+        "prefill format, decode rows on the decode format) | prefill (a P worker) | decode (a D "
+        "worker); a worker sets it from its role",
+        cli=False,
+    )
     device: str = _f("cpu", "torch device: cpu | cuda | cuda:N")
     max_model_len: int | None = _f(None, "context cap in tokens; default: the model's own")
     seed: int = _f(0, "seed for requests that do not set their own")
@@ -108,6 +126,13 @@ class ModelConfig:
                 f"decode_matmul must be one of {', '.join(DECODE_MATMULS)}, "
                 f"got {self.decode_matmul!r}"
             )
+        if self.prefill_format not in PREFILL_FORMATS:
+            raise ValueError(
+                f"prefill_format must be one of {', '.join(PREFILL_FORMATS)}, "
+                f"got {self.prefill_format!r}"
+            )
+        if self.phases not in PHASES:
+            raise ValueError(f"phases must be one of {', '.join(PHASES)}, got {self.phases!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -51,6 +51,7 @@ SERVE_ENGINE_ARGS = (
     "kv_cache_memory_gb",
     "kv_cache_dtype",
     "max_num_batched_tokens",
+    "prefill_format",
     "quantization",
 )
 

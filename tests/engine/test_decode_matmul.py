@@ -92,7 +92,7 @@ def test_engine_tiles_by_default_on_cpu_and_decodes_like_torch(tiny_llama_path: 
 
 
 def test_quantized_models_keep_their_own_kernels(tiny_llama_path: Path) -> None:
-    llm = LLM(str(tiny_llama_path), quantization="w8g32")
+    llm = LLM(str(tiny_llama_path), quantization="w8g32", prefill_format="none")
     assert llm.engine.decode_matmul == "torch"
     assert isinstance(llm.engine.model.layers[0].quantized["qkv"], quant.W8G32Linear)
 

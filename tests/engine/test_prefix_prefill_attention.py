@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.models.llama import PREFIX_PIECE, PrefillSegment, _prefill_attention
+from pdserve.engine.models.llama import (
+    PREFIX_PIECE,
+    AttentionMetadata,
+    PrefillSegment,
+    _prefill_attention,
+)
 
 H, KVH, D, BS = 6, 2, 16, 4
 
@@ -54,3 +59,25 @@ def test_chunk_over_a_cached_prefix_matches_causal_attention(
     want = _reference(q, keys, values, start_pos)
     assert got.shape == (length, H, D)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("start_pos", "length"), [(0, 300), (13, 40), (20, 600)])
+def test_chunk_attention_in_bf16_stays_close(start_pos: int, length: int) -> None:
+    """The prefill format's attention (meta.prompt_dtype bfloat16: q, k, v and the cached prefix
+    rounded, torch's flash SDPA): float32 out, within bf16's rounding of the exact result."""
+    g = torch.Generator().manual_seed(length)
+    ctx = start_pos + length
+    n_blocks = -(-ctx // BS)
+    table = torch.randperm(n_blocks + 3, generator=g)[:n_blocks]
+    k_cache = torch.randn(n_blocks + 3, BS, KVH, D, generator=g).half()
+    v_cache = torch.randn(n_blocks + 3, BS, KVH, D, generator=g).half()
+    q, k, v = (torch.randn(length, n, D, generator=g) for n in (H, KVH, KVH))
+    slots = table[torch.arange(start_pos, ctx) // BS] * BS + torch.arange(start_pos, ctx) % BS
+    k_cache.view(-1, KVH, D)[slots] = k.half()
+    v_cache.view(-1, KVH, D)[slots] = v.half()
+    seg = PrefillSegment(start=0, length=length, start_pos=start_pos, block_ids=table)
+    meta = AttentionMetadata(torch.empty(0), torch.empty(0), prompt_dtype=torch.bfloat16)
+    got = _prefill_attention(q, k, v, k_cache, v_cache, seg, meta)
+    exact = _prefill_attention(q, k, v, k_cache, v_cache, seg)
+    assert got.dtype == torch.float32 and got.shape == (length, H, D)
+    torch.testing.assert_close(got, exact, rtol=0.05, atol=0.03)

@@ -45,7 +45,7 @@ def test_int8_linear_adds_the_bias_after_rescaling() -> None:
 def test_int8_engine_stays_close_to_float32(fixture: str, request: pytest.FixtureRequest) -> None:
     path = str(request.getfixturevalue(fixture))
     f32 = LLM(path, block_size=8, num_blocks=64)
-    q8 = LLM(path, block_size=8, num_blocks=64, quantization="int8")
+    q8 = LLM(path, block_size=8, num_blocks=64, quantization="int8", prefill_format="none")
     model = q8.engine.model
     assert set(model.layers[0].quantized) == set(quant.LAYER_PROJECTIONS)
     assert model.quantized_head is not None

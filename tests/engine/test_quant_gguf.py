@@ -174,7 +174,7 @@ def test_q4_1_projections_reject_a_wrong_input_width(kind: type) -> None:
 @pytest.mark.default_model
 @pytest.mark.slow
 def test_default_model_runs_its_own_q4_1_weights() -> None:
-    llm = LLM(quantization="gguf", threads=1)
+    llm = LLM(quantization="gguf", prefill_format="none", threads=1)
     model = llm.engine.model
     assert all(isinstance(p, Q41Linear) for p in model.layers[0].quantized.values())
     assert isinstance(model.quantized_head, quant.W8G32Linear)  # the file's Q8_0 embedding

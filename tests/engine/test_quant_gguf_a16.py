@@ -96,7 +96,7 @@ def test_int8_weights_on_int16_activations_builds_agree_bit_for_bit() -> None:
 @pytest.mark.default_model
 @pytest.mark.slow
 def test_default_model_runs_gguf_a16() -> None:
-    llm = LLM(quantization="gguf-a16", threads=1)
+    llm = LLM(quantization="gguf-a16", prefill_format="none", threads=1)
     assert llm.engine.stats()["quantization"] == "gguf-a16"
     assert llm.engine.stats()["kv_cache_dtype"] == "float16"
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -104,7 +104,10 @@ def test_default_model_runs_gguf_a16() -> None:
     assert "Paris" in out[0].outputs[0].text
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
     p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(quantization="gguf", threads=1).generate(prompts, p)]
+    ref = [
+        o.outputs[0].token_ids
+        for o in LLM(quantization="gguf", prefill_format="none", threads=1).generate(prompts, p)
+    ]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
     # gguf and gguf-a16 differ by the activations' int16 rounding only (2^-16 of each block's
     # largest input): on 60 chat prompts x 64 tokens both agree with float32 on 98.4%.

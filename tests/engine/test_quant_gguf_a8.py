@@ -79,7 +79,7 @@ def test_default_model_runs_gguf_a8() -> None:
     # Not the Paris question: with int8 activations this chat prompt's answer starts
     # "L'Etoile, la Cite" here, and with llama.cpp's own Q4_1 x Q8 path too (llama-cpp-python
     # 0.3.36, greedy): a near-tie that the activations' rounding flips.
-    llm = LLM(quantization="gguf-a8", threads=1)
+    llm = LLM(quantization="gguf-a8", prefill_format="none", threads=1)
     assert llm.engine.stats()["quantization"] == "gguf-a8"
     assert llm.engine.stats()["kv_cache_dtype"] == "float16"
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]

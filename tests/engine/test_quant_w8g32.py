@@ -133,7 +133,7 @@ def test_w8g32_rejects_a_wrong_input_width() -> None:
 def test_w8g32_engine_agrees_with_float32(fixture: str, request: pytest.FixtureRequest) -> None:
     path = str(request.getfixturevalue(fixture))
     f32 = LLM(path, block_size=8, num_blocks=64)
-    w8 = LLM(path, block_size=8, num_blocks=64, quantization="w8g32")
+    w8 = LLM(path, block_size=8, num_blocks=64, quantization="w8g32", prefill_format="none")
     model = w8.engine.model
     assert all(isinstance(p, quant.W8G32Linear) for p in model.layers[0].quantized.values())
     assert isinstance(model.quantized_head, quant.W8G32Linear)

@@ -94,6 +94,8 @@ VARIANTS = (
     "gguf-a8+kv-float16",
     "gguf-a16",
     "gguf-a16+kv-float16",
+    "bf16",
+    "gguf-a16+bf16+kv-float16",
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
@@ -210,7 +212,9 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
 
     weights, _, kv = (variant or "").partition("kv-")
     _set_kv_dtype(engine, kv or "float32")
-    variant = weights.removesuffix("+") or None
+    weights = weights.removesuffix("+")
+    bf16 = weights == "bf16" or weights.endswith("+bf16")
+    variant = weights.removesuffix("bf16").removesuffix("+") or None
     model = engine.model
     # The real w8g32 / w8a8 / gguf variants run what `--quantization` runs: its native RMSNorm /
     # RoPE too.
@@ -231,12 +235,35 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
                 if file
                 else _projection(variant, w, bias, proj)
             )
+    _prefill_copies(engine, bf16)
     head = variant is not None and variant not in HEAD_F32
     if file:
         acts = activations_of(variant or "", "head")
         model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None, acts)
     else:
         model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
+
+
+def _prefill_copies(engine: LLMEngine, on: bool) -> None:
+    """Prompt rows on bfloat16 copies beside the projections just set (what `--prefill-format
+    bf16` attaches), or none."""
+    from pdserve.engine import prefill_format as pf
+    from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
+
+    model, rows = engine.model, pf.StepRows(has_decode_format=True)
+    model.step_rows = rows if on else None
+    ops = pf.kernels.bf16_module() if on else None
+    for layer in layers_of(model):
+        layer.prompt_weights = None
+        if not on:
+            continue
+        copies = {}
+        for proj in LAYER_PROJECTIONS:
+            w, bias = getattr(layer, proj), layer.qkv_bias if proj == "qkv" else None
+            copies[proj] = pf.BF16Linear(w, bias)
+            decode = layer.quantized.get(proj) or pf.FloatLinear(w, bias)
+            layer.quantized[proj] = pf.PhaseProjection(decode, copies[proj], rows)
+        layer.prompt_weights = pf.PromptWeights(rows, copies, ops)
 
 
 _FILE_WEIGHTS: dict[int, Any] = {}

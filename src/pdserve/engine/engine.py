@@ -16,13 +16,12 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig, resolve_kv_cache_dtype
-from pdserve.engine import engine_stats, loader, quant, quant_gguf, step_log
+from pdserve.engine import engine_stats, loader, model_build, quant, quant_gguf, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
 from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.pool_link import PoolLink, PoolUse
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
@@ -32,8 +31,6 @@ from pdserve.engine.step_budget import StallFreeBudget
 from pdserve.kvpool.api import KVPool
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 Prompt = str | list[int]
@@ -93,7 +90,7 @@ class LLMEngine:
         if config.parallel_config.threads:
             torch.set_num_threads(config.parallel_config.threads)
         self.device = torch.device(mc.device)
-        self.dtype = _DTYPES[mc.dtype]
+        self.dtype = model_build.DTYPES[mc.dtype]
         self.source = loader.resolve_model(mc.model)
         self.quantization = quant_gguf.resolve_quantization(
             mc.quantization, self.source, self.device, self.dtype
@@ -109,7 +106,9 @@ class LLMEngine:
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
-        self.model = self._build_model()
+        self.model, self.prefill_choice = model_build.build_model(
+            self.source, self.arch, mc, self.quantization, self.decode_matmul
+        )
         num_blocks = cc.num_blocks or num_blocks_for_memory(
             self.arch, cc.block_size, kv_dtype, cc.kv_cache_memory_gb
         )
@@ -149,21 +148,6 @@ class LLMEngine:
         if self.pool_link is not None:
             raise ValueError("a KV pool is attached already")
         self.pool_link = PoolLink(pool, self.cache, self.kv_manager)
-
-    def _build_model(self) -> LlamaModel:
-        weights = loader.load_weights(self.source, self.arch, self.dtype)
-        with torch.device("meta"):
-            model = LlamaModel(self.arch)
-        model = model.to_empty(device=self.device).to(self.dtype).requires_grad_(False)
-        model.load_hf_weights({k: v.to(self.device) for k, v in weights.items()})
-        del weights
-        gguf = None
-        if self.quantization in quant_gguf.GGUF_QUANTIZATIONS:
-            gguf = quant_gguf.gguf_weights(self.source, self.arch)
-        quant.quantize_model(model, self.quantization, gguf=gguf)
-        if self.decode_matmul == "tiles":
-            quant.tile_model(model)
-        return model.eval()
 
     # ---- intake -----------------------------------------------------------------------------
     @property

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine import prefill_format
+
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.pool_link import PoolLink
@@ -17,6 +19,7 @@ def collect(engine: LLMEngine) -> dict[str, Any]:
         "quantization": engine.quantization,
         "kv_cache_dtype": str(engine.cache.dtype).removeprefix("torch."),
         "decode_matmul": engine.decode_matmul,
+        **prefill_format.stats(engine.prefill_choice, engine.model.step_rows),
         "waiting": sched.num_waiting,
         "running": sched.num_running,
         "kv_blocks_total": kv.num_blocks,

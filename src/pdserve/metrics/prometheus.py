@@ -74,6 +74,10 @@ WORKER_GAUGES = {
         "worker_gc_frozen_objects",
         "Start-up objects the worker froze out of the garbage collector's reach.",
     ),
+    "prefill_probe_speedup": (
+        "worker_prefill_probe_speedup",
+        "Start-up probe: the decode format's time over bf16's on a prompt-sized projection.",
+    ),
 }
 WORKER_COUNTERS = {
     "preemptions": ("worker_preemptions", "Requests the worker preempted."),
@@ -89,6 +93,14 @@ WORKER_COUNTERS = {
     "gc_pause_seconds": (
         "worker_gc_pause_seconds",
         "Wall time the worker's main loop spent inside garbage collections.",
+    ),
+    "prompt_rows_prefill_format": (
+        "worker_prompt_rows_prefill_format",
+        "Prompt tokens whose projections ran on the prefill format (bf16).",
+    ),
+    "prompt_rows_decode_format": (
+        "worker_prompt_rows_decode_format",
+        "Prompt tokens left on the decode format (steps with too few prompt rows).",
     ),
 }
 HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
@@ -152,6 +164,16 @@ class _WorkerCollector(Collector):
             for key, direction in HANDOFF_STATS.items():
                 h.add_metric([worker, role, direction], _number(s.get(key)) or 0.0)
         out.append(h)
+        f = GaugeMetricFamily(
+            "pdserve_worker_prefill_format",
+            "1 for the weight format prompt rows run on (bf16 | none) and the matrix "
+            "instructions under it (amx | avx512_bf16 | none), chosen at start-up.",
+            labels=[*labels, "format", "isa"],
+        )
+        for (worker, role), s in self.stats.items():
+            if isinstance(s.get("prefill_format"), str):
+                f.add_metric([worker, role, s["prefill_format"], str(s.get("prefill_isa"))], 1.0)
+        out.append(f)
         return out + self._kv_pool_families(labels)
 
     def _kv_pool_families(self, labels: list[str]) -> list[Metric]:

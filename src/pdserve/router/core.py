@@ -41,7 +41,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.router import balancer, slo
 from pdserve.router.events import MetricsHooks, RouterEvents
 from pdserve.router.flight import Delta, Flight, RequestError, WorkerState
-from pdserve.router.links import Links
+from pdserve.router.links import Links, check_pairing
 from pdserve.router.liveness import Liveness
 from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback
 from pdserve.router.roles import Roles
@@ -126,6 +126,7 @@ class RouterCore:
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
             await self._greet(w, deadline, timeout_s)
+        check_pairing(self.workers)
         for w in self.workers:
             self._watch(w)
         poll = self.links.poll_stats(self.config.stats_interval_s, self.config.deadline_s)
@@ -159,6 +160,7 @@ class RouterCore:
         try:
             await w.sock.send(m.encode(m.Hello("router")))
             await self._greet(w, time.monotonic() + timeout_s, timeout_s)
+            check_pairing(self.workers)
         except BaseException:
             self.links.remove(w)
             raise

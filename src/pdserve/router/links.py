@@ -104,6 +104,8 @@ class Links:
                     "quantization": s.get("quantization"),
                     "kv_cache_dtype": s.get("kv_cache_dtype"),
                     "decode_matmul": s.get("decode_matmul"),
+                    "prefill_format": s.get("prefill_format"),
+                    "prefill_isa": s.get("prefill_isa"),
                     **self.placement.get(w.worker_id, {}),
                 }
             )
@@ -126,3 +128,15 @@ class Links:
                 w.hb.close(0)
         if self._owns_ctx:
             self.ctx.term()
+
+
+def check_pairing(workers: list[WorkerState]) -> None:
+    """Every worker must compute the same KV (the same weights, formats that may pair, one
+    layout: WorkerInfo.fingerprint); else ValueError naming what each one runs."""
+    infos = [w.info for w in workers if w.info is not None]
+    if len({i.fingerprint for i in infos}) <= 1:
+        return
+    lines = "; ".join(
+        f"{i.worker_id} ({i.role}): {i.kv_desc or i.fingerprint.hex()}" for i in infos
+    )
+    raise ValueError(f"workers whose KV cannot pair (different weights or KV layout): {lines}")

@@ -173,12 +173,17 @@ class Frame:
 # --------------------------------------------------------------------------- fingerprint
 
 
-def layout_fingerprint(arch: ModelArch, dtype: torch.dtype) -> bytes:
+def layout_fingerprint(arch: ModelArch, dtype: torch.dtype, weights: str = "") -> bytes:
+    """8 bytes naming the KV layout (layers, KV heads, head dim, dtype) and, when given, the
+    weights the KV is computed from (`weights`, workers/pool.py `kv_weights`): a P and a D
+    whose fingerprints differ must not pair (D would continue from another model's KV)."""
     dtype_name = str(dtype).removeprefix("torch.")
     text = (
         f"pdkv-layout/1 layers={arch.num_layers} kv_heads={arch.num_kv_heads} "
         f"head_dim={arch.head_dim} dtype={dtype_name}"
     )
+    if weights:
+        text += f" weights={weights}"
     return hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
 
 

@@ -151,6 +151,9 @@ class WorkerInfo:
     # KV pools this worker reads and writes (workers/pool.py `pool_ids`); the router's pool
     # index counts a block stored by any worker of a pool as held by every worker of it
     kv_pools: list[str] = dataclasses.field(default_factory=list)
+    # What `fingerprint` covers, in words (the weights, their formats, the KV layout): the
+    # router names it when two workers' fingerprints disagree and it refuses to pair them.
+    kv_desc: str = ""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,34 @@ def model_fingerprint(source: ModelSource, quantization: str = "none") -> str:
     return f"{source.kind}:{h.hexdigest()[:32]}:q={quantization}"
 
 
+# Quantizations that run a model's weights as its files store them (a GGUF file's blocks, on
+# float or integer activations, or dequantized exactly; an HF folder's floats): their KV pair,
+# and so does the prefill format's bfloat16 rounding of the same weights. int8, w8g32 and w8a8
+# requantize, so their KV is another model's.
+AS_STORED = ("none", "gguf", "gguf-a8", "gguf-a16")
+
+
+def kv_weights(source: ModelSource, quantization: str) -> tuple[str, str]:
+    """(what the KV fingerprint covers, a line saying it): the weights whose KV may pair."""
+    family = "as stored" if quantization in AS_STORED else f"requantized {quantization}"
+    return model_fingerprint(source, family), f"{source.path.name} ({family})"
+
+
+def kv_fingerprint(engine: LLMEngine) -> tuple[bytes, str]:
+    """The KV hand-off's fingerprint of this engine (wire.layout_fingerprint over the layout
+    and `kv_weights`) and its description: which formats this engine runs, for the router's
+    refusal to pair workers whose fingerprints differ."""
+    weights, named = kv_weights(engine.source, engine.quantization)
+    arch, dtype = engine.arch, str(engine.dtype).removeprefix("torch.")
+    prefill = engine.prefill_choice.format
+    desc = (
+        f"{named}, decode {engine.quantization}, prefill "
+        f"{prefill if prefill != 'none' else engine.quantization}, KV {dtype} "
+        f"{arch.num_layers} layers x {arch.num_kv_heads} heads x {arch.head_dim}"
+    )
+    return wire.layout_fingerprint(arch, engine.dtype, weights), desc
+
+
 def _file_sample(path: Path) -> bytes:
     size = path.stat().st_size
     with path.open("rb") as f:

@@ -33,7 +33,6 @@ import zmq
 from pdserve.config import EngineConfig, WorkerConfig, add_config_args, config_from_args
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.transfer import wire
 from pdserve.transfer.codecs import get_codec
 from pdserve.transfer.transports import (
     FRAME,
@@ -51,6 +50,9 @@ from pdserve.workers.heartbeat import Heartbeat
 from pdserve.workers.prefill import PrefillSide
 
 ROLES = ("prefill", "decode", "colocated")
+# The weight formats each role's engine holds (ModelConfig.phases). A worker whose role the
+# router switches later keeps what it loaded: a P turned D decodes on the prefill format.
+ROLE_PHASES = {"prefill": "prefill", "decode": "decode", "colocated": "both"}
 READY_PREFIX = "PDSERVE_WORKER_READY "
 MAX_SUBSCRIBERS = 32  # clients getting KVEvents; the longest-subscribed is dropped past this
 EVENT_CHUNK = 50_000  # block hashes per KVEvents (~1.7 MB), far below MAX_MESSAGE_BYTES
@@ -83,10 +85,11 @@ class Worker:
         self.deadline_s, self.lease_s = deadline_s, lease_s
         self.kv_wait_s = max(deadline_s, cfg.kv_wait_s)
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
-        engine_config = EngineConfig.from_kwargs(**engine_args)
+        # A P worker holds the prefill format, a D worker the decode one (prefill_format.py).
+        engine_config = EngineConfig.from_kwargs(**{"phases": ROLE_PHASES[role], **engine_args})
         budget = stall_free_budget(engine_config, cfg.slo_tpot_s, cfg.cost_model)
         self.engine = LLMEngine(engine_config, budget)
-        self.fingerprint = wire.layout_fingerprint(self.engine.arch, self.engine.dtype)
+        self.fingerprint, self.kv_desc = kvpool.kv_fingerprint(self.engine)
         self.kv_pool = kvpool.attach(self.engine, cfg, pool_factory)
         self.kv_pools = (
             kvpool.pool_ids(cfg, self.kv_pool.namespace, self.worker_id) if self.kv_pool else []
@@ -266,6 +269,7 @@ class Worker:
             str(e.source.path),
             self.heartbeat.endpoint,
             list(self.kv_pools),
+            self.kv_desc,
         )
 
     # ---- prefix-cache events -----------------------------------------------------------------

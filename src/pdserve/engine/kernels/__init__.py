@@ -47,6 +47,8 @@ W8A8_BUILDS = {"avx2": W8G32_CFLAGS, "vnni": [*W8G32_AVX512_CFLAGS, "-mavx512vnn
 _w8a8: dict[str, ModuleType] = {}
 Q4_1_SOURCE = Path(__file__).with_name("q4_1.cpp")
 _q4_1: dict[str, ModuleType] = {}
+BF16_SOURCE = Path(__file__).with_name("bf16.cpp")  # the prefill format's element-wise ops
+_bf16: dict[str, ModuleType] = {}
 
 
 def cache_dir() -> Path:
@@ -144,6 +146,31 @@ def q4_1_module(isa: str | None = None) -> ModuleType:
     runs = isa != "avx512" or _capability() == "AVX512"
     needs = "AVX-512" if isa == "avx512" else "AVX2"
     return _isa_module("q4_1", isa, Q4_1_SOURCE, W8G32_BUILDS, _q4_1, runs, needs)
+
+
+def bf16_module() -> ModuleType:
+    """Build (once per source version) and import the prefill format's element-wise ops
+    (engine/prefill_format.py); one AVX2 build for both machine kinds."""
+    return _isa_module("bf16", "avx2", BF16_SOURCE, {"avx2": W8G32_CFLAGS}, _bf16, True, "AVX2")
+
+
+AMX_SOURCE = Path(__file__).with_name("amx.cpp")  # the prefill format's GEMM on AMX tiles
+AMX_CFLAGS = [*W8G32_AVX512_CFLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+_amx: dict[str, ModuleType] = {}
+
+
+def amx_supported() -> bool:
+    """The CPU has AMX bf16 tiles (and AVX-512 BF16 for the conversions around them)."""
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+
+
+def amx_module() -> ModuleType:
+    """Build (once per source version) and import the AMX GEMM (engine/prefill_format.py);
+    refused where the CPU lacks AMX or Linux will not hand this process the tile state."""
+    mod = _isa_module("amx", "amx", AMX_SOURCE, {"amx": AMX_CFLAGS}, _amx, amx_supported(), "AMX")
+    if not mod.init():
+        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl)")
+    return mod
 
 
 def w8a8_isa() -> str:

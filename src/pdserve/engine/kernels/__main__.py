@@ -22,6 +22,8 @@ BUILDS = {
     "q4_1 avx512": "kernels.q4_1_module('avx512')",
     "w8a8 avx2": "kernels.w8a8_module('avx2')",
     "w8a8 vnni": "kernels.w8a8_module('vnni')",
+    "bf16": "kernels.bf16_module()",
+    "amx": "kernels.amx_module()",
 }
 
 
@@ -35,6 +37,8 @@ def wanted() -> list[str]:
         skip |= {"w8g32 avx512", "q4_1 avx512"}
     if kernels.w8a8_isa() != "vnni":
         skip.add("w8a8 vnni")
+    if not kernels.amx_supported():
+        skip.add("amx")
     return [b for b in BUILDS if b not in skip]
 
 

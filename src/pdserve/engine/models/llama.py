@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from torch import nn
 
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.quant import FusedOps, Projection
+
+if TYPE_CHECKING:
+    from pdserve.engine.prefill_format import PromptWeights, StepRows
 
 
 @dataclass
@@ -72,6 +76,9 @@ class AttentionMetadata:
     # Called after each layer as hook(layer, k, v), k/v [T, KVH, D] as cached (after RoPE):
     # lets a prefill worker stream a layer's KV while the next layer computes.
     layer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    # Prompt rows run on the prefill format this step (engine/prefill_format.py): their SDPA
+    # (fresh chunks and long chunks over a cached prefix) computes in this dtype.
+    prompt_dtype: torch.dtype | None = None
 
 
 class RotaryEmbedding:
@@ -143,6 +150,8 @@ class LlamaLayer(nn.Module):
         # Native RMSNorm / RoPE / silu * up (quant.FusedOps), set for quantized (w8g32, w8a8,
         # gguf, gguf-a8, gguf-a16) models; None: torch's ops.
         self.fused: FusedOps | None = None
+        # The prefill format's bfloat16 projections (engine/prefill_format.py), when loaded.
+        self.prompt_weights: PromptWeights | None = None
 
     def forward(
         self,
@@ -152,9 +161,53 @@ class LlamaLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.rms_norm(x, self.input_norm)
-        qkv = self.project("qkv", h)
-        t, heads = x.shape[0], self.num_heads + self.num_kv_heads
+        prompt = self.prompt_weights
+        if prompt is not None and prompt.active:
+            return self.forward_prompt(prompt, x, cos, sin, kv, meta)
+        attn = self.attention(
+            self.project("qkv", self.rms_norm(x, self.input_norm)), cos, sin, kv, meta
+        )
+        x = self.project("o", attn.reshape(x.shape[0], self.q_size), residual=x)
+        h = self.rms_norm(x, self.post_norm)
+        gate_up = self.project("gate_up", h)
+        if self.fused is not None:
+            act = self.fused.silu_mul(gate_up, self.intermediate_size)
+        else:
+            # Slices and an in-place product: chunk() and a fresh product tensor cost ~10 us a
+            # layer at decode sizes, for no arithmetic (the same values bit for bit).
+            act = F.silu(gate_up[:, : self.intermediate_size])
+            act.mul_(gate_up[:, self.intermediate_size :])
+        return self.project("down", act, residual=x)
+
+    def forward_prompt(
+        self,
+        w: PromptWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layer for a step of prompt rows only, on the prefill format: norms write the
+        GEMMs' bfloat16 inputs, the MLP stays bfloat16 between its GEMMs, and the residual
+        stream, RoPE and the KV stay float32 (kernels/bf16.cpp)."""
+        p, ops = w.linears, w.ops
+        qkv = p["qkv"](ops.rms_norm(x, self.input_norm, self.eps))
+        attn = self.attention(qkv, cos, sin, kv, meta)
+        x = p["o"](attn.reshape(x.shape[0], self.q_size), residual=x)
+        gate_up = p["gate_up"].gemm(ops.rms_norm(x, self.post_norm, self.eps))
+        return p["down"](ops.silu_mul(gate_up, self.intermediate_size), residual=x)
+
+    def attention(
+        self,
+        qkv: torch.Tensor,  # [T, q + 2 kv] float32: the fused projection's output
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """RoPE, the KV write and attention ([T, H, D]); the layer hook sees this layer's KV."""
+        t, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         # RoPE once over q and k together (they are adjacent in the fused output): half the ops.
         if self.fused is not None:
             qk = self.fused.rope(qkv, heads, cos, sin)
@@ -165,17 +218,7 @@ class LlamaLayer(nn.Module):
         attn = paged_attention(q, k, v, kv, meta)  # [T, H, D]
         if meta.layer_hook is not None:
             meta.layer_hook(self.index, k, v)
-        x = self.project("o", attn.reshape(t, self.q_size), residual=x)
-        h = self.rms_norm(x, self.post_norm)
-        gate_up = self.project("gate_up", h)
-        if self.fused is not None:
-            act = self.fused.silu_mul(gate_up, self.intermediate_size)
-        else:
-            # Slices and an in-place product: chunk() and a fresh product tensor cost ~10 us a
-            # layer at decode sizes, for no arithmetic (the same ops' values bit for bit).
-            act = F.silu(gate_up[:, : self.intermediate_size])
-            act.mul_(gate_up[:, self.intermediate_size :])
-        return self.project("down", act, residual=x)
+        return attn
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -243,7 +286,7 @@ def _paged_kernel_attention(
     for seg in meta.prefills:
         if not seg.paged:
             rows = slice(seg.start, seg.start + seg.length)
-            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta)
     return out
 
 
@@ -267,7 +310,7 @@ def gather_attention(
         out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta)
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, meta)
     return out
 
 
@@ -295,7 +338,13 @@ def _prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seg: PrefillSegment,
+    meta: AttentionMetadata | None = None,
 ) -> torch.Tensor:
+    """[n, H, D] in q's dtype; computed in meta.prompt_dtype when set (torch's flash SDPA in
+    bfloat16 blocks the scores and runs its GEMMs on the matrix units)."""
+    dtype = (meta.prompt_dtype if meta is not None else None) or q.dtype
+    if dtype != q.dtype:
+        return _prefill_attention_as(dtype, q, k, v, k_cache, v_cache, seg)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if seg.start_pos == 0:  # nothing cached: attend within the chunk only
         o = F.scaled_dot_product_attention(
@@ -327,6 +376,24 @@ def _prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def _prefill_attention_as(
+    dtype: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+) -> torch.Tensor:
+    """_prefill_attention on q, k, v (and the cached prefix) rounded to `dtype`; back in q's."""
+    kc, vc = k_cache, v_cache
+    if seg.start_pos:  # the prefix read in `dtype` too (a float16 cache: one rounding)
+        kc = k_cache.index_select(0, seg.block_ids).to(dtype)
+        vc = v_cache.index_select(0, seg.block_ids).to(dtype)
+        seg = PrefillSegment(seg.start, seg.length, seg.start_pos, torch.arange(len(kc)))
+    return _prefill_attention(q.to(dtype), k.to(dtype), v.to(dtype), kc, vc, seg).to(q.dtype)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -339,6 +406,8 @@ class LlamaModel(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.quantized_head: Projection | None = None  # set by quant.quantize_model
         self.fused: FusedOps | None = None  # native RMSNorm / RoPE, set by quant.quantize_model
+        # Set when prompt rows run on a prefill format (engine/prefill_format.py `attach`).
+        self.step_rows: StepRows | None = None
 
     @torch.inference_mode()
     def forward(
@@ -350,6 +419,8 @@ class LlamaModel(nn.Module):
         """Returns logits [S, vocab] for `meta.sample_rows` (float32)."""
         if self.rope is None:
             self.rope = RotaryEmbedding(self.arch, self.embed.device)
+        if self.step_rows is not None and self.step_rows.set(len(input_ids), meta.num_decodes):
+            meta.prompt_dtype = self.step_rows.prompt_dtype
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, x.dtype)
         # layer.forward, not layer(...): nn.Module's call machinery (hooks, tracing checks)
