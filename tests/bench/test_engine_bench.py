@@ -183,14 +183,28 @@ def test_decode_matmuls_vary_for_float32_weights_only() -> None:
     eb.add_arguments(parser)
     args = parser.parse_args(["--quantization", "none,w8g32", "--decode-matmuls", "auto,torch"])
     assert eb.variants(args) == [
-        ("none", "auto", "auto"),
-        ("none", "auto", "torch"),
-        ("w8g32", "auto", "auto"),
+        ("none", "auto", "auto", "auto"),
+        ("none", "auto", "torch", "auto"),
+        ("w8g32", "auto", "auto", "auto"),
     ]
     assert [eb.variant_label(*v) for v in eb.variants(args)] == ["none", "none mm=torch", "w8g32"]
     assert eb.variant_label("none", "float16", "torch") == "none kv=float16 mm=torch"
     with pytest.raises(SystemExit):
         parser.parse_args(["--decode-matmuls", "mkl"])
+
+
+def test_prefill_formats_are_measured_side_by_side() -> None:
+    parser = argparse.ArgumentParser()
+    eb.add_arguments(parser)
+    args = parser.parse_args(["--quantization", "gguf-a16", "--prefill-formats", "none,bf16"])
+    assert eb.variants(args) == [
+        ("gguf-a16", "auto", "auto", "none"),
+        ("gguf-a16", "auto", "auto", "bf16"),
+    ]
+    labels = [eb.variant_label(*v) for v in eb.variants(args)]
+    assert labels == ["gguf-a16 prefill=none", "gguf-a16 prefill=bf16"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefill-formats", "fp8"])
 
 
 def test_attention_target_is_attention_time_over_kv_read_time() -> None:

@@ -158,7 +158,9 @@ def test_bf16_prompts_agree_with_float32(path, request) -> None:  # type: ignore
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     ref = exact.generate(prompts, GREEDY)
     got = fast.generate(prompts, GREEDY)
-    same = sum(r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(ref, got))
+    same = sum(
+        r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(ref, got, strict=True)
+    )
     assert same >= 3, (same, [g.outputs[0].token_ids for g in got])
     assert fast.engine.stats()["prompt_rows_prefill_format"] >= 800
 
@@ -218,3 +220,20 @@ def test_bf16x3_prompts_agree_with_float32(tiny_qwen2_path) -> None:  # type: ig
     ref = [o.outputs[0].token_ids for o in exact.generate(prompts, GREEDY)]
     assert [o.outputs[0].token_ids for o in fast.generate(prompts, GREEDY)] == ref
     assert fast.engine.stats()["prompt_rows_prefill_format"] == 800
+
+
+@needs_amx
+@pytest.mark.parametrize("t", [1, 15, 33, 300])
+def test_amx_causal_attention_matches_float64(t: int) -> None:
+    """Fresh prompts' attention under bf16x3: scores float32-close (three products), values
+    and probabilities one bfloat16 rounding; GQA (9 query heads on 3 KV heads) and strided q/k
+    views as the layer hands them over (RoPE's [T, H + KVH, D] output)."""
+    g = torch.Generator().manual_seed(t)
+    qk, v = torch.randn(t, 12, 64, generator=g) * 2, torch.randn(t, 3, 64, generator=g)
+    q, k = qk[:, :9], qk[:, 9:]
+    got = kernels.amx_module().causal_attention(q, k, v, 0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
+    )[0].transpose(0, 1)
+    assert got.shape == (t, 9, 64) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 0.03  # v and p in bfloat16: ~2^-9 relative

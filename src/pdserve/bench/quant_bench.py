@@ -36,6 +36,9 @@ Candidates (`--variants`):
   * gguf-a16: what `--quantization gguf-a16` runs: the same file tensors times int16 activations
     per 32 inputs (kernels/w8a8.cpp's matmul_q4_1_a16), every Q4_1 projection; the Q8_0 head
     as under gguf;
+  * bf16x3, gguf-a16+bf16x3+kv-float16: the same with `--prefill-format bf16x3` (AMX only:
+    three bfloat16 tile products a projection, float32 out; fresh prompts' attention on AMX
+    tiles, bf16x3 scores): what `auto` picks on a CPU with AMX;
   * kv-float16, kv-bfloat16: float32 weights over a float16 / bfloat16 KV cache (what
     `--kv-cache-dtype` runs); w8g32+kv-float16, w8a8+kv-float16, gguf(-a8, -a16)+kv-float16:
     both (the first is what `--quantization w8g32` runs by default:
@@ -96,6 +99,8 @@ VARIANTS = (
     "gguf-a16+kv-float16",
     "bf16",
     "gguf-a16+bf16+kv-float16",
+    "bf16x3",
+    "gguf-a16+bf16x3+kv-float16",
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
@@ -213,8 +218,8 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     weights, _, kv = (variant or "").partition("kv-")
     _set_kv_dtype(engine, kv or "float32")
     weights = weights.removesuffix("+")
-    bf16 = weights == "bf16" or weights.endswith("+bf16")
-    variant = weights.removesuffix("bf16").removesuffix("+") or None
+    prefill = next((f for f in ("bf16x3", "bf16") if weights.endswith(f)), "")
+    variant = weights.removesuffix(prefill).removesuffix("+") or None
     model = engine.model
     # The real w8g32 / w8a8 / gguf variants run what `--quantization` runs: its native RMSNorm /
     # RoPE too.
@@ -235,7 +240,7 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
                 if file
                 else _projection(variant, w, bias, proj)
             )
-    _prefill_copies(engine, bf16)
+    _prefill_copies(engine, prefill)
     head = variant is not None and variant not in HEAD_F32
     if file:
         acts = activations_of(variant or "", "head")
@@ -244,26 +249,35 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
         model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
 
 
-def _prefill_copies(engine: LLMEngine, on: bool) -> None:
-    """Prompt rows on bfloat16 copies beside the projections just set (what `--prefill-format
-    bf16` attaches), or none."""
+def _prefill_copies(engine: LLMEngine, kind: str) -> None:
+    """Prompt rows on `kind` (bf16 | bf16x3) copies beside the projections just set, as
+    `--prefill-format` attaches them; "" for none."""
     from pdserve.engine import prefill_format as pf
     from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
 
     model, rows = engine.model, pf.StepRows(has_decode_format=True)
-    model.step_rows = rows if on else None
-    ops = pf.kernels.bf16_module() if on else None
+    model.step_rows = rows if kind else None
+    rows.prompt_dtype = torch_bf16() if kind == "bf16" else None
+    rows.prompt_attention = pf.kernels.amx_module().causal_attention if kind == "bf16x3" else None
+    make = pf.AMXLinear if kind == "bf16x3" else pf.BF16Linear
     for layer in layers_of(model):
         layer.prompt_weights = None
-        if not on:
+        if not kind:
             continue
-        copies = {}
+        copies: dict[str, Any] = {}
         for proj in LAYER_PROJECTIONS:
             w, bias = getattr(layer, proj), layer.qkv_bias if proj == "qkv" else None
-            copies[proj] = pf.BF16Linear(w, bias)
+            copies[proj] = make(w, bias)
             decode = layer.quantized.get(proj) or pf.FloatLinear(w, bias)
             layer.quantized[proj] = pf.PhaseProjection(decode, copies[proj], rows)
-        layer.prompt_weights = pf.PromptWeights(rows, copies, ops)
+        if kind == "bf16":
+            layer.prompt_weights = pf.PromptWeights(rows, copies, pf.kernels.bf16_module())
+
+
+def torch_bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
 
 
 _FILE_WEIGHTS: dict[int, Any] = {}

@@ -210,6 +210,8 @@ class StepRows:
         # What prompt rows' attention computes in (bf16: torch's flash SDPA in bfloat16;
         # None: as the model, float32).
         self.prompt_dtype: torch.dtype | None = None
+        # bf16x3: fresh prompts' causal attention on AMX tiles (head_dim 64; else SDPA).
+        self.prompt_attention: Callable[..., torch.Tensor] | None = None
         self.planned = False  # the current step runs some rows on the prefill format
         self.prompt_rows_run = 0  # prompt rows computed on the prefill format, since start
         self.prompt_rows_decode_format = 0  # prompt rows left on the decode format (too few)
@@ -320,6 +322,8 @@ def attach(
         return PrefillChoice("none", isa, why, timing)
     rows = StepRows(has_decode_format=phases == "both")
     rows.prompt_dtype = torch.bfloat16 if kind == "bf16" else None
+    if kind == "bf16x3":
+        rows.prompt_attention = kernels.amx_module().causal_attention
     extra = sum(c.nbytes for c in copies.values())
     for (i, proj), copy in copies.items():
         keep = decode[(i, proj)] if phases == "both" else None

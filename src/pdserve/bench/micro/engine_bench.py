@@ -88,7 +88,7 @@ from pdserve.bench.micro.engine_peers import (
 )
 from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
 from pdserve.bench.micro.engine_results import SEED, Key, ModelCost, Report, Row, System, log
-from pdserve.config import DECODE_MATMULS, KV_CACHE_DTYPES, QUANTIZATIONS
+from pdserve.config import DECODE_MATMULS, KV_CACHE_DTYPES, PREFILL_FORMATS, QUANTIZATIONS
 from pdserve.engine.quant import projection_bytes
 
 if TYPE_CHECKING:
@@ -103,6 +103,7 @@ SETTINGS = (
     "quantization",
     "kv_cache_dtypes",
     "decode_matmuls",
+    "prefill_formats",
 )
 
 
@@ -121,21 +122,25 @@ _INT_FLAGS = (
 )
 
 
-def variant_label(quantization: str, kv_cache_dtype: str, decode_matmul: str = "auto") -> str:
-    """A row's pdserve variant: the quantization, plus the KV dtype when not the model's and
-    the decode matmul when not the engine's choice."""
+def variant_label(
+    quantization: str, kv_cache_dtype: str, decode_matmul: str = "auto", prefill: str = "auto"
+) -> str:
+    """A row's pdserve variant: the quantization, plus the KV dtype when not the model's, the
+    decode matmul when not the engine's choice and the prefill format when not `auto`'s."""
     label = quantization if kv_cache_dtype == "auto" else f"{quantization} kv={kv_cache_dtype}"
-    return label if decode_matmul == "auto" else f"{label} mm={decode_matmul}"
+    label = label if decode_matmul == "auto" else f"{label} mm={decode_matmul}"
+    return label if prefill == "auto" else f"{label} prefill={prefill}"
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """(quantization, KV dtype, decode matmul) per engine measured; decode matmuls vary for
-    float32 weights only (a quantized model has its own kernels)."""
+def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """(quantization, KV dtype, decode matmul, prefill format) per engine measured; decode
+    matmuls vary for float32 weights only (a quantized model has its own kernels)."""
     return [
-        (q, kv, mm)
+        (q, kv, mm, pf)
         for q in args.quantization
         for kv in args.kv_cache_dtypes
         for mm in (args.decode_matmuls if q == "none" else ["auto"])
+        for pf in args.prefill_formats
     ]
 
 
@@ -167,6 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["auto"],
         help="float32 decode matmuls (auto | tiles | torch), each measured with --quantization "
         "none (auto: the engine's choice)",
+    )
+    parser.add_argument(
+        "--prefill-formats",
+        type=argtypes.subset(PREFILL_FORMATS),
+        default=["auto"],
+        help="prompt rows' weight formats (auto | bf16x3 | bf16 | none), each measured with "
+        "every quantization (auto: the engine's choice)",
     )
     parser.add_argument("--device", default="cpu", help="torch device of the engine: cpu | cuda")
     parser.add_argument("--dtype", default="float32", help="engine dtype: float32 | bfloat16")
@@ -241,10 +253,10 @@ def run(args: argparse.Namespace) -> int:
     roof = measure_roofline()
     gen = torch.Generator().manual_seed(SEED)
     engines: list[tuple[PdserveSystem, ModelCost]] = []
-    for q, kv, mm in variants(args):
-        label = variant_label(q, kv, mm)
+    for q, kv, mm, pf in variants(args):
+        label = variant_label(q, kv, mm, pf)
         log(f"loading pdserve engine ({label})")
-        engine = build_engine(args, threads, q, kv, mm)
+        engine = build_engine(args, threads, q, kv, mm, pf)
         cost = ModelCost.from_arch(engine.arch, engine.dtype.itemsize, engine.cache.dtype.itemsize)
         engines.append((PdserveSystem(label, engine, args, gen), cost))
     first = engines[0][0]

@@ -77,6 +77,7 @@ def build_engine(
     quantization: str,
     kv_cache_dtype: str = "auto",
     decode_matmul: str = "auto",
+    prefill_format: str = "auto",
 ) -> LLMEngine:
     from pdserve import LLM
 
@@ -96,6 +97,7 @@ def build_engine(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         decode_matmul=decode_matmul,
+        prefill_format=prefill_format,
         device=args.device,  # cuda: the roofline (MFU/MBU) is still the CPU's
         dtype=args.dtype,
     )

@@ -20,12 +20,16 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <vector>
+
 namespace {
 
 constexpr int kTileRows = 16;
 constexpr int kTileK = 32;  // bfloat16 per A-tile row
 constexpr int kBlock = 32;  // rows and columns of a work item
 constexpr int64_t kGroup = 8;  // row blocks sharing one pass over a weight block
+constexpr int64_t kChunk = 8;  // K steps of a weight chunk kept in L1
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -137,65 +141,295 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor hi, int64_t N,
   const auto* wh = reinterpret_cast<const uint16_t*>(hi.data_ptr<at::BFloat16>());
   const auto* wl = x3 ? reinterpret_cast<const uint16_t*>(lo->data_ptr<at::BFloat16>()) : nullptr;
   const int64_t KB = K / kTileK, NB = N / kBlock, MB = Mp / kBlock;
-  // An item is one 32-column block over a group of kGroup row blocks: the weight block (32
-  // columns x K) stays in L1 while the group's rows of x (in L2) pass under it.
+  // An item is one 32-column block over a group of kGroup row blocks, K in chunks of kChunk
+  // steps: a chunk of the weight block (hi and lo: 32 KB) stays in L1 while the group's rows
+  // of x (in L2) pass under it; the group's C blocks wait in `cbuf` between chunks.
   const int64_t groups = (MB + kGroup - 1) / kGroup;
   at::parallel_for(0, groups * NB, 1, [&](int64_t i0, int64_t i1) {
     configure_tiles();
-    alignas(64) float c[kBlock][kBlock];
+    alignas(64) float cbuf[kGroup][kBlock][kBlock];
+    const int64_t lda = K * 2;  // bytes per row of x's bfloat16 copy
     for (int64_t item = i0; item < i1; ++item) {
-     const int64_t g = item / NB, nb = item % NB;
-     for (int64_t mb = g * kGroup; mb < std::min(MB, (g + 1) * kGroup); ++mb) {
-      const uint16_t* a_h = xh + mb * kBlock * K;
-      const uint16_t* a_l = x3 ? xl + mb * kBlock * K : nullptr;
+      const int64_t g = item / NB, nb = item % NB;
+      const int64_t mb0 = g * kGroup, mb1 = std::min(MB, mb0 + kGroup);
       // B tiles of column blocks 2nb and 2nb+1 (16 columns each), K step kb: 512 bf16 apart
       const uint16_t* b0h = wh + (2 * nb) * KB * 512;
       const uint16_t* b1h = wh + (2 * nb + 1) * KB * 512;
       const uint16_t* b0l = x3 ? wl + (2 * nb) * KB * 512 : nullptr;
       const uint16_t* b1l = x3 ? wl + (2 * nb + 1) * KB * 512 : nullptr;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const int64_t lda = K * 2;  // bytes per row of x's bfloat16 copy
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const int64_t ko = kb * kTileK;
-        _tile_loadd(4, a_h + ko, lda);
-        _tile_loadd(5, a_h + 16 * K + ko, lda);
-        _tile_loadd(6, b0h + kb * 512, 64);
-        _tile_loadd(7, b1h + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        if (x3) {
-          _tile_loadd(4, a_l + ko, lda);  // xl Wh
-          _tile_loadd(5, a_l + 16 * K + ko, lda);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-          _tile_loadd(4, a_h + ko, lda);  // xh Wl
-          _tile_loadd(5, a_h + 16 * K + ko, lda);
-          _tile_loadd(6, b0l + kb * 512, 64);
-          _tile_loadd(7, b1l + kb * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+      for (int64_t kc = 0; kc < KB; kc += kChunk) {
+        const int64_t kend = std::min(KB, kc + kChunk);
+        for (int64_t mb = mb0; mb < mb1; ++mb) {
+          float* c = &cbuf[mb - mb0][0][0];
+          if (kc == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, c, kBlock * 4);
+            _tile_loadd(1, c + 16, kBlock * 4);
+            _tile_loadd(2, c + 16 * kBlock, kBlock * 4);
+            _tile_loadd(3, c + 16 * kBlock + 16, kBlock * 4);
+          }
+          const uint16_t* a_h = xh + mb * kBlock * K;
+          const uint16_t* a_l = x3 ? xl + mb * kBlock * K : nullptr;
+          for (int64_t kb = kc; kb < kend; ++kb) {
+            const int64_t ko = kb * kTileK;
+            _tile_loadd(4, a_h + ko, lda);
+            _tile_loadd(5, a_h + 16 * K + ko, lda);
+            _tile_loadd(6, b0h + kb * 512, 64);
+            _tile_loadd(7, b1h + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            if (x3) {
+              _tile_loadd(6, b0l + kb * 512, 64);  // xh Wl
+              _tile_loadd(7, b1l + kb * 512, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+              _tile_loadd(4, a_l + ko, lda);  // xl Wh
+              _tile_loadd(5, a_l + 16 * K + ko, lda);
+              _tile_loadd(6, b0h + kb * 512, 64);
+              _tile_loadd(7, b1h + kb * 512, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          _tile_stored(0, c, kBlock * 4);
+          _tile_stored(1, c + 16, kBlock * 4);
+          _tile_stored(2, c + 16 * kBlock, kBlock * 4);
+          _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
         }
       }
-      _tile_stored(0, &c[0][0], kBlock * 4);
-      _tile_stored(1, &c[0][16], kBlock * 4);
-      _tile_stored(2, &c[16][0], kBlock * 4);
-      _tile_stored(3, &c[16][16], kBlock * 4);
-      const int64_t rows = std::min<int64_t>(kBlock, M - mb * kBlock);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = mb * kBlock + r, col = nb * kBlock;
-        const float* res = rp ? rp + row * ldr + col : nullptr;
-        add_store(c[r], bp ? bp + col : nullptr, res, kBlock, op + row * N + col);
+      for (int64_t mb = mb0; mb < mb1; ++mb) {
+        const int64_t rows = std::min<int64_t>(kBlock, M - mb * kBlock);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t row = mb * kBlock + r, col = nb * kBlock;
+          const float* res = rp ? rp + row * ldr + col : nullptr;
+          add_store(cbuf[mb - mb0][r], bp ? bp + col : nullptr, res, kBlock, op + row * N + col);
+        }
       }
-     }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- causal attention
+// A fresh prompt's causal attention on AMX tiles, flash-style (16 queries x 32 keys a block,
+// online softmax, no T x T scores anywhere), float32 in and out, head_dim 64. Scores are
+// bf16x3 (q and k split as above: three tile products), which agreement with float32 needs;
+// probabilities and values are one bfloat16 product (measured: as float32's agreement,
+// docs/benchmarks/prefill.md). Softmax in base 2: log2(e) / sqrt(D) is folded into q, and the
+// running maximum is raised only when a row's new maximum exceeds it by more than 8 (2^8 in
+// the unnormalised sums is harmless in float32), so the output tiles are rarely rescaled.
+namespace {
+
+constexpr int kD = 64;  // head_dim this kernel takes
+constexpr int kKeys = 32;  // keys a block (two S tiles)
+
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void split16(__m512 v, uint16_t* h, uint16_t* l) {
+  const __m256i vh = (__m256i)_mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), vh);
+  if (l) {
+    const __m256i vl = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, widen(vh)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l), vl);
+  }
+}
+
+}  // namespace
+
+// q [T, H, 64], k and v [T, KVH, 64] (float32, unit stride within a row's heads) -> out
+// [T, H, 64] float32: softmax(q k^T * scale + causal mask) v, query i seeing keys 0..i.
+torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(init(), "the kernel may not use AMX tiles in this process");
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->dtype() == torch::kFloat && t->size(2) == kD &&
+                    t->stride(2) == 1 && t->stride(1) == kD,
+                "q, k, v: float32 [T, heads, 64], heads contiguous within a row");
+  const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1);
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && H % KVH == 0, "shapes");
+  const int64_t G = H / KVH, NK = (T + kKeys - 1) / kKeys;  // key blocks of 32
+  // K as B tiles of S = Q K^T: per (kv head, 16-key block, 32-dim chunk) 16 rows of 16 keys'
+  // (dim 2r, 2r+1) pairs; hi and lo. V as B tiles of O = P V: per (kv head, 32-key block,
+  // 16-dim chunk) 16 rows of 16 dims' (key 2r, 2r+1) pairs. Keys past T are zeros.
+  const int64_t ktile = 512;  // bfloat16 in a tile
+  auto kh_t = torch::zeros({KVH, NK * 2, 2, ktile}, torch::kBFloat16);
+  auto kl_t = torch::zeros_like(kh_t);
+  auto vp_t = torch::zeros({KVH, NK, 4, ktile}, torch::kBFloat16);
+  auto* kh = reinterpret_cast<uint16_t*>(kh_t.data_ptr<at::BFloat16>());
+  auto* kl = reinterpret_cast<uint16_t*>(kl_t.data_ptr<at::BFloat16>());
+  auto* vp = reinterpret_cast<uint16_t*>(vp_t.data_ptr<at::BFloat16>());
+  const float* kp = k.data_ptr<float>();
+  const float* vsrc = v.data_ptr<float>();
+  const int64_t ldk = k.stride(0), ldv = v.stride(0), ldq = q.stride(0);
+  at::parallel_for(0, KVH * T, 256, [&](int64_t a, int64_t b) {
+    for (int64_t it = a; it < b; ++it) {
+      const int64_t g = it / T, j = it % T;
+      const float* kr = kp + j * ldk + g * kD;
+      const float* vr = vsrc + j * ldv + g * kD;
+      const int64_t kb16 = j / 16, n = j % 16;
+      for (int64_t d = 0; d < kD; d += 2) {  // K: tile (kb16, d / 32), row (d % 32) / 2, col n
+        const int64_t at = ((g * NK * 2 + kb16) * 2 + d / 32) * ktile + ((d % 32) / 2 * 16 + n) * 2;
+        for (int p = 0; p < 2; ++p) {
+          const __m512 x = _mm512_set1_ps(kr[d + p]);
+          const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+          kh[at + p] = static_cast<uint16_t>(_mm256_extract_epi16(h, 0));
+          const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, widen(h)));
+          kl[at + p] = static_cast<uint16_t>(_mm256_extract_epi16(l, 0));
+        }
+      }
+      const int64_t kb32 = j / kKeys, r = (j % kKeys) / 2, p = j % 2;
+      alignas(64) uint16_t vb[kD];
+      for (int64_t d = 0; d < kD; d += 16) split16(_mm512_loadu_ps(vr + d), vb + d, nullptr);
+      for (int64_t d = 0; d < kD; ++d)  // V: tile (kb32, d / 16), row r, col d % 16, pair p
+        vp[((g * NK + kb32) * 4 + d / 16) * ktile + (r * 16 + d % 16) * 2 + p] = vb[d];
+    }
+  });
+  auto out = torch::empty({T, H, kD}, torch::kFloat);
+  float* op = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float qscale = static_cast<float>(scale) * 1.4426950408889634f;  // log2(e)
+  const int64_t NQ = (T + 15) / 16;
+  // Items alternate cheap (early) and dear (late) query blocks, so each thread's contiguous
+  // share of the list holds about as many keys as another's.
+  std::vector<int64_t> order;
+  for (int64_t lo = 0, hi = NQ - 1; lo <= hi; ++lo, --hi) {
+    order.push_back(lo);
+    if (hi != lo) order.push_back(hi);
+  }
+  at::parallel_for(0, NQ * H, 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles();
+    alignas(64) uint16_t qh[16 * kD], ql[16 * kD], pb[16 * kKeys];
+    alignas(64) float sb[16 * kKeys], ob[16 * kD];
+    float m[16], l[16], alpha[16];
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t qb = order[item / H], h = item % H, g = h / G;
+      const int64_t q0 = qb * 16, rows = std::min<int64_t>(16, T - q0);
+      for (int64_t r = 0; r < 16; ++r) {
+        for (int64_t d = 0; d < kD; d += 16) {
+          const __m512 x = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(qp + (q0 + r) * ldq + h * kD + d),
+                                                    _mm512_set1_ps(qscale))
+                                    : _mm512_setzero_ps();
+          split16(x, qh + r * kD + d, ql + r * kD + d);
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+      }
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      const int64_t last = (q0 + rows - 1) / kKeys;
+      const uint16_t* khg = kh + g * NK * 2 * 2 * ktile;
+      const uint16_t* klg = kl + g * NK * 2 * 2 * ktile;
+      for (int64_t kb = 0; kb <= last; ++kb) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < 2; ++c) {  // 32-dim chunks
+          const uint16_t* k0 = khg + ((2 * kb) * 2 + c) * ktile;
+          const uint16_t* k1 = khg + ((2 * kb + 1) * 2 + c) * ktile;
+          const uint16_t* k0l = klg + ((2 * kb) * 2 + c) * ktile;
+          const uint16_t* k1l = klg + ((2 * kb + 1) * 2 + c) * ktile;
+          _tile_loadd(2, qh + c * 32, kD * 2);
+          _tile_loadd(3, k0, 64);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_loadd(3, k1, 64);
+          _tile_dpbf16ps(1, 2, 3);
+          _tile_loadd(2, ql + c * 32, kD * 2);  // ql kh
+          _tile_dpbf16ps(1, 2, 3);
+          _tile_loadd(3, k0, 64);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_loadd(2, qh + c * 32, kD * 2);  // qh kl
+          _tile_loadd(3, k0l, 64);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_loadd(3, k1l, 64);
+          _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, sb, kKeys * 4);
+        _tile_stored(1, sb + 16, kKeys * 4);
+        const bool diagonal = kb * kKeys + kKeys - 1 > q0;
+        const __m512i kidx0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(kb * kKeys)),
+                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                 10, 11, 12, 13, 14, 15));
+        const __m512i kidx1 = _mm512_add_epi32(kidx0, _mm512_set1_epi32(16));
+        bool rescale = false;
+        for (int r = 0; r < 16; ++r) {
+          __m512 s0 = _mm512_load_ps(sb + r * kKeys), s1 = _mm512_load_ps(sb + r * kKeys + 16);
+          if (diagonal) {
+            const __m512i qi = _mm512_set1_epi32(static_cast<int>(q0 + r));
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s0 = _mm512_mask_mov_ps(s0, _mm512_cmpgt_epi32_mask(kidx0, qi), ninf);
+            s1 = _mm512_mask_mov_ps(s1, _mm512_cmpgt_epi32_mask(kidx1, qi), ninf);
+          }
+          const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+          alpha[r] = 1.f;
+          if (mx > m[r] + 8.f) {  // raise the running maximum (always on the first block)
+            alpha[r] = m[r] == -INFINITY ? 0.f : std::exp2(m[r] - mx);
+            l[r] *= alpha[r];
+            m[r] = mx;
+            rescale = rescale || kb > 0;
+          }
+          const __m512 mv = _mm512_set1_ps(m[r]);
+          const __m512 p0 = exp2_16(_mm512_sub_ps(s0, mv)), p1 = exp2_16(_mm512_sub_ps(s1, mv));
+          l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+          split16(p0, pb + r * kKeys, nullptr);
+          split16(p1, pb + r * kKeys + 16, nullptr);
+        }
+        if (rescale) {
+          _tile_stored(4, ob, kD * 4);
+          _tile_stored(5, ob + 16, kD * 4);
+          _tile_stored(6, ob + 32, kD * 4);
+          _tile_stored(7, ob + 48, kD * 4);
+          for (int r = 0; r < 16; ++r)
+            for (int d = 0; d < kD; d += 16)
+              _mm512_store_ps(ob + r * kD + d,
+                              _mm512_mul_ps(_mm512_load_ps(ob + r * kD + d), _mm512_set1_ps(alpha[r])));
+          _tile_loadd(4, ob, kD * 4);
+          _tile_loadd(5, ob + 16, kD * 4);
+          _tile_loadd(6, ob + 32, kD * 4);
+          _tile_loadd(7, ob + 48, kD * 4);
+        }
+        const uint16_t* vt = vp + (g * NK + kb) * 4 * ktile;
+        _tile_loadd(2, pb, kKeys * 2);
+        _tile_loadd(3, vt, 64);
+        _tile_dpbf16ps(4, 2, 3);
+        _tile_loadd(3, vt + ktile, 64);
+        _tile_dpbf16ps(5, 2, 3);
+        _tile_loadd(3, vt + 2 * ktile, 64);
+        _tile_dpbf16ps(6, 2, 3);
+        _tile_loadd(3, vt + 3 * ktile, 64);
+        _tile_dpbf16ps(7, 2, 3);
+      }
+      _tile_stored(4, ob, kD * 4);
+      _tile_stored(5, ob + 16, kD * 4);
+      _tile_stored(6, ob + 32, kD * 4);
+      _tile_stored(7, ob + 48, kD * 4);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        float* o = op + ((q0 + r) * H + h) * kD;
+        for (int d = 0; d < kD; d += 16)
+          _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(ob + r * kD + d), inv));
+      }
     }
     _tile_release();
   });
@@ -208,4 +442,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "float32 x [M, K] @ packed W (hi, lo for bf16x3) (+ bias) (+ residual)",
         py::arg("x"), py::arg("hi"), py::arg("n"), py::arg("lo") = py::none(),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("causal_attention", &causal_attention,
+        "causal softmax(q k^T * scale) v for float32 q [T, H, 64], k, v [T, KVH, 64]");
 }

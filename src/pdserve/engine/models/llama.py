@@ -79,6 +79,9 @@ class AttentionMetadata:
     # Prompt rows run on the prefill format this step (engine/prefill_format.py): their SDPA
     # (fresh chunks and long chunks over a cached prefix) computes in this dtype.
     prompt_dtype: torch.dtype | None = None
+    # Or a kernel for fresh prompt chunks' causal attention (bf16x3: kernels/amx.cpp), called
+    # as (q, k, v, scale) -> [n, H, D] float32; None: SDPA.
+    prompt_attention: Callable[..., torch.Tensor] | None = None
 
 
 class RotaryEmbedding:
@@ -342,6 +345,9 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """[n, H, D] in q's dtype; computed in meta.prompt_dtype when set (torch's flash SDPA in
     bfloat16 blocks the scores and runs its GEMMs on the matrix units)."""
+    kernel = meta.prompt_attention if meta is not None else None
+    if kernel is not None and seg.start_pos == 0 and q.shape[-1] == 64:
+        return kernel(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
     dtype = (meta.prompt_dtype if meta is not None else None) or q.dtype
     if dtype != q.dtype:
         return _prefill_attention_as(dtype, q, k, v, k_cache, v_cache, seg)
@@ -421,6 +427,7 @@ class LlamaModel(nn.Module):
             self.rope = RotaryEmbedding(self.arch, self.embed.device)
         if self.step_rows is not None and self.step_rows.set(len(input_ids), meta.num_decodes):
             meta.prompt_dtype = self.step_rows.prompt_dtype
+            meta.prompt_attention = self.step_rows.prompt_attention
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, x.dtype)
         # layer.forward, not layer(...): nn.Module's call machinery (hooks, tracing checks)
