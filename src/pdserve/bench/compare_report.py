@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.peers import PEER_NAMES as PEERS
 from pdserve.router.timeline import Ev, Stage
 
 STAGES = ("queue", "prefill", "transfer", "decode")
-PEERS = ("transformers", "llama-cpp")
 COLORS = {"queue": "#bbbbbb", "prefill": "#4c72b0", "transfer": "#dd8452", "decode": "#55a868"}
 
 
