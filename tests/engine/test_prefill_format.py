@@ -209,6 +209,10 @@ def test_amx_bf16x3_matmul_is_float32_close(rows: int) -> None:
     assert 1e-4 < err < 1e-2  # bfloat16's rounding, which lo removes
     strided = torch.randn(rows, 200, generator=g)[:, :96]
     torch.testing.assert_close(lin(strided), lin(strided.contiguous()), rtol=0, atol=0)
+    gate_up = prefill_format.AMXLinear(w)  # the MLP's activation in the GEMM's store
+    y = x.double() @ w.double()
+    act = torch.nn.functional.silu(y[:, :32]) * y[:, 32:]
+    assert (gate_up.silu_mul(x).double() - act).abs().max() <= 1e-4 * act.abs().max()
 
 
 @needs_amx

@@ -169,6 +169,12 @@ class AMXLinear:
         y = self._ops.matmul(x, self.hi, self.out_features, self.lo, self.bias, residual)
         return cast(torch.Tensor, y)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate|up projection in the GEMM's store: [M, out / 2]."""
+        assert self.bias is None
+        y = self._ops.matmul_silu(x, self.hi, self.out_features // 2, self.lo)
+        return cast(torch.Tensor, y)
+
 
 class FloatLinear:
     """A float32 [in, out] weight as a projection (the decode format of `--quantization none`)."""
@@ -243,6 +249,13 @@ class PhaseProjection:
     def nbytes(self) -> int:
         own = int(getattr(self.prefill, "nbytes", 0))
         return own + (int(getattr(self.decode, "nbytes", 0)) if self.decode is not None else 0)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The MLP's activation fused into this gate|up projection's GEMM, when every row of
+        the step runs a prefill format that fuses it (AMXLinear); None: project, then act."""
+        whole = self.decode is None or self.rows.first_prompt_row == 0
+        fused = getattr(self.prefill, "silu_mul", None)
+        return fused(x) if whole and fused is not None else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         split = self.rows.first_prompt_row if self.decode is not None else 0

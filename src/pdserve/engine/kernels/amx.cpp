@@ -113,108 +113,173 @@ std::vector<torch::Tensor> pack(torch::Tensor w) {
   return {hi, lo};
 }
 
-// x [M, K] float32 (unit column stride) @ W (packed hi, and lo for bf16x3) -> float32 [M, N]
-// (+ bias [N]) (+ residual [M, N]), as torch's `residual + (x @ W + bias)`.
-torch::Tensor matmul(torch::Tensor x, torch::Tensor hi, int64_t N,
-                     const c10::optional<torch::Tensor>& lo,
-                     const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(init(), "the kernel may not use AMX tiles in this process");
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1,
-              "x: float32 [M, K] with unit column stride");
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  TORCH_CHECK(hi.dim() == 5 && hi.size(0) * 16 == N && hi.size(1) * kTileK == K,
-              "hi: packed for another shape");
-  const bool x3 = lo.has_value();
-  int64_t ldr = 0;
-  const float* bp = bias_ptr(bias, N);
-  const float* rp = residual_ptr(residual, M, N, &ldr);
-  const int64_t Mp = (M + kBlock - 1) / kBlock * kBlock;
-  auto xh_t = torch::zeros({Mp, K}, torch::kBFloat16);
-  auto xl_t = x3 ? torch::zeros({Mp, K}, torch::kBFloat16) : torch::Tensor();
-  auto* xh = reinterpret_cast<uint16_t*>(xh_t.data_ptr<at::BFloat16>());
-  auto* xl = x3 ? reinterpret_cast<uint16_t*>(xl_t.data_ptr<at::BFloat16>()) : nullptr;
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) { split_rows(xp, ldx, r0, r1, K, xh, xl); });
-  auto out = torch::empty({M, N}, torch::kFloat);
-  float* op = out.data_ptr<float>();
-  const auto* wh = reinterpret_cast<const uint16_t*>(hi.data_ptr<at::BFloat16>());
-  const auto* wl = x3 ? reinterpret_cast<const uint16_t*>(lo->data_ptr<at::BFloat16>()) : nullptr;
-  const int64_t KB = K / kTileK, NB = N / kBlock, MB = Mp / kBlock;
-  // An item is one 32-column block over a group of kGroup row blocks, K in chunks of kChunk
-  // steps: a chunk of the weight block (hi and lo: 32 KB) stays in L1 while the group's rows
-  // of x (in L2) pass under it; the group's C blocks wait in `cbuf` between chunks.
-  const int64_t groups = (MB + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups * NB, 1, [&](int64_t i0, int64_t i1) {
-    configure_tiles();
-    alignas(64) float cbuf[kGroup][kBlock][kBlock];
+namespace {
+
+// x's bfloat16 parts and the packed weight: what every C block is computed from.
+struct Gemm {
+  torch::Tensor xh_t, xl_t;  // x rounded, and the rounding of the rest (bf16x3), [Mp, K]
+  const uint16_t *xh, *xl, *wh, *wl;
+  int64_t M, K, KB, MB;
+  bool x3;
+
+  Gemm(const torch::Tensor& x, const torch::Tensor& hi, int64_t N,
+       const c10::optional<torch::Tensor>& lo) {
+    TORCH_CHECK(init(), "the kernel may not use AMX tiles in this process");
+    TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat && x.stride(1) == 1,
+                "x: float32 [M, K] with unit column stride");
+    M = x.size(0);
+    K = x.size(1);
+    TORCH_CHECK(hi.dim() == 5 && hi.size(0) * 16 == N && hi.size(1) * kTileK == K,
+                "hi: packed for another shape");
+    x3 = lo.has_value();
+    KB = K / kTileK;
+    MB = (M + kBlock - 1) / kBlock;
+    xh_t = torch::zeros({MB * kBlock, K}, torch::kBFloat16);
+    xl_t = x3 ? torch::zeros({MB * kBlock, K}, torch::kBFloat16) : torch::Tensor();
+    auto* h = reinterpret_cast<uint16_t*>(xh_t.data_ptr<at::BFloat16>());
+    auto* l = x3 ? reinterpret_cast<uint16_t*>(xl_t.data_ptr<at::BFloat16>()) : nullptr;
+    const float* xp = x.data_ptr<float>();
+    const int64_t ldx = x.stride(0), k = K;
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) { split_rows(xp, ldx, r0, r1, k, h, l); });
+    xh = h;
+    xl = l;
+    wh = reinterpret_cast<const uint16_t*>(hi.data_ptr<at::BFloat16>());
+    wl = x3 ? reinterpret_cast<const uint16_t*>(lo->data_ptr<at::BFloat16>()) : nullptr;
+  }
+
+  // C of column block nb (32 columns) for row blocks [mb0, mb1) into cbuf, K in chunks of
+  // kChunk steps: a chunk of the weight block (hi and lo: 32 KB) stays in L1 while the rows of
+  // x (in L2) pass under it; the C blocks wait in cbuf between chunks. Tiles configured.
+  void block(int64_t nb, int64_t mb0, int64_t mb1, float (*cbuf)[kBlock][kBlock]) const {
     const int64_t lda = K * 2;  // bytes per row of x's bfloat16 copy
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t g = item / NB, nb = item % NB;
-      const int64_t mb0 = g * kGroup, mb1 = std::min(MB, mb0 + kGroup);
-      // B tiles of column blocks 2nb and 2nb+1 (16 columns each), K step kb: 512 bf16 apart
-      const uint16_t* b0h = wh + (2 * nb) * KB * 512;
-      const uint16_t* b1h = wh + (2 * nb + 1) * KB * 512;
-      const uint16_t* b0l = x3 ? wl + (2 * nb) * KB * 512 : nullptr;
-      const uint16_t* b1l = x3 ? wl + (2 * nb + 1) * KB * 512 : nullptr;
-      for (int64_t kc = 0; kc < KB; kc += kChunk) {
-        const int64_t kend = std::min(KB, kc + kChunk);
-        for (int64_t mb = mb0; mb < mb1; ++mb) {
-          float* c = &cbuf[mb - mb0][0][0];
-          if (kc == 0) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-          } else {
-            _tile_loadd(0, c, kBlock * 4);
-            _tile_loadd(1, c + 16, kBlock * 4);
-            _tile_loadd(2, c + 16 * kBlock, kBlock * 4);
-            _tile_loadd(3, c + 16 * kBlock + 16, kBlock * 4);
-          }
-          const uint16_t* a_h = xh + mb * kBlock * K;
-          const uint16_t* a_l = x3 ? xl + mb * kBlock * K : nullptr;
-          for (int64_t kb = kc; kb < kend; ++kb) {
-            const int64_t ko = kb * kTileK;
-            _tile_loadd(4, a_h + ko, lda);
-            _tile_loadd(5, a_h + 16 * K + ko, lda);
+    // B tiles of column blocks 2nb and 2nb+1 (16 columns each), K step kb: 512 bf16 apart
+    const uint16_t* b0h = wh + (2 * nb) * KB * 512;
+    const uint16_t* b1h = wh + (2 * nb + 1) * KB * 512;
+    const uint16_t* b0l = x3 ? wl + (2 * nb) * KB * 512 : nullptr;
+    const uint16_t* b1l = x3 ? wl + (2 * nb + 1) * KB * 512 : nullptr;
+    for (int64_t kc = 0; kc < KB; kc += kChunk) {
+      const int64_t kend = std::min(KB, kc + kChunk);
+      for (int64_t mb = mb0; mb < mb1; ++mb) {
+        float* c = &cbuf[mb - mb0][0][0];
+        if (kc == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, c, kBlock * 4);
+          _tile_loadd(1, c + 16, kBlock * 4);
+          _tile_loadd(2, c + 16 * kBlock, kBlock * 4);
+          _tile_loadd(3, c + 16 * kBlock + 16, kBlock * 4);
+        }
+        const uint16_t* a_h = xh + mb * kBlock * K;
+        const uint16_t* a_l = x3 ? xl + mb * kBlock * K : nullptr;
+        for (int64_t kb = kc; kb < kend; ++kb) {
+          const int64_t ko = kb * kTileK;
+          _tile_loadd(4, a_h + ko, lda);
+          _tile_loadd(5, a_h + 16 * K + ko, lda);
+          _tile_loadd(6, b0h + kb * 512, 64);
+          _tile_loadd(7, b1h + kb * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+          if (x3) {
+            _tile_loadd(6, b0l + kb * 512, 64);  // xh Wl
+            _tile_loadd(7, b1l + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(4, a_l + ko, lda);  // xl Wh
+            _tile_loadd(5, a_l + 16 * K + ko, lda);
             _tile_loadd(6, b0h + kb * 512, 64);
             _tile_loadd(7, b1h + kb * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-            if (x3) {
-              _tile_loadd(6, b0l + kb * 512, 64);  // xh Wl
-              _tile_loadd(7, b1l + kb * 512, 64);
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-              _tile_loadd(4, a_l + ko, lda);  // xl Wh
-              _tile_loadd(5, a_l + 16 * K + ko, lda);
-              _tile_loadd(6, b0h + kb * 512, 64);
-              _tile_loadd(7, b1h + kb * 512, 64);
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
           }
-          _tile_stored(0, c, kBlock * 4);
-          _tile_stored(1, c + 16, kBlock * 4);
-          _tile_stored(2, c + 16 * kBlock, kBlock * 4);
-          _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
         }
+        _tile_stored(0, c, kBlock * 4);
+        _tile_stored(1, c + 16, kBlock * 4);
+        _tile_stored(2, c + 16 * kBlock, kBlock * 4);
+        _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
       }
-      for (int64_t mb = mb0; mb < mb1; ++mb) {
-        const int64_t rows = std::min<int64_t>(kBlock, M - mb * kBlock);
-        for (int64_t r = 0; r < rows; ++r) {
+    }
+  }
+
+  int64_t rows(int64_t mb) const { return std::min<int64_t>(kBlock, M - mb * kBlock); }
+};
+
+}  // namespace
+
+// x [M, K] float32 (unit column stride) @ W (packed hi, and lo for bf16x3) -> float32 [M, N]
+// (+ bias [N]) (+ residual [M, N]), as torch's `residual + (x @ W + bias)`.
+torch::Tensor matmul(torch::Tensor x, torch::Tensor hi, int64_t N,
+                     const c10::optional<torch::Tensor>& lo,
+                     const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& residual) {
+  const Gemm gemm(x, hi, N, lo);
+  const int64_t M = gemm.M, NB = N / kBlock;
+  int64_t ldr = 0;
+  const float* bp = bias_ptr(bias, N);
+  const float* rp = residual_ptr(residual, M, N, &ldr);
+  auto out = torch::empty({M, N}, torch::kFloat);
+  float* op = out.data_ptr<float>();
+  // An item is one 32-column block over a group of kGroup row blocks.
+  const int64_t groups = (gemm.MB + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups * NB, 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles();
+    alignas(64) float cbuf[kGroup][kBlock][kBlock];
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / NB, nb = item % NB;
+      const int64_t mb0 = g * kGroup, mb1 = std::min(gemm.MB, mb0 + kGroup);
+      gemm.block(nb, mb0, mb1, cbuf);
+      for (int64_t mb = mb0; mb < mb1; ++mb)
+        for (int64_t r = 0; r < gemm.rows(mb); ++r) {
           const int64_t row = mb * kBlock + r, col = nb * kBlock;
           const float* res = rp ? rp + row * ldr + col : nullptr;
           add_store(cbuf[mb - mb0][r], bp ? bp + col : nullptr, res, kBlock, op + row * N + col);
         }
-      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+// silu(x @ W[:, :I]) * (x @ W[:, I:]) -> float32 [M, I] for the gate|up weight W [K, 2I]: the
+// MLP's activation in the GEMM's store, never writing the [M, 2I] gate|up output (an item
+// computes a gate block and its up block, then combines them). I a multiple of 32.
+torch::Tensor matmul_silu(torch::Tensor x, torch::Tensor hi, int64_t I,
+                          const c10::optional<torch::Tensor>& lo) {
+  TORCH_CHECK(I % kBlock == 0, "I must be a multiple of 32");
+  const Gemm gemm(x, hi, 2 * I, lo);
+  const int64_t M = gemm.M, NB = I / kBlock;
+  auto out = torch::empty({M, I}, torch::kFloat);
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (gemm.MB + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups * NB, 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles();
+    alignas(64) float gate[kGroup][kBlock][kBlock];
+    alignas(64) float up[kGroup][kBlock][kBlock];
+    const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / NB, nb = item % NB;
+      const int64_t mb0 = g * kGroup, mb1 = std::min(gemm.MB, mb0 + kGroup);
+      gemm.block(nb, mb0, mb1, gate);
+      gemm.block(nb + NB, mb0, mb1, up);
+      for (int64_t mb = mb0; mb < mb1; ++mb)
+        for (int64_t r = 0; r < gemm.rows(mb); ++r) {
+          const float* gr = gate[mb - mb0][r];
+          const float* ur = up[mb - mb0][r];
+          float* o = op + (mb * kBlock + r) * I + nb * kBlock;
+          for (int c = 0; c < kBlock; c += 8) {  // as kernels/w8g32.cpp's silu_mul
+            const __m256 gv = _mm256_load_ps(gr + c);
+            const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, neg))));
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(sv, _mm256_load_ps(ur + c)));
+          }
+        }
     }
     _tile_release();
   });
@@ -442,6 +507,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "float32 x [M, K] @ packed W (hi, lo for bf16x3) (+ bias) (+ residual)",
         py::arg("x"), py::arg("hi"), py::arg("n"), py::arg("lo") = py::none(),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("matmul_silu", &matmul_silu, "silu(x @ W[:, :I]) * (x @ W[:, I:]) for gate|up W [K, 2I]",
+        py::arg("x"), py::arg("hi"), py::arg("i"), py::arg("lo") = py::none());
   m.def("causal_attention", &causal_attention,
         "causal softmax(q k^T * scale) v for float32 q [T, H, 64], k, v [T, KVH, 64]");
 }

@@ -172,6 +172,10 @@ class LlamaLayer(nn.Module):
         )
         x = self.project("o", attn.reshape(x.shape[0], self.q_size), residual=x)
         h = self.rms_norm(x, self.post_norm)
+        fused_act = getattr(self.quantized.get("gate_up"), "silu_mul", None)
+        act = fused_act(h) if fused_act is not None else None  # bf16x3: in the GEMM's store
+        if act is not None:
+            return self.project("down", act, residual=x)
         gate_up = self.project("gate_up", h)
         if self.fused is not None:
             act = self.fused.silu_mul(gate_up, self.intermediate_size)
