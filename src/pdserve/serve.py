@@ -284,6 +284,7 @@ def _cost_model(
             quantization=settings["quantization"],
             kv_cache_dtype=settings["kv_cache_dtype"],
             decode_matmul=settings["decode_matmul"],
+            prefill_format=settings["prefill_format"],
         )
     if _needs_cost_model(args):
         raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
@@ -302,10 +303,16 @@ def _cost_engine_args(args: argparse.Namespace, model: str | None) -> dict[str, 
         getattr(args, "device", None) or "cpu",
         getattr(args, "dtype", None) or "float32",
     )
+    from pdserve.engine.prefill_format import resolved
+
+    prefill = getattr(args, "prefill_format", None) or "auto"
     return {
         "quantization": quantization,
         "kv_cache_dtype": getattr(args, "kv_cache_dtype", None) or "auto",
         "decode_matmul": getattr(args, "decode_matmul", None) or "auto",
+        "prefill_format": resolved(
+            prefill, quantization, getattr(args, "dtype", None) or "float32"
+        ),
     }
 
 

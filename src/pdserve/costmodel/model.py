@@ -328,14 +328,16 @@ def default_path(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     decode_matmul: str = "auto",
+    prefill_format: str = "none",
 ) -> Path:
-    """`<cache>/costmodel/<host>-<model stem>[-<quantization>][-kv-<dtype>][-mm-torch]-t<threads>
-    .json`.
+    """`<cache>/costmodel/<host>-<model stem>[-<quantization>][-kv-<dtype>][-mm-torch][-pf-<prefill
+    format>]-t<threads>.json`.
 
     One file per host, model, weight quantization, KV cache dtype, decode matmul and thread
     count, because a cost model is a measurement of exactly that combination: another CPU,
     model, quantization, KV dtype (it sets the bytes a decode step reads), decode matmul (it
-    sets how batch size costs) or thread count has other coefficients. (`none` and `auto` add
+    sets how batch size costs), prefill format (resolved: bf16x3 | bf16; it sets what a prompt
+    costs) or thread count has other coefficients. (`none` and `auto` add
     nothing, so files saved before either existed keep their names; `profile._load_valid`
     still refuses one measured with another decode matmul.)
     """
@@ -345,4 +347,5 @@ def default_path(
     quant = "" if quantization == "none" else f"-{_slug(quantization)}"
     quant += "" if kv_cache_dtype == "auto" else f"-kv-{_slug(kv_cache_dtype)}"
     quant += "" if decode_matmul == "auto" else f"-mm-{_slug(decode_matmul)}"
+    quant += "" if prefill_format in ("none", "auto") else f"-pf-{_slug(prefill_format)}"
     return cache_dir() / "costmodel" / f"{host}-{model_stem(model_name)}{quant}-t{threads}.json"

@@ -469,6 +469,7 @@ def load_or_profile(
     A file is reused when it loads and was measured with the same thread count; anything else
     (missing, corrupt, another version) is profiled again and overwritten.
     """
+    from pdserve.engine.prefill_format import resolved
     from pdserve.engine.quant_gguf import resolve_quantization
 
     dtype = str(engine_args.get("dtype", "float32"))
@@ -481,8 +482,10 @@ def load_or_profile(
     engine_args["quantization"] = quantization
     kv = cost_kv_cache_dtype(str(engine_args.get("kv_cache_dtype", "auto")), quantization, dtype)
     mm = str(engine_args.get("decode_matmul", "auto"))
+    pf = resolved(str(engine_args.get("prefill_format", "auto")), quantization, dtype)
+    engine_args["prefill_format"] = pf
     path = path or default_path(model_path(model), threads, quantization=quantization,
-                                kv_cache_dtype=kv, decode_matmul=mm)  # fmt: skip
+                                kv_cache_dtype=kv, decode_matmul=mm, prefill_format=pf)  # fmt: skip
     cached = _load_valid(path, threads, quantization, kv, _resolved_matmul(mm, quantization, dtype))
     if cached is not None:
         _log(f"cost model from {path}")

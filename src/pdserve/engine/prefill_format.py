@@ -126,6 +126,13 @@ def wanted(
     return "bf16x3", "auto"
 
 
+def resolved(name: str, quantization: str, dtype: str = "float32", device: str = "cpu") -> str:
+    """What a colocated engine's `--prefill-format name` comes to on this CPU before the probe
+    (bf16x3 | bf16 | none): what cost-model files are named and measured by."""
+    dt = getattr(torch, dtype)
+    return wanted(name, "both", quantization, torch.device(device), dt, probe_units())[0]
+
+
 class BF16Linear:
     """x @ W (+ bias) (+ residual) with W a bfloat16 [in, out] copy, on torch's oneDNN GEMM
     (AMX tiles where the CPU has them): x float32 or bfloat16 in (rounded to bfloat16), float32
