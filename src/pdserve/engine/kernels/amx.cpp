@@ -323,16 +323,18 @@ inline void split16(__m512 v, uint16_t* h, uint16_t* l) {
 
 }  // namespace
 
-// q [T, H, 64], k and v [T, KVH, 64] (float32, unit stride within a row's heads) -> out
-// [T, H, 64] float32: softmax(q k^T * scale + causal mask) v, query i seeing keys 0..i.
+// q [n, H, 64], k and v [ctx, KVH, 64] (float32, unit stride within a row's heads; the
+// queries are the last n of the ctx positions: ctx - n keys of a cached prefix before them)
+// -> out [n, H, 64] float32: softmax(q k^T * scale + causal mask) v, query i seeing keys
+// 0..ctx - n + i.
 torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
   TORCH_CHECK(init(), "the kernel may not use AMX tiles in this process");
   for (const auto* t : {&q, &k, &v})
     TORCH_CHECK(t->dim() == 3 && t->dtype() == torch::kFloat && t->size(2) == kD &&
                     t->stride(2) == 1 && t->stride(1) == kD,
                 "q, k, v: float32 [T, heads, 64], heads contiguous within a row");
-  const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1);
-  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && H % KVH == 0, "shapes");
+  const int64_t n = q.size(0), T = k.size(0), H = q.size(1), KVH = k.size(1), off = T - n;
+  TORCH_CHECK(off >= 0 && v.size(0) == T && v.size(1) == KVH && H % KVH == 0, "shapes");
   const int64_t G = H / KVH, NK = (T + kKeys - 1) / kKeys;  // key blocks of 32
   // K as B tiles of S = Q K^T: per (kv head, 16-key block, 32-dim chunk) 16 rows of 16 keys'
   // (dim 2r, 2r+1) pairs; hi and lo. V as B tiles of O = P V: per (kv head, 32-key block,
@@ -370,11 +372,11 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         vp[((g * NK + kb32) * 4 + d / 16) * ktile + (r * 16 + d % 16) * 2 + p] = vb[d];
     }
   });
-  auto out = torch::empty({T, H, kD}, torch::kFloat);
+  auto out = torch::empty({n, H, kD}, torch::kFloat);
   float* op = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const float qscale = static_cast<float>(scale) * 1.4426950408889634f;  // log2(e)
-  const int64_t NQ = (T + 15) / 16;
+  const int64_t NQ = (n + 15) / 16;
   // Items alternate cheap (early) and dear (late) query blocks, so each thread's contiguous
   // share of the list holds about as many keys as another's.
   std::vector<int64_t> order;
@@ -389,7 +391,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     float m[16], l[16], alpha[16];
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t qb = order[item / H], h = item % H, g = h / G;
-      const int64_t q0 = qb * 16, rows = std::min<int64_t>(16, T - q0);
+      const int64_t q0 = qb * 16, rows = std::min<int64_t>(16, n - q0), p0 = off + q0;
       for (int64_t r = 0; r < 16; ++r) {
         for (int64_t d = 0; d < kD; d += 16) {
           const __m512 x = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(qp + (q0 + r) * ldq + h * kD + d),
@@ -404,7 +406,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       _tile_zero(5);
       _tile_zero(6);
       _tile_zero(7);
-      const int64_t last = (q0 + rows - 1) / kKeys;
+      const int64_t last = (p0 + rows - 1) / kKeys;
       const uint16_t* khg = kh + g * NK * 2 * 2 * ktile;
       const uint16_t* klg = kl + g * NK * 2 * 2 * ktile;
       for (int64_t kb = 0; kb <= last; ++kb) {
@@ -432,7 +434,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         }
         _tile_stored(0, sb, kKeys * 4);
         _tile_stored(1, sb + 16, kKeys * 4);
-        const bool diagonal = kb * kKeys + kKeys - 1 > q0;
+        const bool diagonal = kb * kKeys + kKeys - 1 > p0;
         const __m512i kidx0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(kb * kKeys)),
                                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
                                                                  10, 11, 12, 13, 14, 15));
@@ -441,7 +443,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         for (int r = 0; r < 16; ++r) {
           __m512 s0 = _mm512_load_ps(sb + r * kKeys), s1 = _mm512_load_ps(sb + r * kKeys + 16);
           if (diagonal) {
-            const __m512i qi = _mm512_set1_epi32(static_cast<int>(q0 + r));
+            const __m512i qi = _mm512_set1_epi32(static_cast<int>(p0 + r));
             const __m512 ninf = _mm512_set1_ps(-INFINITY);
             s0 = _mm512_mask_mov_ps(s0, _mm512_cmpgt_epi32_mask(kidx0, qi), ninf);
             s1 = _mm512_mask_mov_ps(s1, _mm512_cmpgt_epi32_mask(kidx1, qi), ninf);
@@ -510,5 +512,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_silu", &matmul_silu, "silu(x @ W[:, :I]) * (x @ W[:, I:]) for gate|up W [K, 2I]",
         py::arg("x"), py::arg("hi"), py::arg("i"), py::arg("lo") = py::none());
   m.def("causal_attention", &causal_attention,
-        "causal softmax(q k^T * scale) v for float32 q [T, H, 64], k, v [T, KVH, 64]");
+        "causal softmax(q k^T * scale) v for float32 q [n, H, 64], k, v [ctx, KVH, 64]");
 }

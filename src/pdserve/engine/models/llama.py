@@ -79,8 +79,8 @@ class AttentionMetadata:
     # Prompt rows run on the prefill format this step (engine/prefill_format.py): their SDPA
     # (fresh chunks and long chunks over a cached prefix) computes in this dtype.
     prompt_dtype: torch.dtype | None = None
-    # Or a kernel for fresh prompt chunks' causal attention (bf16x3: kernels/amx.cpp), called
-    # as (q, k, v, scale) -> [n, H, D] float32; None: SDPA.
+    # Or a kernel for prompt chunks' causal attention (bf16x3: kernels/amx.cpp), called as
+    # (q [n, H, D], k, v [ctx, KVH, D], scale) -> [n, H, D] float32; None: SDPA.
     prompt_attention: Callable[..., torch.Tensor] | None = None
 
 
@@ -350,7 +350,11 @@ def _prefill_attention(
     """[n, H, D] in q's dtype; computed in meta.prompt_dtype when set (torch's flash SDPA in
     bfloat16 blocks the scores and runs its GEMMs on the matrix units)."""
     kernel = meta.prompt_attention if meta is not None else None
-    if kernel is not None and seg.start_pos == 0 and q.shape[-1] == 64:
+    if kernel is not None and q.shape[-1] == 64:
+        if seg.start_pos:  # the cached prefix and the chunk's own K/V, as cached
+            ctx, (kvh, d) = seg.start_pos + seg.length, k_cache.shape[2:]
+            k = k_cache.index_select(0, seg.block_ids).view(-1, kvh, d)[:ctx].float()
+            v = v_cache.index_select(0, seg.block_ids).view(-1, kvh, d)[:ctx].float()
         return kernel(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
     dtype = (meta.prompt_dtype if meta is not None else None) or q.dtype
     if dtype != q.dtype:
