@@ -250,34 +250,17 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
 
 
 def _prefill_copies(engine: LLMEngine, kind: str) -> None:
-    """Prompt rows on `kind` (bf16 | bf16x3) copies beside the projections just set, as
-    `--prefill-format` attaches them; "" for none."""
+    """Prompt rows on `kind` (bf16 | bf16x3) copies beside the projections just set, attached
+    as `--prefill-format` attaches them; "" for none."""
     from pdserve.engine import prefill_format as pf
-    from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
+    from pdserve.engine.quant import layers_of
 
-    model, rows = engine.model, pf.StepRows(has_decode_format=True)
-    model.step_rows = rows if kind else None
-    rows.prompt_dtype = torch_bf16() if kind == "bf16" else None
-    rows.prompt_attention = pf.kernels.amx_module().causal_attention if kind == "bf16x3" else None
-    make = pf.AMXLinear if kind == "bf16x3" else pf.BF16Linear
+    model = engine.model
+    model.step_rows = None
     for layer in layers_of(model):
         layer.prompt_weights = None
-        if not kind:
-            continue
-        copies: dict[str, Any] = {}
-        for proj in LAYER_PROJECTIONS:
-            w, bias = getattr(layer, proj), layer.qkv_bias if proj == "qkv" else None
-            copies[proj] = make(w, bias)
-            decode = layer.quantized.get(proj) or pf.FloatLinear(w, bias)
-            layer.quantized[proj] = pf.PhaseProjection(decode, copies[proj], rows)
-        if kind == "bf16":
-            layer.prompt_weights = pf.PromptWeights(rows, copies, pf.kernels.bf16_module())
-
-
-def torch_bf16() -> Any:
-    import torch
-
-    return torch.bfloat16
+    if kind:
+        pf.attach(model, pf.make_copies(model, kind), kind, "both", pf.probe_units())
 
 
 _FILE_WEIGHTS: dict[int, Any] = {}
