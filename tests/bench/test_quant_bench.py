@@ -63,7 +63,7 @@ def test_gguf_variants_of_the_default_model_against_a_float32_reference(tmp_path
     js = tmp_path / "q.json"
     argv = ["bench", "quant", "--threads", "1", "--num-prompts", "2", "--max-tokens", "4",
             "--kl-steps", "2", "--variants", "gguf,gguf-a8", "--no-llama-cpp",
-            "--json", str(js)]  # fmt: skip
+            "--output", str(tmp_path / "q.md"), "--json", str(js)]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(argv) == 0
     rows = {q["name"]: q for q in json.loads(js.read_text())["quality"]}
