@@ -81,6 +81,20 @@ constexpr int64_t kPrefetch = 8192;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A tile's scales: fp16 as a Q4_1 / Q8_0 file stores them, or float32 for the K-quants, whose
+// scale is a product (fp16 super-block scale x 6- or 8-bit sub-block scale) that fp16 cannot
+// hold exactly and float32 can (<= 19 significant bits).
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__AVX512F__)
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
 #if defined(__AVX512VNNI__)
 constexpr const char* kIsa = "vnni";
 constexpr int64_t kRows = 8;
@@ -172,10 +186,9 @@ void tile_rows_q4(const int8_t* xq, int64_t ldx, const float* xs, const float* x
 
 // gguf-a16 (see the top): rows [0, NR) of xq (int16, pair order, row stride ldx) against one
 // Q4_1 tile. U accumulator sets take alternate pairs (>= 2 chains a row with few rows).
-template <int NR, int U>
+template <int NR, int U, class S>
 void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
-                      int64_t G, const uint8_t* q, const at::Half* d, const at::Half* m,
-                      float* out) {
+                      int64_t G, const uint8_t* q, const S* d, const S* m, float* out) {
   const __m512i mask = _mm512_set1_epi32(0x000F000F);
   __m512 tot[NR];
   for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
@@ -200,10 +213,8 @@ void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const flo
         }
       }
     }
-    const __m512 dv = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kTile)));
-    const __m512 mv = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kTile)));
+    const __m512 dv = load16(d + g * kTile);
+    const __m512 mv = load16(m + g * kTile);
     for (int r = 0; r < NR; ++r) {
       __m512i dot = acc[0][r];
       for (int u = 1; u < U; ++u) dot = _mm512_add_epi32(dot, acc[u][r]);
@@ -250,6 +261,54 @@ void tile_rows_a16(const int16_t* xq, int64_t ldx, const float* xs, int64_t G, c
       for (int u = 1; u < U; ++u) dot = _mm512_add_epi32(dot, acc[u][r]);
       tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                _mm512_mul_ps(sw, _mm512_set1_ps(xs[r * G + g])), tot[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
+}
+
+// K-quants and 5-bit formats (matmul_k_a16, see the top): rows [0, NR) of xq (int16, quad pair
+// order) against one tile of int8 codes in w8a8's quads, without the offset; one float32 scale
+// per 16 inputs (s [G][2][16]: Q6_K's sub-blocks are 16 inputs) and, when Min, one float32
+// minimum per 32 (mn [G][16], times the row's quantized sum as Q4_1's). Quads 0-3 of a group
+// are its first 16 inputs, quads 4-7 the rest: one int32 sum per half, each scaled.
+template <int NR, bool Min>
+void tile_rows_k_a16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
+                     int64_t G, const int8_t* q, const float* s, const float* mn, float* out) {
+  __m512 tot[NR];
+  for (int r = 0; r < NR; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* qg = q + g * kQuads * 64;
+    const int16_t* xg = xq + g * kGroup;
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m512i acc[2][NR];
+      for (int u = 0; u < 2; ++u)
+        for (int r = 0; r < NR; ++r) acc[u][r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int j = 4 * half; j < 4 * half + 4; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(qg + j * 64 + kPrefetch), _MM_HINT_T0);
+        const __m512i line = _mm512_loadu_si512(qg + j * 64);
+        const __m512i w[2] = {_mm512_srai_epi16(_mm512_slli_epi16(line, 8), 8),
+                              _mm512_srai_epi16(line, 8)};
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 8
+          for (int r = 0; r < NR; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, xg + r * ldx + 4 * j + 2 * p, 4);
+            acc[p][r] = _mm512_dpwssd_epi32(acc[p][r], w[p], _mm512_set1_epi32(pair));
+          }
+        }
+      }
+      const __m512 sw = load16(s + (2 * g + half) * kTile);
+      for (int r = 0; r < NR; ++r)
+        tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][r], acc[1][r])),
+                                 _mm512_mul_ps(sw, _mm512_set1_ps(xs[r * G + g])), tot[r]);
+    }
+    if (Min) {
+      const __m512 mv = load16(mn + g * kTile);
+      for (int r = 0; r < NR; ++r)
+        tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), mv, tot[r]);
     }
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, tot[r]);
@@ -353,10 +412,9 @@ void tile_rows_q4(const int8_t* xq, int64_t ldx, const float* xs, const float* x
 // gguf-a16 with vpmaddwd (a pair's two int16 products summed in int32, <= 2 * 15 * 32767), one
 // half tile at a time as tile_rows_q4. The same int32 sums and float operations as the VNNI
 // build: the builds agree bit for bit.
-template <int NR, int U>
+template <int NR, int U, class S>
 void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
-                      int64_t G, const uint8_t* q, const at::Half* d, const at::Half* m,
-                      float* out) {
+                      int64_t G, const uint8_t* q, const S* d, const S* m, float* out) {
   const __m256i mask = _mm256_set1_epi32(0x000F000F);
   for (int h = 0; h < 2; ++h) {
     __m256 tot[NR];
@@ -385,10 +443,8 @@ void tile_rows_q4_a16(const int16_t* xq, int64_t ldx, const float* xs, const flo
           }
         }
       }
-      const __m256 dv = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kTile + 8 * h)));
-      const __m256 mv = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * kTile + 8 * h)));
+      const __m256 dv = load8(d + g * kTile + 8 * h);
+      const __m256 mv = load8(m + g * kTile + 8 * h);
       for (int r = 0; r < NR; ++r) {
         __m256i dot = acc[0][r];
         for (int u = 1; u < U; ++u) dot = _mm256_add_epi32(dot, acc[u][r]);
@@ -439,6 +495,55 @@ void tile_rows_a16(const int16_t* xq, int64_t ldx, const float* xs, int64_t G, c
         for (int u = 1; u < U; ++u) dot = _mm256_add_epi32(dot, acc[u][r]);
         tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                  _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * G + g])), tot[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, tot[r]);
+  }
+}
+
+// As the VNNI build's tile_rows_k_a16 with vpmaddwd, one half tile at a time; the same int32
+// sums and float operations (the builds agree bit for bit).
+template <int NR, bool Min>
+void tile_rows_k_a16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
+                     int64_t G, const int8_t* q, const float* s, const float* mn, float* out) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 tot[NR];
+    for (int r = 0; r < NR; ++r) tot[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* qg = q + g * kQuads * 64 + h * 32;
+      const int16_t* xg = xq + g * kGroup;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m256i acc[2][NR];
+        for (int u = 0; u < 2; ++u)
+          for (int r = 0; r < NR; ++r) acc[u][r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 4 * half; j < 4 * half + 4; ++j) {
+          if (h == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(qg + j * 64 + kPrefetch), _MM_HINT_T0);
+          const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
+          const __m256i w[2] = {_mm256_srai_epi16(_mm256_slli_epi16(line, 8), 8),
+                                _mm256_srai_epi16(line, 8)};
+#pragma GCC unroll 2
+          for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; ++r) {
+              int32_t pair;
+              std::memcpy(&pair, xg + r * ldx + 4 * j + 2 * p, 4);
+              acc[p][r] = _mm256_add_epi32(acc[p][r],
+                                           _mm256_madd_epi16(w[p], _mm256_set1_epi32(pair)));
+            }
+          }
+        }
+        const __m256 sw = load8(s + (2 * g + half) * kTile + 8 * h);
+        for (int r = 0; r < NR; ++r)
+          tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0][r], acc[1][r])),
+                                   _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * G + g])), tot[r]);
+      }
+      if (Min) {
+        const __m256 mv = load8(mn + g * kTile + 8 * h);
+        for (int r = 0; r < NR; ++r)
+          tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[r * G + g]), mv, tot[r]);
       }
     }
     for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, tot[r]);
@@ -712,10 +817,12 @@ void check_q4_1(const torch::Tensor& q, const torch::Tensor& d, const torch::Ten
                   q.size(0) == T && q.size(1) == G && q.size(2) == 4 && q.size(3) == kTile &&
                   q.size(4) == 4,
               "q: uint8 [T, K/32, 4, 16, 4] matching K, N");
+  TORCH_CHECK(d.dtype() == m.dtype() && (d.dtype() == torch::kHalf || d.dtype() == torch::kFloat),
+              "d, m: both fp16 (Q4_1) or both float32 (Q4_K)");
   for (const auto* t : {&d, &m})
-    TORCH_CHECK(t->dtype() == torch::kHalf && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == T && t->size(1) == G && t->size(2) == kTile,
-                "d, m: fp16 [T, K/32, 16] matching K, N");
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == T && t->size(1) == G &&
+                    t->size(2) == kTile,
+                "d, m: [T, K/32, 16] matching K, N");
 }
 
 namespace {
@@ -734,19 +841,24 @@ torch::Tensor q4_1_tiles(torch::Tensor x, const torch::Tensor& q, const torch::T
   int64_t ldr;
   const float* rp = residual_ptr(residual, M, N, &ldr);
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = m.data_ptr<at::Half>();
   if (int16) {
     const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kPairOrder);
-    return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
-      by_rows(nr, [&](auto c) {
-        constexpr int NR = decltype(c)::value;
-        tile_rows_q4_a16<NR, (NR == 1 ? 4 : NR == 2 ? 2 : 1)>(
-            rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G,
-            qp + t * G * kQ4Block, dp + t * G * kTile, mp + t * G * kTile, out);
+    auto tiles = [&](auto* dp, auto* mp) {
+      return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+        by_rows(nr, [&](auto c) {
+          constexpr int NR = decltype(c)::value;
+          tile_rows_q4_a16<NR, (NR == 1 ? 4 : NR == 2 ? 2 : 1)>(
+              rows.xq + r0 * rows.ldx, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G,
+              qp + t * G * kQ4Block, dp + t * G * kTile, mp + t * G * kTile, out);
+        });
       });
-    });
+    };
+    if (d.dtype() == torch::kFloat) return tiles(d.data_ptr<float>(), m.data_ptr<float>());
+    return tiles(d.data_ptr<at::Half>(), m.data_ptr<at::Half>());
   }
+  TORCH_CHECK(d.dtype() == torch::kHalf, "matmul_q4_1 (int8 activations): fp16 d, m only");
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
   const Rows rows = quantize_rows(x.data_ptr<float>(), M, K, G, true);
   return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
     by_rows(nr, [&](auto c) {
@@ -799,6 +911,53 @@ torch::Tensor matmul_a16(torch::Tensor x, torch::Tensor q, torch::Tensor s, int6
   });
 }
 
+// x float32 [M, K] (K a multiple of 32) -> y float32 [M, N] (+ bias) (+ residual) with int8
+// codes in w8a8's quads (no offset), float32 scales per 16 inputs s [T, K/32, 2, 16] and,
+// optionally, float32 minimums per 32 inputs mn [T, K/32, 16]: w = s * code (+ mn). Q6_K,
+// Q5_K, Q5_0, Q5_1 and Q4_K exactly as their files hold them (one byte a code), and fused
+// projections whose parts mix block formats (a Q4_K_M file's Q4_K q|k with a Q6_K v).
+torch::Tensor matmul_k_a16(torch::Tensor x, torch::Tensor q, torch::Tensor s,
+                           c10::optional<torch::Tensor> mn, int64_t N,
+                           c10::optional<torch::Tensor> bias,
+                           c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat, "x: float32 [M, K]");
+  TORCH_CHECK(x.size(1) % kGroup == 0,
+              "matmul_k_a16: the input size must be a multiple of 32, got ", x.size(1));
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, T = ceil_div(N, kTile);
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 4 && q.size(0) == T &&
+                  q.size(1) == G * kQuads && q.size(2) == kTile && q.size(3) == 4,
+              "q: int8 [T, K/4, 16, 4] matching K, N");
+  TORCH_CHECK(s.dtype() == torch::kFloat && s.is_contiguous() && s.dim() == 4 &&
+                  s.size(0) == T && s.size(1) == G && s.size(2) == 2 && s.size(3) == kTile,
+              "s: float32 [T, K/32, 2, 16] matching K, N");
+  if (mn.has_value())
+    TORCH_CHECK(mn->dtype() == torch::kFloat && mn->is_contiguous() && mn->dim() == 3 &&
+                    mn->size(0) == T && mn->size(1) == G && mn->size(2) == kTile,
+                "mn: float32 [T, K/32, 16] matching K, N");
+  const float* bp = bias_ptr(bias, N);
+  int64_t ldr;
+  const float* rp = residual_ptr(residual, M, N, &ldr);
+  const Rows16 rows = quantize_rows16(x.data_ptr<float>(), M, K, G, kQuadPairOrder);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* mp = mn.has_value() ? mn->data_ptr<float>() : nullptr;
+  return run_tiles(M, N, bp, rp, ldr, [&](int64_t t, int64_t r0, int64_t nr, float* out) {
+    by_rows(nr, [&](auto c) {
+      constexpr int NR = decltype(c)::value;
+      const int16_t* xr = rows.xq + r0 * rows.ldx;
+      const int8_t* qt = qp + t * G * kQuads * 64;
+      const float* st = sp + t * G * 2 * kTile;
+      if (mp)
+        tile_rows_k_a16<NR, true>(xr, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G, qt, st,
+                                  mp + t * G * kTile, out);
+      else
+        tile_rows_k_a16<NR, false>(xr, rows.ldx, rows.xs + r0 * G, rows.xsum + r0 * G, G, qt, st,
+                                   nullptr, out);
+    });
+  });
+}
+
 // x float32 [M, K] (K a multiple of 32) -> (xq int16 [M, K] in natural input order, xs float32
 // [M, G]): gguf-a16's activations, for tests.
 std::vector<torch::Tensor> quantize_activations16(torch::Tensor x) {
@@ -836,6 +995,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] (int16 per 32 inputs) @ packed int8 W [K, N], no offset (+ bias) (+ residual)",
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
+  m.def("matmul_k_a16", &matmul_k_a16,
+        "x [M, K] (int16 per 32 inputs) @ int8 codes, float32 scales per 16 (+ minimums per 32)",
+        py::arg("x"), py::arg("q"), py::arg("s"), py::arg("mn"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("residual") = py::none());
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
   m.def("quantize_activations16", &quantize_activations16, "x [M, K] -> (int16 [M, K], scales)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
