@@ -95,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     quant_bench.add_arguments(qb)
+    from pdserve.bench import gguf_files
+
+    gq = bench_sub.add_parser(
+        "gguf-requant",
+        help="write the model in another GGUF block format (Q4_K_M ...) with llama.cpp's quantizer",
+        description=gguf_files.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gguf_files.add_arguments(gq)
     transfer = bench_sub.add_parser("transfer", help="KV transfer throughput, TTFT breakdown")
     transfer_bench.add_arguments(transfer)
     load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
@@ -266,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.bench import (
                 attention_bench,
                 compare,
+                gguf_files,
                 kvpool_bench,
                 profile,
                 quant_bench,
@@ -290,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "serve": serve_bench.run,
                 "profile": profile.run,
                 "quant": quant_bench.run,
+                "gguf-requant": gguf_files.run,
                 "attention": attention_bench.run,
                 "kvpool": kvpool_bench.run,
             }

@@ -104,4 +104,6 @@ def test_kernel_matches_matmul_over_dequantized_weights(
 
 def test_projection_refuses_a_format_without_kernel() -> None:
     with pytest.raises(ValueError, match=r"layer 2 down is IQ4_XS, which pdserve has no kernel"):
-        gguf_linear.projection([_Part("IQ4_XS", np.zeros((16, 136), np.uint8))], None, "layer 2 down")
+        gguf_linear.projection(
+            [_Part("IQ4_XS", np.zeros((16, 136), np.uint8))], None, "layer 2 down"
+        )

@@ -5,6 +5,7 @@ model answering with its own Q4_1 weights."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -16,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
-from pdserve.engine import loader, quant, quant_gguf
+from pdserve.engine import gguf_linear, loader, quant, quant_gguf
 from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.quant_gguf import GgufWeight, Q41A8Linear, Q41A16Linear, Q41Linear
 
@@ -91,10 +92,16 @@ def test_unsupported_and_mixed_formats_are_start_up_errors() -> None:
     q4 = _file_weight(np.ones((32, 64)), Q4_1)
     q8 = _file_weight(np.ones((32, 64)), Q8_0)
     k_quant = GgufWeight("Q4_K", np.zeros((32, 144), np.uint8))
-    with pytest.raises(ValueError, match=r"layer 3 down is Q4_K.*no kernel.*w8g32"):
+    # K-quants and mixed formats run on int16 activations (gguf-a16) only
+    with pytest.raises(ValueError, match=r"layer 3 down is Q4_K, which runs under .*gguf-a16"):
         quant_gguf.projection([k_quant], w, None, "layer 3 down")
-    with pytest.raises(ValueError, match=r"mixes block formats \['Q4_1', 'Q8_0'\]"):
-        quant_gguf.projection([q4, q8], w, None, "layer 0 qkv")
+    with pytest.raises(ValueError, match=r"layer 0 qkv is Q4_1\+Q8_0, which runs under"):
+        quant_gguf.projection([q4, q8], w, None, "layer 0 qkv", "int8")
+    mixed = quant_gguf.projection([q4, q8], w, None, "layer 0 qkv", "int16")
+    assert isinstance(mixed, gguf_linear.CodesA16Linear)
+    iq = GgufWeight("IQ4_XS", np.zeros((32, 136), np.uint8))
+    with pytest.raises(ValueError, match=r"layer 1 o is IQ4_XS, which pdserve has no kernel"):
+        quant_gguf.projection([iq], w, None, "layer 1 o", "int16")
     f32 = GgufWeight("F32", np.zeros((32, 256), np.uint8))
     assert quant_gguf.projection([f32], w, None, "") is None
     with pytest.raises(ValueError, match="whole blocks"):
@@ -202,13 +209,29 @@ def test_auto_is_gguf_a16_only_for_a_gguf_file_it_has_kernels_for(
     resolve = quant_gguf.resolve_quantization
     assert resolve("auto", q4) == "gguf-a16"
     assert resolve("auto", f32) == "gguf-a16"  # its Q8_0 embedding has a kernel; the rest float
-    assert resolve("auto", q5) == "none"  # Q5_0: no kernel here, so float32
+    assert resolve("auto", q5) == "gguf-a16"  # Q5_0 runs on int8 codes (gguf_linear)
     assert resolve("auto", str(tiny_llama_path)) == "none"  # an HF folder
     assert resolve("auto", q4, "cpu", torch.bfloat16) == "none"
     assert resolve("auto", q4, "cuda") == "none"
     assert resolve("w8a8", q4) == "w8a8" and resolve("none", q4) == "none"  # asked: kept
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     assert resolve("auto", q4) == "none"  # no AVX2: the kernel cannot run
+
+
+def test_auto_warns_loudly_when_a_file_runs_as_float(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block format without a kernel (here Q5_0 with its kernel taken away) runs as float32
+    under a WARNING that names the format and the cost: never silently."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2)).eval()
+    q5 = _write_tiny_gguf_at(hf, tmp_path / "q5", gguf.GGMLQuantizationType.Q5_0)
+    monkeypatch.setattr(gguf_linear, "FORMATS", ("Q4_1", "Q8_0"))
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.quant_gguf"):
+        assert quant_gguf.resolve_quantization("auto", q5) == "none"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "Q5_0" in warned[0].getMessage()
+    assert "float32" in warned[0].getMessage() and "slower" in warned[0].getMessage()
 
 
 def _write_tiny_gguf_at(

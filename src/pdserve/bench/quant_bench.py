@@ -401,7 +401,7 @@ def _llama_cpp(
     got = [cpp.greedy(p, args.max_tokens) for p in prompts]
     seconds = time.perf_counter() - t0
     lp = [cpp.logprobs(p, r, k) for p, r in zip(prompts, ref, strict=True)]
-    return [_quality("llama.cpp (GGUF's own Q4_1)", ref, got, ref_lp, lp, seconds)]
+    return [_quality("llama.cpp (the GGUF's own weights)", ref, got, ref_lp, lp, seconds)]
 
 
 # --------------------------------------------------------------------------- report

@@ -35,8 +35,13 @@ FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 class _Part(Protocol):
-    qtype: str
-    raw: np.ndarray
+    """One file tensor (quant_gguf.GgufWeight): its block format and raw rows."""
+
+    @property
+    def qtype(self) -> str: ...
+
+    @property
+    def raw(self) -> np.ndarray: ...
 
 
 class _A16Ops(Protocol):
@@ -179,7 +184,7 @@ class CodesA16Linear(_A16Linear):
         """The float32 [in, out] weight the kernel computes with (tests)."""
         t, k = self.q.shape[0], self.in_features
         q = self.q.permute(0, 1, 3, 2).reshape(t, k, TILE).float()  # [T, K, 16]
-        s = self.s.permute(0, 1, 2, 3).reshape(t, k // 16, TILE).repeat_interleave(16, dim=1)
+        s = self.s.reshape(t, k // 16, TILE).repeat_interleave(16, dim=1)
         w = s * q
         if self.mn is not None:
             w = w + self.mn.repeat_interleave(GROUP, dim=1)

@@ -10,9 +10,12 @@ comes from. Under `gguf` each projection computes with exactly the weights the f
   packing of the dequantized values gets back the same codes and scales (its scale is
   amax / 127, and a Q8_0 block's largest code is +-127), so Q8_0 runs on the w8g32 kernel;
 - float tensors (F32 / F16 / BF16) stay float.
-Any other block format (Q4_K, Q6_K, ...) is refused at start-up with the tensor named: no
-silent float32 fallback. Only the greedy-parity rule of `none` does not apply: the sums run in
-another order than torch's GEMM (quality: docs/benchmarks/quant.md).
+The K-quants (Q4_K, Q5_K, Q6_K: Q4_K_M / Q5_K_M files), Q4_0, Q5_0 and Q5_1, and fused
+projections whose parts mix formats, run under `gguf-a16` on engine/gguf_linear.py's kernels,
+their own codes and scales as stored. Any other block format is refused at start-up with the
+tensor named under `gguf*`, and `auto` runs such a file as float32 under a WARNING naming the
+formats and the cost: never silently. Only the greedy-parity rule of `none` does not apply:
+the sums run in another order than torch's GEMM (quality: docs/benchmarks/quant.md).
 
 `gguf-a8` runs the same weights against int8 activations (one scale per 32 inputs per row, as
 llama.cpp's Q8 activations): Q4_1 on kernels/w8a8.cpp's matmul_q4_1 (integer dot products of the
@@ -38,7 +41,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from pdserve.engine import loader, model_cache
+from pdserve.engine import gguf_linear, loader, model_cache
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.quant import (
@@ -209,6 +212,14 @@ def projection(
     e.g. q, k, v) in their own format, against `activations` (activations_of); None keeps the
     float weight (a float file tensor)."""
     kinds = {p.qtype for p in parts}
+    if not kinds <= {Q4_1, Q8_0, *FLOAT_TYPES} or (len(kinds) > 1 and not kinds & {*FLOAT_TYPES}):
+        # K-quants, Q4_0 / Q5_x, and fused parts in several formats: int16 activations only
+        if activations != "int16":
+            raise ValueError(
+                f"quantization gguf: {what} is {'+'.join(sorted(kinds))}, which runs under "
+                "--quantization gguf-a16 (the default for such a file) only"
+            )
+        return gguf_linear.projection(parts, bias, what)
     if len(kinds) != 1:
         raise ValueError(
             f"quantization gguf: {what} mixes block formats {sorted(kinds)} in one projection; "
@@ -238,12 +249,14 @@ def resolve_quantization(
     """`--quantization auto` (the default) made concrete; any other name is returned as it is.
 
     auto is `gguf-a16` for a GGUF file whose weight matrices are all in formats with a kernel
-    here (Q4_1, Q8_0, float) and at least one quantized, on a CPU with AVX2, float32: the file's
+    here (gguf_linear.FORMATS: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; or float) and at
+    least one quantized, on a CPU with AVX2, float32: the file's
     own weights, as llama.cpp and vLLM run a GGUF file, against int16 activations. Measured side
     by side (docs/benchmarks/quant.md, 60 chat prompts x 64 tokens, float16 KV): 59 of 60
     outputs equal to float32's under gguf-a16 as under gguf (float activations), KL 3.6e-7
     against 3.0e-7, in 0.71x the time; its projections take 0.58-0.66x gguf's at every row
-    count (engine.md). Anything else (an HF folder, a K-quant file, CUDA, bfloat16) is `none`.
+    count (engine.md). Anything else (an HF folder, CUDA, bfloat16, a file in another block
+    format: warned) is `none`.
     The choice is logged and shown wherever the quantization is (stats, /admin/workers, the
     cost-model file name)."""
     if name != "auto":
@@ -260,10 +273,25 @@ def resolve_quantization(
             if len(t.shape) == 2 and loader.gguf_hf_name(t.name) is not None
         }
         quantized = kinds - set(FLOAT_TYPES)
-        if quantized and quantized <= {Q4_1, Q8_0}:
+        if quantized and quantized <= set(gguf_linear.FORMATS):
             chosen = "gguf-a16"
+        elif quantized:
+            _warn_float(src, quantized - set(gguf_linear.FORMATS))
     log.info("quantization auto: %s (%s)", chosen, src.path.name)
     return chosen
+
+
+def _warn_float(src: ModelSource, missing: set[str]) -> None:
+    """A GGUF file holding block formats without a kernel here runs as float32: say so loudly,
+    with the cost (issue 44: never silently as float)."""
+    log.warning(
+        "%s holds %s tensors, which pdserve has no kernel for: the whole model runs "
+        "dequantized to float32 (--quantization none), reading ~7x the bytes a decode step of "
+        "a 4-bit format reads (decode several times slower). Kernels exist for %s.",
+        src.path.name,
+        ", ".join(sorted(missing)),
+        ", ".join(gguf_linear.FORMATS),
+    )
 
 
 def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
