@@ -85,14 +85,13 @@ class ModelConfig:
         "auto",
         "projection weights: auto (gguf-a16 for a GGUF file of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 "
         "/ Q4_K / Q5_K / Q6_K weights on an AVX2 CPU in float32, else none: a file in another "
-        "format runs as float32 under a warning) | none (as --dtype) | int8 (int8 per output channel, int8 "
-        "activations per token) | w8g32 (int8 weights, one scale per 32 inputs per output "
-        "channel, float32 activations) | w8a8 (the same weights, activations int8 with one scale "
-        "per 32 inputs, integer dot products) | gguf (a GGUF file's own Q4_1 / Q8_0 weights as "
-        "stored, float32 activations) | gguf-a8 (the same weights, w8a8's int8 activations) | "
-        "gguf-a16 (the same weights, int16 activations per 32 inputs; the K-quants, Q4_0 and "
-        "Q5_x run under gguf-a16 only); "
-        "quantized: CPU, float32 only",
+        "format runs as float32 under a warning) | none (as --dtype) | int8 (int8 per output "
+        "channel, int8 activations per token) | w8g32 (int8 weights, one scale per 32 inputs "
+        "per output channel, float32 activations) | w8a8 (the same weights, activations int8 "
+        "with one scale per 32 inputs, integer dot products) | gguf (a GGUF file's own Q4_1 / "
+        "Q8_0 weights as stored, float32 activations) | gguf-a8 (the same weights, w8a8's int8 "
+        "activations) | gguf-a16 (the same weights, int16 activations per 32 inputs; the "
+        "K-quants, Q4_0 and Q5_x run under gguf-a16 only); quantized: CPU, float32 only",
     )
     decode_matmul: str = _f(
         "auto",
