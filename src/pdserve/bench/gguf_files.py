@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,8 +80,84 @@ def quantize(src: Path, dst: Path, ftype: str, threads: int = 2) -> None:
         raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {ftype}) failed: {rc}")
 
 
+# Random-weight models with the shapes of real ones (issue 44's speed comparison): the
+# layer shapes of each model's config.json, the default model's tokenizer (49152 tokens, so
+# prompts are real text; the embedding and LM head are therefore smaller than the real
+# model's), untied norms at 1 and every other weight N(0, 0.02). Timing needs the shapes, not
+# trained values.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(arch="qwen2", hidden=896, layers=24, heads=14, kv_heads=2,
+                         ffn=4864, rope_theta=1e6, qkv_bias=True),
+    "llama-3.2-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8,
+                         ffn=8192, rope_theta=5e5, qkv_bias=False),
+}  # fmt: skip
+
+
+def random_model(shape: str, dst: Path, seed: int = 0) -> None:
+    """A float16 GGUF of random weights with the layer shapes of `shape` (SHAPES)."""
+    import gguf
+
+    from pdserve.engine.loader import resolve_model
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    cfg = SHAPES[shape]
+    arch, hidden, head_dim = cfg["arch"], cfg["hidden"], cfg["hidden"] // cfg["heads"]
+    tokenizer = gguf.GGUFReader(resolve_model(None).path)
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in tokenizer.fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_name(f"random {shape}")
+    writer.add_file_type(FTYPES["F16"])
+    writer.add_block_count(cfg["layers"])
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg["ffn"])
+    writer.add_head_count(cfg["heads"])
+    writer.add_head_count_kv(cfg["kv_heads"])
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape_: int) -> np.ndarray:
+        return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16)
+
+    kv = cfg["kv_heads"] * head_dim
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(cfg["layers"]):
+        b = f"blk.{i}."
+        writer.add_tensor(b + "attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(b + "ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, rows in (("attn_q", hidden), ("attn_k", kv), ("attn_v", kv)):
+            writer.add_tensor(b + name + ".weight", weight(rows, hidden))
+            if cfg["qkv_bias"]:
+                writer.add_tensor(b + name + ".bias", np.zeros(rows, np.float32))
+        writer.add_tensor(b + "attn_output.weight", weight(hidden, hidden))
+        writer.add_tensor(b + "ffn_gate.weight", weight(cfg["ffn"], hidden))
+        writer.add_tensor(b + "ffn_up.weight", weight(cfg["ffn"], hidden))
+        writer.add_tensor(b + "ffn_down.weight", weight(hidden, cfg["ffn"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="source .gguf (default: the default model)")
+    p.add_argument(
+        "--shape",
+        default=None,
+        choices=sorted(SHAPES),
+        help="instead of --model: random weights with this model's layer shapes (float16 GGUF, "
+        "the default model's tokenizer)",
+    )
     p.add_argument("--ftype", default="Q4_K_M", choices=sorted(FTYPES))
     p.add_argument("--output", required=True, help="the .gguf file to write")
 
@@ -88,19 +165,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.loader import resolve_model
 
-    src = resolve_model(args.model)
-    if src.kind != "gguf":
-        raise ValueError(f"--model must be a .gguf file, got {src.path}")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".f32.gguf")
-    float_copy(src.path, tmp)
+    tmp = out.with_suffix(".float.gguf")
+    if args.shape:
+        random_model(args.shape, tmp)
+        origin = f"random {args.shape}"
+    else:
+        src = resolve_model(args.model)
+        if src.kind != "gguf":
+            raise ValueError(f"--model must be a .gguf file, got {src.path}")
+        float_copy(src.path, tmp)
+        origin = src.path.name
     try:
-        if args.ftype == "F32":
+        if args.ftype == "F32" and not args.shape:
             tmp.replace(out)
         else:
             quantize(tmp, out, args.ftype)
     finally:
         tmp.unlink(missing_ok=True)
-    print(f"wrote {out} ({args.ftype}, {out.stat().st_size / 1e6:.1f} MB) from {src.path.name}")
+    print(f"wrote {out} ({args.ftype}, {out.stat().st_size / 1e6:.1f} MB) from {origin}")
     return 0
