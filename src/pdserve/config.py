@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-# Weight quantizations (engine/quant.py implements them; named here so config needs no torch).
+# Weight quantizations (engine/quantize.py picks them; named here so config needs no torch).
 QUANTIZATIONS = ("auto", "none", "int8", "w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# How matmuls of a few rows (decode steps) run on float32 weights (engine/quant.py).
+# How matmuls of a few rows (decode steps) run on float32 weights (engine/quantize.py).
 DECODE_MATMULS = ("auto", "tiles", "torch")
 # Prompt rows' weight format (engine/prefill_format.py) and which phases' formats an engine holds.
 PREFILL_FORMATS = ("auto", "bf16x3", "bf16", "none")

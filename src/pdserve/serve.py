@@ -295,7 +295,7 @@ def _cost_model(
 def _cost_engine_args(args: argparse.Namespace, model: str | None) -> dict[str, str]:
     """The engine settings a cost model is measured for (and named after): the quantization
     the workers will run (`auto` resolved for this model, as their engines resolve it)."""
-    from pdserve.engine.quant_gguf import resolve_quantization
+    from pdserve.engine.quantize import resolve_quantization
 
     quantization = resolve_quantization(
         getattr(args, "quantization", None) or "auto",

@@ -12,7 +12,8 @@ import torch
 from factories import assert_engine_idle
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.engine import kernels, quant
+from pdserve.engine import kernels, quantize
+from pdserve.engine.linear import float32, w8g32
 
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512"))]
@@ -26,7 +27,7 @@ def test_tile_kernel_matches_a_float64_reference(isa: str, k: int, n: int) -> No
     # its own unroll), chunk edges (k % 64, k % 4) and a ragged last tile (n % 16).
     torch.manual_seed(k + n)
     w, b = torch.randn(k, n), torch.randn(n)
-    ops = kernels.w8g32_module(isa)
+    ops = kernels.load("w8g32", isa)
     tiles = ops.pack_f32(w)
     assert tiles.shape == (-(-n // 16), k, 16)
     for rows in [*range(1, 10), 16, 33, 64]:
@@ -37,7 +38,7 @@ def test_tile_kernel_matches_a_float64_reference(isa: str, k: int, n: int) -> No
 
 
 def test_tile_kernel_refuses_more_rows_than_it_holds() -> None:
-    ops = kernels.w8g32_module()
+    ops = kernels.load("w8g32")
     tiles = ops.pack_f32(torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="at most 64 rows"):
         ops.matmul_f32(torch.randn(65, 8), tiles, 16, None)
@@ -46,7 +47,7 @@ def test_tile_kernel_refuses_more_rows_than_it_holds() -> None:
 def test_tile_linear_hands_large_calls_to_torch_unchanged() -> None:
     torch.manual_seed(1)
     w, b = torch.randn(96, 50), torch.randn(50)
-    lin = quant.F32TileLinear(w, b)
+    lin = float32.F32TileLinear(w, b)
     assert lin.weight is w and lin.nbytes == 4 * 16 * 96 * 4 + 50 * 4
     big = torch.randn(lin.rows + 1, 96)
     assert torch.equal(lin(big), torch.addmm(b, big, w))  # prefill: exactly the untiled model
@@ -61,7 +62,7 @@ def test_tile_linear_adds_a_residual_as_torch_does() -> None:
     # torch's GEMM plus an in-place add (many rows); refused for a 3-D input.
     torch.manual_seed(2)
     w, b = torch.randn(96, 50), torch.randn(50)
-    lin = quant.F32TileLinear(w, b)
+    lin = float32.F32TileLinear(w, b)
     for rows in (1, 5, lin.rows + 1):
         x, residual = torch.randn(rows, 96), torch.randn(rows, 60)[:, 3:53]
         assert torch.equal(lin(x, residual), residual + lin(x))
@@ -81,8 +82,8 @@ def test_engine_tiles_by_default_on_cpu_and_decodes_like_torch(tiny_llama_path: 
     plain = LLM(str(tiny_llama_path), block_size=8, num_blocks=256, decode_matmul="torch")
     assert tiles.engine.decode_matmul == "tiles" and plain.engine.decode_matmul == "torch"
     layer = tiles.engine.model.layers[0]
-    assert isinstance(layer.quantized["qkv"], quant.F32TileLinear)
-    assert isinstance(tiles.engine.model.quantized_head, quant.F32TileLinear)
+    assert isinstance(layer.quantized["qkv"], float32.F32TileLinear)
+    assert isinstance(tiles.engine.model.quantized_head, float32.F32TileLinear)
     assert plain.engine.model.layers[0].quantized == {}
     # Batched decode (8 rows a step) on the kernel, against torch's GEMM: same greedy tokens.
     assert _greedy(tiles) == _greedy(plain)
@@ -94,7 +95,7 @@ def test_engine_tiles_by_default_on_cpu_and_decodes_like_torch(tiny_llama_path: 
 def test_quantized_models_keep_their_own_kernels(tiny_llama_path: Path) -> None:
     llm = LLM(str(tiny_llama_path), quantization="w8g32", prefill_format="none")
     assert llm.engine.decode_matmul == "torch"
-    assert isinstance(llm.engine.model.layers[0].quantized["qkv"], quant.W8G32Linear)
+    assert isinstance(llm.engine.model.layers[0].quantized["qkv"], w8g32.W8G32Linear)
 
 
 @pytest.mark.parametrize(
@@ -109,22 +110,22 @@ def test_tiles_where_they_cannot_run_is_a_start_up_error(
     quantization: str, device: torch.device, dtype: torch.dtype, why: str
 ) -> None:
     with pytest.raises(ValueError, match=f"decode_matmul 'tiles' cannot run with {why}"):
-        quant.decode_matmul("tiles", quantization, device, dtype)
-    assert quant.decode_matmul("auto", quantization, device, dtype) == "torch"
+        quantize.decode_matmul("tiles", quantization, device, dtype)
+    assert quantize.decode_matmul("auto", quantization, device, dtype) == "torch"
 
 
 def test_auto_without_avx2_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert quant.decode_matmul("auto", "none", CPU, F32) == "torch"
+    assert quantize.decode_matmul("auto", "none", CPU, F32) == "torch"
     with pytest.raises(ValueError, match="without AVX2"):
-        quant.decode_matmul("tiles", "none", CPU, F32)
+        quantize.decode_matmul("tiles", "none", CPU, F32)
 
 
 def test_bad_decode_matmul_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="decode_matmul must be one of auto, tiles, torch"):
         EngineConfig.from_kwargs(decode_matmul="mkl")
     with pytest.raises(ValueError, match="decode_matmul must be one of"):
-        quant.decode_matmul("mkl", "none", CPU, F32)
+        quantize.decode_matmul("mkl", "none", CPU, F32)
 
 
 def test_cost_model_records_the_decode_matmul(
@@ -150,7 +151,7 @@ def test_cost_model_records_the_decode_matmul(
 @pytest.mark.parametrize(("vendor", "rows"), [("GenuineIntel", 16), ("AuthenticAMD", 64)])
 def test_tile_row_limit_by_vendor(monkeypatch: pytest.MonkeyPatch, vendor: str, rows: int) -> None:
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: vendor)
-    lin = quant.F32TileLinear(torch.randn(8, 16))
+    lin = float32.F32TileLinear(torch.randn(8, 16))
     assert lin.rows == rows
     x = torch.randn(rows + 1, 8)
     assert torch.equal(lin(x), x @ lin.weight)  # past the limit: torch's GEMM

@@ -8,8 +8,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from pdserve.engine import gguf_blocks, gguf_linear, kernels
+from pdserve.engine import gguf_blocks, kernels
 from pdserve.engine.gguf_blocks import BLOCK, FORMATS
+from pdserve.engine.linear import gguf_a16
 
 # fp16 fields per K-quant block: (byte offset, count); the rest of a block is codes and
 # sub-block scales, for which any byte is valid.
@@ -60,15 +61,15 @@ def _isas() -> list[str]:
 
 # (the parts of one fused projection, the linear class that runs them)
 CASES = [
-    (("Q4_K",), gguf_linear.NibbleA16Linear),
-    (("Q4_0",), gguf_linear.NibbleA16Linear),
-    (("Q4_K", "Q4_1"), gguf_linear.NibbleA16Linear),
-    (("Q6_K",), gguf_linear.CodesA16Linear),
-    (("Q5_K",), gguf_linear.CodesA16Linear),
-    (("Q5_0",), gguf_linear.CodesA16Linear),
-    (("Q5_1",), gguf_linear.CodesA16Linear),
-    (("Q4_K", "Q4_K", "Q6_K"), gguf_linear.CodesA16Linear),  # a Q4_K_M q|k|v
-    (("Q8_0", "Q5_K"), gguf_linear.CodesA16Linear),
+    (("Q4_K",), gguf_a16.NibbleA16Linear),
+    (("Q4_0",), gguf_a16.NibbleA16Linear),
+    (("Q4_K", "Q4_1"), gguf_a16.NibbleA16Linear),
+    (("Q6_K",), gguf_a16.CodesA16Linear),
+    (("Q5_K",), gguf_a16.CodesA16Linear),
+    (("Q5_0",), gguf_a16.CodesA16Linear),
+    (("Q5_1",), gguf_a16.CodesA16Linear),
+    (("Q4_K", "Q4_K", "Q6_K"), gguf_a16.CodesA16Linear),  # a Q4_K_M q|k|v
+    (("Q8_0", "Q5_K"), gguf_a16.CodesA16Linear),
 ]
 
 
@@ -88,7 +89,7 @@ def test_kernel_matches_matmul_over_dequantized_weights(
     want = x.double() @ torch.from_numpy(want_w).double().T + bias.double() + residual.double()
     outs = []
     for isa in _isas():
-        lin = gguf_linear.projection(parts, bias, "test", isa=isa)
+        lin = gguf_a16.projection(parts, bias, "test", isa=isa)
         assert type(lin) is cls
         # the packed weights are the file's, exactly
         assert torch.equal(lin.dequantized(), torch.from_numpy(want_w).T)  # type: ignore[attr-defined]
@@ -104,6 +105,4 @@ def test_kernel_matches_matmul_over_dequantized_weights(
 
 def test_projection_refuses_a_format_without_kernel() -> None:
     with pytest.raises(ValueError, match=r"layer 2 down is IQ4_XS, which pdserve has no kernel"):
-        gguf_linear.projection(
-            [_Part("IQ4_XS", np.zeros((16, 136), np.uint8))], None, "layer 2 down"
-        )
+        gguf_a16.projection([_Part("IQ4_XS", np.zeros((16, 136), np.uint8))], None, "layer 2 down")

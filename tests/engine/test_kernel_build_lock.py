@@ -11,7 +11,7 @@ from pdserve.engine import kernels
 
 def test_a_stale_torch_build_lock_is_removed_before_torch_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    build = kernels.build_dir(kernels.SOURCE, kernels.CFLAGS)
+    build = kernels.build_dir(kernels.SPECS["paged_attention"].path, kernels.CFLAGS)
     build.mkdir(parents=True)
     (build / "lock").touch()  # what a SIGKILLed build leaves behind: torch would wait forever
     seen = {}
@@ -22,17 +22,19 @@ def test_a_stale_torch_build_lock_is_removed_before_torch_builds(tmp_path, monke
         return types.SimpleNamespace(name=name)
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
-    module = kernels.build_and_load("pdserve_paged_attention", kernels.SOURCE, kernels.CFLAGS)
+    module = kernels.build_and_load(
+        "pdserve_paged_attention", kernels.SPECS["paged_attention"].path, kernels.CFLAGS
+    )
     assert module.name == "pdserve_paged_attention"
     assert seen == {"lock_left": False, "dir": str(build)}
 
 
 def test_build_dirs_are_keyed_by_source_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    a = kernels.build_dir(kernels.SOURCE, kernels.CFLAGS)
-    assert a == kernels.build_dir(kernels.SOURCE, list(kernels.CFLAGS))
-    assert a != kernels.build_dir(kernels.SOURCE, [*kernels.CFLAGS, "-DX"])
-    assert a != kernels.build_dir(kernels.W8G32_SOURCE, kernels.CFLAGS)
+    a = kernels.build_dir(kernels.SPECS["paged_attention"].path, kernels.CFLAGS)
+    assert a == kernels.build_dir(kernels.SPECS["paged_attention"].path, list(kernels.CFLAGS))
+    assert a != kernels.build_dir(kernels.SPECS["paged_attention"].path, [*kernels.CFLAGS, "-DX"])
+    assert a != kernels.build_dir(kernels.SPECS["w8g32"].path, kernels.CFLAGS)
 
 
 def test_build_dirs_are_keyed_by_the_shared_headers_too(tmp_path, monkeypatch):
@@ -45,4 +47,4 @@ def test_build_dirs_are_keyed_by_the_shared_headers_too(tmp_path, monkeypatch):
     before = kernels.build_dir(src / "k.cpp", kernels.CFLAGS)
     (src / "common.h").write_text("// two\n")
     assert kernels.build_dir(src / "k.cpp", kernels.CFLAGS) != before
-    assert [h.name for h in kernels.headers(kernels.SOURCE)] == ["common.h"]
+    assert [h.name for h in kernels.headers(kernels.SPECS["paged_attention"].path)] == ["common.h"]

@@ -13,7 +13,8 @@ from tests.engine import kquant_encode
 from tests.engine.test_loader import _permute
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pdserve.engine import gguf_linear, loader, quant, quant_gguf
+from pdserve.engine import loader, quantize
+from pdserve.engine.linear import gguf_a16, w8a8
 from pdserve.engine.models.llama import LlamaModel
 
 # K-quant blocks are 256 inputs: a tiny Llama 256 wide
@@ -104,24 +105,24 @@ def write_kquant_gguf(path: Path) -> None:
 def test_a_k_quant_file_runs_its_own_weights_on_gguf_a16(tmp_path: Path) -> None:
     write_kquant_gguf(tmp_path / "kq.gguf")
     src = loader.resolve_model(tmp_path / "kq.gguf")
-    assert quant_gguf.resolve_quantization("auto", src) == "gguf-a16"  # no silent float
+    assert quantize.resolve_quantization("auto", src) == "gguf-a16"  # no silent float
     arch = loader.load_arch(src)
     model = LlamaModel(arch)
     model.load_hf_weights(loader.load_weights(src, arch))  # `none`: gguf's dequantize
     floats = {
         (i, p): getattr(layer, p).detach().clone()
-        for i, layer in enumerate(quant.layers_of(model))
-        for p in quant.LAYER_PROJECTIONS
+        for i, layer in enumerate(quantize.layers_of(model))
+        for p in quantize.LAYER_PROJECTIONS
     }
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
-    quant.quantize_model(model, "gguf-a16", gguf=quant_gguf.gguf_weights(src, arch))
-    codes, nibbles = gguf_linear.CodesA16Linear, gguf_linear.NibbleA16Linear
+    quantize.quantize_model(model, "gguf-a16", gguf=quantize.gguf_weights(src, arch))
+    codes, nibbles = gguf_a16.CodesA16Linear, gguf_a16.NibbleA16Linear
     kinds = {"qkv": codes, "o": codes, "gate_up": nibbles, "down": codes}
     for (i, p), want in floats.items():
-        got = quant.layers_of(model)[i].quantized[p]
+        got = quantize.layers_of(model)[i].quantized[p]
         assert type(got) is kinds[p], (i, p)
         assert torch.equal(got.dequantized(), want), (i, p)  # type: ignore[attr-defined]
         if p != "down":  # down takes the 512-wide MLP activations
             y, ref = got(x), x.double() @ want.double()
             assert (y.double() - ref).abs().max() <= 1e-3 * ref.abs().max(), (i, p)
-    assert isinstance(model.quantized_head, quant.W8A16Linear)  # the Q8_0 embedding
+    assert isinstance(model.quantized_head, w8a8.W8A16Linear)  # the Q8_0 embedding

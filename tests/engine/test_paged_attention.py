@@ -108,9 +108,9 @@ def test_prompt_rows_whose_keys_end_before_a_span(head_dim: int) -> None:
 def test_the_kernel_writes_the_steps_kv_in_the_same_call() -> None:
     """paged_attention(..., slots, k, v) stores this step's K/V first (what write_kv stores) and
     attends over it: the same cache and output as the two calls; slots, k and v come together."""
-    from pdserve.engine.kernels import paged_attention_module
+    from pdserve.engine import kernels
 
-    mod = paged_attention_module()
+    mod = kernels.load("paged_attention")
     torch.manual_seed(0)
     kvh, d, bs = 3, 64, 16
     k_cache = torch.randn(8, bs, kvh, d).half()
@@ -180,9 +180,9 @@ def test_narrow_cache_under_float32_queries(cache_dtype: torch.dtype, head_dim: 
 
 
 def test_cache_wider_than_the_queries_is_an_error() -> None:
-    from pdserve.engine.kernels import paged_attention_module
+    from pdserve.engine import kernels
 
-    kernel = paged_attention_module().paged_attention
+    kernel = kernels.load("paged_attention").paged_attention
     cache = torch.zeros(2, 4, 1, 8)
     q = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
     tiles = torch.tensor([[0, 0, 1]], dtype=torch.int32)
@@ -193,9 +193,9 @@ def test_cache_wider_than_the_queries_is_an_error() -> None:
 
 def test_block_table_out_of_range_is_an_error() -> None:
     """The kernel checks its indices instead of reading outside the cache."""
-    from pdserve.engine.kernels import paged_attention_module
+    from pdserve.engine import kernels
 
-    kernel = paged_attention_module().paged_attention
+    kernel = kernels.load("paged_attention").paged_attention
     cache = torch.zeros(2, 4, 1, 8)
     q = torch.zeros(1, 1, 8)
     tiles = torch.tensor([[0, 0, 1]], dtype=torch.int32)
@@ -226,9 +226,9 @@ def test_native_kv_write_stores_exactly_what_torch_stores(cache_dtype: torch.dty
     bytes, from K/V rows strided as the fused q|k|v output leaves them, float16 rounding to
     nearest even included (ties, a subnormal, an overflow to inf), and a row length that is
     not a multiple of 8 (the scalar tail)."""
-    from pdserve.engine.kernels import paged_attention_module
+    from pdserve.engine import kernels
 
-    write = paged_attention_module().write_kv
+    write = kernels.load("paged_attention").write_kv
     torch.manual_seed(0)
     t, kvh, d = 5, 3, 6
     qkv = torch.randn(t, 4 * d + 2 * kvh * d) * 100
@@ -248,9 +248,9 @@ def test_native_kv_write_stores_exactly_what_torch_stores(cache_dtype: torch.dty
 
 
 def test_native_kv_write_refuses_what_it_cannot_store() -> None:
-    from pdserve.engine.kernels import paged_attention_module
+    from pdserve.engine import kernels
 
-    write = paged_attention_module().write_kv
+    write = kernels.load("paged_attention").write_kv
     cache, rows = torch.zeros(2, 4, 1, 8), torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="slot out of range"):
         write(cache, cache, torch.tensor([8]), rows, rows)

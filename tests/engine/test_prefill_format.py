@@ -8,9 +8,10 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import kernels, prefill_format
+from pdserve.engine.linear import bf16
+from pdserve.engine.linear.bf16 import BF16Linear
 from pdserve.engine.prefill_format import (
     MIN_PROMPT_ROWS,
-    BF16Linear,
     MatrixUnits,
     PhaseProjection,
     StepRows,
@@ -132,7 +133,7 @@ def test_without_a_decode_format_every_row_runs_bf16() -> None:
 
 
 def test_native_ops_match_torch_in_bf16() -> None:
-    ops = kernels.bf16_module()
+    ops = kernels.load("bf16")
     x = torch.randn(37, 2 * 21).bfloat16()  # 21: a tail past the vector width
     want = (torch.nn.functional.silu(x[:, :21].float()) * x[:, 21:].float()).bfloat16()
     assert (ops.silu_mul(x, 21).float() - want.float()).abs().max() <= 0.008
@@ -200,16 +201,16 @@ def test_amx_bf16x3_matmul_is_float32_close(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=g), torch.randn(96, 64, generator=g)
     b, r = torch.randn(64, generator=g), torch.randn(rows, 64, generator=g)
-    lin = prefill_format.AMXLinear(w, b)
+    lin = bf16.AMXLinear(w, b)
     want = r.double() + (x.double() @ w.double() + b.double())
     got = lin(x, r)
     assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
-    one = kernels.amx_module().matmul(x, lin.hi, 64)  # hi alone: one bfloat16 product
+    one = kernels.load("amx").matmul(x, lin.hi, 64)  # hi alone: one bfloat16 product
     err = (one.double() - x.double() @ w.double()).abs().max() / want.abs().max()
     assert 1e-4 < err < 1e-2  # bfloat16's rounding, which lo removes
     strided = torch.randn(rows, 200, generator=g)[:, :96]
     torch.testing.assert_close(lin(strided), lin(strided.contiguous()), rtol=0, atol=0)
-    gate_up = prefill_format.AMXLinear(w)  # the MLP's activation in the GEMM's store
+    gate_up = bf16.AMXLinear(w)  # the MLP's activation in the GEMM's store
     y = x.double() @ w.double()
     act = torch.nn.functional.silu(y[:, :32]) * y[:, 32:]
     assert (gate_up.silu_mul(x).double() - act).abs().max() <= 1e-4 * act.abs().max()
@@ -235,7 +236,7 @@ def test_amx_causal_attention_matches_float64(t: int) -> None:
     g = torch.Generator().manual_seed(t)
     qk, v = torch.randn(t, 12, 64, generator=g) * 2, torch.randn(t, 3, 64, generator=g)
     q, k = qk[:, :9], qk[:, 9:]
-    got = kernels.amx_module().causal_attention(q, k, v, 0.125)
+    got = kernels.load("amx").causal_attention(q, k, v, 0.125)
     want = torch.nn.functional.scaled_dot_product_attention(
         *(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
     )[0].transpose(0, 1)
@@ -243,6 +244,6 @@ def test_amx_causal_attention_matches_float64(t: int) -> None:
     assert (got.double() - want).abs().max() <= 0.03  # v and p in bfloat16: ~2^-9 relative
     # a chunk of the last n queries behind a cached prefix: the same rows of the whole
     n = max(1, t // 3)
-    tail = kernels.amx_module().causal_attention(q[-n:], k, v, 0.125)
+    tail = kernels.load("amx").causal_attention(q[-n:], k, v, 0.125)
     assert tail.shape == (n, 9, 64)
     assert (tail.double() - want[-n:]).abs().max() <= 0.03

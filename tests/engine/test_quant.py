@@ -11,7 +11,8 @@ from tests.conftest import assert_engine_idle
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine import quant
+from pdserve.engine import quantize
+from pdserve.engine.linear import int8
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far", "1, 2, 3, 4,"]
 
@@ -27,7 +28,7 @@ def test_int8_linear_is_close_per_row_whatever_the_other_rows_scale() -> None:
     # Rows five orders of magnitude apart in one call: a per-tensor activation scale would
     # round the small rows to zero; per-token scaling keeps each row's own precision.
     x = torch.randn(6, 96) * torch.tensor([1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0])[:, None]
-    lin = quant.Int8Linear(w)
+    lin = int8.Int8Linear(w)
     assert _rel_err(lin(x), x @ w).max() < 0.03
     assert lin.nbytes == 96 * 80 + 80 * 4  # int8 weights + one float32 scale per column
 
@@ -36,7 +37,7 @@ def test_int8_linear_adds_the_bias_after_rescaling() -> None:
     torch.manual_seed(1)
     w, b = torch.randn(64, 32) * 0.05, torch.randn(32)
     x = torch.randn(5, 64) * 1e-3  # tiny inputs: the output is almost only the bias
-    got = quant.Int8Linear(w, b)(x)
+    got = int8.Int8Linear(w, b)(x)
     assert _rel_err(got, x @ w + b).max() < 1e-3
     assert got.shape == (5, 32)
 
@@ -47,11 +48,11 @@ def test_int8_engine_stays_close_to_float32(fixture: str, request: pytest.Fixtur
     f32 = LLM(path, block_size=8, num_blocks=64)
     q8 = LLM(path, block_size=8, num_blocks=64, quantization="int8", prefill_format="none")
     model = q8.engine.model
-    assert set(model.layers[0].quantized) == set(quant.LAYER_PROJECTIONS)
+    assert set(model.layers[0].quantized) == set(quantize.LAYER_PROJECTIONS)
     assert model.quantized_head is not None
     assert model.layers[0].qkv.numel() == 0 and model.lm_head.numel() == 0  # float copies freed
-    fp_bytes = quant.projection_bytes(f32.engine.model)
-    assert quant.projection_bytes(model) < 0.3 * fp_bytes  # ~1/4 of float32, plus scales
+    fp_bytes = quantize.projection_bytes(f32.engine.model)
+    assert quantize.projection_bytes(model) < 0.3 * fp_bytes  # ~1/4 of float32, plus scales
     p = SamplingParams(max_tokens=4, temperature=0, logprobs=5, ignore_eos=True)
     for a, b in zip(f32.generate(PROMPTS, p), q8.generate(PROMPTS, p), strict=True):
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]  # same context: step 0
@@ -74,14 +75,14 @@ def test_bad_quantization_is_a_value_error_at_start_up(tiny_llama_path: Path) ->
     with pytest.raises(ValueError, match="float32"):  # no silent float fallback
         LLM(str(tiny_llama_path), quantization="int8", dtype="bfloat16")
     with pytest.raises(ValueError, match="CPU only"):
-        quant.check_supported("int8", torch.device("cuda"), torch.float32)
-    quant.check_supported("none", torch.device("cuda"), torch.bfloat16)  # none takes anything
+        quantize.check_supported("int8", torch.device("cuda"), torch.float32)
+    quantize.check_supported("none", torch.device("cuda"), torch.bfloat16)  # none takes anything
 
 
 def test_quantization_round_trips_through_config() -> None:
     cfg = EngineConfig.from_kwargs(quantization="int8")
     assert cfg.model_config.quantization == "int8"
-    assert EngineConfig().model_config.quantization == "auto"  # quant_gguf.resolve_quantization
+    assert EngineConfig().model_config.quantization == "auto"  # quantize.resolve_quantization
     # its flag on serve / worker / generate: tests/test_config.py (one test for every engine flag)
 
 

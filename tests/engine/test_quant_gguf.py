@@ -17,9 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
-from pdserve.engine import gguf_linear, loader, quant, quant_gguf
+from pdserve.engine import loader, quantize
+from pdserve.engine.linear import base, gguf_a16, w8a8, w8g32
+from pdserve.engine.linear import gguf as gguf_linear
+from pdserve.engine.linear.gguf import GgufWeight, Q41A8Linear, Q41A16Linear, Q41Linear
 from pdserve.engine.models.llama import LlamaModel
-from pdserve.engine.quant_gguf import GgufWeight, Q41A8Linear, Q41A16Linear, Q41Linear
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -52,7 +54,7 @@ def test_q4_1_kernel_matches_the_gguf_dequantization(isa: str, k: int, n: int) -
     # Bit for bit the gguf package's weights (what `none` loads): prefill, which multiplies the
     # dequantized weights with torch's GEMM, computes exactly what `none` computes.
     assert torch.equal(lin.dequantized(), ref)
-    for rows in [*range(1, quant.W8G32_GEMV_ROWS + 1, 3), quant.W8G32_GEMV_ROWS + 5]:
+    for rows in [*range(1, base.W8G32_GEMV_ROWS + 1, 3), base.W8G32_GEMV_ROWS + 5]:
         x = torch.randn(rows, k)
         torch.testing.assert_close(lin(x), x @ ref + bias, rtol=1e-4, atol=1e-4)
         res = torch.randn(rows, n)
@@ -82,8 +84,8 @@ def test_fused_parts_are_concatenated_in_order() -> None:
 def test_q8_0_runs_on_w8g32_with_the_same_codes_and_scales() -> None:
     weight = _file_weight(np.random.default_rng(3).standard_normal((40, 96)), Q8_0)
     ref = _dequantized(weight)
-    lin = quant_gguf.projection([weight], ref, None, "t")
-    assert isinstance(lin, quant.W8G32Linear)
+    lin = gguf_linear.projection([weight], ref, None, "t")
+    assert isinstance(lin, w8g32.W8G32Linear)
     assert torch.equal(lin.dequantized(), ref)  # exactly the file's weights
 
 
@@ -94,18 +96,18 @@ def test_unsupported_and_mixed_formats_are_start_up_errors() -> None:
     k_quant = GgufWeight("Q4_K", np.zeros((32, 144), np.uint8))
     # K-quants and mixed formats run on int16 activations (gguf-a16) only
     with pytest.raises(ValueError, match=r"layer 3 down is Q4_K, which runs under .*gguf-a16"):
-        quant_gguf.projection([k_quant], w, None, "layer 3 down")
+        gguf_linear.projection([k_quant], w, None, "layer 3 down")
     with pytest.raises(ValueError, match=r"layer 0 qkv is Q4_1\+Q8_0, which runs under"):
-        quant_gguf.projection([q4, q8], w, None, "layer 0 qkv", "int8")
-    mixed = quant_gguf.projection([q4, q8], w, None, "layer 0 qkv", "int16")
-    assert isinstance(mixed, gguf_linear.CodesA16Linear)
+        gguf_linear.projection([q4, q8], w, None, "layer 0 qkv", "int8")
+    mixed = gguf_linear.projection([q4, q8], w, None, "layer 0 qkv", "int16")
+    assert isinstance(mixed, gguf_a16.CodesA16Linear)
     iq = GgufWeight("IQ4_XS", np.zeros((32, 136), np.uint8))
     with pytest.raises(ValueError, match=r"layer 1 o is IQ4_XS, which pdserve has no kernel"):
-        quant_gguf.projection([iq], w, None, "layer 1 o", "int16")
+        gguf_linear.projection([iq], w, None, "layer 1 o", "int16")
     f32 = GgufWeight("F32", np.zeros((32, 256), np.uint8))
-    assert quant_gguf.projection([f32], w, None, "") is None
+    assert gguf_linear.projection([f32], w, None, "") is None
     with pytest.raises(ValueError, match="whole blocks"):
-        quant_gguf.pack_q4_1(np.zeros((4, 30), np.uint8))
+        gguf_linear.pack_q4_1(np.zeros((4, 30), np.uint8))
 
 
 def tiny_q4_1_model(kind: str, folder: Path) -> tuple[LlamaModel, dict, torch.Tensor, dict]:
@@ -124,20 +126,20 @@ def tiny_q4_1_model(kind: str, folder: Path) -> tuple[LlamaModel, dict, torch.Te
     model.load_hf_weights(loader.load_weights(src, arch))
     floats = {
         (i, p): getattr(layer, p).detach().clone()
-        for i, layer in enumerate(quant.layers_of(model))
-        for p in quant.LAYER_PROJECTIONS
+        for i, layer in enumerate(quantize.layers_of(model))
+        for p in quantize.LAYER_PROJECTIONS
     }
-    return model, floats, model.lm_head.detach().clone(), quant_gguf.gguf_weights(src, arch)
+    return model, floats, model.lm_head.detach().clone(), quantize.gguf_weights(src, arch)
 
 
 # What each GGUF quantization runs a Q4_1 projection (by name) and a Q8_0 head on.
 _KERNELS = {
-    "gguf": (lambda p: Q41Linear, quant.W8G32Linear),
+    "gguf": (lambda p: Q41Linear, w8g32.W8G32Linear),
     "gguf-a8": (
-        lambda p: Q41Linear if p in quant.W8A8_FLOAT_ACTIVATIONS else Q41A8Linear,
-        quant.W8A8Linear,
+        lambda p: Q41Linear if p in quantize.W8A8_FLOAT_ACTIVATIONS else Q41A8Linear,
+        w8a8.W8A8Linear,
     ),
-    "gguf-a16": (lambda p: Q41A16Linear, quant.W8A16Linear),
+    "gguf-a16": (lambda p: Q41A16Linear, w8a8.W8A16Linear),
 }
 
 
@@ -151,9 +153,9 @@ def test_the_files_q4_1_tensors_reach_their_projections(
     # every projection and the Q8_0 head on int16 ones.
     model, floats, head, tensors = tiny_q4_1_model(kind, tmp_path)
     projection_kind, head_kind = _KERNELS[quantization]
-    quant.quantize_model(model, quantization, gguf=tensors)
+    quantize.quantize_model(model, quantization, gguf=tensors)
     for (i, p), want in floats.items():
-        got = quant.layers_of(model)[i].quantized[p]
+        got = quantize.layers_of(model)[i].quantized[p]
         assert type(got) is projection_kind(p), (i, p)
         assert torch.equal(got.dequantized(), want), (i, p)
     if model.arch.tie_word_embeddings:  # the head is the Q8_0 embedding: exactly its weights
@@ -184,7 +186,7 @@ def test_default_model_runs_its_own_q4_1_weights() -> None:
     llm = LLM(quantization="gguf", prefill_format="none", threads=1)
     model = llm.engine.model
     assert all(isinstance(p, Q41Linear) for p in model.layers[0].quantized.values())
-    assert isinstance(model.quantized_head, quant.W8G32Linear)  # the file's Q8_0 embedding
+    assert isinstance(model.quantized_head, w8g32.W8G32Linear)  # the file's Q8_0 embedding
     assert llm.engine.stats()["quantization"] == "gguf"
     p = SamplingParams(max_tokens=24, temperature=0)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], p)
@@ -206,7 +208,7 @@ def test_auto_is_gguf_a16_only_for_a_gguf_file_it_has_kernels_for(
     q4 = _write_tiny_gguf_at(hf, tmp_path / "q4", Q4_1)
     f32 = _write_tiny_gguf_at(hf, tmp_path / "f32", None)  # only the embedding is Q8_0
     q5 = _write_tiny_gguf_at(hf, tmp_path / "q5", gguf.GGMLQuantizationType.Q5_0)
-    resolve = quant_gguf.resolve_quantization
+    resolve = quantize.resolve_quantization
     assert resolve("auto", q4) == "gguf-a16"
     assert resolve("auto", f32) == "gguf-a16"  # its Q8_0 embedding has a kernel; the rest float
     assert resolve("auto", q5) == "gguf-a16"  # Q5_0 runs on int8 codes (gguf_linear)
@@ -226,9 +228,9 @@ def test_auto_warns_loudly_when_a_file_runs_as_float(
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2)).eval()
     q5 = _write_tiny_gguf_at(hf, tmp_path / "q5", gguf.GGMLQuantizationType.Q5_0)
-    monkeypatch.setattr(gguf_linear, "FORMATS", ("Q4_1", "Q8_0"))
-    with caplog.at_level(logging.WARNING, logger="pdserve.engine.quant_gguf"):
-        assert quant_gguf.resolve_quantization("auto", q5) == "none"
+    monkeypatch.setattr(gguf_a16, "FORMATS", ("Q4_1", "Q8_0"))
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.quantize"):
+        assert quantize.resolve_quantization("auto", q5) == "none"
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "Q5_0" in warned[0].getMessage()
     assert "float32" in warned[0].getMessage() and "slower" in warned[0].getMessage()

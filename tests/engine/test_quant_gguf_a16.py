@@ -13,8 +13,9 @@ from tests.engine.test_quant_w8a8 import ISAS, VNNI
 
 from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
-from pdserve.engine import kernels, quant
-from pdserve.engine.quant_gguf import Q41A8Linear, Q41A16Linear, Q41Linear
+from pdserve.engine import kernels
+from pdserve.engine.linear import w8a8
+from pdserve.engine.linear.gguf import Q41A8Linear, Q41A16Linear, Q41Linear
 
 
 def _codes16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +36,7 @@ def _reference(weight: object, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_activations_are_rounded_to_int16_per_32_inputs(isa: str) -> None:
-    ops = kernels.w8a8_module(isa)
+    ops = kernels.load("w8a8", isa)
     x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(32)
     x[1, 32:64] = 0.0  # an all-zero group: codes 0, scale 0
     x[2, 5] = 2.5 * x[2, 0:32].abs().max()  # the block's max, exactly +-32767
@@ -65,9 +66,9 @@ def test_int8_weights_on_int16_activations_match_the_rounded_reference(
     # build's offset) against the rows rounded as above; every row block, bias and residual.
     torch.manual_seed(k + n)
     w, bias = torch.randn(k, n) * 0.05, torch.randn(n)
-    lin = quant.W8A16Linear(w, bias, isa=isa)
+    lin = w8a8.W8A16Linear(w, bias, isa=isa)
     assert lin._ops.isa == isa
-    assert torch.equal(lin.dequantized(), quant.W8A8Linear(w, isa=isa).dequantized())
+    assert torch.equal(lin.dequantized(), w8a8.W8A8Linear(w, isa=isa).dequantized())
     for rows in (1, 2, 3, 5, 8, 9, 20):
         x = torch.randn(rows, k) * 3
         q, s = _codes16(x)
@@ -77,7 +78,7 @@ def test_int8_weights_on_int16_activations_match_the_rounded_reference(
         res = torch.randn(rows, n)
         torch.testing.assert_close(lin(x, res).double(), want + res.double(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="whole groups"):
-        quant.W8A16Linear(torch.randn(40, 8))
+        w8a8.W8A16Linear(torch.randn(40, 8))
 
 
 @pytest.mark.skipif(
@@ -86,7 +87,7 @@ def test_int8_weights_on_int16_activations_match_the_rounded_reference(
 )
 def test_int8_weights_on_int16_activations_builds_agree_bit_for_bit() -> None:
     w = torch.randn(192, 70) * 0.05
-    a2, vn = quant.W8A16Linear(w, isa="avx2"), quant.W8A16Linear(w, isa="vnni")
+    a2, vn = w8a8.W8A16Linear(w, isa="avx2"), w8a8.W8A16Linear(w, isa="vnni")
     assert torch.equal(a2.q, vn.q)  # no offset in either build
     for rows in (1, 2, 11):
         x = torch.randn(rows, 192) * 2

@@ -14,11 +14,11 @@ from tests.engine.test_quant_w8a8 import ISAS, VNNI, _quantized_rows
 
 from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
-from pdserve.engine import quant_gguf
-from pdserve.engine.quant_gguf import Q41A8Linear, Q41A16Linear, Q41Linear
+from pdserve.engine.linear import gguf
+from pdserve.engine.linear.gguf import Q41A8Linear, Q41A16Linear, Q41Linear
 
 
-def _reference(weight: quant_gguf.GgufWeight, x: torch.Tensor) -> torch.Tensor:
+def _reference(weight: gguf.GgufWeight, x: torch.Tensor) -> torch.Tensor:
     """The rows quantized as w8a8 quantizes them times the file's weights, in float64."""
     return _quantized_rows(x).double() @ _dequantized(weight).double()
 

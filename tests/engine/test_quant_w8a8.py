@@ -11,7 +11,8 @@ from tests.engine.test_quant_w8g32 import PROMPTS, _reference
 
 from factories import greedy_agreement
 from pdserve import LLM, SamplingParams
-from pdserve.engine import kernels, quant
+from pdserve.engine import kernels, quantize
+from pdserve.engine.linear import w8a8, w8g32
 
 VNNI = kernels.cpu_supported() and kernels.w8a8_isa() == "vnni"
 ISAS = ["avx2", pytest.param("vnni", marks=pytest.mark.skipif(not VNNI, reason="no AVX-512 VNNI"))]
@@ -45,7 +46,7 @@ def test_w8a8_kernel_matches_the_quantized_reference(isa: str, k: int, n: int) -
     w, b = torch.randn(k, n) * 0.05, torch.randn(n)
     ref_w = _reference(w).double()
     for bias in (None, b):
-        lin = quant.W8A8Linear(w, bias, isa=isa)
+        lin = w8a8.W8A8Linear(w, bias, isa=isa)
         assert lin._ops.isa == isa
         torch.testing.assert_close(lin.dequantized(), ref_w.float(), rtol=0, atol=1e-6)
         for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40):
@@ -62,7 +63,7 @@ def test_w8a8_kernel_matches_the_quantized_reference(isa: str, k: int, n: int) -
 def test_w8a8_residual_is_added_as_torch_adds_it(isa: str) -> None:
     torch.manual_seed(12)
     w, b = torch.randn(70, 40) * 0.05, torch.randn(40)
-    lin = quant.W8A8Linear(w, b, isa=isa)
+    lin = w8a8.W8A8Linear(w, b, isa=isa)
     for rows in (1, 9):
         x = torch.randn(rows, 70)
         residual = torch.randn(rows, 50)[:, 5:45]  # strided rows
@@ -77,7 +78,7 @@ def test_w8a8_activation_quantization_matches_python() -> None:
     x = torch.randn(5, 70) * torch.logspace(-3, 2, 70)  # groups of very different scales
     x[2] = 0  # an all-zero row: scale 0, every code 0
     x[3, 0], x[3, 1:32] = 127.0, torch.arange(31) - 15.5  # scale 1, every code a tie (to even)
-    ops = kernels.w8a8_module("avx2")
+    ops = kernels.load("w8a8", "avx2")
     q, s = ops.quantize_activations(x)
     codes, amax = _codes(x)
     assert torch.equal(q.float(), codes.view(5, 96))  # every code exact
@@ -94,7 +95,7 @@ def test_w8a8_vnni_and_avx2_builds_agree_bit_for_bit() -> None:
     # Both sum each group's products exactly in int32, then run the same float operations.
     torch.manual_seed(3)
     w, b = torch.randn(200, 90) * 0.05, torch.randn(90)
-    a2, vn = quant.W8A8Linear(w, b, isa="avx2"), quant.W8A8Linear(w, b, isa="vnni")
+    a2, vn = w8a8.W8A8Linear(w, b, isa="avx2"), w8a8.W8A8Linear(w, b, isa="vnni")
     assert a2._ops.rows == 4 and vn._ops.rows == 8
     # One packed layout; the VNNI build's bytes are the codes + 128 (unsigned operand).
     assert a2._ops.weight_offset == 0 and vn._ops.weight_offset == 128
@@ -116,15 +117,15 @@ def test_w8a8_build_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: frozenset(f))
         assert kernels.w8a8_isa() == isa
     # Where the CPU has no VNNI the VNNI build is refused, not run (an illegal instruction).
-    monkeypatch.setattr(kernels, "_w8a8", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
     with pytest.raises(RuntimeError, match="vnni build"):
-        kernels.w8a8_module("vnni")
+        kernels.load("w8a8", "vnni")
     with pytest.raises(ValueError, match="builds are"):
-        kernels.w8a8_module("avx512")
+        kernels.load("w8a8", "avx512")
 
 
 def test_w8a8_rejects_a_wrong_input_width() -> None:
-    lin = quant.W8A8Linear(torch.randn(64, 32))
+    lin = w8a8.W8A8Linear(torch.randn(64, 32))
     with pytest.raises(ValueError, match="takes 64"):
         lin(torch.randn(2, 63))
 
@@ -135,7 +136,7 @@ def test_quantized_projections_take_any_leading_shape() -> None:
     torch.manual_seed(4)
     w = torch.randn(64, 48) * 0.05
     x = torch.randn(6, 64)
-    for lin in (quant.W8A8Linear(w), quant.W8G32Linear(w)):
+    for lin in (w8a8.W8A8Linear(w), w8g32.W8G32Linear(w)):
         flat = lin(x)
         assert flat.shape == (6, 48)
         assert torch.equal(lin(x.view(2, 3, 64)), flat.view(2, 3, 48))
@@ -149,13 +150,13 @@ def test_w8a8_engine_agrees_with_float32(fixture: str, request: pytest.FixtureRe
     w8 = LLM(path, block_size=8, num_blocks=64, quantization="w8a8", prefill_format="none")
     model = w8.engine.model
     kinds = {name: type(p) for name, p in model.layers[0].quantized.items()}
-    # q|k|v keeps float32 activations (quant.W8A8_FLOAT_ACTIVATIONS), the rest run int8 x int8.
-    assert kinds == {"qkv": quant.W8G32Linear, "o": quant.W8A8Linear,
-                     "gate_up": quant.W8A8Linear, "down": quant.W8A8Linear}  # fmt: skip
-    assert isinstance(model.quantized_head, quant.W8A8Linear)
+    # q|k|v keeps float32 activations (quantize.W8A8_FLOAT_ACTIVATIONS), the rest run int8 x int8.
+    assert kinds == {"qkv": w8g32.W8G32Linear, "o": w8a8.W8A8Linear,
+                     "gate_up": w8a8.W8A8Linear, "down": w8a8.W8A8Linear}  # fmt: skip
+    assert isinstance(model.quantized_head, w8a8.W8A8Linear)
     assert model.layers[0].qkv.numel() == 0 and model.lm_head.numel() == 0  # float copies freed
     assert model.fused is not None  # the native RMSNorm / RoPE, as w8g32
-    assert quant.projection_bytes(model) < 0.32 * quant.projection_bytes(f32.engine.model)
+    assert quantize.projection_bytes(model) < 0.32 * quantize.projection_bytes(f32.engine.model)
     p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in f32.generate(PROMPTS, p)]
     got = [o.outputs[0].token_ids for o in w8.generate(PROMPTS, p)]
@@ -169,13 +170,13 @@ def test_make_kernels_builds_what_this_cpu_runs(monkeypatch: pytest.MonkeyPatch)
     from pdserve.engine.kernels import __main__ as build_all
 
     monkeypatch.setattr(kernels, "cpu_supported", lambda: True)
-    for w8g32, w8a8, skipped in (
+    for w8g32_isa, w8a8_isa, skipped in (
         ("avx512", "vnni", set()),
         ("avx512", "avx2", {"w8a8 vnni"}),
         ("avx2", "avx2", {"w8g32 avx512", "q4_1 avx512", "w8a8 vnni"}),
     ):
-        monkeypatch.setattr(kernels, "w8g32_isa", lambda i=w8g32: i)
-        monkeypatch.setattr(kernels, "w8a8_isa", lambda i=w8a8: i)
-        assert set(build_all.wanted()) == set(build_all.BUILDS) - skipped
+        monkeypatch.setattr(kernels, "w8g32_isa", lambda i=w8g32_isa: i)
+        monkeypatch.setattr(kernels, "w8a8_isa", lambda i=w8a8_isa: i)
+        assert set(build_all.wanted()) == set(build_all.builds()) - skipped
     monkeypatch.setattr(kernels, "cpu_supported", lambda: False)
     assert build_all.wanted() == []

@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.prefill_format import resolved
-    from pdserve.engine.quant_gguf import resolve_quantization
+    from pdserve.engine.quantize import resolve_quantization
 
     # The file is named after what the engine runs (`auto` made concrete, as serve names it).
     args.quantization = resolve_quantization(args.quantization, args.model)

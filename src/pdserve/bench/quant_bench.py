@@ -24,12 +24,12 @@ Candidates (`--variants`):
   * w8g32-head-f32: the same with the LM head left in float32;
   * w8a8: what `--quantization w8a8` runs (kernels/w8a8.cpp): w8g32's weights times int8
     activations with one scale per 32 inputs per row, LM head included, q|k|v on w8g32
-    (float32 activations: quant.W8A8_FLOAT_ACTIVATIONS);
+    (float32 activations: quantize.W8A8_FLOAT_ACTIVATIONS);
   * w8a8-all: every projection and the LM head on int8 activations;
   * w8a8-g32-P (P one of qkv, o, gate_up, down, head): w8a8-all with projection P on w8g32
     (float32 activations): which projection's activation rounding costs the most;
   * gguf: what `--quantization gguf` runs: the file's own Q4_1 projections on kernels/q4_1.cpp
-    and its Q8_0 LM head on w8g32 (engine/quant_gguf.py), float32 activations;
+    and its Q8_0 LM head on w8g32 (engine/linear/gguf.py), float32 activations;
   * gguf-a8: what `--quantization gguf-a8` runs: the same file tensors times int8 activations
     per 32 inputs (kernels/w8a8.cpp's matmul_q4_1, the head on w8a8), q|k|v on float32
     activations (llama.cpp's own method, but for q|k|v);
@@ -180,7 +180,10 @@ class _FakeQuant:
 
 def _projection(variant: str, w: torch.Tensor, bias: torch.Tensor | None, proj: str) -> Any:
     """`variant`'s stand-in for projection `proj` (a LAYER_PROJECTIONS name or "head")."""
-    from pdserve.engine.quant import Int8Linear, W8A8Linear, W8G32Linear, quantize
+    from pdserve.engine.linear.int8 import Int8Linear
+    from pdserve.engine.linear.w8a8 import W8A8Linear
+    from pdserve.engine.linear.w8g32 import W8G32Linear
+    from pdserve.engine.quantize import quantize
 
     if variant == "w8a8":
         return quantize("w8a8", w, bias, proj)
@@ -212,8 +215,13 @@ def _set_kv_dtype(engine: LLMEngine, name: str) -> None:
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     """Swap the model's projections for `variant`'s (None: back to float32) and its KV cache's
     dtype; the float weights stay, so one loaded model serves every variant."""
-    from pdserve.engine.quant import LAYER_PROJECTIONS, FusedOps, layers_of
-    from pdserve.engine.quant_gguf import GGUF_QUANTIZATIONS, activations_of
+    from pdserve.engine.linear.base import FusedOps
+    from pdserve.engine.quantize import (
+        GGUF_QUANTIZATIONS,
+        LAYER_PROJECTIONS,
+        activations_of,
+        layers_of,
+    )
 
     weights, _, kv = (variant or "").partition("kv-")
     _set_kv_dtype(engine, kv or "float32")
@@ -253,7 +261,7 @@ def _prefill_copies(engine: LLMEngine, kind: str) -> None:
     """Prompt rows on `kind` (bf16 | bf16x3) copies beside the projections just set, attached
     as `--prefill-format` attaches them; "" for none."""
     from pdserve.engine import prefill_format as pf
-    from pdserve.engine.quant import layers_of
+    from pdserve.engine.quantize import layers_of
 
     model = engine.model
     model.step_rows = None
@@ -276,14 +284,15 @@ def _file_projection(
 ) -> Any:
     """What `--quantization gguf` (gguf-a8, gguf-a16: `activations`) runs for projection `proj`
     of `layer` (-1: the LM head); the file's tensors are read once per engine."""
-    from pdserve.engine import quant, quant_gguf
+    from pdserve.engine import quantize
+    from pdserve.engine.linear import gguf
 
     if id(engine) not in _FILE_WEIGHTS:
         _FILE_WEIGHTS.clear()
-        _FILE_WEIGHTS[id(engine)] = quant_gguf.gguf_weights(engine.source, engine.arch)
+        _FILE_WEIGHTS[id(engine)] = quantize.gguf_weights(engine.source, engine.arch)
     tensors = _FILE_WEIGHTS[id(engine)]
-    parts = [tensors[n] for n in quant.file_tensor_names(engine.model, layer, proj)]
-    return quant_gguf.projection(parts, w, bias, f"{proj} of layer {layer}", activations)
+    parts = [tensors[n] for n in quantize.file_tensor_names(engine.model, layer, proj)]
+    return gguf.projection(parts, w, bias, f"{proj} of layer {layer}", activations)
 
 
 # --------------------------------------------------------------------------- measuring

@@ -470,7 +470,7 @@ def load_or_profile(
     (missing, corrupt, another version) is profiled again and overwritten.
     """
     from pdserve.engine.prefill_format import resolved
-    from pdserve.engine.quant_gguf import resolve_quantization
+    from pdserve.engine.quantize import resolve_quantization
 
     dtype = str(engine_args.get("dtype", "float32"))
     quantization = resolve_quantization(
@@ -501,7 +501,7 @@ def _resolved_matmul(name: str, quantization: str, dtype: str) -> str:
     """What `--decode-matmul name` is for a CPU engine with these settings (tiles | torch)."""
     import torch
 
-    from pdserve.engine.quant import decode_matmul
+    from pdserve.engine.quantize import decode_matmul
 
     return decode_matmul(name, quantization, torch.device("cpu"), getattr(torch, dtype))
 

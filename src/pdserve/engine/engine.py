@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig, resolve_kv_cache_dtype
-from pdserve.engine import engine_stats, loader, model_build, quant, quant_gguf, step_log
+from pdserve.engine import engine_stats, loader, model_build, quantize, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend, Matcher
 from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
@@ -92,13 +92,13 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         self.dtype = model_build.DTYPES[mc.dtype]
         self.source = loader.resolve_model(mc.model)
-        self.quantization = quant_gguf.resolve_quantization(
+        self.quantization = quantize.resolve_quantization(
             mc.quantization, self.source, self.device, self.dtype
         )
         kv_name = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.quantization, mc.dtype)
         kv_dtype = kv_cache_dtype(kv_name, self.dtype)  # refused before the slow load
-        quant.check_supported(self.quantization, self.device, self.dtype)  # before the slow load
-        self.decode_matmul = quant.decode_matmul(
+        quantize.check_supported(self.quantization, self.device, self.dtype)  # before the slow load
+        self.decode_matmul = quantize.decode_matmul(
             mc.decode_matmul, self.quantization, self.device, self.dtype
         )
         self.arch = loader.load_arch(self.source)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.engine import loader, prefill_format, quant, quant_gguf
+from pdserve.engine import loader, prefill_format, quantize
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaModel
@@ -26,8 +26,8 @@ def build_model(
     model.load_hf_weights({k: v.to(device) for k, v in weights.items()})
     del weights
     gguf = None
-    if quantization in quant_gguf.GGUF_QUANTIZATIONS:
-        gguf = quant_gguf.gguf_weights(source, arch)
+    if quantization in quantize.GGUF_QUANTIZATIONS:
+        gguf = quantize.gguf_weights(source, arch)
     units = prefill_format.probe_units()
     kind, why = prefill_format.wanted(
         mc.prefill_format, mc.phases, quantization, device, dtype, units,
@@ -35,9 +35,9 @@ def build_model(
     )  # fmt: skip
     # The copies come from the float weights, which quantization frees.
     copies = prefill_format.make_copies(model, kind) if kind != "none" else None
-    quant.quantize_model(model, quantization, gguf=gguf)
+    quantize.quantize_model(model, quantization, gguf=gguf)
     if decode_matmul == "tiles":
-        quant.tile_model(model)
+        quantize.tile_model(model)
     choice = prefill_format.PrefillChoice("none", units.isa, why)
     if copies is not None:
         choice = prefill_format.attach(model, copies, mc.prefill_format, mc.phases, units)

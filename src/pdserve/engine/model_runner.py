@@ -80,9 +80,9 @@ class ModelRunner:
         self.attention = resolve_attention(attention, device)
         self._kernel: Callable[..., torch.Tensor] | None = None
         if self.attention == "paged":  # build/load the kernel now, off the request path
-            from pdserve.engine.kernels import paged_attention_module
+            from pdserve.engine import kernels
 
-            self._kernel = paged_attention_module().paged_attention
+            self._kernel = kernels.load("paged_attention").paged_attention
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]

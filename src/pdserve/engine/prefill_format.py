@@ -30,12 +30,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from pdserve.engine import kernels
-from pdserve.engine.quant import LAYER_PROJECTIONS, layers_of
+from pdserve.engine.linear.bf16 import AMXLinear, Bf16Kernel, BF16Linear, amx_kernel, bf16_kernel
+from pdserve.engine.linear.float32 import FloatLinear
+from pdserve.engine.quantize import LAYER_PROJECTIONS, layers_of
 
 if TYPE_CHECKING:
     from pdserve.engine.models.arch import ModelArch
@@ -133,71 +135,6 @@ def resolved(name: str, quantization: str, dtype: str = "float32", device: str =
     return wanted(name, "both", quantization, torch.device(device), dt, probe_units())[0]
 
 
-class BF16Linear:
-    """x @ W (+ bias) (+ residual) with W a bfloat16 [in, out] copy, on torch's oneDNN GEMM
-    (AMX tiles where the CPU has them): x float32 or bfloat16 in (rounded to bfloat16), float32
-    out (the GEMM accumulates in float32 and rounds its output to bfloat16; kernels/bf16.cpp
-    widens it and adds bias and residual in one pass)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight.detach().to(torch.bfloat16).contiguous()
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.out_features = self.weight.shape[1]
-        self._ops = kernels.bf16_module()
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
-
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W in bfloat16 (no bias): what the next bfloat16 op reads as it is."""
-        return (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)) @ self.weight
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return cast(torch.Tensor, self._ops.widen_add(self.gemm(x), self.bias, residual))
-
-
-class AMXLinear:
-    """x @ W (+ bias) (+ residual) on AMX tiles (kernels/amx.cpp), float32 in and out:
-    bf16x3, three bfloat16 products (x and W each split into a bfloat16 part and the bfloat16
-    rounding of the rest), for float32-level agreement at the matrix units' rate."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self._ops = kernels.amx_module()
-        self.hi, self.lo = self._ops.pack(weight.detach().float())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.out_features = weight.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.hi.nbytes + self.lo.nbytes + (self.bias.nbytes if self.bias is not None else 0)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = self._ops.matmul(x, self.hi, self.out_features, self.lo, self.bias, residual)
-        return cast(torch.Tensor, y)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate|up projection in the GEMM's store: [M, out / 2]."""
-        assert self.bias is None
-        y = self._ops.matmul_silu(x, self.hi, self.out_features // 2, self.lo)
-        return cast(torch.Tensor, y)
-
-
-class FloatLinear:
-    """A float32 [in, out] weight as a projection (the decode format of `--quantization none`)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
-        return y if residual is None else residual + y
-
-
 @dataclass
 class PromptWeights:
     """One layer's bfloat16 projections and the ops between them, for steps whose every row
@@ -205,7 +142,7 @@ class PromptWeights:
 
     rows: StepRows
     linears: dict[str, BF16Linear]
-    ops: Any  # kernels.bf16_module(): rms_norm, silu_mul, widen_add
+    ops: Bf16Kernel  # rms_norm, silu_mul, widen_add
 
     @property
     def active(self) -> bool:
@@ -343,7 +280,7 @@ def attach(
     rows = StepRows(has_decode_format=phases == "both")
     rows.prompt_dtype = torch.bfloat16 if kind == "bf16" else None
     if kind == "bf16x3":
-        rows.prompt_attention = kernels.amx_module().causal_attention
+        rows.prompt_attention = amx_kernel().causal_attention
     extra = sum(c.nbytes for c in copies.values())
     for (i, proj), copy in copies.items():
         keep = decode[(i, proj)] if phases == "both" else None
@@ -354,7 +291,7 @@ def attach(
             weight.data = weight.data.new_empty(0)
     model.step_rows = rows
     if kind == "bf16":  # bfloat16 from GEMM to GEMM in steps of prompt rows only
-        ops = kernels.bf16_module()
+        ops = bf16_kernel()
         for i, layer in enumerate(layers):
             mine = {proj: cast(BF16Linear, copies[(i, proj)]) for proj in LAYER_PROJECTIONS}
             layer.prompt_weights = PromptWeights(rows, mine, ops)

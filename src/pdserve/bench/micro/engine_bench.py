@@ -34,7 +34,7 @@ transformers) put pdserve's prefill at 2048 tokens at 0.90x, 0.99x and 1.01x of 
 in three runs.
   MBU = (weight bytes + KV bytes) / step time / read GB/s, with
         weight bytes = the projection and LM head matrices as stored (int8 + scales when
-                       quantized; `quant.projection_bytes`) (a step reads only its tokens' rows
+                       quantized; `quantize.projection_bytes`) (a step reads only its tokens' rows
                        of the embedding table, which is not counted),
         KV bytes     = B * ctx * 2 * layers * kv_heads * head_dim * elem,
         ctx          = mean number of keys attended per timed step (C + generated so far).
@@ -89,7 +89,7 @@ from pdserve.bench.micro.engine_peers import (
 from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
 from pdserve.bench.micro.engine_results import SEED, Key, ModelCost, Report, Row, System, log
 from pdserve.config import DECODE_MATMULS, KV_CACHE_DTYPES, PREFILL_FORMATS, QUANTIZATIONS
-from pdserve.engine.quant import projection_bytes
+from pdserve.engine.quantize import projection_bytes
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine

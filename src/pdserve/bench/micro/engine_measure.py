@@ -250,7 +250,7 @@ def pdserve_rows(
 ) -> list[Row]:
     """The rows of one pdserve variant from its rounds' samples, each decode row with its
     attention share (measured here, after the rounds)."""
-    from pdserve.engine.quant import projection_bytes
+    from pdserve.engine.quantize import projection_bytes
 
     engine, q = system.engine, system.label
     weight_bytes = projection_bytes(engine.model)

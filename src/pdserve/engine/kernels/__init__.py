@@ -1,23 +1,22 @@
 """Native kernels, built on first use with torch's C++ extension tooling and cached on disk.
 
-`paged_attention.cpp` is compiled with `-O3 -mavx2 -mfma -mf16c` (never `-march=native`; F16C
-widens a float16 KV cache as it is read), so the same code runs on both machine kinds (AVX2-only
-AMD EPYC, AVX-512 Xeon). `w8g32.cpp` (group-wise int8 weight-only matmul, engine/quant.py) is
-built twice from one source: `-mavx2 -mfma -mf16c` everywhere, and `-mavx512f -mavx512bw
--mavx512vl -mf16c -mfma` chosen at run time when torch reports the CPU capability AVX512
-(`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build). A build takes ~1 minute once per source
-version; the result is cached under `PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`)
-and reused by every later process.
-
-`q4_1.cpp` (GGUF Q4_1 weights as the file stores them, float32 activations: `--quantization
-gguf`) has w8g32's two builds and the same choice between them.
-
-`w8a8.cpp` (int8 weights x int8 activations, one scale per 32 inputs each: `--quantization
-w8a8`; GGUF Q4_1 weights x the same int8 activations: `--quantization gguf-a8`; and x int16
-activations: `--quantization gguf-a16`) is built
-twice too: `-mavx2 -mfma -mf16c` (vpmaddubsw) and, where the CPU has AVX-512
-VNNI (its /proc/cpuinfo flag `avx512_vnni`, which torch's capability does not report), with
-`-mavx512f -mavx512bw -mavx512vl -mavx512vnni` (vpdpbusd).
+`SPECS` lists every kernel: its source and its builds, one per instruction set, and `load(name)`
+builds (once per source version and flags) and imports the one this CPU runs. Never
+`-march=native`: the same flags give the same build on both machine kinds (AVX2-only AMD EPYC,
+AVX-512 Xeon), and every build has AVX2 + FMA + F16C (F16C widens fp16 scales and a float16 KV
+cache as they are read).
+- `paged_attention.cpp` and `bf16.cpp` (the prefill format's element-wise ops): one AVX2 build.
+- `w8g32.cpp` (group-wise int8 weight-only matmul, the float32 tiles and the fused norm / RoPE /
+  activation) and `q4_1.cpp` (GGUF Q4_1 weights as stored, float32 activations): an AVX2 build
+  and an AVX-512 one (`-mavx512f -mavx512bw -mavx512vl`), the latter chosen at run time when
+  torch reports the CPU capability AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build).
+- `w8a8.cpp` (int8 weights x int8 activations, GGUF Q4_1 x int8 / int16 activations,
+  `--quantization w8a8 | gguf-a8 | gguf-a16`): an AVX2 build (vpmaddubsw) and, where the CPU
+  has AVX-512 VNNI (its /proc/cpuinfo flag `avx512_vnni`, which torch's capability does not
+  report), a VNNI one (`-mavx512vnni`, vpdpbusd).
+- `amx.cpp` (the prefill format's GEMM on AMX tiles): only where the CPU has AMX.
+A build takes ~1 minute once per source version; the result is cached under
+`PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`) and reused by every later process.
 """
 
 from __future__ import annotations
@@ -28,27 +27,44 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_module: ModuleType | None = None
-_w8g32: dict[str, ModuleType] = {}
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno"]
-ATTENTION_CFLAGS = [*CFLAGS, "-mf16c"]
-W8G32_SOURCE = Path(__file__).with_name("w8g32.cpp")
-W8G32_CFLAGS = [*CFLAGS, "-mf16c"]
-W8G32_AVX512_CFLAGS = [*W8G32_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl"]
-W8G32_BUILDS = {"avx2": W8G32_CFLAGS, "avx512": W8G32_AVX512_CFLAGS}
-W8A8_SOURCE = Path(__file__).with_name("w8a8.cpp")
-W8A8_BUILDS = {"avx2": W8G32_CFLAGS, "vnni": [*W8G32_AVX512_CFLAGS, "-mavx512vnni"]}
-_w8a8: dict[str, ModuleType] = {}
-Q4_1_SOURCE = Path(__file__).with_name("q4_1.cpp")
-_q4_1: dict[str, ModuleType] = {}
-BF16_SOURCE = Path(__file__).with_name("bf16.cpp")  # the prefill format's element-wise ops
-_bf16: dict[str, ModuleType] = {}
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fno-math-errno")
+AVX2_CFLAGS = (*CFLAGS, "-mf16c")  # F16C: fp16 scales and a float16 KV cache, widened as read
+AVX512_CFLAGS = (*AVX2_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl")
+VNNI_CFLAGS = (*AVX512_CFLAGS, "-mavx512vnni")
+AMX_CFLAGS = (*AVX512_CFLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+# What each build needs of the CPU, as the refusal names it.
+NEEDS = {"avx2": "AVX2", "avx512": "AVX-512", "vnni": "AVX-512 VNNI", "amx": "AMX"}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One native kernel: its source beside this module and its builds (an ISA each, named by
+    it, with that ISA's compiler flags). `isa` picks the build this CPU runs when the caller
+    names none (tests name one to compare builds); `refusal` is said where none runs here."""
+
+    name: str
+    source: str
+    builds: Mapping[str, tuple[str, ...]]
+    isa: Callable[[], str]
+    refusal: str = (
+        "quantization {name!r} ({isa} build) needs a CPU with {needs} + FMA + F16C "
+        "(torch reports {capability}); use --quantization none"
+    )
+
+    @property
+    def path(self) -> Path:
+        return Path(__file__).with_name(self.source)
+
+    def module_name(self, isa: str) -> str:
+        """The extension's import name (the AVX2 build's is the bare one)."""
+        return f"pdserve_{self.name}" if isa == "avx2" else f"pdserve_{self.name}_{isa}"
 
 
 def cache_dir() -> Path:
@@ -62,7 +78,7 @@ def headers(source: Path) -> list[Path]:
     return sorted(source.parent.glob("*.h"))
 
 
-def build_dir(source: Path, flags: list[str]) -> Path:
+def build_dir(source: Path, flags: Sequence[str]) -> Path:
     """One build directory per (source text, headers' text, flags), so checkouts at two paths
     (worktrees, CI clones) sharing a cache share a build. torch's loader keeps one build.ninja
     per directory and rebuilds whenever the recorded source path differs: `build_and_load`
@@ -73,7 +89,7 @@ def build_dir(source: Path, flags: list[str]) -> Path:
     return cache_dir() / f"{source.stem}-{digest}"
 
 
-def build_and_load(name: str, source: Path, flags: list[str]) -> ModuleType:
+def build_and_load(name: str, source: Path, flags: Sequence[str]) -> ModuleType:
     """torch's loader, behind a lock the OS releases when its holder dies.
 
     torch guards a build with a `lock` file it creates and removes; a build killed midway (a
@@ -99,7 +115,7 @@ def build_and_load(name: str, source: Path, flags: list[str]) -> ModuleType:
         return load(
             name=name,
             sources=[str(build / source.name)],
-            extra_cflags=flags,
+            extra_cflags=list(flags),
             build_directory=str(build),
             verbose=False,
         )
@@ -112,65 +128,10 @@ def cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def paged_attention_module() -> ModuleType:
-    """Build (once per source version) and import the CPU paged-attention extension."""
-    global _module
-    with _lock:
-        if _module is None:
-            if not cpu_supported():
-                raise RuntimeError(
-                    "the paged attention kernel needs a CPU with AVX2; use --attention gather"
-                )
-            _module = build_and_load("pdserve_paged_attention", SOURCE, ATTENTION_CFLAGS)
-        return _module
-
-
 def w8g32_isa() -> str:
-    """The w8g32 build this CPU runs: "avx512" where torch reports AVX512, else "avx2"."""
+    """The w8g32 (and q4_1) build this CPU runs: "avx512" where torch reports AVX512, else
+    "avx2"."""
     return "avx512" if _capability() == "AVX512" else "avx2"
-
-
-def w8g32_module(isa: str | None = None) -> ModuleType:
-    """Build (once per source version and ISA) and import the group-wise int8 weight-only
-    matmul; `isa` None picks by the CPU (w8g32_isa()), tests name one to compare the builds."""
-    isa = isa or w8g32_isa()
-    runs = isa != "avx512" or _capability() == "AVX512"
-    needs = "AVX-512" if isa == "avx512" else "AVX2"
-    return _isa_module("w8g32", isa, W8G32_SOURCE, W8G32_BUILDS, _w8g32, runs, needs)
-
-
-def q4_1_module(isa: str | None = None) -> ModuleType:
-    """Build (once per source version and ISA) and import the GGUF Q4_1 weight-only matmul
-    (`--quantization gguf`); the same two builds and choice as w8g32's."""
-    isa = isa or w8g32_isa()
-    runs = isa != "avx512" or _capability() == "AVX512"
-    needs = "AVX-512" if isa == "avx512" else "AVX2"
-    return _isa_module("q4_1", isa, Q4_1_SOURCE, W8G32_BUILDS, _q4_1, runs, needs)
-
-
-def bf16_module() -> ModuleType:
-    """Build (once per source version) and import the prefill format's element-wise ops
-    (engine/prefill_format.py); one AVX2 build for both machine kinds."""
-    return _isa_module("bf16", "avx2", BF16_SOURCE, {"avx2": W8G32_CFLAGS}, _bf16, True, "AVX2")
-
-
-AMX_SOURCE = Path(__file__).with_name("amx.cpp")  # the prefill format's GEMM on AMX tiles
-AMX_CFLAGS = [*W8G32_AVX512_CFLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
-_amx: dict[str, ModuleType] = {}
-
-
-def amx_supported() -> bool:
-    """The CPU has AMX bf16 tiles (and AVX-512 BF16 for the conversions around them)."""
-    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
-
-
-def amx_module() -> ModuleType:
-    """Build (once per source version) and import the AMX GEMM (engine/prefill_format.py);
-    refused where the CPU lacks AMX or Linux will not hand this process the tile state."""
-    mod = _isa_module("amx", "amx", AMX_SOURCE, {"amx": AMX_CFLAGS}, _amx, amx_supported(), "AMX")
-    if not mod.init():
-        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl)")
-    return mod
 
 
 def w8a8_isa() -> str:
@@ -179,38 +140,73 @@ def w8a8_isa() -> str:
     return "vnni" if _capability() == "AVX512" and "avx512_vnni" in cpu_flags() else "avx2"
 
 
-def w8a8_module(isa: str | None = None) -> ModuleType:
-    """Build (once per source version and ISA) and import the int8 x int8 group-wise matmul;
-    `isa` None picks by the CPU (w8a8_isa()), tests name one to compare the builds."""
-    isa = isa or w8a8_isa()
-    runs = isa != "vnni" or w8a8_isa() == "vnni"
-    needs = "AVX-512 VNNI" if isa == "vnni" else "AVX2"
-    return _isa_module("w8a8", isa, W8A8_SOURCE, W8A8_BUILDS, _w8a8, runs, needs)
+def amx_supported() -> bool:
+    """The CPU has AMX bf16 tiles (and AVX-512 BF16 for the conversions around them)."""
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
 
 
-def _isa_module(
-    kind: str,
-    isa: str,
-    source: Path,
-    builds: dict[str, list[str]],
-    loaded: dict[str, ModuleType],
-    runs_here: bool,
-    needs: str,
-) -> ModuleType:
-    """The `isa` build of quantization `kind`'s kernel, built on first use. Refused (not built)
-    where this CPU cannot run it: the build would load, then die on an illegal instruction."""
-    if isa not in builds:
-        raise ValueError(f"{kind} builds are {sorted(builds)}, got {isa!r}")
+def runs_here(isa: str) -> bool:
+    """This CPU runs builds for `isa` (every build needs AVX2 + FMA). A build the CPU cannot
+    run would load, then die on an illegal instruction."""
+    if not cpu_supported():
+        return False
+    if isa == "avx512":
+        return w8g32_isa() == "avx512"
+    if isa == "vnni":
+        return w8a8_isa() == "vnni"
+    if isa == "amx":
+        return amx_supported()
+    return isa == "avx2"
+
+
+SPECS = {
+    spec.name: spec
+    for spec in (
+        KernelSpec(
+            "paged_attention",
+            "paged_attention.cpp",
+            {"avx2": AVX2_CFLAGS},
+            lambda: "avx2",
+            "the paged attention kernel needs a CPU with AVX2; use --attention gather",
+        ),
+        # Group-wise int8 weight-only matmul (linear/w8g32.py) and the float32 tiles and
+        # fused ops beside it.
+        KernelSpec("w8g32", "w8g32.cpp", {"avx2": AVX2_CFLAGS, "avx512": AVX512_CFLAGS}, w8g32_isa),
+        # GGUF Q4_1 weights as the file stores them, float32 activations (linear/gguf.py).
+        KernelSpec("q4_1", "q4_1.cpp", {"avx2": AVX2_CFLAGS, "avx512": AVX512_CFLAGS}, w8g32_isa),
+        # int8 / int16 activations against int8 or 4-bit weights (linear/w8a8.py, gguf.py).
+        KernelSpec("w8a8", "w8a8.cpp", {"avx2": AVX2_CFLAGS, "vnni": VNNI_CFLAGS}, w8a8_isa),
+        # The prefill format's element-wise ops (linear/bf16.py): one AVX2 build everywhere.
+        KernelSpec("bf16", "bf16.cpp", {"avx2": AVX2_CFLAGS}, lambda: "avx2"),
+        # The prefill format's GEMM and attention on AMX tiles (linear/bf16.py).
+        KernelSpec("amx", "amx.cpp", {"amx": AMX_CFLAGS}, lambda: "amx"),
+    )
+}
+_loaded: dict[tuple[str, str], ModuleType] = {}  # (kernel, build) -> its imported extension
+
+
+def load(name: str, isa: str | None = None) -> ModuleType:
+    """Build (once per source version and ISA) and import kernel `name` (a SPECS key); `isa`
+    None picks the build by the CPU. Refused (not built) where this CPU cannot run it."""
+    spec = SPECS[name]
+    isa = isa or spec.isa()
+    if isa not in spec.builds:
+        raise ValueError(f"{name} builds are {sorted(spec.builds)}, got {isa!r}")
     with _lock:
-        if isa not in loaded:
-            if not cpu_supported() or not runs_here:
-                raise RuntimeError(
-                    f"quantization {kind!r} ({isa} build) needs a CPU with {needs} + FMA + F16C "
-                    f"(torch reports {_capability()}); use --quantization none"
-                )
-            name = f"pdserve_{kind}" if isa == "avx2" else f"pdserve_{kind}_{isa}"
-            loaded[isa] = build_and_load(name, source, builds[isa])
-        return loaded[isa]
+        if (name, isa) not in _loaded:
+            if not runs_here(isa):
+                raise RuntimeError(_refusal(spec, isa))
+            flags = list(spec.builds[isa])
+            _loaded[(name, isa)] = build_and_load(spec.module_name(isa), spec.path, flags)
+        module = _loaded[(name, isa)]
+    if name == "amx" and not module.init():  # asked on every load, as the tile state is
+        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl)")
+    return module
+
+
+def _refusal(spec: KernelSpec, isa: str) -> str:
+    needs = NEEDS[isa]
+    return spec.refusal.format(name=spec.name, isa=isa, needs=needs, capability=_capability())
 
 
 @functools.cache

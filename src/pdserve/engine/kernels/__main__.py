@@ -14,32 +14,21 @@ import time
 
 from pdserve.engine import kernels
 
-BUILDS = {
-    "paged_attention": "kernels.paged_attention_module()",
-    "w8g32 avx2": "kernels.w8g32_module('avx2')",
-    "w8g32 avx512": "kernels.w8g32_module('avx512')",
-    "q4_1 avx2": "kernels.q4_1_module('avx2')",
-    "q4_1 avx512": "kernels.q4_1_module('avx512')",
-    "w8a8 avx2": "kernels.w8a8_module('avx2')",
-    "w8a8 vnni": "kernels.w8a8_module('vnni')",
-    "bf16": "kernels.bf16_module()",
-    "amx": "kernels.amx_module()",
-}
+
+def builds() -> dict[str, tuple[str, str]]:
+    """Every build by its display name ("w8g32 avx512"; a kernel's only build by its name):
+    (kernel, isa)."""
+    return {
+        name if len(spec.builds) == 1 else f"{name} {isa}": (name, isa)
+        for name, spec in kernels.SPECS.items()
+        for isa in spec.builds
+    }
 
 
 def wanted() -> list[str]:
-    """The builds this CPU can run (none without AVX2; the AVX-512 one only where torch
-    reports AVX512, the VNNI one only where the CPU has AVX-512 VNNI)."""
-    if not kernels.cpu_supported():
-        return []
-    skip = set()
-    if kernels.w8g32_isa() != "avx512":
-        skip |= {"w8g32 avx512", "q4_1 avx512"}
-    if kernels.w8a8_isa() != "vnni":
-        skip.add("w8a8 vnni")
-    if not kernels.amx_supported():
-        skip.add("amx")
-    return [b for b in BUILDS if b not in skip]
+    """The builds this CPU can run (none without AVX2; the AVX-512 ones only where torch
+    reports AVX512, the VNNI one only where the CPU has AVX-512 VNNI, AMX only with AMX)."""
+    return [shown for shown, (_, isa) in builds().items() if kernels.runs_here(isa)]
 
 
 def main() -> int:
@@ -48,8 +37,9 @@ def main() -> int:
         print("no native kernels for this CPU (needs AVX2): nothing to build")
         return 0
     t0 = time.monotonic()
-    code = "from pdserve.engine import kernels; {}"
-    procs = {n: subprocess.Popen([sys.executable, "-c", code.format(BUILDS[n])]) for n in names}
+    code = "from pdserve.engine import kernels; kernels.load({!r}, {!r})"
+    every = builds()
+    procs = {n: subprocess.Popen([sys.executable, "-c", code.format(*every[n])]) for n in names}
     failed = [n for n, p in procs.items() if p.wait() != 0]
     took = time.monotonic() - t0
     if failed:

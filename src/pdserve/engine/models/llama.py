@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.linear.base import FusedOps, Projection
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.quant import FusedOps, Projection
 
 if TYPE_CHECKING:
     from pdserve.engine.prefill_format import PromptWeights, StepRows
@@ -147,10 +147,10 @@ class LlamaLayer(nn.Module):
         self.o = nn.Parameter(torch.empty(self.q_size, h))
         self.gate_up = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
         self.down = nn.Parameter(torch.empty(arch.intermediate_size, h))
-        # Quantized stand-ins for the projections above, by name (quant.quantize_model); a
+        # Quantized stand-ins for the projections above, by name (quantize.quantize_model); a
         # projection not listed here runs on its float weight.
         self.quantized: dict[str, Projection] = {}
-        # Native RMSNorm / RoPE / silu * up (quant.FusedOps), set for quantized (w8g32, w8a8,
+        # Native RMSNorm / RoPE / silu * up (linear.base.FusedOps), set for quantized (w8g32, w8a8,
         # gguf, gguf-a8, gguf-a16) models; None: torch's ops.
         self.fused: FusedOps | None = None
         # The prefill format's bfloat16 projections (engine/prefill_format.py), when loaded.
@@ -418,8 +418,8 @@ class LlamaModel(nn.Module):
         # [hidden, vocab]: a transposed copy even when tied (the lookup needs rows of `embed`).
         self.lm_head = nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))
         self.rope: RotaryEmbedding | None = None
-        self.quantized_head: Projection | None = None  # set by quant.quantize_model
-        self.fused: FusedOps | None = None  # native RMSNorm / RoPE, set by quant.quantize_model
+        self.quantized_head: Projection | None = None  # set by quantize.quantize_model
+        self.fused: FusedOps | None = None  # native RMSNorm / RoPE, set by quantize.quantize_model
         # Set when prompt rows run on a prefill format (engine/prefill_format.py `attach`).
         self.step_rows: StepRows | None = None
 

@@ -11,7 +11,7 @@ comes from. Under `gguf` each projection computes with exactly the weights the f
   amax / 127, and a Q8_0 block's largest code is +-127), so Q8_0 runs on the w8g32 kernel;
 - float tensors (F32 / F16 / BF16) stay float.
 The K-quants (Q4_K, Q5_K, Q6_K: Q4_K_M / Q5_K_M files), Q4_0, Q5_0 and Q5_1, and fused
-projections whose parts mix formats, run under `gguf-a16` on engine/gguf_linear.py's kernels,
+projections whose parts mix formats, run under `gguf-a16` on linear/gguf_a16.py's kernels,
 their own codes and scales as stored. Any other block format is refused at start-up with the
 tensor named under `gguf*`, and `auto` runs such a file as float32 under a WARNING naming the
 formats and the cost: never silently. Only the greedy-parity rule of `none` does not apply:
@@ -20,7 +20,7 @@ the sums run in another order than torch's GEMM (quality: docs/benchmarks/quant.
 `gguf-a8` runs the same weights against int8 activations (one scale per 32 inputs per row, as
 llama.cpp's Q8 activations): Q4_1 on kernels/w8a8.cpp's matmul_q4_1 (integer dot products of the
 codes), Q8_0 on W8A8Linear, q|k|v on float activations as under w8a8
-(quant.W8A8_FLOAT_ACTIVATIONS). The speed of integer arithmetic where a batch of rows makes the
+(quantize.W8A8_FLOAT_ACTIVATIONS). The speed of integer arithmetic where a batch of rows makes the
 float kernel compute-bound, for the activations' rounding.
 
 `gguf-a16` runs the same Q4_1 weights against int16 activations (one scale per 32 inputs per
@@ -28,34 +28,23 @@ row; kernels/w8a8.cpp's matmul_q4_1_a16), every projection, at every row count (
 prefill): the codes are multiplied as integers (vpdpwssd / vpmaddwd) instead of widened to
 float one by one, and the rounding (2^-16 of each block's largest input) is below the float16
 KV cache's. A Q8_0 tensor (the default model's LM head) runs w8g32's codes and scales against
-the same int16 activations (quant.W8A16Linear, matmul_a16).
+the same int16 activations (w8a8.W8A16Linear, matmul_a16).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
 
-from pdserve.engine import gguf_linear, loader, model_cache
-from pdserve.engine.loader import ModelSource
-from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.quant import (
-    RowsLinear,
-    StreamedLinear,
-    W8A8Linear,
-    W8A16Linear,
-    W8G32Linear,
-)
+from pdserve.engine import kernels
+from pdserve.engine.linear import gguf_a16, w8a8
+from pdserve.engine.linear.base import Projection, RowsLinear, StreamedLinear, float_bias
+from pdserve.engine.linear.w8a8 import W8A8Linear, W8A16Linear
+from pdserve.engine.linear.w8g32 import W8G32Linear
 
-log = logging.getLogger(__name__)
-
-# The quantizations that run a GGUF file's own weights: float32, int8 or int16 activations.
-GGUF_QUANTIZATIONS = ("gguf", "gguf-a8", "gguf-a16")
 # GGUF block formats with a kernel here, by the name gguf.GGMLQuantizationType gives them.
 Q4_1, Q8_0 = "Q4_1", "Q8_0"
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -122,20 +111,46 @@ def pack_q4_1_a8(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return torch.from_numpy(np.ascontiguousarray(packed)), _scale_tiles(d), _scale_tiles(m)
 
 
+class Q41Kernel(Protocol):
+    """kernels/q4_1.cpp: Q4_1 tiles against float32 activations."""
+
+    isa: str  # the build: "avx2" | "avx512"
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+    def dequantize(
+        self,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        n: int,
+        n0: int,
+        n1: int,
+        out: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
 class Q41Linear(StreamedLinear):
     """GGUF Q4_1 weights (the file's codes, scales and minimums); float32 activations."""
 
     def __init__(
         self, parts: list[GgufWeight], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
-        from pdserve.engine import kernels
-
-        self._ops = kernels.q4_1_module(isa)
+        self._ops = cast(Q41Kernel, kernels.load("q4_1", isa))
         raw = np.concatenate([p.raw for p in parts]) if len(parts) > 1 else parts[0].raw
         self.out_features = raw.shape[0]
         self.in_features = raw.shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
         self.q, self.d, self.m = pack_q4_1(raw)
-        self._setup((self.q, self.d, self.m), bias, Q4_1_PREFILL_SCRATCH)
+        self._setup((self.q, self.d, self.m), bias, Q4_1_PREFILL_SCRATCH, self._ops.isa)
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self._ops.matmul(x, self.q, self.d, self.m, self.out_features, self.bias, residual)
@@ -153,14 +168,12 @@ class Q41A8Linear(RowsLinear):
     def __init__(
         self, parts: list[GgufWeight], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
-        from pdserve.engine import kernels
-
-        self._ops = kernels.w8a8_module(isa)  # isa: "avx2" | "vnni"; None picks by the CPU
+        self._ops = w8a8.kernel(isa)  # isa: "avx2" | "vnni"; None picks by the CPU
         raw = np.concatenate([p.raw for p in parts]) if len(parts) > 1 else parts[0].raw
         self.out_features = raw.shape[0]
         self.in_features = raw.shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK
         self.q, self.d, self.m = pack_q4_1_a8(raw)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.bias = float_bias(bias)
         packed = (self.q, self.d, self.m) + (() if self.bias is None else (self.bias,))
         self._nbytes = sum(t.nbytes for t in packed)
 
@@ -176,8 +189,9 @@ class Q41A8Linear(RowsLinear):
         return w.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features]
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        y = self._ops.matmul_q4_1(x, self.q, self.d, self.m, self.out_features, self.bias, residual)
-        return cast(torch.Tensor, y)
+        return self._ops.matmul_q4_1(
+            x, self.q, self.d, self.m, self.out_features, self.bias, residual
+        )
 
 
 class Q41A16Linear(Q41A8Linear):
@@ -185,20 +199,9 @@ class Q41A16Linear(Q41A8Linear):
     kernels/w8a8.cpp's matmul_q4_1_a16 on gguf-a8's tiles, for every row count."""
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        y = self._ops.matmul_q4_1_a16(
+        return self._ops.matmul_q4_1_a16(
             x, self.q, self.d, self.m, self.out_features, self.bias, residual
         )
-        return cast(torch.Tensor, y)
-
-
-def activations_of(quantization: str, proj: str) -> str:
-    """What projection `proj` (or "head") of a GGUF quantization multiplies its weights with:
-    "float", "int8" (gguf-a8, but for q|k|v) or "int16" (gguf-a16)."""
-    from pdserve.engine.quant import W8A8_FLOAT_ACTIVATIONS
-
-    if quantization == "gguf-a8" and proj not in W8A8_FLOAT_ACTIVATIONS:
-        return "int8"
-    return "int16" if quantization == "gguf-a16" else "float"
 
 
 def projection(
@@ -207,7 +210,7 @@ def projection(
     bias: torch.Tensor | None,
     what: str,
     activations: str = "float",
-) -> object | None:
+) -> Projection | None:
     """The stand-in running `parts` (the file's tensors fused into this [in, out] `weight`,
     e.g. q, k, v) in their own format, against `activations` (activations_of); None keeps the
     float weight (a float file tensor)."""
@@ -219,7 +222,7 @@ def projection(
                 f"quantization gguf: {what} is {'+'.join(sorted(kinds))}, which runs under "
                 "--quantization gguf-a16 (the default for such a file) only"
             )
-        return gguf_linear.projection(parts, bias, what)
+        return gguf_a16.projection(parts, bias, what)
     if len(kinds) != 1:
         raise ValueError(
             f"quantization gguf: {what} mixes block formats {sorted(kinds)} in one projection; "
@@ -238,82 +241,3 @@ def projection(
         f"quantization gguf: {what} is {kind}, which pdserve has no kernel for (it runs Q4_1, "
         "Q8_0 and float tensors); use --quantization w8g32 or none"
     )
-
-
-def resolve_quantization(
-    name: str,
-    model: ModelSource | str | os.PathLike[str] | None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = "float32",
-) -> str:
-    """`--quantization auto` (the default) made concrete; any other name is returned as it is.
-
-    auto is `gguf-a16` for a GGUF file whose weight matrices are all in formats with a kernel
-    here (gguf_linear.FORMATS: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; or float) and at
-    least one quantized, on a CPU with AVX2, float32: the file's
-    own weights, as llama.cpp and vLLM run a GGUF file, against int16 activations. Measured side
-    by side (docs/benchmarks/quant.md, 60 chat prompts x 64 tokens, float16 KV): 59 of 60
-    outputs equal to float32's under gguf-a16 as under gguf (float activations), KL 3.6e-7
-    against 3.0e-7, in 0.71x the time; its projections take 0.58-0.66x gguf's at every row
-    count (engine.md). Anything else (an HF folder, CUDA, bfloat16, a file in another block
-    format: warned) is `none`.
-    The choice is logged and shown wherever the quantization is (stats, /admin/workers, the
-    cost-model file name)."""
-    if name != "auto":
-        return name
-    from pdserve.engine import kernels
-
-    src = model if isinstance(model, ModelSource) else loader.resolve_model(model)
-    chosen = "none"
-    on_cpu = torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
-    if src.kind == "gguf" and on_cpu and kernels.cpu_supported():
-        kinds = {
-            t.qtype.name
-            for t in model_cache.gguf_index(src.path).tensors
-            if len(t.shape) == 2 and loader.gguf_hf_name(t.name) is not None
-        }
-        quantized = kinds - set(FLOAT_TYPES)
-        if quantized and quantized <= set(gguf_linear.FORMATS):
-            chosen = "gguf-a16"
-        elif quantized:
-            _warn_float(src, quantized - set(gguf_linear.FORMATS))
-    log.info("quantization auto: %s (%s)", chosen, src.path.name)
-    return chosen
-
-
-def _warn_float(src: ModelSource, missing: set[str]) -> None:
-    """A GGUF file holding block formats without a kernel here runs as float32: say so loudly,
-    with the cost (issue 44: never silently as float)."""
-    log.warning(
-        "%s holds %s tensors, which pdserve has no kernel for: the whole model runs "
-        "dequantized to float32 (--quantization none), reading ~7x the bytes a decode step of "
-        "a 4-bit format reads (decode several times slower). Kernels exist for %s.",
-        src.path.name,
-        ", ".join(sorted(missing)),
-        ", ".join(gguf_linear.FORMATS),
-    )
-
-
-def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
-    """Every 2-D weight of a GGUF model as the file stores it (its block format and raw rows),
-    by HF name, Q/K rows unpermuted as in `_gguf_weights`: what `--quantization gguf` runs."""
-    if src.kind != "gguf":
-        raise ValueError(
-            f"quantization gguf runs a GGUF file's own weights; {src.folder} is not a GGUF model"
-        )
-    index = model_cache.gguf_index(src.path)
-    file = np.memmap(src.path, dtype=np.uint8, mode="r")
-    permuted = index.field("general.architecture") == "llama"
-    out: dict[str, GgufWeight] = {}
-    for tensor in index.tensors:
-        name = loader.gguf_hf_name(tensor.name)
-        if name is None or len(tensor.shape) != 2:
-            continue
-        rows = int(tensor.shape[1])  # GGUF lists dims fastest-first: [in, out]
-        raw = np.asarray(index.data(file, tensor)).view(np.uint8).reshape(rows, -1)
-        if permuted and ".self_attn.q_proj." in name:
-            raw = loader.unpermute_rows(raw, arch.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            raw = loader.unpermute_rows(raw, arch.num_kv_heads)
-        out[name] = GgufWeight(tensor.qtype.name, np.array(raw))  # copy: the file is mmapped
-    return out

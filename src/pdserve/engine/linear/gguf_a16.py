@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from pdserve.engine import gguf_blocks
 from pdserve.engine.gguf_blocks import Blocks
+from pdserve.engine.linear import w8a8
 
 log = logging.getLogger(__name__)
 
@@ -35,43 +36,14 @@ FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 class _Part(Protocol):
-    """One file tensor (quant_gguf.GgufWeight): its block format and raw rows."""
+    """One file tensor (gguf.GgufWeight; a Protocol, as gguf.py imports this module): its block
+    format and raw rows."""
 
     @property
     def qtype(self) -> str: ...
 
     @property
     def raw(self) -> np.ndarray: ...
-
-
-class _A16Ops(Protocol):
-    def matmul_q4_1_a16(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        d: torch.Tensor,
-        m: torch.Tensor,
-        n: int,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
-    ) -> torch.Tensor: ...
-
-    def matmul_k_a16(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        s: torch.Tensor,
-        mn: torch.Tensor | None,
-        n: int,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
-    ) -> torch.Tensor: ...
-
-
-def _ops(isa: str | None) -> _A16Ops:
-    from pdserve.engine import kernels
-
-    return cast(_A16Ops, kernels.w8a8_module(isa))
 
 
 def _pad_rows(a: np.ndarray) -> np.ndarray:
@@ -110,12 +82,12 @@ class _A16Linear:
 
 class NibbleA16Linear(_A16Linear):
     """4-bit codes with a float32 scale and minimum per 32 inputs (Q4_0, Q4_1, Q4_K) on
-    matmul_q4_1_a16's nibble tiles (the Q4_1 layout: quant_gguf.pack_q4_1_a8)."""
+    matmul_q4_1_a16's nibble tiles (the Q4_1 layout: gguf.pack_q4_1_a8)."""
 
     def __init__(
         self, blocks: Sequence[Blocks], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
-        self._ops = _ops(isa)
+        self._ops = w8a8.kernel(isa)
         codes = np.concatenate([_nibbles(b)[0] for b in blocks])
         d = np.concatenate([_nibbles(b)[1] for b in blocks])
         m = np.concatenate([_nibbles(b)[2] for b in blocks])
@@ -162,7 +134,7 @@ class CodesA16Linear(_A16Linear):
     def __init__(
         self, blocks: Sequence[Blocks], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
-        self._ops = _ops(isa)
+        self._ops = w8a8.kernel(isa)
         codes = np.concatenate([b.codes for b in blocks])
         self.out_features, self.in_features = codes.shape
         scale = np.concatenate([_per16(b) for b in blocks])
