@@ -15,69 +15,26 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig, resolve_kv_cache_dtype
-from pdserve.engine import engine_stats, loader, model_build, quantize, step_log
+from pdserve.config import EngineConfig
+from pdserve.engine import engine_stats, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.grammar import GrammarBackend, Matcher
-from pdserve.engine.kv_cache import PagedKVCache, kv_cache_dtype, num_blocks_for_memory
+from pdserve.engine.grammar import GrammarBackend
+from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pdserve.engine.pool_link import PoolLink, PoolUse
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.pool_link import PoolLink
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
 from pdserve.engine.step_budget import StallFreeBudget
+from pdserve.engine.tracked import ReservedKV, Sample, Tracked, choice_id
 from pdserve.kvpool.api import KVPool
 
 log = logging.getLogger(__name__)
 
 
 Prompt = str | list[int]
-
-
-class _Tracked:
-    """Engine-side state of a live request that the pure scheduler does not hold."""
-
-    def __init__(
-        self,
-        request: Request,
-        prompt: str | None,
-        detok: IncrementalDetokenizer,
-        index: int = 0,
-        parent: str | None = None,
-    ):
-        self.request, self.prompt, self.detok = request, prompt, detok
-        # choice `index` of an n-choice request; choices 1.. are forks of choice 0 (`parent`)
-        self.index, self.parent = index, parent
-        self.logprobs: list[dict[int, float]] | None = (
-            [] if request.sampling_params.logprobs is not None else None
-        )
-        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
-        self.sent_tokens = 0
-        self.matcher: Matcher | None = None  # structured outputs: the grammar's state
-        self.pool_use: PoolUse | None = None  # what the KV pool loaded for it (reported once)
-
-    @property
-    def grammar_done(self) -> bool:
-        return self.matcher is not None and self.matcher.done
-
-
-_Sample = tuple[int, dict[int, float] | None]  # a sampled token and its logprobs
-
-
-def _choice_id(request_id: str, index: int) -> str:
-    """The engine-internal id of choice `index` of an n-choice request."""
-    return f"{request_id}#{index}"
-
-
-class ReservedKV(list[int]):
-    """`reserve_kv`'s answer: the block ids (a plain list to callers that want only them) and
-    `cached_tokens`, the leading tokens whose KV is already in those blocks (prefix cache)."""
-
-    def __init__(self, block_ids: list[int], cached_tokens: int) -> None:
-        super().__init__(block_ids)
-        self.cached_tokens = cached_tokens
 
 
 class LLMEngine:
@@ -89,18 +46,10 @@ class LLMEngine:
         mc, cc = config.model_config, config.cache_config
         if config.parallel_config.threads:
             torch.set_num_threads(config.parallel_config.threads)
-        self.device = torch.device(mc.device)
-        self.dtype = model_build.DTYPES[mc.dtype]
-        self.source = loader.resolve_model(mc.model)
-        self.quantization = quantize.resolve_quantization(
-            mc.quantization, self.source, self.device, self.dtype
-        )
-        kv_name = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.quantization, mc.dtype)
-        kv_dtype = kv_cache_dtype(kv_name, self.dtype)  # refused before the slow load
-        quantize.check_supported(self.quantization, self.device, self.dtype)  # before the slow load
-        self.decode_matmul = quantize.decode_matmul(
-            mc.decode_matmul, self.quantization, self.device, self.dtype
-        )
+        plan = model_build.plan(mc, cc.kv_cache_dtype)  # every refusal before the slow load
+        self.device, self.dtype, self.source = plan.device, plan.dtype, plan.source
+        self.quantization, self.decode_matmul = plan.quantization, plan.decode_matmul
+        kv_dtype = plan.kv_dtype
         self.arch = loader.load_arch(self.source)
         self.tokenizer = loader.load_tokenizer(self.source)
         self.max_model_len = min(
@@ -129,15 +78,12 @@ class LLMEngine:
         self.pool_link: PoolLink | None = None  # attach_pool
         self.sampler = Sampler(mc.seed)
         self.grammars = GrammarBackend(self.tokenizer, self.arch.vocab_size)
-        self._live: dict[str, _Tracked] = {}
-        self._reserved: dict[str, _Tracked] = {}  # decode side: KV on its way from P
-        self._batch = {"batch_requests": 0, "batch_tokens": 0}  # the last step's
-        self._tokens = {"prefill_tokens": 0, "decode_tokens": 0}  # computed since start
+        self._live: dict[str, Tracked] = {}
+        self._reserved: dict[str, Tracked] = {}  # decode side: KV on its way from P
+        self.counters = engine_stats.StepCounters()
         self._ids = itertools.count()
         self.step_log = step_log.StepLog()  # what the steps took (sim/validate.py reads it)
         self._children: dict[str, list[str]] = {}  # n-choice request -> its forked choices
-        self._forks = 0  # choices forked from another's KV (no prefill of their own)
-        self._grammar_errors = 0  # requests whose grammar hit a library limit (ended with EOS)
         # Choices admitted with tokens to emit before any step (decode side, n > 1): forks'
         # first tokens (sampled on P, never emitted there) and choices that ended at once.
         self._pending: list[str] = []
@@ -181,7 +127,7 @@ class LLMEngine:
 
     def _new_request(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None
-    ) -> _Tracked:
+    ) -> Tracked:
         params.validate()
         bad_bias = [t for t in params.logit_bias or () if t >= self.arch.vocab_size]
         if bad_bias:
@@ -195,7 +141,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         request = Request(rid, ids, params, self.eos_token_ids, max_model_len=self.max_model_len)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings)
-        tracked = _Tracked(request, text, detok)
+        tracked = Tracked(request, text, detok)
         if params.structured_outputs is not None:
             tracked.matcher = self.grammars.matcher(params.structured_outputs)
         return tracked
@@ -292,25 +238,17 @@ class LLMEngine:
 
     def kv_slots(self, block_ids: list[int], token_start: int, token_end: int) -> torch.Tensor:
         """Flat slot index of each token in [token_start, token_end) of a block table."""
-        bs = self.cache.block_size
-        pos = torch.arange(token_start, token_end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return (table[pos // bs] * bs + pos % bs).to(self.device)
+        return self.cache.slots(block_ids, token_start, token_end).to(self.device)
 
     def write_kv(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store received K/V [n, KVH, D] into reserved slots. Touches only those slots, so a
         receiver thread may call it while the engine steps on other requests."""
-        k_cache, v_cache = self.cache.layers[layer]
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+        self.cache.write(slots, layer, k, v)
 
     def read_kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [n, KVH, D] of those slots in the model's dtype (what the wire carries, whatever
         either side's --kv-cache-dtype: the layer-streamed KV is the model's activations)."""
-        k_cache, v_cache = self.cache.layers[layer]
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        k, v = k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
+        k, v = self.cache.read(slots, layer)
         return k.to(self.dtype), v.to(self.dtype)
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -357,7 +295,7 @@ class LLMEngine:
             link.release()
         if out.is_empty:
             return early
-        self._count_batch(out)
+        self.counters.count_step(out)
         now = time.monotonic()
         for s in out.scheduled:
             m = self._live[s.request_id].metrics
@@ -393,13 +331,7 @@ class LLMEngine:
             cached = sum(s.num_tokens * s.start_pos for s in chunks) // max(1, prompt)
             budget.observe(len(decodes), context, prompt, seconds, cached)
 
-    def _count_batch(self, out: SchedulerOutput) -> None:
-        decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)
-        self._batch = {"batch_requests": len(out.scheduled), "batch_tokens": out.num_batched_tokens}
-        self._tokens["decode_tokens"] += decode
-        self._tokens["prefill_tokens"] += out.num_batched_tokens - decode
-
-    def _run(self, out: SchedulerOutput) -> tuple[dict[str, _Sample], dict[str, list[_Sample]]]:
+    def _run(self, out: SchedulerOutput) -> tuple[dict[str, Sample], dict[str, list[Sample]]]:
         """Sampled (token, logprobs) per request, and for n-choice requests sampling their first
         token, the first (token, logprobs) of choices 1..n-1 from the same logits row."""
         result = self.runner.execute(out)
@@ -421,13 +353,13 @@ class LLMEngine:
                 t.matcher.accept(s.token_id)
                 if t.matcher.error is not None and not t.matcher.reported:
                     t.matcher.reported = True
-                    self._grammar_errors += 1
+                    self.counters.grammar_errors += 1
                     log.warning("%s: grammar gave up: %s", t.request.request_id, t.matcher.error)
         firsts = {}
         for row, r in enumerate(requests):
             n = r.sampling_params.n
             if n > 1 and not r.output_token_ids and r.request_id not in self._children:
-                rids = [_choice_id(r.request_id, i) for i in range(1, n)]
+                rids = [choice_id(r.request_id, i) for i in range(1, n)]
                 more = self.sampler.sample(
                     result.logits[row : row + 1].expand(n - 1, -1),
                     rids,
@@ -438,7 +370,7 @@ class LLMEngine:
                 firsts[r.request_id] = [(s.token_id, s.logprobs) for s in more]
         return sampled, firsts
 
-    def _fork_choices(self, rid: str, firsts: list[_Sample], sampled: dict[str, _Sample]) -> None:
+    def _fork_choices(self, rid: str, firsts: list[Sample], sampled: dict[str, Sample]) -> None:
         """Start choices 1..n-1 of `rid` from its prompt's KV, each with its first token; on a
         prefill worker (held KV) only note the tokens: the decode worker forks them."""
         tracked = self._live[rid]
@@ -451,10 +383,10 @@ class LLMEngine:
             child = self._fork(tracked, i, token, request.num_tokens)
             sampled[child.request.request_id] = (token, logprobs)  # _collect emits it
 
-    def _fork(self, parent: _Tracked, index: int, token: int, num_kv: int) -> _Tracked:
+    def _fork(self, parent: Tracked, index: int, token: int, num_kv: int) -> Tracked:
         """Choice `index` of `parent`: its prompt's first `num_kv` tokens of KV shared."""
         p = parent.request
-        rid = _choice_id(p.request_id, index)
+        rid = choice_id(p.request_id, index)
         request = Request(
             rid,
             p.prompt_token_ids,
@@ -466,7 +398,7 @@ class LLMEngine:
             max_model_len=p.max_model_len,
         )
         stop = p.sampling_params.stop_strings
-        child = _Tracked(
+        child = Tracked(
             request,
             parent.prompt,
             IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, stop),
@@ -480,8 +412,8 @@ class LLMEngine:
         self._children.setdefault(p.request_id, []).append(rid)
         copy = self.scheduler.fork(p, request)
         if copy is not None:
-            self._copy_block(*copy)
-        self._forks += 1
+            self.cache.copy_block(*copy)
+        self.counters.forked_choices += 1
         status = request.check_stop()
         if status is None and child.grammar_done:
             status = RequestStatus.FINISHED_STOPPED
@@ -489,12 +421,7 @@ class LLMEngine:
             self.scheduler.finish_request(rid, status)
         return child
 
-    def _copy_block(self, src: int, dst: int) -> None:
-        for k_cache, v_cache in self.cache.layers:
-            k_cache[dst].copy_(k_cache[src])
-            v_cache[dst].copy_(v_cache[src])
-
-    def _collect(self, out: SchedulerOutput, sampled: dict[str, _Sample]) -> list[RequestOutput]:
+    def _collect(self, out: SchedulerOutput, sampled: dict[str, Sample]) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for rid, (_, logprobs) in sampled.items():
@@ -504,7 +431,7 @@ class LLMEngine:
             outputs.append(self._emit(tracked, now))
         return outputs
 
-    def _emit(self, tracked: _Tracked, now: float) -> RequestOutput:
+    def _emit(self, tracked: Tracked, now: float) -> RequestOutput:
         """The request's output for its tokens since the last one; stop strings end it."""
         request, rid = tracked.request, tracked.request.request_id
         tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
@@ -516,36 +443,11 @@ class LLMEngine:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         elif tracked.grammar_done and not request.finished:  # the document is complete
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        output = self._output(tracked, new_ids, new_text)
+        output = tracked.output(new_ids, new_text)
         if request.finished:
             tracked.metrics.finished_time = now
             self._forget(rid)
         return output
-
-    def _output(self, t: _Tracked, new_ids: list[int], new_text: str) -> RequestOutput:
-        r = t.request
-        t.metrics.num_cached_tokens = r.num_cached_tokens
-        t.metrics.num_preemptions = r.num_preemptions
-        pool, t.pool_use = t.pool_use, None  # with the request's first output only
-        completion = CompletionOutput(
-            index=t.index,
-            text=t.detok.text,
-            token_ids=list(r.output_token_ids),
-            logprobs=t.logprobs,
-            finish_reason=r.status.finish_reason,
-            stop_reason=r.stop_reason,
-        )
-        return RequestOutput(
-            t.parent or r.request_id,  # every choice reports under its request's id
-            t.prompt,
-            r.prompt_token_ids,
-            [completion],
-            r.finished,
-            t.metrics,
-            new_ids,
-            new_text,
-            kv_pool=pool.wire() if pool is not None else None,
-        )
 
     def _forget(self, rid: str) -> None:
         tracked = self._live.pop(rid, None)
@@ -572,6 +474,20 @@ class LLMEngine:
         return self.kv_manager.cached_hashes()
 
     # ---- introspection ----------------------------------------------------------------------
+    def stats_record(self) -> engine_stats.EngineStats:
+        """This engine's settings and counters now."""
+        kv_dtype = str(self.cache.dtype).removeprefix("torch.")
+        return engine_stats.record(
+            (self.quantization, kv_dtype, self.decode_matmul),
+            self.prefill_choice,
+            self.model.step_rows,
+            self.scheduler,
+            self.kv_manager,
+            self.counters,
+            len(self._reserved),
+            self.pool_link,
+        )
+
     def stats(self) -> dict[str, Any]:
-        """Counters for /admin/workers and the metrics (engine_stats.py lists them)."""
-        return engine_stats.collect(self)
+        """Counters for /admin/workers and the metrics: `stats_record()` as one flat dict."""
+        return self.stats_record().as_dict()

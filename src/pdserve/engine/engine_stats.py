@@ -1,42 +1,103 @@
-"""`LLMEngine.stats()`: one flat dict of the engine's settings and counters (the worker sends it
-to /admin/workers and the Prometheus exporter), and the KV pool's use as this engine saw it."""
+"""The engine's stats: `StepCounters`, what the engine counts as it steps, and `EngineStats`,
+one frozen record of an engine's settings and counters at one moment (`LLMEngine.stats_record`),
+whose flat dict (`as_dict`, `LLMEngine.stats`) the worker sends to /admin/workers and the
+Prometheus exporter; and the KV pool's use as this engine saw it."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import prefill_format
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.kv_cache_manager import KVCacheManager
     from pdserve.engine.pool_link import PoolLink
+    from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 
 
-def collect(engine: LLMEngine) -> dict[str, Any]:
-    kv = engine.kv_manager
-    sched = engine.scheduler
-    return {
-        "quantization": engine.quantization,
-        "kv_cache_dtype": str(engine.cache.dtype).removeprefix("torch."),
-        "decode_matmul": engine.decode_matmul,
-        **prefill_format.stats(engine.prefill_choice, engine.model.step_rows),
-        "waiting": sched.num_waiting,
-        "running": sched.num_running,
-        "kv_blocks_total": kv.num_blocks,
-        "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-        "prefix_cache_hit_rate": kv.stats.hit_rate,
-        "prefix_cache_hit_tokens": kv.stats.hits,
-        "prefix_cached_blocks": kv.pool.num_cached_blocks,
-        "preemptions": sched.num_preemptions,
-        **engine._batch,
-        **engine._tokens,
-        "forked_choices": engine._forks,
-        "grammar_errors": engine._grammar_errors,
-        "fork_recomputes": sched.num_fork_recomputes,
-        "held_for_transfer": len(sched.held),
-        "reserved_for_transfer": len(engine._reserved),
-        **pool_stats(engine.pool_link),
-    }
+@dataclass
+class StepCounters:
+    """Counted by the engine as it steps."""
+
+    batch_requests: int = 0  # the last step's
+    batch_tokens: int = 0
+    prefill_tokens: int = 0  # computed since start
+    decode_tokens: int = 0
+    forked_choices: int = 0  # choices forked from another's KV (no prefill of their own)
+    grammar_errors: int = 0  # requests whose grammar hit a library limit (ended with EOS)
+
+    def count_step(self, out: SchedulerOutput) -> None:
+        decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)
+        self.batch_requests, self.batch_tokens = len(out.scheduled), out.num_batched_tokens
+        self.decode_tokens += decode
+        self.prefill_tokens += out.num_batched_tokens - decode
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's settings and counters at one moment."""
+
+    quantization: str
+    kv_cache_dtype: str
+    decode_matmul: str
+    prefill: dict[str, object]  # prefill_format.stats: the prefill format's fields
+    waiting: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prefix_cached_blocks: int
+    preemptions: int
+    counters: StepCounters  # a copy, taken with the rest
+    fork_recomputes: int
+    held_for_transfer: int
+    reserved_for_transfer: int
+    pool: dict[str, Any]  # pool_stats: `kv_pool_*` (empty without a pool)
+
+    def as_dict(self) -> dict[str, Any]:
+        """One flat dict, the record's fields in order (prefill, counters and pool spread)."""
+        out: dict[str, Any] = {}
+        for name, value in self.__dict__.items():
+            if name in ("prefill", "pool"):
+                out.update(value)
+            elif name == "counters":
+                out.update(asdict(value))
+            else:
+                out[name] = value
+        return out
+
+
+def record(
+    settings: tuple[str, str, str],
+    prefill: prefill_format.PrefillChoice,
+    step_rows: prefill_format.StepRows | None,
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    counters: StepCounters,
+    reserved: int,
+    link: PoolLink | None,
+) -> EngineStats:
+    """The record of an engine with these parts; `settings`: its quantization, KV cache dtype
+    and decode matmul; `reserved`: requests whose KV is on its way from P."""
+    return EngineStats(
+        *settings,
+        prefill=prefill_format.stats(prefill, step_rows),
+        waiting=scheduler.num_waiting,
+        running=scheduler.num_running,
+        kv_blocks_total=kv.num_blocks,
+        kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+        prefix_cache_hit_rate=kv.stats.hit_rate,
+        prefix_cache_hit_tokens=kv.stats.hits,
+        prefix_cached_blocks=kv.pool.num_cached_blocks,
+        preemptions=scheduler.num_preemptions,
+        counters=replace(counters),
+        fork_recomputes=scheduler.num_fork_recomputes,
+        held_for_transfer=len(scheduler.held),
+        reserved_for_transfer=reserved,
+        pool=pool_stats(link),
+    )
 
 
 def pool_stats(link: PoolLink | None) -> dict[str, Any]:

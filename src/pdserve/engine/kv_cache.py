@@ -63,6 +63,32 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
+    def slots(self, block_ids: list[int], token_start: int, token_end: int) -> torch.Tensor:
+        """Flat slot index of each token in [token_start, token_end) of a block table."""
+        bs = self.block_size
+        pos = torch.arange(token_start, token_end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    def write(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [n, KVH, D] into those slots of `layer`, touching no other slot."""
+        k_cache, v_cache = self.layers[layer]
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def read(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [n, KVH, D] of those slots of `layer`, in the cache's dtype."""
+        k_cache, v_cache = self.layers[layer]
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        return k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` of every layer becomes a copy of block `src`."""
+        for k_cache, v_cache in self.layers:
+            k_cache[dst].copy_(k_cache[src])
+            v_cache[dst].copy_(v_cache[src])
+
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor whose CPU memory becomes resident only as it is written.

@@ -1,17 +1,46 @@
-"""The model an engine runs: the weights loaded, quantized into the decode format
-(`--quantization`), and given their prefill format's copies (`--prefill-format`)."""
+"""The model an engine runs: its settings resolved and checked (`plan`), then the weights loaded,
+quantized into the decode format (`--quantization`), and given their prefill format's copies
+(`--prefill-format`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pdserve.config import ModelConfig
+from pdserve.config import ModelConfig, resolve_kv_cache_dtype
 from pdserve.engine import loader, prefill_format, quantize
+from pdserve.engine.kv_cache import kv_cache_dtype
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """What an engine's model and KV cache come to, settled before the slow load."""
+
+    device: torch.device
+    dtype: torch.dtype
+    source: ModelSource
+    quantization: str  # `auto` made concrete
+    kv_dtype: torch.dtype
+    decode_matmul: str  # tiles | torch
+
+
+def plan(mc: ModelConfig, kv_cache_dtype_name: str) -> WeightPlan:
+    """Resolve the model's settings, refusing at once (not after the slow load) what cannot
+    run here: a KV cache dtype, a quantization or a decode matmul this machine lacks."""
+    device, dtype = torch.device(mc.device), DTYPES[mc.dtype]
+    source = loader.resolve_model(mc.model)
+    quantization = quantize.resolve_quantization(mc.quantization, source, device, dtype)
+    kv_name = resolve_kv_cache_dtype(kv_cache_dtype_name, quantization, mc.dtype)
+    kv_dtype = kv_cache_dtype(kv_name, dtype)
+    quantize.check_supported(quantization, device, dtype)
+    matmul = quantize.decode_matmul(mc.decode_matmul, quantization, device, dtype)
+    return WeightPlan(device, dtype, source, quantization, kv_dtype, matmul)
 
 
 def build_model(
