@@ -215,13 +215,8 @@ def _set_kv_dtype(engine: LLMEngine, name: str) -> None:
 def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     """Swap the model's projections for `variant`'s (None: back to float32) and its KV cache's
     dtype; the float weights stay, so one loaded model serves every variant."""
+    from pdserve.engine import quantize
     from pdserve.engine.linear.base import FusedOps
-    from pdserve.engine.quantize import (
-        GGUF_QUANTIZATIONS,
-        LAYER_PROJECTIONS,
-        activations_of,
-        layers_of,
-    )
 
     weights, _, kv = (variant or "").partition("kv-")
     _set_kv_dtype(engine, kv or "float32")
@@ -231,27 +226,27 @@ def apply_variant(engine: LLMEngine, variant: str | None) -> None:
     model = engine.model
     # The real w8g32 / w8a8 / gguf variants run what `--quantization` runs: its native RMSNorm /
     # RoPE too.
-    file = variant in GGUF_QUANTIZATIONS  # the GGUF file's own tensors
+    file = variant in quantize.GGUF_QUANTIZATIONS  # the GGUF file's own tensors
     real = file or variant in ("w8g32", "w8g32-head-f32") or (variant or "").startswith("w8a8")
     fused = FusedOps() if real else None
     model.fused = fused
-    for i, layer in enumerate(layers_of(model)):
+    for i, layer in enumerate(quantize.layers_of(model)):
         layer.fused = fused
         layer.quantized.clear()
         if variant is None:
             continue
-        for proj in LAYER_PROJECTIONS:
+        for proj in quantize.LAYER_PROJECTIONS:
             bias = layer.qkv_bias if proj == "qkv" else None
             w = getattr(layer, proj)
             layer.quantized[proj] = (
-                _file_projection(engine, i, proj, w, bias, activations_of(variant, proj))
+                _file_projection(engine, i, proj, w, bias, quantize.activations_of(variant, proj))
                 if file
                 else _projection(variant, w, bias, proj)
             )
     _prefill_copies(engine, prefill)
     head = variant is not None and variant not in HEAD_F32
     if file:
-        acts = activations_of(variant or "", "head")
+        acts = quantize.activations_of(variant or "", "head")
         model.quantized_head = _file_projection(engine, -1, "head", model.lm_head, None, acts)
     else:
         model.quantized_head = _projection(variant, model.lm_head, None, "head") if head else None  # type: ignore[arg-type]
