@@ -113,7 +113,10 @@ def gguf_index(gguf: Path) -> GgufIndex:
 def _build_index(gguf: Path) -> GgufIndex:
     from gguf import GGUFReader, GGUFValueType
 
-    reader = GGUFReader(gguf)
+    try:
+        reader = GGUFReader(gguf)
+    except (ValueError, IndexError, OSError, KeyError) as e:  # a cut or damaged header
+        raise ValueError(f"{gguf} is not a readable GGUF file (cut short or damaged?): {e}") from e
     metadata: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     for name, field in reader.fields.items():
@@ -132,7 +135,20 @@ def _build_index(gguf: Path) -> GgufIndex:
         )
         for t in reader.tensors
     )
+    _check_inside(gguf, tensors)
     return GgufIndex(reader.byte_order, metadata, lengths, tensors)
+
+
+def _check_inside(gguf: Path, tensors: tuple[GgufTensor, ...]) -> None:
+    """A file cut short (an interrupted download) names its first missing tensor, before any
+    weight loads, instead of failing later in a reshape."""
+    size = gguf.stat().st_size
+    for t in tensors:
+        if t.offset + t.n_bytes > size:
+            raise ValueError(
+                f"{gguf} is truncated: tensor {t.name} needs bytes {t.offset}-"
+                f"{t.offset + t.n_bytes}, the file has {size}"
+            )
 
 
 def _index_from_json(raw: dict[str, Any]) -> GgufIndex:
