@@ -28,3 +28,13 @@ def test_a_tensor_past_the_end_is_named(tmp_path: Path) -> None:
     tensors = (model_cache.GgufTensor("blk.0.ffn_up.weight", 0, (32, 4), 64, 128),)
     with pytest.raises(ValueError, match=r"m\.gguf is truncated: tensor blk\.0\.ffn_up\.weight"):
         model_cache._check_inside(f, tensors)
+
+
+def test_a_folder_without_a_tokenizer_says_so(tmp_path: Path, tiny_llama_path: Path) -> None:
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for f in tiny_llama_path.iterdir():
+        if f.name in ("config.json", "generation_config.json") or f.suffix == ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"no-tokenizer has no tokenizer"):
+        loader.load_tokenizer(loader.resolve_model(folder))

@@ -451,6 +451,10 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 # --------------------------------------------------------------------------- load_tokenizer
 
 
+# Files one of which an HF folder's tokenizer is made from (fast, sentencepiece, BPE vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     """The model's tokenizer (with chat template), kept per process."""
@@ -458,6 +462,11 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
 
     if src.kind == "gguf":
         return model_cache.gguf_tokenizer(src.path)
+    if not any((src.folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"{src.folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+            "model's tokenizer files beside its config.json"
+        )
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
         str(src.folder), local_files_only=True
     )
