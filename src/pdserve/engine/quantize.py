@@ -212,6 +212,22 @@ def quantize_model(
         model.quantized_head = _stand_in(model, name, gguf, -1, "head", model.lm_head, None)
         if model.quantized_head is not None:
             _free(model.lm_head)
+    if gguf is not None:
+        log.info("%s kernels: %s", name, kernel_summary(model))
+
+
+def kernel_summary(model: LlamaModel) -> str:
+    """Which kernel runs how many projections (the start-up log: a K-quant or 5-bit file's
+    tensors on int8 codes say so here)."""
+    stand_ins: list[Projection | None] = [
+        q for layer in layers_of(model) for q in layer.quantized.values()
+    ]
+    stand_ins.append(model.quantized_head)
+    counts: dict[str, int] = {}
+    for q in stand_ins:
+        kind = "float32" if q is None else getattr(q, "label", type(q).__name__)
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{n} x {kind}" for kind, n in sorted(counts.items()))
 
 
 def _stand_in(

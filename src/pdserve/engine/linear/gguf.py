@@ -142,6 +142,8 @@ class Q41Kernel(Protocol):
 class Q41Linear(StreamedLinear):
     """GGUF Q4_1 weights (the file's codes, scales and minimums); float32 activations."""
 
+    label = "Q4_1 as stored, float32 activations"
+
     def __init__(
         self, parts: list[GgufWeight], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
@@ -164,6 +166,8 @@ class Q41A8Linear(RowsLinear):
     """GGUF Q4_1 weights (the file's codes, scales and minimums) times int8 activations, one
     scale per 32 inputs per row (`gguf-a8`): kernels/w8a8.cpp's matmul_q4_1 for every row
     count, as W8A8Linear."""
+
+    label = "Q4_1 as stored, int8 activations"
 
     def __init__(
         self, parts: list[GgufWeight], bias: torch.Tensor | None = None, isa: str | None = None
@@ -197,6 +201,8 @@ class Q41A8Linear(RowsLinear):
 class Q41A16Linear(Q41A8Linear):
     """GGUF Q4_1 weights times int16 activations, one scale per 32 inputs per row (`gguf-a16`):
     kernels/w8a8.cpp's matmul_q4_1_a16 on gguf-a8's tiles, for every row count."""
+
+    label = "Q4_1 as stored"
 
     def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self._ops.matmul_q4_1_a16(

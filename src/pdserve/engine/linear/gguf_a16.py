@@ -84,6 +84,8 @@ class NibbleA16Linear(_A16Linear):
     """4-bit codes with a float32 scale and minimum per 32 inputs (Q4_0, Q4_1, Q4_K) on
     matmul_q4_1_a16's nibble tiles (the Q4_1 layout: gguf.pack_q4_1_a8)."""
 
+    label = "nibble tiles with float32 scales (Q4_0, Q4_K)"
+
     def __init__(
         self, blocks: Sequence[Blocks], bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
@@ -130,6 +132,8 @@ def _nibbles(b: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 class CodesA16Linear(_A16Linear):
     """int8 codes, a float32 scale per 16 inputs and optionally a float32 minimum per 32
     (matmul_k_a16): any block format here, and fused parts that mix formats."""
+
+    label = "int8 codes, a byte a code (Q5_x, Q6_K, mixed formats)"
 
     def __init__(
         self, blocks: Sequence[Blocks], bias: torch.Tensor | None = None, isa: str | None = None

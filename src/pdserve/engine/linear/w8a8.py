@@ -129,6 +129,8 @@ class W8A16Linear(W8A8Linear):
     scale per 32 inputs per row (kernels/w8a8.cpp's matmul_a16): `gguf-a16`'s Q8_0 LM head.
     The input size must be a multiple of 32 (a GGUF block's)."""
 
+    label = "int8 codes, fp16 scales (Q8_0 as stored)"
+
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
     ) -> None:
