@@ -16,6 +16,7 @@ from pdserve.engine.prefill_format import (
     PhaseProjection,
     StepRows,
 )
+from pdserve.engine.quantize import projection_bytes
 
 AMX = MatrixUnits(amx_bf16=True, avx512_bf16=True)
 ZEN4 = MatrixUnits(amx_bf16=False, avx512_bf16=True)
@@ -91,6 +92,13 @@ def test_auto_takes_the_copies_when_the_probe_says_they_win(tiny_llama_path) -> 
     stats = llm.engine.stats()
     assert stats["prefill_format"] == "bf16" and stats["prompt_rows_prefill_format"] == 40
     assert stats["prefill_probe_speedup"] == 4.0
+
+
+def test_the_copies_are_not_counted_as_bytes_a_decode_step_reads(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    plain = LLM(str(tiny_llama_path), prefill_format="none")
+    llm, choice = _attach(tiny_llama_path, "auto", (12.0, 3.0))
+    assert choice.format == "bf16" and choice.extra_bytes > 0
+    assert projection_bytes(llm.engine.model) == projection_bytes(plain.engine.model)
 
 
 # ---- the row split -------------------------------------------------------------------------------

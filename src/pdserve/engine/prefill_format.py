@@ -194,6 +194,11 @@ class PhaseProjection:
         own = int(getattr(self.prefill, "nbytes", 0))
         return own + (int(getattr(self.decode, "nbytes", 0)) if self.decode is not None else 0)
 
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes a decode step reads: the decode format's only (the prefill copies stay idle)."""
+        return int(getattr(self.decode if self.decode is not None else self.prefill, "nbytes", 0))
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """The MLP's activation fused into this gate|up projection's GEMM, when every row of
         the step runs a prefill format that fuses it (AMXLinear); None: project, then act."""

@@ -278,12 +278,16 @@ def file_tensor_names(model: LlamaModel, layer: int, proj: str) -> list[str]:
 
 
 def projection_bytes(model: LlamaModel) -> int:
-    """Bytes of projection weights + LM head that one step reads, as stored (quantized or not)."""
+    """Bytes of projection weights + LM head that one decode step reads, as stored (quantized
+    or not; a prefill format's copies, which decode rows never touch, not counted)."""
     total = 0
     for layer in layers_of(model):
         for proj in LAYER_PROJECTIONS:
             quantized = layer.quantized.get(proj)
-            total += quantized.nbytes if quantized else getattr(layer, proj).nbytes
+            if quantized is None:
+                total += getattr(layer, proj).nbytes
+            else:
+                total += int(getattr(quantized, "decode_nbytes", quantized.nbytes))
     head = model.quantized_head
     return total + (head.nbytes if head else model.lm_head.nbytes)
 
