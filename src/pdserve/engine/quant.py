@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from pdserve.engine.quant_gguf import GgufWeight
 
 LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# A mixture-of-experts layer's dense projections: its MLP is its experts (engine/moe_quant.py).
+ATTENTION_PROJECTIONS = ("qkv", "o")
 # The quantizations that run pdserve's own kernels (w8g32.cpp, w8a8.cpp, q4_1.cpp) and its
 # native RMSNorm / RoPE / silu * up (FusedOps).
 NATIVE_QUANTIZATIONS = ("w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
@@ -467,7 +469,7 @@ def tile_model(model: LlamaModel) -> None:
     """Give every float32 projection and the LM head its F32TileLinear (`decode_matmul`
     tiles); the float weights stay for prefill."""
     for layer in layers_of(model):
-        for proj in LAYER_PROJECTIONS:
+        for proj in projections_of(layer):
             bias = layer.qkv_bias if proj == "qkv" else None
             layer.quantized[proj] = F32TileLinear(getattr(layer, proj), bias)
     model.quantized_head = F32TileLinear(model.lm_head)
@@ -562,7 +564,7 @@ def quantize_model(
     if name in quant_gguf.GGUF_QUANTIZATIONS and gguf is None:
         raise ValueError(f"quantization {name} runs a GGUF file's own weights; this model has none")
     for i, layer in enumerate(layers_of(model)):
-        for proj in LAYER_PROJECTIONS:
+        for proj in projections_of(layer):
             weight = getattr(layer, proj)
             bias = layer.qkv_bias if proj == "qkv" else None
             if gguf is not None:
@@ -606,14 +608,22 @@ def file_tensor_names(model: LlamaModel, layer: int, proj: str) -> list[str]:
 
 
 def projection_bytes(model: LlamaModel) -> int:
-    """Bytes of projection weights + LM head that one step reads, as stored (quantized or not)."""
+    """Bytes of projection weights + LM head that one step reads, as stored (quantized or not);
+    of a mixture of experts, every expert's (a step reads those its tokens chose)."""
     total = 0
     for layer in layers_of(model):
-        for proj in LAYER_PROJECTIONS:
+        for proj in projections_of(layer):
             quantized = layer.quantized.get(proj)
             total += quantized.nbytes if quantized else getattr(layer, proj).nbytes
+        total += layer.moe.nbytes if layer.moe is not None else 0
     head = model.quantized_head
     return total + (head.nbytes if head else model.lm_head.nbytes)
+
+
+def projections_of(layer: LlamaLayer) -> tuple[str, ...]:
+    """The layer's dense projections (LAYER_PROJECTIONS; ATTENTION_PROJECTIONS for a mixture of
+    experts, whose experts engine/moe_quant.py quantizes)."""
+    return LAYER_PROJECTIONS if layer.moe is None else ATTENTION_PROJECTIONS
 
 
 def layers_of(model: LlamaModel) -> list[LlamaLayer]:

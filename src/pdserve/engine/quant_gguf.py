@@ -270,7 +270,8 @@ def resolve_quantization(
         kinds = {
             t.qtype.name
             for t in model_cache.gguf_index(src.path).tensors
-            if len(t.shape) == 2 and loader.gguf_hf_name(t.name) is not None
+            # 2-D weights, and a mixture of experts' 3-D [expert, out, in] (models/moe.py)
+            if len(t.shape) in (2, 3) and loader.gguf_hf_name(t.name) is not None
         }
         quantized = kinds - set(FLOAT_TYPES)
         if quantized and quantized <= set(gguf_linear.FORMATS):
