@@ -5,6 +5,7 @@ real LocalCluster on the same request list."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from pdserve.cli import main
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.sim.cluster import SimConfig, SimRequest, Simulation
-from pdserve.sim.hardware import gpu, model_shape
+from pdserve.sim.hardware import ModelShape, gpu, model_shape
 from pdserve.sim.steptime import CostModelStep, Link, RooflineStep, planner_cost_model
 from pdserve.sim.workload import arrivals, load_trace
 
@@ -338,3 +339,19 @@ def test_autobalance_moves_an_idle_prefill_worker_to_decode() -> None:
     assert sorted(w.role for w in sim.workers).count("decode") >= 2
     for w in sim.workers:
         assert w.kv.num_free_blocks == w.kv.num_blocks and w.idle
+
+
+def test_a_mixture_of_experts_holds_every_expert_and_computes_the_chosen_ones(
+    tmp_path: Path,
+) -> None:
+    dense = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=96, vocab_size=320)  # fmt: skip
+    (tmp_path / "config.json").write_text(
+        json.dumps({**dense, "num_local_experts": 4, "num_experts_per_tok": 2})
+    )
+    moe, one = model_shape(str(tmp_path)), ModelShape.from_config("dense", dense)
+    mlp = 3 * 64 * 96
+    assert moe.layer_params == one.layer_params + 3 * mlp + 64 * 4  # + 3 experts, the router
+    assert moe.active_layer_params == one.layer_params + mlp + 64 * 4
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelShape.from_config("bad", {**dense, "num_local_experts": 2, "num_experts_per_tok": 3})

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.engine import model_cache
+from pdserve.engine.models import moe
 from pdserve.engine.models.arch import ModelArch
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",  # Mistral's attention, a mixture of experts (models/moe.py)
 }
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -67,6 +69,7 @@ _GGUF_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **moe.GGUF_BLOCK,
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -195,6 +198,7 @@ def _hf_arch(folder: Path) -> ModelArch:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_hf_eos_ids(folder, cfg),
         name=str(cfg.get("_name_or_path") or folder.name),
+        moe=moe.hf_moe_arch(cfg, folder / "config.json"),
     )
 
 
@@ -274,6 +278,7 @@ def _gguf_arch(path: Path) -> ModelArch:
         bos_token_id=index.field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_gguf_eos_ids(index),
         name=str(index.field("general.name") or path.stem),
+        moe=moe.gguf_moe_arch(meta("expert_count"), meta("expert_used_count"), path),
     )
 
 
@@ -361,6 +366,9 @@ def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}self_attn.{proj}_proj.bias"] = (out_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if arch.moe is not None:  # the router and experts (models/moe.py)
+            shapes.update(moe.hf_shapes(arch, p))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -419,6 +427,9 @@ def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
         # GGUF lists dims fastest-first, the reverse of torch's order.
         w = dequantize(index.data(file, tensor), tensor.qtype)
         w = w.reshape(tuple(reversed(tensor.shape)))
+        if w.ndim == 3:  # a mixture of experts' [expert, out, in]: one HF tensor per expert
+            out.update(moe.gguf_expert_split(name, torch.from_numpy(np.array(w, np.float32))))
+            continue
         if permuted and ".self_attn.q_proj." in name:
             w = unpermute_rows(w, arch.num_heads)
         elif permuted and ".self_attn.k_proj." in name:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import ModelConfig, resolve_kv_cache_dtype
-from pdserve.engine import loader, prefill_format, quantize
+from pdserve.engine import loader, moe_quant, prefill_format, quantize
 from pdserve.engine.kv_cache import kv_cache_dtype
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
@@ -62,9 +62,12 @@ def build_model(
         mc.prefill_format, mc.phases, quantization, device, dtype, units,
         prefill_format.projection_sizes(arch),
     )  # fmt: skip
+    if arch.moe is not None:
+        kind, why = moe_quant.prefill_format(mc.prefill_format, kind, why)
     # The copies come from the float weights, which quantization frees.
     copies = prefill_format.make_copies(model, kind) if kind != "none" else None
     quantize.quantize_model(model, quantization, gguf=gguf)
+    moe_quant.quantize_experts(model, quantization, moe_quant.gguf_experts(source, arch, gguf))
     if decode_matmul == "tiles":
         quantize.tile_model(model)
     choice = prefill_format.PrefillChoice("none", units.isa, why)

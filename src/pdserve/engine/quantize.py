@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# A mixture-of-experts layer's dense projections: its MLP is its experts (engine/moe_quant.py).
+ATTENTION_PROJECTIONS = ("qkv", "o")
 # The quantizations that run pdserve's own kernels (w8g32.cpp, w8a8.cpp, q4_1.cpp) and its
 # native RMSNorm / RoPE / silu * up (FusedOps).
 NATIVE_QUANTIZATIONS = ("w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
@@ -135,7 +137,8 @@ def resolve_quantization(
         kinds = {
             t.qtype.name
             for t in model_cache.gguf_index(src.path).tensors
-            if len(t.shape) == 2 and loader.gguf_hf_name(t.name) is not None
+            # 2-D weights, and a mixture of experts' 3-D [expert, out, in] (models/moe.py)
+            if len(t.shape) in (2, 3) and loader.gguf_hf_name(t.name) is not None
         }
         quantized = kinds - set(FLOAT_TYPES)
         if quantized and quantized <= set(gguf_a16.FORMATS):
@@ -197,7 +200,7 @@ def quantize_model(
     if name in GGUF_QUANTIZATIONS and gguf is None:
         raise ValueError(f"quantization {name} runs a GGUF file's own weights; this model has none")
     for i, layer in enumerate(layers_of(model)):
-        for proj in LAYER_PROJECTIONS:
+        for proj in projections_of(layer):
             bias = layer.qkv_bias if proj == "qkv" else None
             quantized = _stand_in(model, name, gguf, i, proj, getattr(layer, proj), bias)
             if quantized is not None:
@@ -257,7 +260,7 @@ def tile_model(model: LlamaModel) -> None:
     """Give every float32 projection and the LM head its F32TileLinear (`decode_matmul`
     tiles); the float weights stay for prefill."""
     for layer in layers_of(model):
-        for proj in LAYER_PROJECTIONS:
+        for proj in projections_of(layer):
             bias = layer.qkv_bias if proj == "qkv" else None
             layer.quantized[proj] = F32TileLinear(getattr(layer, proj), bias)
     model.quantized_head = F32TileLinear(model.lm_head)
@@ -279,17 +282,25 @@ def file_tensor_names(model: LlamaModel, layer: int, proj: str) -> list[str]:
 
 def projection_bytes(model: LlamaModel) -> int:
     """Bytes of projection weights + LM head that one decode step reads, as stored (quantized
-    or not; a prefill format's copies, which decode rows never touch, not counted)."""
+    or not; a prefill format's copies, which decode rows never touch, not counted; of a
+    mixture of experts, every expert's: a step reads those its tokens chose)."""
     total = 0
     for layer in layers_of(model):
-        for proj in LAYER_PROJECTIONS:
+        for proj in projections_of(layer):
             quantized = layer.quantized.get(proj)
             if quantized is None:
                 total += getattr(layer, proj).nbytes
             else:
                 total += int(getattr(quantized, "decode_nbytes", quantized.nbytes))
+        total += layer.moe.nbytes if layer.moe is not None else 0
     head = model.quantized_head
     return total + (head.nbytes if head else model.lm_head.nbytes)
+
+
+def projections_of(layer: LlamaLayer) -> tuple[str, ...]:
+    """The layer's dense projections (LAYER_PROJECTIONS; ATTENTION_PROJECTIONS for a mixture of
+    experts, whose experts engine/moe_quant.py quantizes)."""
+    return LAYER_PROJECTIONS if layer.moe is None else ATTENTION_PROJECTIONS
 
 
 def layers_of(model: LlamaModel) -> list[LlamaLayer]:

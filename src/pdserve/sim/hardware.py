@@ -7,8 +7,9 @@ when streaming weights and KV, and a fixed `step_overhead_s` per engine step (ke
 scheduling, sampling) that a roofline cannot see.
 
 Models (`ModelShape`): the shapes in a Hugging Face `config.json` (layers, hidden, heads, KV
-heads, vocab, intermediate). Shipped for Llama-3.1-8B/70B and Qwen2.5-7B/32B (shapes only, no
-weights, in `configs/`); any other config.json path works too.
+heads, vocab, intermediate; a Mixtral's num_local_experts and num_experts_per_tok). Shipped
+for Llama-3.1-8B/70B and Qwen2.5-7B/32B (shapes only, no weights, in `configs/`); any other
+config.json path works too.
 """
 
 from __future__ import annotations
@@ -67,11 +68,22 @@ class ModelShape:
     tied: bool = False
     dtype_bytes: int = 2  # bf16 weights and KV
     max_len: int = 131072
+    # A mixture of experts (Mixtral): `experts` MLPs of `intermediate` each, `experts_per_token`
+    # of them computed per token. The weights held (and read by a step: a batch of many tokens
+    # touches every expert, so the roofline takes all of them, an upper bound for small
+    # batches) count every expert; the FLOPs only the chosen ones.
+    experts: int = 1
+    experts_per_token: int = 1
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
             if getattr(self, field) < 1:
                 raise ValueError(f"model {self.name}: {field} must be >= 1")
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(
+                f"model {self.name}: num_experts_per_tok {self.experts_per_token} must be in "
+                f"[1, num_local_experts {self.experts}]"
+            )
         if self.hidden % self.heads:
             raise ValueError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads")
 
@@ -81,11 +93,21 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Weights of one decoder layer: q, k, v, o projections and the gated MLP."""
+        """Weights of one decoder layer: q, k, v, o projections and the gated MLP (every
+        expert's, and the router, in a mixture of experts)."""
+        return self._layer_params(self.experts)
+
+    @property
+    def active_layer_params(self) -> int:
+        """The weights of one layer a token multiplies by (its chosen experts only)."""
+        return self._layer_params(self.experts_per_token)
+
+    def _layer_params(self, experts: int) -> int:
         q = self.hidden * self.heads * self.head_dim
         kv = 2 * self.hidden * self.kv_heads * self.head_dim
         o = self.heads * self.head_dim * self.hidden
-        return q + kv + o + 3 * self.hidden * self.intermediate
+        router = self.hidden * self.experts if self.experts > 1 else 0
+        return q + kv + o + experts * 3 * self.hidden * self.intermediate + router
 
     @property
     def params(self) -> int:
@@ -119,6 +141,8 @@ class ModelShape:
             vocab=geti("vocab_size"),
             tied=bool(cfg.get("tie_word_embeddings", False)),
             max_len=geti("max_position_embeddings", 131072),
+            experts=geti("num_local_experts", 1),
+            experts_per_token=geti("num_experts_per_tok", 1),
         )
 
 

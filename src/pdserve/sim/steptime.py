@@ -143,7 +143,7 @@ class RooflineStep:
             sampled += 1  # every row of a step samples except mid-prompt chunks; close enough
             attn += n * (start + n / 2)
             kv += start + n
-        flops = 2.0 * s.layers * s.layer_params * tokens + 2 * s.vocab * s.hidden * sampled
+        flops = 2.0 * s.layers * s.active_layer_params * tokens + 2 * s.vocab * s.hidden * sampled
         flops += 4 * s.layers * s.heads * s.head_dim * attn
         nbytes = s.weight_bytes + kv * s.kv_bytes_per_token
         compute = flops / (self.tp * g.bf16_flops * g.mfu)

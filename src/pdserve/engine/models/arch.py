@@ -7,13 +7,24 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MoeArch:
+    """A sparse mixture-of-experts MLP (engine/models/moe.py) in place of the dense one."""
+
+    num_experts: int
+    top_k: int  # experts each token runs
+    # Renormalise the chosen k routing weights to sum to 1 (Mixtral always does; Qwen3-MoE's
+    # norm_topk_prob); False keeps the softmax's own values.
+    norm_topk_prob: bool = True
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """What the model code needs to build a Llama/SmolLM2/Qwen2/Mistral decoder.
 
     Filled from a HF `config.json` or from GGUF metadata by `engine.loader`.
     """
 
-    architecture: str  # "llama" | "qwen2" | "mistral" (all share one implementation)
+    architecture: str  # "llama" | "qwen2" | "mistral" | "mixtral" (one implementation)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,6 +43,8 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
+    # Set: every layer's MLP is a mixture of `intermediate_size`-wide experts (Mixtral).
+    moe: MoeArch | None = None
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM2, Qwen2 with q/k/v bias, Mistral) over a paged KV cache.
+"""The Llama family (Llama, SmolLM2, Qwen2, Mistral, Mixtral's experts) over a paged KV cache.
 
 One step runs a flat batch of T tokens from several requests (no padding of the token axis):
   * decode requests (one query token each) come first and share one batched attention call;
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import nn
 
 from pdserve.engine.linear.base import FusedOps, Projection
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.moe import SparseMoe
 
 if TYPE_CHECKING:
     from pdserve.engine.prefill_format import PromptWeights, StepRows
@@ -145,8 +146,10 @@ class LlamaLayer(nn.Module):
             else None
         )
         self.o = nn.Parameter(torch.empty(self.q_size, h))
-        self.gate_up = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
-        self.down = nn.Parameter(torch.empty(arch.intermediate_size, h))
+        self.moe = SparseMoe(arch) if arch.moe is not None else None  # the MLP: the experts,
+        if self.moe is None:  # or a dense one
+            self.gate_up = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
+            self.down = nn.Parameter(torch.empty(arch.intermediate_size, h))
         # Quantized stand-ins for the projections above, by name (quantize.quantize_model); a
         # projection not listed here runs on its float weight.
         self.quantized: dict[str, Projection] = {}
@@ -172,6 +175,8 @@ class LlamaLayer(nn.Module):
         )
         x = self.project("o", attn.reshape(x.shape[0], self.q_size), residual=x)
         h = self.rms_norm(x, self.post_norm)
+        if self.moe is not None:
+            return self.moe.forward(h, residual=x)
         fused_act = getattr(self.quantized.get("gate_up"), "silu_mul", None)
         act = fused_act(h) if fused_act is not None else None  # bf16x3: in the GEMM's store
         if act is not None:
@@ -483,6 +488,10 @@ class LlamaModel(nn.Module):
                 bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
                 put(f"layers.{i}.qkv_bias", bias)
             put(f"layers.{i}.o", weights[a + "o_proj.weight"], transpose=True)
+            if (moe := cast(LlamaLayer, self.layers[i]).moe) is not None:  # names: models/moe.py
+                for name, value in moe.hf_weights(weights, p).items():
+                    put(f"layers.{i}.moe.{name}", value)
+                continue
             gate_up = torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])
             put(f"layers.{i}.gate_up", gate_up, transpose=True)
             put(f"layers.{i}.down", weights[m + "down_proj.weight"], transpose=True)
