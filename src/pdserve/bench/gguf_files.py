@@ -90,6 +90,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                          ffn=4864, rope_theta=1e6, qkv_bias=True),
     "llama-3.2-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8,
                          ffn=8192, rope_theta=5e5, qkv_bias=False),
+    # a small mixture of experts in llama.cpp's Mixtral layout: 8 experts, top-2, ~1.0B
+    # weights of which ~0.35B run per token
+    "moe-8x2-1b": dict(arch="llama", hidden=1024, layers=16, heads=16, kv_heads=8,
+                       ffn=2816, rope_theta=1e6, qkv_bias=False, experts=8, top_k=2),
 }  # fmt: skip
 
 
@@ -123,6 +127,10 @@ def random_model(shape: str, dst: Path, seed: int = 0) -> None:
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(vocab)
+    experts = cfg.get("experts", 0)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["top_k"])
     rng = np.random.default_rng(seed)
 
     def weight(*shape_: int) -> np.ndarray:
@@ -140,6 +148,12 @@ def random_model(shape: str, dst: Path, seed: int = 0) -> None:
             if cfg["qkv_bias"]:
                 writer.add_tensor(b + name + ".bias", np.zeros(rows, np.float32))
         writer.add_tensor(b + "attn_output.weight", weight(hidden, hidden))
+        if experts:  # llama.cpp's 3-D expert tensors and the router
+            writer.add_tensor(b + "ffn_gate_inp.weight", weight(experts, hidden))
+            writer.add_tensor(b + "ffn_gate_exps.weight", weight(experts, cfg["ffn"], hidden))
+            writer.add_tensor(b + "ffn_up_exps.weight", weight(experts, cfg["ffn"], hidden))
+            writer.add_tensor(b + "ffn_down_exps.weight", weight(experts, hidden, cfg["ffn"]))
+            continue
         writer.add_tensor(b + "ffn_gate.weight", weight(cfg["ffn"], hidden))
         writer.add_tensor(b + "ffn_up.weight", weight(cfg["ffn"], hidden))
         writer.add_tensor(b + "ffn_down.weight", weight(hidden, cfg["ffn"]))
