@@ -44,7 +44,9 @@ ACCEPTED_FORMS = (
     "nothing is downloaded from a hub"
 )
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# Qwen3 as llama.cpp writes it: qwen2's tensors plus attn_q_norm / attn_k_norm, nothing
+# permuted. Phi-3 and Gemma GGUFs are not read yet (docs/models.md).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # Tensors llama.cpp adds that carry no learned weight for us (rope_freqs is read by load_arch).
 _GGUF_IGNORED = frozenset({"rope_freqs.weight"})
@@ -63,6 +65,8 @@ _GGUF_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
