@@ -469,3 +469,21 @@ def test_resolve_model_errors(kind: str, tmp_path: Path) -> None:
 def test_resolve_model_hub_id_is_not_fetched() -> None:
     with pytest.raises(ValueError, match="no such file or folder"):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_tiny_qwen3_gguf_reads_its_head_norms(tmp_path: Path) -> None:
+    """A Qwen3 GGUF as llama.cpp writes it (qwen2's names plus attn_q_norm / attn_k_norm,
+    nothing permuted) loads to the HF model's tensors, its q/k head norms included."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        qwen3.model.layers[0].self_attn.q_norm.weight.normal_()
+    emb = _write_tiny_gguf(qwen3, tmp_path / "qwen3.gguf", arch="qwen3")
+    src = resolve_model(tmp_path / "qwen3.gguf")
+    arch = load_arch(src)
+    assert arch.architecture == "qwen3" and arch.family.qk_norm and not arch.attention_bias
+    want = {k: v for k, v in qwen3.state_dict().items() if k != "lm_head.weight"}
+    want["model.embed_tokens.weight"] = torch.from_numpy(emb)
+    _assert_same(load_weights(src, arch), want)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.models.llama import (
+from pdserve.engine.models.attention import (
     PREFIX_PIECE,
     AttentionMetadata,
     PrefillSegment,

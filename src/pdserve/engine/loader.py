@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.engine import model_cache
-from pdserve.engine.models import moe
+from pdserve.engine.models import checkpoint, hf_config, moe
 from pdserve.engine.models.arch import ModelArch
 
 if TYPE_CHECKING:
@@ -44,13 +44,9 @@ ACCEPTED_FORMS = (
     "nothing is downloaded from a hub"
 )
 
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",  # Mistral's attention, a mixture of experts (models/moe.py)
-}
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# Qwen3 as llama.cpp writes it: qwen2's tensors plus attn_q_norm / attn_k_norm, nothing
+# permuted. Phi-3 and Gemma GGUFs are not read yet (docs/models.md).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # Tensors llama.cpp adds that carry no learned weight for us (rope_freqs is read by load_arch).
 _GGUF_IGNORED = frozenset({"rope_freqs.weight"})
@@ -69,6 +65,8 @@ _GGUF_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     **moe.GGUF_BLOCK,
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -160,84 +158,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def load_arch(src: ModelSource) -> ModelArch:
     """Read the hyper-parameters the model code needs, from config.json or GGUF metadata."""
     if src.kind == "hf":
-        return _hf_arch(src.path)
+        return hf_config.arch_from_config(src.path)
     return _gguf_arch(src.path)
-
-
-def _hf_arch(folder: Path) -> ModelArch:
-    cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
-    names = cfg.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
-    if not names and cfg.get("model_type") in HF_ARCHITECTURES.values():
-        arch = cfg["model_type"]  # bare config.save_pretrained() writes no `architectures`
-    if arch is None:
-        raise ValueError(
-            f"Unsupported architecture {names} in {folder / 'config.json'}; "
-            f"supported: {', '.join(HF_ARCHITECTURES)}."
-        )
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"{folder}: mlp_bias=True is not supported.")
-    heads = int(cfg["num_attention_heads"])
-    rope_theta, rope_scaling = _hf_rope(cfg)
-    return ModelArch(
-        architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=_hf_max_positions(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v bias (its config has no switch); Llama has an opt-in flag.
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_hf_eos_ids(folder, cfg),
-        name=str(cfg.get("_name_or_path") or folder.name),
-        moe=moe.hf_moe_arch(cfg, folder / "config.json"),
-    )
-
-
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """RoPE base and llama3 scaling; transformers 5 writes `rope_parameters`, 4.x `rope_scaling`."""
-    params: dict[str, Any] = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"RoPE scaling {rope_type!r} is not supported (only llama3).")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, {"rope_type": "llama3", **{k: params[k] for k in keys}}
-
-
-def _hf_max_positions(cfg: dict[str, Any]) -> int:
-    """Context limit; capped at the sliding window, since full attention equals SWA up to it."""
-    limit = int(cfg.get("max_position_embeddings", 2048))
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", True)  # Mistral has no flag: window means on
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
-
-
-def _hf_eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
-    """Union of config.json and generation_config.json EOS ids (chat models list extras there)."""
-    ids = _as_id_list(cfg.get("eos_token_id"))
-    gen_file = folder / "generation_config.json"
-    if gen_file.is_file():
-        ids += _as_id_list(json.loads(gen_file.read_text()).get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))
-
-
-def _as_id_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def _gguf_arch(path: Path) -> ModelArch:
@@ -352,37 +274,11 @@ def load_weights(
     return {name: t.to(dtype) for name, t in _checked(weights, arch, src).items()}
 
 
-def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Every parameter the model code expects, with its torch shape, in a stable order."""
-    h, q_dim = arch.hidden_size, arch.num_heads * arch.head_dim
-    kv_dim, inter = arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        for proj, out_dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
-            shapes[f"{p}self_attn.{proj}_proj.weight"] = (out_dim, h)
-            if arch.attention_bias:
-                shapes[f"{p}self_attn.{proj}_proj.bias"] = (out_dim,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if arch.moe is not None:  # the router and experts (models/moe.py)
-            shapes.update(moe.hf_shapes(arch, p))
-            continue
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
-    shapes["model.norm.weight"] = (h,)
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    return shapes
-
-
 def _checked(
     weights: dict[str, torch.Tensor], arch: ModelArch, src: ModelSource
 ) -> dict[str, torch.Tensor]:
     """Fail loudly on a missing, unexpected or mis-shaped tensor instead of at the first matmul."""
-    shapes = expected_shapes(arch)
+    shapes = checkpoint.expected_shapes(arch)
     missing = [n for n in shapes if n not in weights]
     unexpected = [n for n in weights if n not in shapes]
     wrong = [
@@ -409,7 +305,7 @@ def _hf_weights(folder: Path, arch: ModelArch) -> dict[str, torch.Tensor]:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if name not in skip and not name.endswith("rotary_emb.inv_freq"):
                     out[name] = f.get_tensor(name)
-    return out
+    return checkpoint.split_fused(out, arch)
 
 
 def _gguf_weights(path: Path, arch: ModelArch) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from pdserve.engine import loader, moe_quant, prefill_format, quantize
 from pdserve.engine.kv_cache import kv_cache_dtype
 from pdserve.engine.loader import ModelSource
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.gemma import layer_class
 from pdserve.engine.models.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +51,7 @@ def build_model(
     device, dtype = torch.device(mc.device), DTYPES[mc.dtype]
     weights = loader.load_weights(source, arch, dtype)
     with torch.device("meta"):
-        model = LlamaModel(arch)
+        model = LlamaModel(arch, layer_class(arch))
     model = model.to_empty(device=device).to(dtype).requires_grad_(False)
     model.load_hf_weights({k: v.to(device) for k, v in weights.items()})
     del weights

@@ -22,12 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.engine.models.llama import (
-    AttentionMetadata,
-    LlamaModel,
-    PagedPlan,
-    PrefillSegment,
-)
+from pdserve.engine.models.attention import AttentionMetadata, PagedPlan, PrefillSegment
+from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 ATTENTION_BACKENDS = ("auto", "paged", "gather")

@@ -48,7 +48,7 @@ class ModelCost:
 
     @classmethod
     def from_arch(cls, arch: ModelArch, elem_size: int, kv_elem_size: int = 0) -> ModelCost:
-        from pdserve.engine.loader import expected_shapes
+        from pdserve.engine.models.checkpoint import expected_shapes
 
         numel = {name: math.prod(shape) for name, shape in expected_shapes(arch).items()}
         head = arch.vocab_size * arch.hidden_size

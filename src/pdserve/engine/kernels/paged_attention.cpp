@@ -1,7 +1,9 @@
 // Paged attention for CPU that reads K and V in place from the block cache (no gather copy).
 //
 // Every query row r attends to the first limit[r] keys of sequence seq[r], whose token t lives
-// at k_cache[table[seq[r], t / BS], t % BS]. Rows are grouped into tiles: up to kMaxTile
+// at k_cache[table[seq[r], t / BS], t % BS]; with a sliding window W (> 0) only to the last W
+// of them, keys [limit[r] - W, limit[r]). A soft-cap c (> 0) maps each scaled score s to
+// c * tanh(s / c) before the softmax (Gemma 2). Rows are grouped into tiles: up to kMaxTile
 // consecutive rows of one sequence (a decode is a tile of one row; a prompt chunk is split into
 // tiles), so each key/value row is read once per tile and used by every query of the tile and
 // every query head of its KV group (GQA).
@@ -49,24 +51,30 @@ struct Span {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+// The first key a row with `limit` visible keys sees under a sliding window (<= 0: none).
+inline int32_t first_key(int32_t limit, int64_t window) {
+  return window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, limit - window)) : 0;
+}
+
 // One item: online softmax of the tile's queries over keys [begin, end) of its sequence.
 // acc: [nq, D] unnormalised output, m/l: [nq] running max and sum of exp.
 template <typename T, typename C>
 void run_item(const Item& it, const T* q, const C* kc, const C* vc, const int32_t* table,
               int64_t table_w, const int32_t* tiles, const int32_t* limit, int64_t q_row,
               int64_t q_head, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
-              float* acc, float* m, float* l) {
+              int64_t window, float softcap, float* acc, float* m, float* l) {
   const int32_t seq = tiles[it.tile * 3], row0 = tiles[it.tile * 3 + 1],
                 nrows = tiles[it.tile * 3 + 2];
   const int64_t G = H / KVH, nq = nrows * G;
   std::vector<float> qf(nq * D), s(nq * BS);
-  std::vector<int32_t> lim(nq);
+  std::vector<int32_t> lim(nq), lo(nq);
   for (int r = 0; r < nrows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + (row0 + r) * q_row + (it.kvh * G + g) * q_head;
       float* dst = qf.data() + (r * G + g) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * scale;
       lim[r * G + g] = limit[row0 + r];
+      lo[r * G + g] = first_key(limit[row0 + r], window);
     }
   }
   for (int64_t j = 0; j < nq; ++j) {
@@ -90,7 +98,9 @@ void run_item(const Item& it, const T* q, const C* kc, const C* vc, const int32_
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qj[d] * to_f(kr[d]);
-        sj[t] = (t0 + t < lim[j]) ? dot : -std::numeric_limits<float>::infinity();
+        if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
+        const bool seen = t0 + t < lim[j] && t0 + t >= lo[j];
+        sj[t] = seen ? dot : -std::numeric_limits<float>::infinity();
       }
       float mx = m[j];
       for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
@@ -205,20 +215,29 @@ inline void group_scores(const float* q, int64_t n, const KT* kb, int64_t rs, fl
 // exp8 makes their weight exactly 0. corr[j]: the factor query j's accumulated output is
 // rescaled by. The rescale factors of all queries come out of one vector exp (nq scalar exps
 // cost ~10% of the kernel at B=1 C=1024).
-inline void span_softmax(float* s, int64_t sbw, const int32_t* lim, int64_t s0, int64_t nq,
-                         int64_t n, float* m, float* l, float* corr) {
+inline void span_softmax(float* s, int64_t sbw, const int32_t* lim, const int32_t* lo,
+                         float softcap, int64_t s0, int64_t nq, int64_t n, float* m, float* l,
+                         float* corr) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t padded = (n + 7) / 8 * 8;
-  const auto visible = [&](int64_t j) {
+  // Query j sees the span's keys [first(j), last(j)): its window's start to its limit.
+  const auto first = [&](int64_t j) {
+    return std::clamp<int64_t>(static_cast<int64_t>(lo[j]) - s0, 0, n);
+  };
+  const auto last = [&](int64_t j) {
     return std::clamp<int64_t>(static_cast<int64_t>(lim[j]) - s0, 0, n);
   };
+  const auto visible = [&](int64_t j) { return std::max<int64_t>(0, last(j) - first(j)); };
   // Each query's new running max, held in corr until the rescale factors replace it.
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = s + j * sbw;
     const int64_t nv = visible(j);
     corr[j] = m[j];
     if (nv == 0) continue;  // nothing visible to this query here: weights 0 (below)
-    for (int64_t x = nv; x < padded; ++x) sj[x] = ninf;
+    for (int64_t x = 0; x < first(j); ++x) sj[x] = ninf;
+    for (int64_t x = last(j); x < padded; ++x) sj[x] = ninf;
+    if (softcap > 0.f)  // scalar tanh: soft-capped layers are rare, the cost is in the exps
+      for (int64_t x = first(j); x < last(j); ++x) sj[x] = softcap * std::tanh(sj[x] / softcap);
     __m256 mxv = _mm256_set1_ps(ninf);
     for (int64_t x = 0; x < padded; x += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(sj + x));
     corr[j] = std::max(m[j], hmax(mxv));
@@ -314,8 +333,8 @@ template <int NC, typename KT>
 void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
                   const int32_t* table, int64_t table_w, const int32_t* tiles,
                   const int32_t* limit, int64_t q_row, int64_t q_head, int64_t H, int64_t KVH,
-                  int64_t BS, float scale, float* acc, float* m, float* l, int64_t nh,
-                  const Span* ahead, int64_t nahead) {
+                  int64_t BS, float scale, int64_t window, float softcap, float* acc, float* m,
+                  float* l, int64_t nh, const Span* ahead, int64_t nahead) {
   constexpr int64_t D = NC * 8;
   const int32_t seq = tiles[it.tile * 3], row0 = tiles[it.tile * 3 + 1],
                 nrows = tiles[it.tile * 3 + 2];
@@ -323,7 +342,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
   // Scratch: the scaled queries, their limits, a span's scores (a row per query, padded to a
   // multiple of 8) and each query's rescale factor.
   std::vector<float> qf(nq * D), corr(nq);
-  std::vector<int32_t> lim(nq);
+  std::vector<int32_t> lim(nq), lo(nq);
   const int64_t span_blocks =
       std::clamp<int64_t>(kSpanScores / (nq * BS), 1, kSpanBlocks);
   const int64_t sbw = (span_blocks * BS + 7) / 8 * 8;
@@ -335,6 +354,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         float* dst = qf.data() + (hh * nqh + r * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
         lim[hh * nqh + r * G + g] = limit[row0 + r];
+        lo[hh * nqh + r * G + g] = first_key(limit[row0 + r], window);
       }
     }
   }
@@ -378,7 +398,8 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         else group_scores<NC, 1, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
       });
     });
-    span_softmax(sbuf.data(), sbw, lim.data(), s0, nq, hi, m, l, corr.data());
+    span_softmax(sbuf.data(), sbw, lim.data(), lo.data(), softcap, s0, nq, hi, m, l,
+                 corr.data());
     each_block([&](int64_t b, int64_t n, const Span* pf) {
       for_groups(nh, nqh, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
@@ -402,8 +423,8 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
 template <typename KT>
 using F32Item = void (*)(const Item&, const float*, const KT*, const KT*, const int32_t*,
                          int64_t, const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, float, float*, float*, float*, int64_t,
-                         const Span*, int64_t);
+                         int64_t, int64_t, float, int64_t, float, float*, float*, float*,
+                         int64_t, const Span*, int64_t);
 
 template <typename KT>
 F32Item<KT> f32_item_for(int64_t D) {
@@ -422,7 +443,8 @@ template <typename T, typename C>
 void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& table,
                           const torch::Tensor& tiles, const torch::Tensor& limit,
-                          int64_t split_tokens, double scale, torch::Tensor& out) {
+                          int64_t split_tokens, double scale, int64_t window, double softcap,
+                          torch::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH, ntiles = tiles.size(0);
   const int32_t* tl = tiles.data_ptr<int32_t>();
@@ -439,17 +461,22 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   // the cross-item prefetch below, B=1 C=2048 4.49 -> 3.50 ms, B=8 C=128 3.99 -> 2.63 ms,
   // B=8 C=1024 19.3 -> 14.3 ms (float32 KV: 7.96 -> 6.23, 5.31 -> 4.28, 32.4 -> 27.1 ms).
   const int64_t NH = fast != nullptr ? KVH : 1;
-  // Items: the key range of a tile is [0, max limit of its rows), split in ranges.
+  // Items: the key range of a tile is [0, max limit of its rows), split in ranges; under a
+  // window it starts at the block holding the first key any of its rows sees.
   std::vector<Item> items;
   std::vector<int64_t> first_item(ntiles + 1);
   for (int64_t ti = 0; ti < ntiles; ++ti) {
-    int32_t hi = 0;
-    for (int r = 0; r < tl[ti * 3 + 2]; ++r) hi = std::max(hi, lm[tl[ti * 3 + 1] + r]);
+    int32_t hi = 0, lo = std::numeric_limits<int32_t>::max();
+    for (int r = 0; r < tl[ti * 3 + 2]; ++r) {
+      hi = std::max(hi, lm[tl[ti * 3 + 1] + r]);
+      lo = std::min(lo, first_key(lm[tl[ti * 3 + 1] + r], window));
+    }
+    lo = lo / BS * BS;
     first_item[ti] = static_cast<int64_t>(items.size());
     // Equal ranges of whole blocks, as many as split_tokens asks, and with a single tile (batch
     // 1) a multiple of the threads: 1025 keys in 512-token ranges (512, 512, 1) left one of two
     // threads idle.
-    int64_t nsplit = std::max<int64_t>(1, (hi + split_tokens - 1) / split_tokens);
+    int64_t nsplit = std::max<int64_t>(1, (hi - lo + split_tokens - 1) / split_tokens);
     const int64_t threads = at::get_num_threads();
     if (ntiles * (KVH / NH) < threads) nsplit = (nsplit + threads - 1) / threads * threads;
     // One thread: one range. Splitting is for spreading a tile over threads; alone it only
@@ -457,10 +484,11 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
     // thread, AMD EPYC Zen 4: B=1 C=1024 1.85 -> 1.71 ms, C=2048 3.22 -> 3.03 ms (with the
     // first-blocks prefetch below).
     if (threads == 1) nsplit = 1;
-    const int64_t len = std::max<int64_t>(BS, ((hi + nsplit - 1) / nsplit + BS - 1) / BS * BS);
+    const int64_t len =
+        std::max<int64_t>(BS, ((hi - lo + nsplit - 1) / nsplit + BS - 1) / BS * BS);
     for (int64_t kvh = 0; kvh < KVH; kvh += NH) {
       int split = 0;
-      for (int64_t b = 0; b < hi || b == 0; b += len, ++split) {
+      for (int64_t b = lo; b < hi || b == lo; b += len, ++split) {
         items.push_back({static_cast<int>(ti), static_cast<int>(kvh), split, static_cast<int>(b),
                          static_cast<int>(std::min<int64_t>(hi, b + len))});
       }
@@ -509,14 +537,15 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
         if (fast != nullptr) {
           const int64_t f = first_span[i - a];
           fast(items[i], qp, kp, vp, tb, tw, tl, lm, q.stride(0), q.stride(1), H, KVH, BS,
-               static_cast<float>(scale), acc.data() + i * per_item * D,
+               static_cast<float>(scale), window, static_cast<float>(softcap),
+               acc.data() + i * per_item * D,
                m.data() + i * per_item, l.data() + i * per_item, NH, spans.data() + f,
                static_cast<int64_t>(spans.size()) - f);
           continue;
         }
       }
       run_item<T, C>(items[i], qp, kp, vp, tb, tw, tl, lm, q.stride(0), q.stride(1), H, KVH, D, BS,
-                  static_cast<float>(scale),
+                  static_cast<float>(scale), window, static_cast<float>(softcap),
                   acc.data() + i * per_item * D, m.data() + i * per_item,
                   l.data() + i * per_item);
     }
@@ -561,7 +590,8 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
 // q: [N, H, D]; k_cache, v_cache: [num_blocks, BS, KVH, D] (q's dtype, or float16 / bfloat16
 // under float32 queries);
 // table: [S, W] int32 block tables; tiles: [M, 3] int32 (seq, first row, rows <= 16);
-// limit: [N] int32 keys visible to each row. Returns [N, H, D]; rows in no tile are left
+// limit: [N] int32 keys visible to each row; window: a sliding window (-1: none); softcap: the
+// scores' soft-cap (0: none). Returns [N, H, D]; rows in no tile are left
 // uninitialised (the caller fills them). With slots, k and v: write_kv(k_cache, v_cache, slots,
 // k, v) first (this step's K/V, which the rows attend to), in the same call: one call a layer
 // instead of two (~3 us each at decode sizes, ~4% of the attention time at B=1 C=1024).
@@ -569,7 +599,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor table, torch::Tensor tiles, torch::Tensor limit,
                               int64_t split_tokens, double scale,
                               std::optional<torch::Tensor> slots, std::optional<torch::Tensor> k,
-                              std::optional<torch::Tensor> v) {
+                              std::optional<torch::Tensor> v, int64_t window, double softcap) {
   TORCH_CHECK(slots.has_value() == k.has_value() && k.has_value() == v.has_value(),
               "paged_attention: slots, k and v come together");
   if (slots.has_value()) write_kv(k_cache, v_cache, *slots, *k, *v);
@@ -591,6 +621,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == 3 && limit.size(0) == q.size(0),
               "paged_attention: tiles must be [M, 3] and limit [N]");
   TORCH_CHECK(split_tokens > 0, "paged_attention: split_tokens must be > 0");
+  TORCH_CHECK(window == -1 || window > 0, "paged_attention: window must be -1 (none) or > 0");
+  TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be 0 (none) or > 0");
   // Bounds, checked once here so the kernel never reads outside the tensors.
   const int64_t cap = table.size(1) * k_cache.size(1);
   const int32_t* tl = tiles.data_ptr<int32_t>();
@@ -610,14 +642,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   if (qt == ct) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qt, "paged_attention", [&] {
       paged_attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, table, tiles, limit,
-                                               split_tokens, scale, out);
+                                               split_tokens, scale, window, softcap, out);
     });
   } else if (ct == torch::kHalf) {
     paged_attention_impl<float, at::Half>(q, k_cache, v_cache, table, tiles, limit, split_tokens,
-                                          scale, out);
+                                          scale, window, softcap, out);
   } else {
     paged_attention_impl<float, at::BFloat16>(q, k_cache, v_cache, table, tiles, limit,
-                                              split_tokens, scale, out);
+                                              split_tokens, scale, window, softcap, out);
   }
   return out;
 }
@@ -689,6 +721,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention reading the block cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("tiles"),
         py::arg("limit"), py::arg("split_tokens"), py::arg("scale"), py::arg("slots") = py::none(),
-        py::arg("k") = py::none(), py::arg("v") = py::none());
+        py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("window") = -1,
+        py::arg("softcap") = 0.0);
   m.def("write_kv", &write_kv, "this step's float32 K and V rows into the cache at their slots");
 }

@@ -1,9 +1,64 @@
-"""Architecture hyper-parameters of a Llama-family model, whatever file the weights come from."""
+"""Architecture hyper-parameters of a decoder model, whatever file the weights come from.
+
+Two layers of description:
+  * `Family`: what an architecture does differently from Llama, fixed by the architecture
+    (Qwen3 always normalises q and k heads; Gemma always scales its embeddings);
+  * `ModelArch`: one model's sizes and the values its config sets (windows, soft-caps).
+The model code asks these, never `architecture == "..."`.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture departs from the Llama decoder layer."""
+
+    qkv_bias: bool = False  # bias on q/k/v (Qwen2), whatever the config says
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Gemma: RMSNorm scales by (1 + w); folded into w as the weights load.
+    norm_offset: float = 0.0
+    # Gemma: norms on the attention and MLP outputs too, before each joins the residual.
+    sandwich_norms: bool = False
+    scaled_embedding: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
+
+
+_GEMMA = dict(norm_offset=1.0, sandwich_norms=True, scaled_embedding=True)
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "mixtral": Family(),  # Mistral's attention, a mixture of experts (models/moe.py)
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
+    "phi3": Family(fused_checkpoint=True),
+    "gemma2": Family(**_GEMMA),  # type: ignore[arg-type]
+    "gemma3": Family(qk_norm=True, **_GEMMA),  # type: ignore[arg-type]
+}
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the MLP's act(gate) * up
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's attention scores are formed and which keys a query sees."""
+
+    scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    # A query at position p sees keys (p - window, p] (itself and window - 1 before it);
+    # None: every earlier key.
+    window: int | None = None
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+
+    def cuts(self, context: int) -> bool:
+        """Does the window hide any key from a query among `context` tokens?"""
+        return self.window is not None and context > self.window
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 @dataclass(frozen=True)
@@ -19,12 +74,13 @@ class MoeArch:
 
 @dataclass(frozen=True)
 class ModelArch:
-    """What the model code needs to build a Llama/SmolLM2/Qwen2/Mistral decoder.
+    """What the model code needs to build a decoder of one of `FAMILIES`.
 
-    Filled from a HF `config.json` or from GGUF metadata by `engine.loader`.
+    Filled from a HF `config.json` (engine/models/hf_config.py) or from GGUF metadata by
+    `engine.loader`.
     """
 
-    architecture: str  # "llama" | "qwen2" | "mistral" | "mixtral" (one implementation)
+    architecture: str  # a key of FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,8 +90,8 @@ class ModelArch:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # llama3-style scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}; None means plain RoPE.
+    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}; None: plain.
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -45,6 +101,24 @@ class ModelArch:
     name: str = ""
     # Set: every layer's MLP is a mixture of `intermediate_size`-wide experts (Mixtral).
     moe: MoeArch | None = None
+    hidden_act: str = "silu"  # one of HIDDEN_ACTS
+    sliding_window: int | None = None  # the window of the "sliding" layers
+    layer_types: tuple[str, ...] = ()  # "sliding" | "full" per layer; (): all full
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None: same
+    query_scale: float | None = None  # softmax scale (Gemma's query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # attention logit soft-cap (Gemma 2)
+    final_softcap: float | None = None  # final logit soft-cap (Gemma 2/3)
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def attention(self, layer: int) -> AttentionSpec:
+        window = self.sliding_window if self.is_sliding(layer) else None
+        return AttentionSpec(self.query_scale, window, self.attn_softcap)
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:
