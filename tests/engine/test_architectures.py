@@ -44,6 +44,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(variant) -> None:  # type
     assert_engine_idle(llm)
 
 
+@pytest.mark.slow  # 16 engines: the fast suite keeps the greedy parity of every variant
 @pytest.mark.parametrize("attention", ["gather", "paged"])
 def test_chunked_prompts_over_their_cached_prefix(variant, attention) -> None:  # type: ignore[no-untyped-def]
     """Steps of at most 40 tokens: the 150-token prompt runs as chunks over its own cached

@@ -9,7 +9,7 @@ import pytest
 from pdserve.engine import loader, model_cache
 
 
-@pytest.mark.parametrize("keep", [3000, 0.5])
+@pytest.mark.parametrize("keep", [3000, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_a_cut_gguf_file_names_itself(
     tmp_path: Path, keep: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
