@@ -90,6 +90,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                          ffn=4864, rope_theta=1e6, qkv_bias=True),
     "llama-3.2-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8,
                          ffn=8192, rope_theta=5e5, qkv_bias=False),
+    "qwen3-1.7b": dict(arch="qwen3", hidden=2048, layers=28, heads=16, kv_heads=8,
+                       ffn=6144, rope_theta=1e6, qkv_bias=False, qk_norm=True),
     # a small mixture of experts in llama.cpp's Mixtral layout: 8 experts, top-2, ~1.0B
     # weights of which ~0.35B run per token
     "moe-8x2-1b": dict(arch="llama", hidden=1024, layers=16, heads=16, kv_heads=8,
@@ -147,6 +149,9 @@ def random_model(shape: str, dst: Path, seed: int = 0) -> None:
             writer.add_tensor(b + name + ".weight", weight(rows, hidden))
             if cfg["qkv_bias"]:
                 writer.add_tensor(b + name + ".bias", np.zeros(rows, np.float32))
+        if cfg.get("qk_norm"):  # Qwen3: RMSNorm weights of each q and k head
+            writer.add_tensor(b + "attn_q_norm.weight", np.ones(head_dim, np.float32))
+            writer.add_tensor(b + "attn_k_norm.weight", np.ones(head_dim, np.float32))
         writer.add_tensor(b + "attn_output.weight", weight(hidden, hidden))
         if experts:  # llama.cpp's 3-D expert tensors and the router
             writer.add_tensor(b + "ffn_gate_inp.weight", weight(experts, hidden))
