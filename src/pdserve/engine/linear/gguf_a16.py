@@ -26,6 +26,7 @@ import torch
 from pdserve.engine import gguf_blocks
 from pdserve.engine.gguf_blocks import Blocks
 from pdserve.engine.linear import w8a8
+from pdserve.engine.linear.base import RowsLinear
 
 log = logging.getLogger(__name__)
 
@@ -58,29 +59,7 @@ def _tiles(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a.reshape(t, TILE, g).transpose(0, 2, 1)))
 
 
-class _A16Linear:
-    """Shared call path: [rows, in] float32 (any leading dims) -> [rows, out]."""
-
-    in_features: int
-    out_features: int
-    bias: torch.Tensor | None
-    _nbytes: int
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        res = None if residual is None else residual.reshape(-1, self.out_features).float()
-        return self._matmul(rows, res).reshape(*lead, self.out_features)
-
-
-class NibbleA16Linear(_A16Linear):
+class NibbleA16Linear(RowsLinear):
     """4-bit codes with a float32 scale and minimum per 32 inputs (Q4_0, Q4_1, Q4_K) on
     matmul_q4_1_a16's nibble tiles (the Q4_1 layout: gguf.pack_q4_1_a8)."""
 
@@ -129,7 +108,7 @@ def _nibbles(b: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return b.codes, b.scale, b.minimum
 
 
-class CodesA16Linear(_A16Linear):
+class CodesA16Linear(RowsLinear):
     """int8 codes, a float32 scale per 16 inputs and optionally a float32 minimum per 32
     (matmul_k_a16): any block format here, and fused parts that mix formats."""
 
@@ -187,7 +166,7 @@ def _minimum(b: Blocks) -> np.ndarray:
 
 def projection(
     parts: Sequence[_Part], bias: torch.Tensor | None, what: str, isa: str | None = None
-) -> _A16Linear:
+) -> RowsLinear:
     """The gguf-a16 stand-in for `parts` (one projection's file tensors, fused in order)."""
     kinds = sorted({p.qtype for p in parts})
     unknown = [k for k in kinds if k not in FORMATS]
