@@ -63,7 +63,9 @@ def test_freezing_takes_startup_objects_out_of_the_collectors_reach(
     survivor = [{"start-up": i} for i in range(1000)]  # containers the collector tracks
     before = pauses.stats()
     frozen = pauses.freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() >= len(survivor)
+    # A frozen object whose last reference goes (a log record's temporaries, a thread's
+    # frame) leaves the permanent generation, so the count can only fall after the call.
+    assert frozen >= gc.get_freeze_count() >= len(survivor)
     # Its own collection is start-up work, not a pause of the serving loop: not counted.
     assert pauses.stats()["gc_full_collections"] == before["gc_full_collections"]
     assert pauses.stats()["gc_pause_seconds"] == before["gc_pause_seconds"]
