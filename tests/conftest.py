@@ -133,6 +133,7 @@ SLOW_MODULES = {
     "test_api_conformance.py",  # `pdserve serve` colocated and 1P1D, the openai client
     "test_smollm2.py",  # the default model
     "test_ray_cluster.py",  # a multi-node Ray cluster with worker actors
+    "test_ray_fractional.py",  # a local Ray with worker actors
 }
 # Slow tests whose pass depends on the wall clock, so `make test` runs them alone after the
 # rest (which run two at a time): the chaos run must fit its faults into 40 s, and beside

@@ -92,18 +92,18 @@ def test_engine_flag_reaches_every_worker_and_the_cli(
 ) -> None:
     """An engine flag given to `pdserve serve` is in every worker's spec and command line, and
     `generate` / `worker` read it; a bad value is a ValueError (serve) or exit code 2 (CLI)."""
-    from pdserve import serve
     from pdserve.cli import build_parser, main
     from pdserve.config import engine_kwargs_from_args
+    from pdserve.serve import flags, plan
 
     parser = argparse.ArgumentParser()
-    serve.add_serve_arguments(parser)
-    specs = serve._worker_specs(parser.parse_args([flag, good]))
+    flags.add_serve_arguments(parser)
+    specs = plan.worker_specs(flags.deployment(parser.parse_args([flag, good])))
     assert [s.engine_args[field] for s in specs] == [good, good]
     cmd = worker_command(WorkerSpec("decode", "D0", specs[1].engine_args))
     assert cmd[cmd.index(flag) + 1] == good
     with pytest.raises(ValueError, match=f"{field} must be one of"):
-        serve._worker_specs(parser.parse_args([flag, bad]))
+        flags.deployment(parser.parse_args([flag, bad]))
     for command in (["generate", "hi"], ["worker", "--role", "decode"]):
         args = build_parser().parse_args([*command, flag, good])
         assert engine_kwargs_from_args(args)[field] == good

@@ -53,12 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(demo)
     _engine_args(demo)
 
-    from pdserve import serve as serve_mod
+    from pdserve.serve import flags as serve_flags
 
     serve = sub.add_parser("serve", help="workers + OpenAI-compatible router on this machine")
-    serve_mod.add_serve_arguments(serve)
+    serve_flags.add_serve_arguments(serve)
     router = sub.add_parser("router", help="the router alone, for workers started elsewhere")
-    serve_mod.add_router_arguments(router)
+    serve_flags.add_router_arguments(router)
 
     worker = sub.add_parser("worker", help="run one prefill/decode/colocated worker")
     from pdserve.workers.worker import add_arguments as worker_arguments
@@ -243,10 +243,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "demo":
             return cmd_demo(args)
-        if args.command in ("serve", "router"):
-            from pdserve import serve as serve_mod
+        if args.command == "serve":
+            from pdserve.serve import flags as serve_flags
+            from pdserve.serve import local
 
-            return (serve_mod.run_serve if args.command == "serve" else serve_mod.run_router)(args)
+            return local.run(serve_flags.deployment(args))
+        if args.command == "router":
+            from pdserve.serve import flags as serve_flags
+            from pdserve.serve import local
+
+            return local.run_router(*serve_flags.router_deployment(args))
         if args.command == "chaos":
             from pdserve import chaos
 

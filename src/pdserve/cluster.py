@@ -3,6 +3,8 @@
     with LocalCluster(prefill=1, decode=1, transport="tcp") as cluster:
         outs = cluster.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
 
+    with LocalCluster(deployment=Deployment.from_yaml("deploy.yaml")) as cluster: ...
+
 Workers are child processes (`pdserve worker ...`), or threads of this process for the `inproc`
 transport. Requests go through the same `RouterCore` as the HTTP server (run on an event loop in
 a background thread), so tests and benchmarks exercise the serving path: P/D choice, hand-off,
@@ -16,6 +18,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import os
 import signal
@@ -28,6 +31,8 @@ from typing import Any
 import zmq
 
 from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.costmodel.model import CostModel
+from pdserve.deployment import Deployment, PlannerConfig, Topology
 from pdserve.engine import loader
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
@@ -35,6 +40,7 @@ from pdserve.engine.step_log import StepRecord
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
 from pdserve.router import timeline as tl
 from pdserve.router.core import RequestError, RouterCore
+from pdserve.serve import plan
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 
@@ -69,6 +75,7 @@ class LocalCluster:
         transport: str = "tcp",
         kv_codec: str = "none",
         *,
+        deployment: Deployment | None = None,
         threads: int | None = None,
         handoff_tokens: int = 1,
         deadline_s: float = 5.0,
@@ -84,45 +91,50 @@ class LocalCluster:
         pool_factory: Any = None,
         name: str = "",
     ) -> None:
-        """`kv_pool`: WorkerConfig's kv_pool_* fields for every worker (the real tiers);
-        `pool_factory`: builds each inproc worker's pool instead (tests: one shared fake);
-        `name`: prefixes the worker ids (two inproc clusters in one process need it)."""
-        if colocated == 0 and (prefill < 1 or decode < 1):
-            raise ValueError("give at least one prefill and one decode worker, or colocated > 0")
-        self.model, self.transport, self.kv_codec = model, transport, kv_codec
-        self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
-        n = prefill + decode + colocated
-        self.threads = threads or max(1, (os.cpu_count() or 1) // n)
-        self.worker_config = WorkerConfig(
-            transport=transport,
-            kv_codec=kv_codec,
-            deadline_s=deadline_s,
-            lease_s=lease_s,
-            shm_mb=shm_mb,
-            stream_kv=stream_kv,
-            **(kv_pool or {}),
-        )
+        """`deployment`: the whole description (deployment.py), the arguments before `threads`
+        and after it up to `kv_pool` then unused; without it they make one (`kv_pool`:
+        WorkerConfig's kv_pool_* fields, the real tiers). `core_args`: RouterCore options
+        (liveness timeouts, a planner ...) over the deployment's; `pool_factory`: builds each
+        inproc worker's pool instead (tests: one shared fake); `name`: prefixes the worker ids
+        (two inproc clusters in one process need it)."""
+        if deployment is None:
+            deployment = Deployment(
+                model=model,
+                topology=Topology(prefill, decode, colocated, threads),
+                engine=dict(engine_args or {}),
+                roles={r: a for r, a in (("prefill", prefill_args), ("decode", decode_args)) if a},
+                worker=WorkerConfig(
+                    transport=transport,
+                    kv_codec=kv_codec,
+                    deadline_s=deadline_s,
+                    lease_s=lease_s,
+                    shm_mb=shm_mb,
+                    stream_kv=stream_kv,
+                    **(kv_pool or {}),
+                ),
+                # round robin: tests and benchmarks want a deterministic spread, and no 429s
+                router=RouterConfig(
+                    policy="round_robin",
+                    deadline_s=deadline_s,
+                    max_retries=max_retries,
+                    handoff_tokens=handoff_tokens,
+                    max_inflight=1 << 20,
+                ),
+                planner=PlannerConfig(cost_model="none"),  # a planner comes in core_args
+            )
+        self.deployment = d = deployment
+        self.model, self.counts = d.model, d.topology.counts()
+        self.threads = d.topology.worker_threads()
+        self.worker_config, self.router_config = d.worker, d.router
         self.pool_factory, self.name = pool_factory, name
-        # round robin: tests and benchmarks want a deterministic spread, and no 429s
-        self.router_config = RouterConfig(
-            policy="round_robin",
-            deadline_s=deadline_s,
-            max_retries=max_retries,
-            handoff_tokens=handoff_tokens,
-            max_inflight=1 << 20,
-        )
-        self.engine_args = dict(engine_args or {})
-        self.core_args = dict(core_args or {})  # RouterCore options (liveness timeouts, ...)
-        self.role_args = {
-            "prefill": prefill_args or {},
-            "decode": decode_args or {},
-            "colocated": {},
-        }
+        self.core_args = dict(core_args or {})
         self.workers: list[WorkerHandle] = []
-        self.ctx = zmq.Context.instance() if transport == "inproc" else zmq.Context()
+        inproc = d.worker.transport == "inproc"
+        self.ctx = zmq.Context.instance() if inproc else zmq.Context()
         self._ids = itertools.count()
         self.tokenizer: Any = None
         self.core: RouterCore | None = None
+        self._cost: CostModel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -141,10 +153,9 @@ class LocalCluster:
     def start(self) -> None:
         # the workers inherit $PDSERVE_SECRET; this process (the router core) tags with it too
         m.set_key(auth.load_secret())
-        self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.model))
-        for role, count in self.counts.items():
-            for i in range(count):
-                self.workers.append(self._spawn(role, f"{self.name}{role[0].upper()}{i}"))
+        self._load()
+        for spec in self._specs():
+            self.workers.append(WorkerHandle(launch(spec, self.ctx)))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for w in self.workers:
             await_ready(w.launched, deadline)
@@ -156,24 +167,30 @@ class LocalCluster:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start_core(), self._loop).result()
 
+    def _load(self) -> None:
+        """The tokenizer, and the cost model when the deployment names one (then the router
+        gets its planner and decoding workers their stall-free budget)."""
+        self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.model))
+        self._cost = plan.cost_model(self.deployment, self.threads, may_profile=False)
+
     async def _start_core(self) -> None:
         endpoints = [w.launched.control for w in self.workers]
-        self.core = RouterCore(endpoints, self.router_config, ctx=self.ctx, **self.core_args)
+        self.core = self._router_core(endpoints)
         await self.core.start(timeout_s=STARTUP_TIMEOUT_S)
 
-    def _engine_args(self, role: str) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "threads": self.threads,
-            **self.engine_args,
-            **self.role_args[role],
-        }
+    def _router_core(self, endpoints: list[str]) -> RouterCore:
+        core_args = dict(self.core_args)
+        return plan.router_core(self.deployment, endpoints, self._cost, self.ctx, **core_args)
 
-    def _spawn(self, role: str, worker_id: str) -> WorkerHandle:
-        spec = WorkerSpec(
-            role, worker_id, self._engine_args(role), self.worker_config, self.pool_factory
-        )
-        return WorkerHandle(launch(spec, self.ctx))
+    def _specs(self) -> list[WorkerSpec]:
+        """The deployment's workers, ids prefixed with the cluster's name."""
+        specs = [
+            dataclasses.replace(
+                s, worker_id=self.name + s.worker_id, pool_factory=self.pool_factory
+            )
+            for s in plan.worker_specs(self.deployment, self.threads)
+        ]
+        return plan.with_stall_free(self.deployment, specs, self._cost, self.threads)
 
     def _connect(self, w: WorkerHandle, deadline: float) -> None:
         sock = self.ctx.socket(zmq.DEALER)

@@ -4,9 +4,10 @@
     pdserve top --once                                         # one print, then exit
 
 Reads the same JSON as the page (`GET /admin/dashboard.json`, router/dashboard.py) and draws it
-with `rich`: the last minute's TTFT/TPOT p50/p90 against the SLOs and goodput, the pools, the
-counters (outcomes, rejections by reason, routes), the latest worker events and the last
-requests with their stage times across P and D.
+with `rich`: the last minute's TTFT/TPOT p50/p90 against the SLOs and goodput, the pools (with
+the workers Ray cannot place yet and why: "pending: needs CPU 1.0, 0 free"), the counters
+(outcomes, rejections by reason, routes), the latest worker events and the last requests with
+their stage times across P and D.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def pools(snap: dict[str, Any]) -> Table:
             _ms(w["heartbeat_age_s"]),
             _n(w["pid"]),
         )
+    for p in snap.get("pending", []):  # not placed yet: the reason in the state column
+        t.add_row(p["worker"], p["role"], Text(p["reason"], style="yellow"))
     return t
 
 

@@ -146,16 +146,13 @@ def test_quantized_engine_allocates_a_float16_cache_by_default(tiny_llama_path) 
 def test_serve_names_the_cost_model_after_the_allocated_cache(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`pdserve serve --quantization w8g32` (auto KV) loads the file that `bench profile
     --quantization w8g32 --kv-cache-dtype float16` writes: one measurement, one name."""
-    import argparse
-
-    from pdserve import serve
+    from pdserve.deployment import Deployment
+    from pdserve.serve import plan
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
 
     def name(**kw: str) -> str:
-        args = argparse.Namespace(quantization=None, kv_cache_dtype=None, decode_matmul=None)
-        vars(args).update(kw)
-        return serve._default_cost_path(args, None, 1).name
+        return plan.cost_path(Deployment(engine=kw), 1).name
 
     assert "-w8g32-kv-float16-" in name(quantization="w8g32")
     assert name(quantization="w8g32") == name(quantization="w8g32", kv_cache_dtype="float16")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from factories import assert_no_leaks, make_request, make_scheduler, run_to_completion, step
@@ -118,22 +120,21 @@ def test_worker_builds_the_budget_from_slo_and_cost_model_file(tmp_path) -> None
 
 
 def test_serve_hands_the_slo_to_decoding_workers_only() -> None:
-    import argparse
-
     from pdserve.costmodel.model import CostModel as Cost
+    from pdserve.deployment import Deployment, PlannerConfig
     from pdserve.launcher import WorkerSpec
-    from pdserve.serve import _with_stall_free
+    from pdserve.serve.plan import with_stall_free
 
     specs = [WorkerSpec(r, r[0]) for r in ("prefill", "decode", "colocated")]
-    args = argparse.Namespace(stall_free=True, slo_tpot=0.2, cost_model="c.json", model=None)
-    got = _with_stall_free(args, specs, Cost((0, 0, 0), (0, 0, 0)), 1)
+    planner = PlannerConfig(stall_free=True, slo_tpot_s=0.2, cost_model="c.json")
+    got = with_stall_free(Deployment(planner=planner), specs, Cost((0, 0, 0), (0, 0, 0)), 1)
     assert [(s.config.slo_tpot_s, s.config.cost_model) for s in got] == [
         (None, None),
         (0.2, "c.json"),
         (0.2, "c.json"),
     ]
-    args.stall_free = False
-    assert _with_stall_free(args, specs, Cost((0, 0, 0), (0, 0, 0)), 1) == specs
+    off = Deployment(planner=dataclasses.replace(planner, stall_free=False))
+    assert with_stall_free(off, specs, Cost((0, 0, 0), (0, 0, 0)), 1) == specs
 
 
 def test_budget_learns_that_steps_run_slower_than_the_cost_model_says() -> None:

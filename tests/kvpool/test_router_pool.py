@@ -210,13 +210,13 @@ def test_a_dead_ds_request_resumes_on_the_d_whose_pool_holds_its_context() -> No
 
 
 def test_serve_flag_sets_the_planners_pool_bandwidth_prior() -> None:
-    import argparse
+    from pdserve.cli import build_parser
+    from pdserve.serve import flags, plan
 
-    from pdserve import serve
+    def planner(*argv: str):  # type: ignore[no-untyped-def]
+        return plan.planner(flags.deployment(build_parser().parse_args(["serve", *argv])), MODEL)
 
-    parser = argparse.ArgumentParser()
-    serve.add_common_arguments(parser)
-    planner = serve._planner(parser.parse_args(["--kv-pool-gbps", "0.5"]), MODEL)
-    assert planner is not None and planner.pool_bandwidth.rate("P0") == 0.5e9
+    got = planner("--kv-pool-gbps", "0.5")
+    assert got is not None and got.pool_bandwidth.rate("P0") == 0.5e9
     with pytest.raises(ValueError, match="prior must be > 0"):
-        serve._planner(parser.parse_args(["--kv-pool-gbps", "0"]), MODEL)
+        planner("--kv-pool-gbps", "0")

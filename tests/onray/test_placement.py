@@ -50,12 +50,13 @@ def test_ray_address() -> None:
 
 def test_serve_on_a_ray_cluster_refuses_to_start_without_a_secret(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from pdserve.cli import build_parser
-    from pdserve.ray import launch
+    from pdserve.serve import flags
+    from pdserve.serve import ray as on_ray
 
     monkeypatch.delenv(auth.ENV, raising=False)
     args = build_parser().parse_args(["serve", "--ray", "head:6379", "--cost-model", "none"])
     with pytest.raises(ValueError, match="not loopback"):
-        launch.run(args)  # before connecting to Ray or loading anything
+        on_ray.run(flags.deployment(args))  # before connecting to Ray or loading anything
 
 
 # ---- the autoscaling policy (pdserve/ray/scaling.py) ---------------------------------------------

@@ -53,7 +53,11 @@ class WorkerActor:
         m.set_key(secret)
         engine = dict(engine_args)
         if engine.get("threads") is None:
-            engine["threads"] = threads_for(ctx.get_assigned_resources())
+            assigned = ctx.get_assigned_resources()
+            engine["threads"] = threads_for(assigned)
+            if assigned.get("CPU", 1) < 1:  # an honest thread count cannot be below one
+                log.info("worker %s holds %g CPUs: 1 torch thread, sharing a core",
+                         worker_id, assigned.get("CPU"))  # fmt: skip
         cfg = dataclasses.replace(WorkerConfig(**config), host=host, port=0, kv_port=0)
         self.node_id = ctx.get_node_id()
         self.incarnation = uuid.uuid4().hex

@@ -15,10 +15,8 @@ from typing import Any
 import zmq
 
 from pdserve.cluster import STARTUP_TIMEOUT_S, LocalCluster
-from pdserve.engine import loader
 from pdserve.ray.pools import PoolSpec, RayPools
 from pdserve.ray.scaling import PoolAutoscaler
-from pdserve.router.core import RouterCore
 from pdserve.workers import messages as m
 
 
@@ -36,15 +34,13 @@ class RayCluster(LocalCluster):
         **kwargs: Any,
     ) -> None:
         super().__init__(model, prefill, decode, colocated, **kwargs)
-        self.spec = spec or PoolSpec(
-            engine_args={"model": model, **self.engine_args}, worker_config=self.worker_config
-        )
+        self.spec = spec or PoolSpec.of(self.deployment, loopback=False)
         self.secret, self.autoscaler = secret, autoscaler
         self.pools: RayPools | None = None
 
     def start(self) -> None:
         m.set_key(self.secret)
-        self.tokenizer = loader.load_tokenizer(loader.resolve_model(self.model))
+        self._load()
         self.pools = RayPools(self.spec, self.secret, self.autoscaler)
         counts = {role: n for role, n in self.counts.items() if n}
         endpoints = self.pools.start(counts, timeout_s=STARTUP_TIMEOUT_S)
@@ -56,7 +52,7 @@ class RayCluster(LocalCluster):
 
     async def _start_ray_core(self, endpoints: list[str]) -> None:
         assert self.pools is not None
-        self.core = RouterCore(endpoints, self.router_config, ctx=self.ctx, **self.core_args)
+        self.core = self._router_core(endpoints)
         await self.core.start(timeout_s=STARTUP_TIMEOUT_S)
         await self.pools.attach(self.core)
 

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.deployment import threads_for_cpus
+
 RESOURCES = {
     "prefill": "pdserve_prefill",
     "decode": "pdserve_decode",
@@ -50,9 +52,19 @@ def fits(p: Placement, available: Mapping[str, float]) -> bool:
     return all(available.get(k, 0) >= v for k, v in p.resources.items())
 
 
+def shortfall(p: Placement, available: Mapping[str, float]) -> str | None:
+    """What the cluster's free resources lack to hold one more such worker ("needs CPU 1.0,
+    0 free"), or None when they hold it."""
+    for name, need in (("CPU", p.num_cpus), *p.resources.items()):
+        free = available.get(name, 0.0)
+        if free < need:
+            return f"needs {name} {float(need)}, {free:g} free"
+    return None
+
+
 def threads_for(assigned: Mapping[str, float]) -> int:
     """Torch threads of a worker from the CPUs Ray assigned to its actor (at least 1)."""
-    return max(1, int(assigned.get("CPU", 1)))
+    return threads_for_cpus(assigned.get("CPU", 1))
 
 
 def ray_address(value: str) -> str | None:

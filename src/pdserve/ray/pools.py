@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import WorkerConfig
+from pdserve.deployment import Deployment, RayConfig
+from pdserve.ray.pending import ClusterView, RayView, pending_reasons
 from pdserve.ray.placement import MAX_POOL, RESOURCES, fits, placement
 from pdserve.ray.scaling import POOLS, PoolAutoscaler
 from pdserve.router.flight import RequestError
@@ -43,12 +45,31 @@ class PoolSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     worker_config: WorkerConfig = field(default_factory=WorkerConfig)
     role_configs: dict[str, WorkerConfig] = field(default_factory=dict)  # per role, if differs
+    role_engine_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # overrides
     cpus_per_worker: float = 1.0
     max_restarts: int = -1  # Ray restarts a dead worker actor this often (-1: always)
     loopback: bool = False  # bind 127.0.0.1 (every node on this machine) instead of the node IP
     start_timeout_s: float = 300.0  # a new worker not up by then is given up (and counted)
     drain_timeout_s: float = 60.0  # then a draining worker's requests are recovered elsewhere
     poll_s: float = 0.5
+
+    @classmethod
+    def of(cls, d: Deployment, loopback: bool) -> PoolSpec:
+        """The actors of deployment `d`: its engine arguments (threads: as the topology gives,
+        else the actor's CPUs), worker config, per-role overrides and Ray settings."""
+        ray = d.ray or RayConfig(cpus_per_worker=1.0)  # no Ray settings: one CPU a worker
+        base = {"model": d.model, **d.engine} if d.model is not None else dict(d.engine)
+        return cls(
+            engine_args={**base, "threads": d.topology.threads},
+            worker_config=d.worker,
+            role_engine_args=dict(d.roles),
+            cpus_per_worker=ray.worker_cpus(d.topology.workers),
+            max_restarts=ray.max_restarts,
+            loopback=loopback,
+        )
+
+    def engine_for(self, role: str) -> dict[str, Any]:
+        return {**self.engine_args, **self.role_engine_args.get(role, {})}
 
 
 @dataclass
@@ -82,11 +103,16 @@ class RayPools:
     """Worker actors of one deployment; `attach(core)` before anything joins or resizes."""
 
     def __init__(
-        self, spec: PoolSpec, secret: bytes | None, autoscaler: PoolAutoscaler | None = None
+        self,
+        spec: PoolSpec,
+        secret: bytes | None,
+        autoscaler: PoolAutoscaler | None = None,
+        view: ClusterView | None = None,
     ) -> None:
         import ray
 
         self.ray, self.spec, self._secret = ray, spec, secret
+        self.view = view or RayView(ray)  # what Ray has free, and whether it placed an actor
         self.members: list[Member] = []
         self.core: Any = None
         self._cls = actor_class()
@@ -108,13 +134,13 @@ class RayPools:
         if role not in RESOURCES:
             raise ValueError(f"role must be one of {', '.join(RESOURCES)}, got {role!r}")
         worker_id = self._next_id(role)
-        where = placement(role, self.ray.cluster_resources(), self.spec.cpus_per_worker)
+        where = placement(role, self.view.cluster_resources(), self.spec.cpus_per_worker)
         actor = self._cls.options(
             name=None, max_restarts=self.spec.max_restarts, **where.options()
         ).remote(
             role,
             worker_id,
-            self.spec.engine_args,
+            self.spec.engine_for(role),
             dataclasses.asdict(self.spec.role_configs.get(role, self.spec.worker_config)),
             self._secret,
             self.spec.loopback,
@@ -290,17 +316,27 @@ class RayPools:
 
     def room(self, role: str) -> bool:
         """Whether the cluster has free resources for one more worker of `role` now."""
-        where = placement(role, self.ray.cluster_resources(), self.spec.cpus_per_worker)
-        return fits(where, self.ray.available_resources())
+        where = placement(role, self.view.cluster_resources(), self.spec.cpus_per_worker)
+        return fits(where, self.view.available_resources())
+
+    def pending(self) -> list[dict[str, str]]:
+        """The starting workers Ray has not placed yet, each with the resource it waits for."""
+        starting = [(m.worker_id, m.role, m.actor) for m in self.members if m.state == "starting"]
+        return pending_reasons(starting, self.view, self.spec.cpus_per_worker)
 
     def status(self) -> dict[str, Any]:
+        """GET /admin/pools: per pool its target and members by state; `pending`: the workers
+        Ray cannot place yet and why ("needs CPU 1.0, 0 free")."""
         pools = {}
+        pending = self.pending()
         for role in RESOURCES:
             mine = [m for m in self.members if m.role == role]
+            waiting = sum(1 for p in pending if p["role"] == role)
             pools[role] = {
                 "target": self.live_counts()[role],
                 "up": sum(1 for m in mine if m.state == "up"),
-                "starting": sum(1 for m in mine if m.state == "starting"),
+                "starting": sum(1 for m in mine if m.state == "starting") - waiting,
+                "pending": waiting,
                 "restarting": sum(1 for m in mine if m.state == "restarting"),
                 "draining": sum(1 for m in mine if m.state == "draining"),
                 "workers": [m.worker_id for m in mine],
@@ -311,7 +347,13 @@ class RayPools:
             for k, v in counters.items()
             if k.startswith(("pool_", "ray_restarts", "autoscale_"))
         }
-        return {"object": "pools", "backend": "ray", "pools": pools, "changes": changes}
+        return {
+            "object": "pools",
+            "backend": "ray",
+            "pools": pools,
+            "pending": pending,
+            "changes": changes,
+        }
 
     async def close(self) -> None:
         """Stop every worker actor (the router is closing)."""

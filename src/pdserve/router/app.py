@@ -274,7 +274,7 @@ def create_app(
     if metrics is not None and getattr(core, "metrics", None) is None:
         core.metrics = metrics
     s = _AppState(core, tokenizer, model_name, max_model_len, metrics)
-    board = dashboard.Dashboard(core, metrics)
+    board = dashboard.Dashboard(core, metrics, scaler)
     app = FastAPI(
         title="pdserve",
         docs_url=None,

@@ -119,6 +119,12 @@ class RequestRow(BaseModel):
     segments: list[Segment]
 
 
+class PendingWorker(BaseModel):  # a worker the deployment cannot place yet (ray/pending.py)
+    worker: str
+    role: str
+    reason: str  # "pending: needs CPU 1.0, 0 free"
+
+
 class KVTier(BaseModel):
     tier: str
     hit_rate: float | None
@@ -151,6 +157,7 @@ class Snapshot(BaseModel):
     totals: Totals
     requests: list[RequestRow]
     kv_pool: list[KVTier] | None  # None: no KV-pool metrics (the panel stays hidden)
+    pending: list[PendingWorker] = []  # from the scaler (router/pools.py), when there is one
 
 
 # ---- quantiles, segments -----------------------------------------------------------------------
@@ -294,8 +301,8 @@ class Dashboard:
     """The dashboard's memory: a series of latency points and a log of worker events, both
     bounded, and the last snapshot (shared by the polls of every open page)."""
 
-    def __init__(self, core: Any, metrics: Any) -> None:
-        self.core, self.metrics = core, metrics
+    def __init__(self, core: Any, metrics: Any, scaler: Any = None) -> None:
+        self.core, self.metrics, self.scaler = core, metrics, scaler
         self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERIES_KEEP)
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEEP)
         self._last_sample = self._last_watch = -1e18
@@ -423,6 +430,7 @@ class Dashboard:
             "totals": totals(samples),
             "requests": self.requests(recent, now, t_unix),
             "kv_pool": kv_pool(samples),
+            "pending": self.scaler.status().get("pending", []) if self.scaler else [],
         }
 
     def workers(self) -> list[dict[str, Any]]:

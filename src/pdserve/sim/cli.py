@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests
@@ -78,6 +79,9 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
+    a("--config", type=Path, default=None, metavar="YAML",
+      help="the deployment file `pdserve serve --config` reads: its pools, SLOs, planner and "
+      "engine budgets (the flags here add hardware, TP, link)")  # fmt: skip
     a("--model", default=None, help="model name or config.json (default: llama-3.1-8b; cpu: "
       "the default GGUF)")  # fmt: skip
     pools = parser.add_mutually_exclusive_group()
@@ -103,6 +107,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     if hw not in hardware.HARDWARE:
         raise ValueError(f"unknown hardware {args.hardware!r}; choose one of "
                          f"{', '.join(hardware.HARDWARE)}")  # fmt: skip
+    if getattr(args, "config", None) is not None:
+        return _from_config(args, hw)
     if args.colocated is None and (args.prefill is None) != (args.decode is None):
         raise ValueError("give --prefill N with --decode M, or --colocated N")
     if args.per_message_ms < 0 or args.message_ms < 0:
@@ -142,6 +148,32 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         shared_host=not args.no_contention,
         message_s=args.message_ms / 1e3,
     )
+
+
+# The flags a deployment file sets instead, with their defaults.
+FILE_OWNS = {
+    "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
+    "router": None, "admission": False, "disaggregation": "always", "prefix_routing": False,
+    "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
+}  # fmt: skip
+
+
+def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
+    """The served deployment of --config, on the hardware and links the flags describe."""
+    clash = sorted(k for k, default in FILE_OWNS.items() if getattr(args, k) != default)
+    if clash:
+        flags = ", ".join("--" + k.replace("_", "-") for k in clash)
+        raise ValueError(f"with --config, set {flags} in the deployment file")
+    served = ServedDeployment.from_yaml(args.config)
+    model = args.model or ((served.model or "default") if hw == "cpu" else "llama-3.1-8b")
+    sim: dict[str, Any] = {"hardware": hw, "model": model, "tp_prefill": args.tp_prefill,
+                           "tp_decode": args.tp_decode, "link_gbps": args.link_gbps,
+                           "per_message_s": args.per_message_ms / 1e3,
+                           "shared_host": not args.no_contention,
+                           "message_s": args.message_ms / 1e3}  # fmt: skip
+    if args.cost_model is not None:
+        sim["cost_model"] = args.cost_model
+    return Deployment.of(served, **sim)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,10 +1,11 @@
 """A deployment to simulate (hardware, model, pools, tensor parallelism, link), run, summarized.
 
 `Deployment` is the one description both `pdserve sim` and `pdserve plan --simulate` build;
-`simulate(deployment, requests)` runs it and `summarize` turns the records into the numbers the
-bench reports: TTFT / TPOT percentiles of the served requests, SLO attainment over *all*
-requests (a rejected one misses), goodput (requests meeting both SLOs per second of the run,
-and per GPU), routes, rejections, utilization per pool.
+`Deployment.of` makes it from the served one (`pdserve.deployment.Deployment`: a YAML file,
+`pdserve serve`, `LocalCluster`). `simulate(deployment, requests)` runs it and `summarize`
+turns the records into the numbers the bench reports: TTFT / TPOT percentiles of the served
+requests, SLO attainment over *all* requests (a rejected one misses), goodput (requests meeting
+both SLOs per second of the run, and per GPU), routes, rejections, utilization per pool.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve import deployment as served
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
@@ -62,6 +64,35 @@ class Deployment:
     shared_host: bool = True  # cpu: workers share this host's cores (the profiled contention)
     message_s: float = 0.0
 
+    @classmethod
+    def of(cls, d: served.Deployment, **sim: Any) -> Deployment:
+        """The simulated twin of a served deployment (deployment.py): its pools, engine
+        budgets, planner and routing; `sim` sets what only a simulation has (hardware, tensor
+        parallelism, link) and may override the rest."""
+        p, prefill_args = d.planner, d.roles.get("prefill", {})
+        planner = p.cost_model != "none" and (p.has_slo or p.needs_cost_model())
+        topology = d.topology.counts()
+        derived: dict[str, Any] = {
+            "prefill": topology["prefill"],
+            "decode": topology["decode"],
+            "colocated": topology["colocated"],
+            "slo_ttft_s": p.slo_ttft_s,
+            "slo_tpot_s": p.slo_tpot_s,
+            "planner": planner,
+            "admission": planner and p.admission and p.has_slo,
+            # auto is conditional whenever the router has a cost model (serve/plan.py)
+            "disaggregation": "always"
+            if not planner or p.disaggregation == "always"
+            else "conditional",
+            "prefix_routing": planner and d.router.prefix_routing,
+            "autobalance": planner and p.autobalance,
+            "expected_output": p.expected_output,
+            **({"model": d.model} if d.model is not None else {}),
+            **({"cost_model": Path(p.cost_model)} if p.cost_model not in ("auto", "none") else {}),
+            **_engine_budgets(d.engine, prefill_args),
+        }
+        return cls(**{**derived, **sim})
+
     @property
     def gpus(self) -> int:
         if self.colocated:
@@ -72,6 +103,19 @@ class Deployment:
         if self.colocated:
             return f"{self.colocated} colocated x TP{self.tp_decode}"
         return f"{self.prefill}P(TP{self.tp_prefill}) : {self.decode}D(TP{self.tp_decode})"
+
+
+def _engine_budgets(engine: dict[str, Any], prefill: dict[str, Any]) -> dict[str, Any]:
+    """The simulated workers' budgets the served engine settings name (else the sim's own)."""
+    names = {
+        "max_num_batched_tokens": "max_batched_tokens",
+        "max_num_seqs": "max_num_seqs",
+        "kv_cache_memory_gb": "kv_cache_gb",
+    }
+    out = {ours: engine[theirs] for theirs, ours in names.items() if theirs in engine}
+    if "max_num_batched_tokens" in prefill:
+        out["prefill_batched_tokens"] = prefill["max_num_batched_tokens"]
+    return out
 
 
 @dataclass

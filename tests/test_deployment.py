@@ -1,0 +1,187 @@
+"""One `Deployment` (pdserve/deployment.py) from the command line, a YAML file or Python, and the
+same description reaching serve's worker specs, LocalCluster, the Ray pool spec and the
+simulator. Nothing here starts a worker."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.cluster import LocalCluster
+from pdserve.config import RouterConfig, WorkerConfig
+from pdserve.deployment import (
+    Deployment,
+    HttpConfig,
+    PlannerConfig,
+    RayConfig,
+    Topology,
+    threads_for_cpus,
+)
+from pdserve.ray.pools import PoolSpec
+from pdserve.serve import flags, plan
+from pdserve.serve import ray as on_ray
+from pdserve.sim import deploy as sim_deploy
+
+YAML = """\
+model: /models/tiny
+topology: {prefill: 2, decode: 1, threads: 3}
+engine: {quantization: w8g32, kv_cache_memory_gb: 0.5}
+roles: {decode: {max_num_batched_tokens: 512}}
+worker: {transport: ipc, kv_codec: int8}
+router: {policy: round_robin}
+planner: {slo_ttft_s: 1.5, slo_tpot_s: 0.1, cost_model: none, admission: false}
+http: {port: 9001, served_model_name: tiny}
+ray: {address: auto, cpus_per_worker: 0.5}
+"""
+
+PYTHON = Deployment(
+    model="/models/tiny",
+    topology=Topology(prefill=2, decode=1, threads=3),
+    engine={"quantization": "w8g32", "kv_cache_memory_gb": 0.5},
+    roles={"decode": {"max_num_batched_tokens": 512}},
+    worker=WorkerConfig(transport="ipc", kv_codec="int8"),
+    router=RouterConfig(policy="round_robin"),
+    planner=PlannerConfig(slo_ttft_s=1.5, slo_tpot_s=0.1, cost_model="none", admission=False),
+    http=HttpConfig(port=9001, served_model_name="tiny"),
+    ray=RayConfig(cpus_per_worker=0.5),
+)
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture
+def yaml_file(tmp_path: Path) -> Path:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(YAML)
+    return path
+
+
+def test_the_yaml_file_python_and_the_flags_describe_one_deployment(yaml_file: Path) -> None:
+    assert Deployment.from_yaml(yaml_file) == PYTHON
+    assert Deployment.from_dict(PYTHON.to_dict()) == PYTHON
+    ns = serve_args(
+        "/models/tiny", "--prefill", "2", "--decode", "1", "--threads", "3",
+        "--quantization", "w8g32", "--kv-cache-memory-gb", "0.5", "--transport", "ipc",
+        "--kv-codec", "int8", "--policy", "round_robin", "--slo-ttft", "1.5",
+        "--slo-tpot", "0.1", "--cost-model", "none", "--no-admission", "--port", "9001",
+        "--served-model-name", "tiny", "--ray", "--ray-cpus-per-worker", "0.5",
+    )  # fmt: skip
+    # the one thing flags cannot say: per-role engine overrides
+    assert Deployment.from_args(ns) == dataclasses.replace(PYTHON, roles={})
+
+
+def test_flags_given_beside_the_file_override_it(yaml_file: Path) -> None:
+    d = flags.deployment(serve_args("--config", str(yaml_file), "--slo-ttft", "2", "--port", "1"))
+    assert (d.planner.slo_ttft_s, d.planner.slo_tpot_s, d.http.port) == (2.0, 0.1, 1)
+    assert d.topology == Topology(2, 1, 0, 3) and d.engine == PYTHON.engine  # the file's
+    colocated = flags.deployment(serve_args("--config", str(yaml_file), "--colocated", "2"))
+    assert colocated.topology.counts() == {"prefill": 0, "decode": 0, "colocated": 2}
+
+
+def test_bad_deployments_name_what_to_change(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"planner: unknown keys \['slo'\]"):
+        Deployment.from_dict({"planner": {"slo": 1}})
+    with pytest.raises(ValueError, match=r"deployment: unknown keys \['topolgy'\]"):
+        Deployment.from_dict({"topolgy": {}})
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Deployment.from_dict({"roles": {"decode": {"quantization": "int3"}}})
+    with pytest.raises(ValueError, match="roles: 'router' is not one of"):
+        Deployment(roles={"router": {}})
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        Topology(prefill=0)
+    with pytest.raises(ValueError, match="not both"):
+        Deployment.from_args(serve_args("--colocated", "1", "--prefill", "1"))
+    with pytest.raises(ValueError, match="disaggregation must be one of"):
+        PlannerConfig(disaggregation="sometimes")
+    with pytest.raises(ValueError, match="cpus_per_worker must be > 0"):
+        Deployment.from_args(serve_args("--ray", "--ray-cpus-per-worker", "0"))
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- prefill\n")
+    with pytest.raises(ValueError, match="mapping of sections"):
+        Deployment.from_yaml(bad)
+
+
+def test_serve_builds_its_workers_from_the_deployment() -> None:
+    specs = plan.worker_specs(PYTHON)
+    assert [(s.role, s.worker_id) for s in specs] == [
+        ("prefill", "P0"),
+        ("prefill", "P1"),
+        ("decode", "D0"),
+    ]
+    assert specs[0].engine_args == {
+        "threads": 3,
+        "model": "/models/tiny",
+        "quantization": "w8g32",
+        "kv_cache_memory_gb": 0.5,
+    }
+    assert specs[2].engine_args["max_num_batched_tokens"] == 512  # the decode role's override
+    assert {s.config for s in specs} == {PYTHON.worker}
+    assert plan.cost_model(PYTHON, 3) is None  # cost_model: none, nothing needs one
+
+
+def test_local_cluster_takes_a_deployment() -> None:
+    """The same description, or LocalCluster's own keyword arguments made into one."""
+    cluster = LocalCluster(deployment=PYTHON, name="x")
+    try:
+        assert cluster.counts == {"prefill": 2, "decode": 1, "colocated": 0}
+        assert [s.worker_id for s in cluster._specs()] == ["xP0", "xP1", "xD0"]
+        assert cluster._specs()[2].engine_args["max_num_batched_tokens"] == 512
+    finally:
+        cluster.close()
+    kw = LocalCluster("m", 1, 2, threads=1, engine_args={"block_size": 8}, decode_args={"seed": 3})
+    try:
+        d = kw.deployment
+        assert d.topology == Topology(1, 2, 0, 1) and d.router.policy == "round_robin"
+        assert d.engine == {"block_size": 8} and d.roles == {"decode": {"seed": 3}}
+        assert d.planner.cost_model == "none"  # a planner only through core_args, as before
+    finally:
+        kw.close()
+
+
+def test_fractional_ray_cpus_give_one_thread_each() -> None:
+    """`--ray --ray-cpus-per-worker 0.5` stopped at start: int(0.5) threads named the cost
+    model file (and `threads must be >= 1, got 0`). A worker below one CPU runs one thread."""
+    assert [threads_for_cpus(c) for c in (0.25, 0.5, 1.0, 1.5, 3.0)] == [1, 1, 1, 1, 3]
+    d = flags.deployment(serve_args("--ray", "--ray-cpus-per-worker", "0.5"))
+    spec, threads = on_ray.pool_spec(d)
+    assert (spec.cpus_per_worker, threads, spec.loopback) == (0.5, 1, True)
+    assert spec.engine_args["threads"] is None  # each actor decides from its own CPUs
+    assert plan.cost_path(d, threads).name.endswith(".json")  # no ValueError
+    assert RayConfig(address="auto").worker_cpus(2, cores=2) == 1
+    assert RayConfig(address="head:6379").worker_cpus(8, cores=64) == 1
+
+
+def test_pool_spec_carries_the_deployment() -> None:
+    spec = PoolSpec.of(PYTHON, loopback=False)
+    assert spec.engine_args["threads"] == 3 and spec.worker_config == PYTHON.worker
+    assert spec.engine_for("decode")["max_num_batched_tokens"] == 512
+    assert "max_num_batched_tokens" not in spec.engine_for("prefill")
+    no_ray = PoolSpec.of(dataclasses.replace(PYTHON, ray=None), loopback=False)
+    assert no_ray.cpus_per_worker == 1.0  # RayCluster's default before the Deployment
+
+
+def test_the_simulator_takes_the_same_deployment() -> None:
+    planned = dataclasses.replace(PYTHON, planner=PlannerConfig(slo_ttft_s=1.0, slo_tpot_s=0.1))
+    sim = sim_deploy.Deployment.of(planned, hardware="h100", model="llama-3.1-8b", tp_decode=2)
+    assert (sim.prefill, sim.decode, sim.colocated, sim.tp_decode) == (2, 1, 0, 2)
+    assert (sim.slo_ttft_s, sim.slo_tpot_s) == (1.0, 0.1)
+    assert sim.planner and sim.admission and sim.disaggregation == "conditional"
+    assert sim.prefix_routing and sim.kv_cache_gb == 0.5
+    plain = sim_deploy.Deployment.of(PYTHON, hardware="h100", model="llama-3.1-8b")
+    assert not plain.planner and plain.disaggregation == "always"  # cost_model: none
+
+
+def test_pdserve_sim_reads_the_deployment_file(yaml_file: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.cli import main
+
+    argv = ["sim", "--config", str(yaml_file), "--hardware", "h100", "--model", "llama-3.1-8b"]
+    assert main([*argv, "--num-requests", "20", "--json"]) == 0
+    assert '"deployment": "2P(TP1) : 1D(TP1)"' in capsys.readouterr().out
+    assert main([*argv, "--prefill", "1", "--decode", "1"]) == 2
+    assert "set --decode, --prefill in the deployment file" in capsys.readouterr().err
