@@ -130,8 +130,8 @@ def test_local_cluster_takes_a_deployment() -> None:
     cluster = LocalCluster(deployment=PYTHON, name="x")
     try:
         assert cluster.counts == {"prefill": 2, "decode": 1, "colocated": 0}
-        assert [s.worker_id for s in cluster._specs()] == ["xP0", "xP1", "xD0"]
-        assert cluster._specs()[2].engine_args["max_num_batched_tokens"] == 512
+        assert [s.worker_id for s in cluster.worker_specs()] == ["xP0", "xP1", "xD0"]
+        assert cluster.worker_specs()[2].engine_args["max_num_batched_tokens"] == 512
     finally:
         cluster.close()
     kw = LocalCluster("m", 1, 2, threads=1, engine_args={"block_size": 8}, decode_args={"seed": 3})

@@ -154,7 +154,7 @@ class LocalCluster:
         # the workers inherit $PDSERVE_SECRET; this process (the router core) tags with it too
         m.set_key(auth.load_secret())
         self._load()
-        for spec in self._specs():
+        for spec in self.worker_specs():
             self.workers.append(WorkerHandle(launch(spec, self.ctx)))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for w in self.workers:
@@ -182,7 +182,7 @@ class LocalCluster:
         core_args = dict(self.core_args)
         return plan.router_core(self.deployment, endpoints, self._cost, self.ctx, **core_args)
 
-    def _specs(self) -> list[WorkerSpec]:
+    def worker_specs(self) -> list[WorkerSpec]:
         """The deployment's workers, ids prefixed with the cluster's name."""
         specs = [
             dataclasses.replace(

@@ -61,9 +61,10 @@ class Topology:
         for role in ("prefill", "decode"):  # resolved once, so every reader sees numbers
             if getattr(self, role) is None:
                 object.__setattr__(self, role, 0 if self.colocated else 1)
-        if min(self.counts().values()) < 0:
+        n = self.counts()
+        if min(n.values()) < 0:
             raise ValueError("topology: prefill, decode and colocated must be >= 0")
-        if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):  # type: ignore[operator]
+        if n["colocated"] == 0 and (n["prefill"] < 1 or n["decode"] < 1):
             raise ValueError(
                 "topology: give at least one prefill and one decode worker, or colocated > 0"
             )
@@ -71,9 +72,12 @@ class Topology:
             raise ValueError(f"topology: threads must be >= 1, got {self.threads}")
 
     def counts(self) -> dict[str, int]:
-        """Workers per role, roles with none included (mypy: prefill/decode are ints now)."""
-        return {"prefill": int(self.prefill or 0), "decode": int(self.decode or 0),
-                "colocated": self.colocated}  # fmt: skip
+        """Workers per role, roles without any included."""
+        return {
+            "prefill": self.prefill or 0,
+            "decode": self.decode or 0,
+            "colocated": self.colocated,
+        }
 
     @property
     def workers(self) -> int:

@@ -91,3 +91,14 @@ def test_admin_pools_the_dashboard_and_top_say_why(default_tokenizer: Any) -> No
 def test_without_a_scaler_nothing_is_pending(default_tokenizer: Any) -> None:
     client = TestClient(create_app(FakeCore(), default_tokenizer, model_name="m"))
     assert client.get(dashboard.JSON_PATH).json()["pending"] == []
+
+
+def test_ray_unreachable_leaves_the_status_without_reasons() -> None:
+    pools = pools_with_a_pending_decode()
+
+    def fail() -> Mapping[str, float]:
+        raise ConnectionError("GCS gone")
+
+    pools.view.available_resources = fail  # type: ignore[method-assign]
+    status = pools.status()
+    assert status["pending"] == [] and status["pools"]["decode"]["starting"] == 1

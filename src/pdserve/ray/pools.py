@@ -322,7 +322,11 @@ class RayPools:
     def pending(self) -> list[dict[str, str]]:
         """The starting workers Ray has not placed yet, each with the resource it waits for."""
         starting = [(m.worker_id, m.role, m.actor) for m in self.members if m.state == "starting"]
-        return pending_reasons(starting, self.view, self.spec.cpus_per_worker)
+        try:
+            return pending_reasons(starting, self.view, self.spec.cpus_per_worker)
+        except Exception:  # Ray unreachable for a moment: /admin/pools and the dashboard answer
+            log.warning("cannot ask Ray why workers wait", exc_info=True)
+            return []
 
     def status(self) -> dict[str, Any]:
         """GET /admin/pools: per pool its target and members by state; `pending`: the workers
