@@ -48,6 +48,7 @@ from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
 from pdserve.router.silence import SilenceWatch
 from pdserve.router.timeline import Ev, Event, Side, Timelines, labelled, render, staged
+from pdserve.router.worker_stats import WorkerStats
 from pdserve.workers import messages as m
 
 # Seconds a request may go without an event (at least 6x the hand-off deadline) before it ends
@@ -379,7 +380,7 @@ class RouterCore:
                 self._send(w, m.Hello("router"))
             return
         if isinstance(msg, m.Stats):
-            w.stats = msg.stats
+            w.stats = WorkerStats.from_report(msg.stats)
             if w.hb is None:  # with a heartbeat socket, health is the heartbeat's call
                 w.healthy = True
             self.events.worker_stats(w, msg.stats)
@@ -547,12 +548,11 @@ class RouterCore:
             pools = w.info.kv_pools if w.info is not None else []
             if not pools:
                 continue
-            s = w.stats
-            use = {k.removeprefix("kv_pool_"): v for k, v in s.items() if k.startswith("kv_pool_")}
-            workers[w.worker_id] = {"pools": pools, "use": use, "tiers": s.get("kv_pool", {})}
+            use, tiers = w.stats.kv_pool_use(), w.stats.kv_pool_tiers()
+            workers[w.worker_id] = {"pools": pools, "use": use, "tiers": tiers}
         router = {k: v for k, v in self.counters.items() if "pool" in k}
         # what the pool saves: prompt tokens every worker computed (with a pool or not)
-        computed = {w.worker_id: w.stats.get("prefill_tokens", 0) for w in self.workers}
+        computed = {w.worker_id: w.stats.prefill_tokens or 0 for w in self.workers}
         return {
             "workers": workers,
             "index": self.routing.pools.stats(),

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq.asyncio
 
 from pdserve.engine.request import SamplingParams
 from pdserve.router import slo
 from pdserve.router.timeline import Event
+from pdserve.router.worker_stats import WorkerStats
 from pdserve.workers import messages as m
 
 
@@ -47,7 +47,7 @@ class WorkerState:
     sock: zmq.asyncio.Socket
     info: m.WorkerInfo | None = None
     healthy: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # its last report
     outstanding: int = 0
     last_seen: float = 0.0
     hb: zmq.asyncio.Socket | None = None  # heartbeat socket (Ping -> Pong)
