@@ -47,7 +47,8 @@ from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback
 from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
 from pdserve.router.silence import SilenceWatch
-from pdserve.router.timeline import Ev, Event, Side, Timelines, labelled, render, staged
+from pdserve.router.timeline import Ev, Event, Side, labelled, render, staged
+from pdserve.router.timelines import Timelines
 from pdserve.router.worker_stats import WorkerStats
 from pdserve.workers import messages as m
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.sim.records import SimRequest
+from pdserve.sim.cluster import SimRequest
 from pdserve.workloads import streams as bw
 
 SIM_WORKLOADS = ("synthetic", "rag", "mixed", "shifting", "multiturn")
