@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.costmodel.model import CostModel
 from pdserve.router import decide, slo
+from pdserve.router.loads import WorkerLoad
 from pdserve.router.policies import make_policy
 from pdserve.router.worker_stats import WorkerStats
 
@@ -20,7 +21,7 @@ class Worker:
     role: str
     outstanding: int = 0
     stats: WorkerStats = field(default_factory=WorkerStats)
-    load: slo.WorkerLoad = field(default_factory=lambda: slo.WorkerLoad(""))
+    load: WorkerLoad = field(default_factory=lambda: WorkerLoad(""))
 
 
 def test_a_report_parses_to_typed_fields_and_keeps_the_rest() -> None:
@@ -63,13 +64,13 @@ def test_route_names() -> None:
 
 def test_book_puts_prefill_on_p_and_the_decode_streams_on_d() -> None:
     planner = slo.SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0)), expected_output=50)
-    p, d = slo.WorkerLoad("P0"), slo.WorkerLoad("D0")
+    p, d = WorkerLoad("P0"), WorkerLoad("D0")
     decide.book(planner, "r", (p, d), 100, 500, 1.0, None, pooled=40, streams=3)
     (pj,), (dj,) = p.jobs.values(), d.jobs.values()
-    assert pj.prefill_s == pytest.approx(planner.prefill_time(100, 0, slo.WorkerLoad(""), 40))
+    assert pj.prefill_s == pytest.approx(planner.prefill_time(100, 0, WorkerLoad(""), 40))
     assert not pj.decodes
     assert (dj.context, dj.remaining, dj.streams, dj.decodes) == (100, 50, 3, True)
-    whole = slo.WorkerLoad("C0")
+    whole = WorkerLoad("C0")
     decide.book(planner, "w", (whole, None), 10, 0, 1.0, None)
     assert whole.jobs["w"].remaining == 1  # at least one token is expected
 

@@ -36,6 +36,7 @@ from pdserve.engine.grammar import check_spec
 from pdserve.router import dashboard, pools, respond, structured, tools
 from pdserve.router import protocol as p
 from pdserve.router import responses as r
+from pdserve.router.errors import InvalidRequest, error_body, validation_error_body
 from pdserve.router.flight import RequestError
 from pdserve.router.gate import Gate, error_response
 from pdserve.router.generation import AppState, Generation
@@ -93,10 +94,10 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(p.validation_error_body(list(exc.errors())), status_code=400)
+        return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
 
-    @app.exception_handler(p.InvalidRequest)
-    async def invalid_request(request: Request, exc: p.InvalidRequest) -> JSONResponse:
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
         return s.reject(request, exc)
 
     @app.exception_handler(RequestError)
@@ -169,7 +170,7 @@ def create_app(
         if any(healthy.values()):
             # one role's pool is empty: the rest runs whole requests (counted as local_fallbacks)
             return JSONResponse({"status": "degraded", "healthy_workers": healthy})
-        body = p.error_body(503, "no healthy workers to serve requests", code="no_healthy_workers")
+        body = error_body(503, "no healthy workers to serve requests", code="no_healthy_workers")
         return JSONResponse(
             {"status": "unavailable", "healthy_workers": healthy, **body}, status_code=503
         )
@@ -225,12 +226,12 @@ def _chat_constraint(
     if tool_spec is None:
         return spec
     if spec is not None:
-        raise p.InvalidRequest(
+        raise InvalidRequest(
             f"tool_choice {req.tool_choice!r} constrains the output already; drop {source}",
             source,
         )
     try:
         check_spec(tool_spec)
     except ValueError as e:
-        raise p.InvalidRequest(f"tools: a function's parameters: {e}", "tools") from None
+        raise InvalidRequest(f"tools: a function's parameters: {e}", "tools") from None
     return tool_spec

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from pdserve.router import slo
+from pdserve.router.loads import Job, WorkerLoad
 from pdserve.router.policies import Policy
 from pdserve.router.policies import WorkerLoad as PolicyLoad
 from pdserve.router.prefix_index import PrefixIndex
@@ -39,7 +40,7 @@ class Candidate(Protocol):
     @property
     def stats(self) -> WorkerStats: ...  # its last report (the policies read `waiting`)
     @property
-    def load(self) -> slo.WorkerLoad: ...  # the planner's picture of its queue (`book`)
+    def load(self) -> WorkerLoad: ...  # the planner's picture of its queue (`book`)
 
 
 W = TypeVar("W", bound=Candidate)
@@ -128,7 +129,7 @@ def cached_tokens(
 def book(
     planner: slo.SloPlanner,
     rid: str,
-    loads: tuple[slo.WorkerLoad, slo.WorkerLoad | None],
+    loads: tuple[WorkerLoad, WorkerLoad | None],
     tokens: int,
     max_new: int,
     now: float,
@@ -148,10 +149,10 @@ def book(
         pooled = pred.pooled_first if pred is not None else 0
     prefill = planner.prefill_time(tokens, cached, first, pooled)
     if second is None:
-        first.add(slo.Job(rid, prefill, tokens, out, True, now, streams=streams))
+        first.add(Job(rid, prefill, tokens, out, True, now, streams=streams))
         return
-    first.add(slo.Job(rid, prefill, 0, 0, False, now))
-    second.add(slo.Job(rid, 0.0, tokens, out, True, now, streams=streams))
+    first.add(Job(rid, prefill, 0, 0, False, now))
+    second.add(Job(rid, 0.0, tokens, out, True, now, streams=streams))
 
 
 def route_kind(first_role: str, remote: bool, pred: slo.Prediction | None, forced: bool) -> str:

@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from pdserve.engine.request import SamplingParams
 from pdserve.router import slo
+from pdserve.router.loads import WorkerLoad
 from pdserve.router.timeline import Event
 from pdserve.router.worker_stats import WorkerStats
 from pdserve.workers import messages as m
@@ -55,7 +56,7 @@ class WorkerState:
     loop_age: float = 0.0  # the worker's own report: since its main loop last turned
     down_reason: str | None = None  # why it was taken out of routing
     draining: bool = False  # out of routing until its requests finish (a role switch)
-    load: slo.WorkerLoad = field(default_factory=lambda: slo.WorkerLoad(""))
+    load: WorkerLoad = field(default_factory=lambda: WorkerLoad(""))
 
     @property
     def worker_id(self) -> str:

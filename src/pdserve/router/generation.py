@@ -18,6 +18,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.router import protocol as p
 from pdserve.router import responses as r
 from pdserve.router import tools
+from pdserve.router.errors import InvalidRequest
 from pdserve.router.flight import Delta
 from pdserve.router.gate import error_response
 
@@ -128,14 +129,14 @@ class AppState:
                 self._token_text[token_id] = text
         return text
 
-    def reject(self, request: Request, e: p.InvalidRequest) -> JSONResponse:
+    def reject(self, request: Request, e: InvalidRequest) -> JSONResponse:
         if self.metrics is not None and request.method == "POST":
             self.metrics.on_rejected(e.code)
         return error_response(e.status, e.message, param=e.param, code=e.code)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise p.InvalidRequest(
+            raise InvalidRequest(
                 f"The model {model!r} does not exist; this server serves {self.model_name!r}",
                 "model",
                 "model_not_found",
@@ -145,9 +146,9 @@ class AppState:
     def check_prompt(self, ids: list[int]) -> p.Context | None:
         """Validate prompt ids; returns the context max_tokens must fit in (None: unknown)."""
         if not ids:
-            raise p.InvalidRequest("prompt must not be empty", "prompt", "empty_prompt")
+            raise InvalidRequest("prompt must not be empty", "prompt", "empty_prompt")
         if self.max_model_len is not None and len(ids) >= self.max_model_len:
-            raise p.InvalidRequest(
+            raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {len(ids)} tokens, leaving no room to generate",
                 "prompt",
@@ -161,7 +162,7 @@ class AppState:
         """What only the vocabulary can tell: logit_bias token ids."""
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad:
-            raise p.InvalidRequest(
+            raise InvalidRequest(
                 f"logit_bias token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
                 "logit_bias",
             )
@@ -175,7 +176,7 @@ class AppState:
             return list(await run_in_threadpool(self.tokenizer.encode, prompt))
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise p.InvalidRequest(
+            raise InvalidRequest(
                 f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
             )
         return list(prompt)
@@ -197,4 +198,4 @@ class AppState:
         try:
             return await run_in_threadpool(encode)
         except Exception as e:  # the template refuses this conversation (roles, order, ...)
-            raise p.InvalidRequest(f"cannot apply the chat template: {e}", "messages") from None
+            raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from None

@@ -66,6 +66,20 @@ class Links:
             for role in ROLES
         }
 
+    async def hello(self, w: WorkerState) -> None:
+        """Introduce the router (at start-up or when a worker joins): answered with WorkerInfo."""
+        await w.sock.send(m.encode(m.Hello("router")))
+
+    async def greeted(self, w: WorkerState, deadline: float, timeout_s: float) -> None:
+        """Wait for the worker's answer to `hello` (its WorkerInfo); RuntimeError by `deadline`."""
+        while w.info is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await w.sock.poll(int(left * 1000)):
+                raise RuntimeError(f"worker at {w.endpoint} did not answer within {timeout_s}s")
+            msg = m.decode(await w.sock.recv())
+            if isinstance(msg, m.WorkerInfo):
+                w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
+
     def find(self, worker_id: str) -> WorkerState | None:
         return next((w for w in self.workers if w.worker_id == worker_id), None)
 

@@ -13,7 +13,7 @@ import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-from pdserve.router import protocol as p
+from pdserve.router.errors import error_body
 from pdserve.router.flight import Delta, RequestError
 from pdserve.router.generation import ClientGone, Generation, watching
 from pdserve.router.render import Render
@@ -117,10 +117,10 @@ async def stream(g: Generation, include_usage: bool, render: Render) -> Response
             if include_usage:
                 yield dump(render.usage_chunk())
         except RequestError as e:
-            yield _sse(p.error_body(e.status, e.message, code=e.code))
+            yield _sse(error_body(e.status, e.message, code=e.code))
         except Exception as e:  # a bug: tell the client, end the stream cleanly
             log.exception("internal error in stream %s", g.rid)
-            yield _sse(p.error_body(500, f"internal error: {type(e).__name__}"))
+            yield _sse(error_body(500, f"internal error: {type(e).__name__}"))
         finally:
             with anyio.CancelScope(shield=True):
                 await g.aclose()

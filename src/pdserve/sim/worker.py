@@ -15,7 +15,7 @@ from typing import Protocol
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
-from pdserve.router import slo
+from pdserve.router.loads import WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.worker_stats import WorkerStats
 from pdserve.sim.records import SimConfig, SimRequest
@@ -69,7 +69,7 @@ class SimWorker:
         self.kv = KVCacheManager(instance_kv_blocks(step, cfg.block_size), cfg.block_size,
                                  enable_prefix_caching=cfg.prefix_caching)  # fmt: skip
         self.sched = Scheduler(policy, self.kv)
-        self.load = slo.WorkerLoad(wid)
+        self.load = WorkerLoad(wid)
         self.outstanding = 0
         self.link = Link(sim.link.bytes_s * step.gpus, sim.link.per_message_s)
         self.busy = False
