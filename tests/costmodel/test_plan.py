@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.costmodel import plan, plan_cli
+from pdserve.costmodel import capacity, plan, plan_cli
+from pdserve.costmodel.capacity import SLO, Shape
 from pdserve.costmodel.model import CostModel
-from pdserve.costmodel.plan import SLO, Shape
 
 # about SmolLM2-135M on one thread: 50 ms + 1.8 ms/token prefill, 45 ms decode steps
 MODEL = CostModel((0.05, 0.0018, 0.0004), (0.045, 0.004, 0.009), (0.001, 1e9))
@@ -23,47 +23,47 @@ KV_BYTES = 46080
 
 def test_md1_utilization_meets_the_limit_exactly() -> None:
     s, limit = 2.0, 5.0
-    rho = plan.max_md1_utilization(s, limit)
+    rho = capacity.max_md1_utilization(s, limit)
     assert 0 < rho < 1
-    assert plan.md1_wait(rho, s) + s == pytest.approx(limit)
-    assert plan.max_md1_utilization(6.0, limit) == 0.0
-    assert plan.md1_wait(1.0, s) == float("inf")
+    assert capacity.md1_wait(rho, s) + s == pytest.approx(limit)
+    assert capacity.max_md1_utilization(6.0, limit) == 0.0
+    assert capacity.md1_wait(1.0, s) == float("inf")
 
 
 def test_prefill_capacity_matches_the_formula() -> None:
     shape = Shape(1000, 100)
-    cap = plan.prefill_capacity(MODEL, shape, 10.0)
+    cap = capacity.prefill_capacity(MODEL, shape, 10.0)
     assert cap.service_s == pytest.approx(MODEL.prefill_s(1000))
     assert cap.rate == pytest.approx(cap.utilization / cap.service_s)
-    assert plan.md1_wait(cap.utilization, cap.service_s) + cap.service_s == pytest.approx(10.0)
-    cached = plan.prefill_capacity(MODEL, Shape(1000, 100, cached_len=512), 10.0)
+    assert capacity.md1_wait(cap.utilization, cap.service_s) + cap.service_s == pytest.approx(10.0)
+    cached = capacity.prefill_capacity(MODEL, Shape(1000, 100, cached_len=512), 10.0)
     assert cached.service_s < cap.service_s and cached.rate > cap.rate
 
 
 def test_decode_capacity_is_the_largest_batch_within_the_slo() -> None:
     shape = Shape(500, 200)
-    cap = plan.decode_capacity(MODEL, shape, 0.2)
+    cap = capacity.decode_capacity(MODEL, shape, 0.2)
     assert (
-        plan.decode_tpot(MODEL, shape, cap.batch)
+        capacity.decode_tpot(MODEL, shape, cap.batch)
         <= 0.2
-        < plan.decode_tpot(MODEL, shape, cap.batch + 1)
+        < capacity.decode_tpot(MODEL, shape, cap.batch + 1)
     )
     assert cap.limit == "tpot"
     assert cap.rate == pytest.approx(cap.batch / (shape.decode_steps * cap.step_s))
     # KV memory for 3 requests: the batch stops there
-    kv = plan.decode_capacity(MODEL, shape, 0.2, max_kv_tokens=3 * shape.final_context)
+    kv = capacity.decode_capacity(MODEL, shape, 0.2, max_kv_tokens=3 * shape.final_context)
     assert kv.batch == 3 and kv.limit == "kv" and kv.rate < cap.rate
     # the transfer delays the second token: a slow link costs TPOT
     slow = CostModel(MODEL.prefill, MODEL.decode, (0.0, 1e6))
-    assert plan.decode_capacity(slow, shape, 0.2, kv_bytes_per_token=KV_BYTES).batch < cap.batch
+    assert capacity.decode_capacity(slow, shape, 0.2, kv_bytes_per_token=KV_BYTES).batch < cap.batch
 
 
 def test_capacities_grow_with_the_slos() -> None:
     shape = Shape(1500, 150)
     ttfts, tpots = [1.0, 3.0, 6.0, 12.0, 30.0], [0.05, 0.08, 0.12, 0.3, 1.0]
-    pre = [plan.prefill_capacity(MODEL, shape, t).rate for t in ttfts]
-    dec = [plan.decode_capacity(MODEL, shape, t).rate for t in tpots]
-    col = [plan.colocated_capacity(MODEL, shape, SLO(t, p)).rate for t in ttfts for p in tpots]
+    pre = [capacity.prefill_capacity(MODEL, shape, t).rate for t in ttfts]
+    dec = [capacity.decode_capacity(MODEL, shape, t).rate for t in tpots]
+    col = [capacity.colocated_capacity(MODEL, shape, SLO(t, p)).rate for t in ttfts for p in tpots]
     assert pre == sorted(pre) and pre[0] == 0 < pre[-1]
     assert dec == sorted(dec) and dec[0] == 0 < dec[-1]
     grid = [col[i * len(tpots) : (i + 1) * len(tpots)] for i in range(len(ttfts))]
@@ -75,15 +75,15 @@ def test_capacities_grow_with_the_slos() -> None:
 
 def test_colocated_state_at_no_load_and_its_limit() -> None:
     shape = Shape(800, 100)
-    idle = plan.colocated_state(MODEL, shape, 0.0)
+    idle = capacity.colocated_state(MODEL, shape, 0.0)
     assert idle is not None
     assert idle.ttft_s == pytest.approx(MODEL.prefill_s(800))
     assert idle.tpot_s == pytest.approx(MODEL.decode_step_s(1, round(shape.mean_context)))
     slo = SLO(5.0, 0.1)
-    cap = plan.colocated_capacity(MODEL, shape, slo)
+    cap = capacity.colocated_capacity(MODEL, shape, slo)
     assert cap.rate > 0 and cap.limit in ("ttft", "tpot")
     assert cap.state.ttft_s <= slo.ttft_s * 1.001 and cap.state.tpot_s <= slo.tpot_s * 1.001
-    busier = plan.colocated_state(MODEL, shape, cap.rate * 1.05)
+    busier = capacity.colocated_state(MODEL, shape, cap.rate * 1.05)
     assert busier is None or busier.ttft_s > slo.ttft_s or busier.tpot_s > slo.tpot_s
     # prefill load stalls decodes: TPOT under load exceeds the idle step
     assert cap.state.tpot_s > idle.tpot_s
@@ -104,7 +104,7 @@ def test_a_prefill_heavy_workload_gets_more_prefill_workers() -> None:
 
 
 def test_every_split_fits_the_cores_and_the_list_is_sorted() -> None:
-    models = {t: plan.worker_model(MODEL, t) for t in (1, 2, 4)}
+    models = {t: capacity.worker_model(MODEL, t) for t in (1, 2, 4)}
     cands = plan.enumerate_candidates(models, Shape(1000, 100), SLO(8.0, 0.1), 6)
     assert all(c.cores <= 6 for c in cands)
     assert [c.goodput for c in cands] == sorted((c.goodput for c in cands), reverse=True)
@@ -116,7 +116,7 @@ def test_every_split_fits_the_cores_and_the_list_is_sorted() -> None:
 
 
 def test_unattainable_slos_are_reported_not_raised() -> None:
-    p = plan.make_plan({1: MODEL, 2: plan.worker_model(MODEL, 2)}, Shape(2000, 100),
+    p = plan.make_plan({1: MODEL, 2: capacity.worker_model(MODEL, 2)}, Shape(2000, 100),
                        SLO(0.5, 0.01), 2)  # fmt: skip
     assert p.recommended is None
     assert "No split meets the SLOs" in p.why and "TTFT" in p.why and "TPOT" in p.why
@@ -126,17 +126,17 @@ def test_unattainable_slos_are_reported_not_raised() -> None:
 
 
 def test_thread_scaling() -> None:
-    assert plan.speedup(1) == 1 and plan.speedup(2, 0.8) == pytest.approx(1.8)
-    two = plan.worker_model(MODEL, 2, efficiency=0.5)
+    assert capacity.speedup(1) == 1 and capacity.speedup(2, 0.8) == pytest.approx(1.8)
+    two = capacity.worker_model(MODEL, 2, efficiency=0.5)
     assert two.prefill_s(1000) == pytest.approx(MODEL.prefill_s(1000) / 1.5)
     assert two.transfer == MODEL.transfer
     measured = CostModel((1.0, 0.0, 0.0), (1.0, 0.0, 0.0))
-    assert plan.worker_model(MODEL, 2, measured={2: measured}) is measured
+    assert capacity.worker_model(MODEL, 2, measured={2: measured}) is measured
     # a base measured with 2 threads, asked for 1: slower by speedup(2)
-    one = plan.worker_model(MODEL, 1, base_threads=2, efficiency=1.0)
+    one = capacity.worker_model(MODEL, 1, base_threads=2, efficiency=1.0)
     assert one.decode_step_s(1, 100) == pytest.approx(2 * MODEL.decode_step_s(1, 100))
     with pytest.raises(ValueError, match="efficiency"):
-        plan.speedup(2, 0.0)
+        capacity.speedup(2, 0.0)
 
 
 def test_bad_inputs_are_value_errors() -> None:
@@ -166,7 +166,7 @@ def test_load_models_prefers_a_measured_sibling(tmp_path: Path) -> None:
     measured.save(tmp_path / "host-model-t2.json", threads=2)
     models, sources = plan_cli.load_models(base, [1, 2, 4])
     assert models[1] == MODEL and models[2] == measured
-    assert models[4].prefill_s(100) == pytest.approx(MODEL.prefill_s(100) / plan.speedup(4))
+    assert models[4].prefill_s(100) == pytest.approx(MODEL.prefill_s(100) / capacity.speedup(4))
     assert "measured" in sources[2] and "scaled" in sources[4]
     assert plan_cli.sibling_path(tmp_path / "cm.json", 2) is None
     with pytest.raises(ValueError, match="bench profile"):
@@ -225,10 +225,10 @@ def test_colocated_state_with_a_decode_term_per_batch_size_by_hand() -> None:
     model = CostModel((0.0, 0.001, 0.0), (0.05, 0.1, 0.0), decode_by_batch=((1, 0.05), (2, 0.15)))
     shape = Shape(100, 11)  # S = 0.1 s, 10 decode steps
     # 1 req/s: rho_p = 0.1, k = 10 / 0.9; N = k x 50 ms = 0.556 (below one row: 50 ms steps)
-    st = plan.colocated_state(model, shape, 1.0)
+    st = capacity.colocated_state(model, shape, 1.0)
     assert st is not None
     assert st.batch == pytest.approx(10 / 0.9 * 0.05, rel=1e-6)
     assert st.tpot_s == pytest.approx(0.05 / 0.9)
-    assert st.ttft_s == pytest.approx(0.1 + plan.md1_wait(0.1, 0.1))
+    assert st.ttft_s == pytest.approx(0.1 + capacity.md1_wait(0.1, 0.1))
     # 2 req/s: k = 25; k x step(N) > N for every N (a second row costs 100 ms): unstable
-    assert plan.colocated_state(model, shape, 2.0) is None
+    assert capacity.colocated_state(model, shape, 2.0) is None

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve import cli
-from pdserve.costmodel import profile
+from pdserve.costmodel import measure, profile
 from pdserve.costmodel.model import CostModel, default_path
 
 LOOSE = 1.0  # median relative error: a fit that is off by 2x on its own samples is broken
@@ -32,12 +32,12 @@ def test_samples_are_positive_and_cover_the_grid(quick: dict[str, Any]) -> None:
     assert len(pre) >= 4 and len(dec) >= 4 and len(xfer) >= 2
     assert all(n > 0 and c >= 0 and s > 0 for n, c, s in pre)
     assert any(c > 0 for _, c, _ in pre), "no cached-prefix sample"
-    assert all(c % profile.BLOCK_SIZE == 0 for _, c, _ in pre)
+    assert all(c % measure.BLOCK_SIZE == 0 for _, c, _ in pre)
     assert all(b > 0 and ctx >= b and s > 0 for b, ctx, s in dec)
-    assert {b for b, _, _ in dec} == set(profile.QUICK.batches)
+    assert {b for b, _, _ in dec} == set(measure.QUICK.batches)
     assert all(n > 0 and s > 0 for n, s in xfer)
     # D's part of each transfer point (decode_frame + write_kv), per token count sent
-    assert [n for n, _ in quick["receive"]] == list(profile.QUICK.transfer_tokens)
+    assert [n for n, _ in quick["receive"]] == list(measure.QUICK.transfer_tokens)
     assert all(s > 0 for _, s in quick["receive"])
     assert 0 < quick["seconds"] < 120
 
@@ -48,7 +48,7 @@ def test_the_fit_predicts_its_own_samples(quick: dict[str, Any]) -> None:
     assert err["prefill_p50"] < LOOSE and err["decode_p50"] < LOOSE, err
     assert model.prefill_s(128) > 0 and model.decode_step_s(4, 256) > 0
     # a term per profiled batch size, and the one-line fit's error kept for comparison
-    assert [b for b, _ in model.decode_by_batch] == list(profile.QUICK.batches)
+    assert [b for b, _ in model.decode_by_batch] == list(measure.QUICK.batches)
     assert "decode_linear_p50" in err and model.receive_s(64) > 0
     about = quick["about"]
     assert about["threads"] == 1 and about["samples"]["prefill"] == len(quick["prefill"])
@@ -56,9 +56,9 @@ def test_the_fit_predicts_its_own_samples(quick: dict[str, Any]) -> None:
 
 
 def test_grid_points_respect_max_prompt() -> None:
-    assert max(profile.prefill_points(profile.FULL, 1000)) == 1000
-    for cached, new in profile.cached_points(profile.FULL, 2048):
-        assert cached % profile.BLOCK_SIZE == 0 and cached + new <= 2048 and new >= 1
+    assert max(measure.prefill_points(measure.FULL, 1000)) == 1000
+    for cached, new in measure.cached_points(measure.FULL, 2048):
+        assert cached % measure.BLOCK_SIZE == 0 and cached + new <= 2048 and new >= 1
 
 
 def test_bad_arguments_are_value_errors() -> None:
@@ -122,9 +122,9 @@ def test_decode_points_pool_their_steps_over_rounds(monkeypatch: pytest.MonkeyPa
         calls.append((batch, context))
         return [speed[rnd] * batch] * steps, [batch * context] * steps
 
-    monkeypatch.setattr(profile, "decode_times", fake_times)
-    grid = profile.Grid((8,), (), (), (1, 2, 3), (16, 64), 3, (), decode_rounds=3)
-    samples = profile.measure_decode(None, None, grid, max_prompt=64)  # type: ignore[arg-type]
+    monkeypatch.setattr(measure, "decode_times", fake_times)
+    grid = measure.Grid((8,), (), (), (1, 2, 3), (16, 64), 3, (), decode_rounds=3)
+    samples = measure.measure_decode(None, None, grid, max_prompt=64)  # type: ignore[arg-type]
     assert len(calls) == 3 * 4  # rounds x fitting points, in grid order each round
     assert calls[:4] == [(1, 16), (2, 16), (1, 64), (2, 64)] == calls[4:8]
     assert sorted(samples) == [(1, 16, 0.011), (1, 64, 0.011), (2, 32, 0.022), (2, 128, 0.022)]

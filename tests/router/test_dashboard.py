@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.metrics import Metrics
 from pdserve.metrics.prometheus import Finished
 from pdserve.router import dashboard as d
+from pdserve.router import dashboard_data as data
 from pdserve.router.app import create_app
 
 MODEL = "fake-model"
@@ -88,7 +89,7 @@ def test_snapshot_matches_schema_and_metrics(
     assert snap.totals.rejections["empty_prompt"] == mv[("pdserve_request_rejections_total", code)]
     assert snap.totals.generation_tokens == 9
     assert snap.now.n == 3 and snap.now.ttft_p50 is not None
-    assert snap.now.goodput_rps == pytest.approx(3 / d.WINDOW_S, abs=1e-4)
+    assert snap.now.goodput_rps == pytest.approx(3 / data.WINDOW_S, abs=1e-4)
     assert snap.series and snap.kv_pool is None
     assert mv[("pdserve_requests_within_slo_total", ())] == 3  # the same goodput definition
     assert snap.slo == {"ttft_s": 10.0, "tpot_s": 10.0}
@@ -123,12 +124,12 @@ def test_snapshots_are_shared_between_polls(core: FakeCore, metrics: Metrics) ->
 # ---- worker states and events ----------------------------------------------------------------
 def test_worker_states() -> None:
     row = {"id": "w", "role": "decode", "healthy": True, "kv_blocks_used": 3, "kv_blocks_total": 4}
-    assert d.worker_row(row, {"heartbeat_age_s": 0.2})["state"] == "ready"
-    assert d.worker_row(row, {"heartbeat_age_s": 1.6})["state"] == "degraded"
-    assert d.worker_row({**row, "draining": True}, {})["state"] == "draining"
-    down = d.worker_row({**row, "healthy": False, "down_reason": "stuck"}, {})
+    assert data.worker_row(row, {"heartbeat_age_s": 0.2})["state"] == "ready"
+    assert data.worker_row(row, {"heartbeat_age_s": 1.6})["state"] == "degraded"
+    assert data.worker_row({**row, "draining": True}, {})["state"] == "draining"
+    down = data.worker_row({**row, "healthy": False, "down_reason": "stuck"}, {})
     assert down["state"] == "down" and down["down_reason"] == "stuck"
-    assert d.worker_row(row, {})["kv_use"] == 0.75
+    assert data.worker_row(row, {})["kv_use"] == 0.75
 
 
 def test_role_switch_restart_and_outage_are_events(core: FakeCore, metrics: Metrics) -> None:
@@ -175,10 +176,10 @@ def test_a_change_undone_between_two_looks_still_shows(core: FakeCore, metrics: 
 
 # ---- pure parts ----------------------------------------------------------------------------------
 def test_quantile() -> None:
-    assert d.quantile([], 0.5) is None
-    assert d.quantile([1.0], 0.9) == 1.0
-    assert d.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
-    assert d.quantile([float(i) for i in range(11)], 0.9) == pytest.approx(9.0)
+    assert data.quantile([], 0.5) is None
+    assert data.quantile([1.0], 0.9) == 1.0
+    assert data.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert data.quantile([float(i) for i in range(11)], 0.9) == pytest.approx(9.0)
 
 
 def test_window_point_counts_goodput_within_both_slos() -> None:
@@ -196,7 +197,7 @@ def test_window_point_counts_goodput_within_both_slos() -> None:
         f(62.0, 0.2, None, "aborted"),
         f(63.0, 0.1, 0.01),  # after `now`
     ]
-    p = d.window_point(recent, 62.0, 1000.0)
+    p = data.window_point(recent, 62.0, 1000.0)
     assert p["n"] == 4 and p["throughput_rps"] == round(3 / 60, 4)
     assert p["goodput_rps"] == round(1 / 60, 4)
     assert p["ttft_p50"] == pytest.approx(0.15) and p["tpot_p90"] == pytest.approx(0.042)
@@ -215,14 +216,14 @@ def test_segments_of_a_disaggregated_request() -> None:
         ("decode_first_token", "D0", 14.0),
         ("finish", "router", 40.0),
     ]
-    spans = d.segments([{"event": e, "worker": w, "t_ms": t} for e, w, t in events])
+    spans = data.segments([{"event": e, "worker": w, "t_ms": t} for e, w, t in events])
     assert [(s["stage"], s["worker"], s["start_ms"], s["end_ms"]) for s in spans] == [
         ("queue", "P0", 0.0, 3.0),
         ("prefill", "P0", 3.0, 9.0),
         ("transfer", "D0", 3.5, 10.0),
         ("decode", "D0", 10.0, 40.0),
     ]
-    assert d.segments([]) == []
+    assert data.segments([]) == []
 
 
 def test_kv_pool_panel_only_with_its_metrics(core: FakeCore, metrics: Metrics) -> None:

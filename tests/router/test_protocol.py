@@ -8,14 +8,15 @@ import pytest
 
 from pdserve.router import protocol as p
 from pdserve.router import responses as r
+from pdserve.router.errors import InvalidRequest, error_body, validation_error_body
 
 
 def parse(cls, **body):  # type: ignore[no-untyped-def]
     return p.parse_request(cls, json.dumps(body).encode())
 
 
-def refused(cls, **body) -> p.InvalidRequest:  # type: ignore[no-untyped-def]
-    with pytest.raises(p.InvalidRequest) as e:
+def refused(cls, **body) -> InvalidRequest:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequest) as e:
         parse(cls, **body).to_sampling_params(*(() if cls is p.CompletionRequest else (100,)))
     return e.value
 
@@ -67,13 +68,13 @@ def test_completion_refusals_name_the_param(body: dict, param: str, words: str) 
 
 
 def test_missing_and_malformed() -> None:
-    with pytest.raises(p.InvalidRequest, match="missing required parameter 'model'"):
+    with pytest.raises(InvalidRequest, match="missing required parameter 'model'"):
         p.parse_request(p.CompletionRequest, b'{"prompt": "x"}')
-    with pytest.raises(p.InvalidRequest, match="not valid JSON"):
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
         p.parse_request(p.CompletionRequest, b'{"prompt": ')
-    with pytest.raises(p.InvalidRequest, match="empty"):
+    with pytest.raises(InvalidRequest, match="empty"):
         p.parse_request(p.CompletionRequest, b"")
-    with pytest.raises(p.InvalidRequest):
+    with pytest.raises(InvalidRequest):
         p.parse_request(p.CompletionRequest, b"[1, 2]")
 
 
@@ -141,7 +142,7 @@ def test_chat_refusals() -> None:
     assert e.param == "n"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     req = parse(p.ChatCompletionRequest, model="m", messages=image)
-    with pytest.raises(p.InvalidRequest, match="image_url"):
+    with pytest.raises(InvalidRequest, match="image_url"):
         req.template_messages()
 
 
@@ -162,7 +163,7 @@ def test_logprob_shapes() -> None:
 
 
 def test_error_envelope() -> None:
-    body = p.error_body(429, "slow down", code="rate_limited")
+    body = error_body(429, "slow down", code="rate_limited")
     assert body == {
         "error": {
             "message": "slow down",
@@ -171,10 +172,10 @@ def test_error_envelope() -> None:
             "code": "rate_limited",
         }
     }
-    assert p.error_body(500, "x")["error"]["type"] == "internal_error"
-    assert p.error_body(502, "x")["error"]["type"] == "server_error"
+    assert error_body(500, "x")["error"]["type"] == "internal_error"
+    assert error_body(502, "x")["error"]["type"] == "server_error"
     errors = [{"loc": ("body", "temperature"), "msg": "bad", "type": "float_parsing"}]
-    assert p.validation_error_body(errors)["error"]["param"] == "temperature"
+    assert validation_error_body(errors)["error"]["param"] == "temperature"
 
 
 def test_response_models_dump_openai_shapes() -> None:
@@ -193,7 +194,7 @@ def test_response_models_dump_openai_shapes() -> None:
 
 def test_max_tokens_beyond_the_context_is_openais_400() -> None:
     req = parse(p.CompletionRequest, model="m", prompt="x", max_tokens=10**12)
-    with pytest.raises(p.InvalidRequest) as e:
+    with pytest.raises(InvalidRequest) as e:
         req.to_sampling_params(p.Context(2048, 48))
     assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
     assert e.value.message == (
@@ -204,7 +205,7 @@ def test_max_tokens_beyond_the_context_is_openais_400() -> None:
     user = [{"role": "user", "content": "x"}]
     for field in ("max_tokens", "max_completion_tokens"):
         req = parse(p.ChatCompletionRequest, model="m", messages=user, **{field: 2001})
-        with pytest.raises(p.InvalidRequest) as e:
+        with pytest.raises(InvalidRequest) as e:
             req.to_sampling_params(2000, p.Context(2048, 48))
         assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
         assert e.value.message == (

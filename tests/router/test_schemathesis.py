@@ -33,6 +33,7 @@ from pdserve.metrics import Metrics
 from pdserve.router import protocol as p
 from pdserve.router.app import create_app
 from pdserve.router.core import Delta
+from pdserve.router.errors import error_type
 from pdserve.workers import messages as m
 
 MODEL = "fake-model"
@@ -140,7 +141,7 @@ def assert_error_envelope(response: Any) -> None:
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
     error = body["error"]
     assert isinstance(error.get("message"), str) and error["message"], body
-    assert error.get("type") == p.error_type(response.status_code), body
+    assert error.get("type") == error_type(response.status_code), body
     assert "param" in error and "code" in error, body
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pdserve.router.silence import SilenceWatch, work_done
+from pdserve.router.worker_stats import WorkerStats
 
 
 def flight(stats: dict | None = None, ttft: float | None = None, first_at: float | None = None):  # type: ignore[no-untyped-def]
-    pair = None if stats is None else (SimpleNamespace(stats=stats), None)
+    pair = None if stats is None else (SimpleNamespace(stats=WorkerStats.from_report(stats)), None)
     pred = None if ttft is None else SimpleNamespace(ttft_s=ttft)
     return SimpleNamespace(pair=pair, prediction=pred, first_at=first_at)
 
@@ -22,15 +23,14 @@ def test_the_limit_stretches_to_three_predicted_ttfts_before_the_first_token() -
 
 
 def test_queued_behind_work_only_while_the_worker_makes_progress() -> None:
-    stats = {"prefill_tokens": 100, "decode_tokens": 4}
-    f = flight(stats)
+    f = flight({"prefill_tokens": 100, "decode_tokens": 4})
     watch = SilenceWatch(f, 2.0)
     assert watch.mark == work_done(f) == 104
     assert not watch.queued_behind_work()  # nothing computed since: silent
-    stats["prefill_tokens"] = 300
+    f.pair[0].stats = WorkerStats(prefill_tokens=300, decode_tokens=4)
     assert watch.queued_behind_work() and watch.mark == 304
     assert not watch.queued_behind_work()  # again nothing new
-    stats["decode_tokens"] = 9
+    f.pair[0].stats = WorkerStats(prefill_tokens=300, decode_tokens=9)
     f.first_at = 5.0  # its first token came: silence after that is not queueing
     assert not watch.queued_behind_work()
 
@@ -39,6 +39,6 @@ def test_a_worker_without_stats_yet_gets_one_more_wait() -> None:
     f = flight({})
     watch = SilenceWatch(f, 2.0)
     assert watch.mark is None and not watch.queued_behind_work()  # still nothing to go on
-    f.pair[0].stats.update(prefill_tokens=10)  # the first stats came during the wait
+    f.pair[0].stats = WorkerStats(prefill_tokens=10)  # the first stats came during the wait
     assert watch.queued_behind_work()
     assert SilenceWatch(flight(None), 2.0).mark is None  # not dispatched yet

@@ -7,7 +7,8 @@ import pytest
 
 from pdserve.costmodel.model import CostModel
 from pdserve.router.balancer import Autobalancer, PoolSample
-from pdserve.router.slo import Calibration, Job, Route, SloPlanner, WorkerLoad
+from pdserve.router.loads import Job, WorkerLoad
+from pdserve.router.slo import Calibration, Route, SloPlanner
 
 # 1 ms per prompt token (+ attention), a 20 ms decode step + 2 ms per request in the batch
 MODEL = CostModel((0.01, 1e-3, 1e-4), (0.02, 0.002, 0.001), (0.001, 1e9))

@@ -13,8 +13,9 @@ from tests.sim.test_sim import LinearStep
 from pdserve.costmodel.contention import Contention, Shapes, measure
 from pdserve.costmodel.model import VERSION, CostModel
 from pdserve.engine.step_log import StepRecord
-from pdserve.sim.cluster import SimConfig, SimRequest, Simulation
+from pdserve.sim.cluster import Simulation
 from pdserve.sim.host import Host, step_kind
+from pdserve.sim.records import SimConfig, SimRequest
 from pdserve.sim.steptime import CostModelStep, Link
 
 FACTORS = Contention(
@@ -244,7 +245,7 @@ def test_cpu_deployment_reads_the_contention_from_the_cost_model_file(tmp_path: 
 def test_validation_slos_come_from_the_less_disturbed_probe() -> None:
     import argparse
 
-    from pdserve.sim.cluster import Record
+    from pdserve.sim.records import Record
     from pdserve.sim.validate import slos_from_probes
 
     def probe(rid: str, ttft: float, tpot: float) -> Record:  # 8 tokens: 7 gaps of `tpot`

@@ -15,8 +15,9 @@ import pytest
 from pdserve.cli import main
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
-from pdserve.sim.cluster import SimConfig, SimRequest, Simulation
+from pdserve.sim.cluster import Simulation
 from pdserve.sim.hardware import ModelShape, gpu, model_shape
+from pdserve.sim.records import SimConfig, SimRequest
 from pdserve.sim.steptime import CostModelStep, Link, RooflineStep, planner_cost_model
 from pdserve.sim.workload import arrivals, load_trace
 

@@ -243,34 +243,34 @@ class _Stepper:
     def __init__(self, model: str | None, threads: int, shapes: Shapes, engine_args: Any) -> None:
         import torch
 
-        from pdserve.costmodel import profile
+        from pdserve.costmodel import measure
 
         torch.set_num_threads(threads)
-        grid = profile.Grid((shapes.prompt,), (), (), (shapes.batch,), (shapes.context,), 1, ())
+        grid = measure.Grid((shapes.prompt,), (), (), (shapes.batch,), (shapes.context,), 1, ())
         longest = max(shapes.prompt, shapes.context + 64)
-        self.engine = profile.build_engine(model, threads, longest, grid, **engine_args)
-        self.ids = profile._Ids(self.engine.arch.vocab_size)
+        self.engine = measure.build_engine(model, threads, longest, grid, **engine_args)
+        self.ids = measure.Ids(self.engine.arch.vocab_size)
         self.shapes = shapes
         self.run("prefill", 0.0)  # warm-up: each shape's first step allocates
         self.run("decode", 0.0)
 
     def run(self, kind: str, seconds: float) -> list[float]:
-        from pdserve.costmodel import profile
+        from pdserve.costmodel import measure
 
         times: list[float] = []
         deadline = time.perf_counter() + seconds
         while not times or time.perf_counter() < deadline:
             if kind == "prefill":
-                times.append(profile._prefill_step(self.engine, self.ids(self.shapes.prompt), 0))
+                times.append(measure.prefill_step(self.engine, self.ids(self.shapes.prompt), 0))
             else:
                 times.extend(self._decode(deadline))
         return times
 
     def _decode(self, deadline: float, steps: int = 32) -> list[float]:
-        from pdserve.costmodel import profile
+        from pdserve.costmodel import measure
 
         s, engine = self.shapes, self.engine
-        rids = profile._admit_decoding(engine, self.ids, s.batch, s.context, steps + 2)
+        rids = measure.admit_decoding(engine, self.ids, s.batch, s.context, steps + 2)
         if rids is None:
             raise RuntimeError(f"a decode batch of {s.batch} x {s.context} does not fit")
         times: list[float] = []

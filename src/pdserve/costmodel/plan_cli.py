@@ -1,6 +1,6 @@
 """`pdserve plan` on the command line: load the cost models (one per thread count), run
 `plan.make_plan`, print the table (`render_text`) or JSON (`plan_json`). The model itself —
-shapes, SLOs, queueing, capacities, candidates — is `costmodel/plan.py`."""
+shapes, SLOs, queueing, capacities, candidates — is `costmodel/capacity.py` and `plan.py`."""
 
 from __future__ import annotations
 
@@ -15,19 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.costmodel.capacity import DEFAULT_EFFICIENCY, SLO, Shape, speedup, worker_model
 from pdserve.costmodel.model import CostModel
-from pdserve.costmodel.plan import (
-    DEFAULT_EFFICIENCY,
-    SLO,
-    WORKLOADS,
-    Candidate,
-    Plan,
-    Shape,
-    default_cached_len,
-    make_plan,
-    speedup,
-    worker_model,
-)
+from pdserve.costmodel.plan import WORKLOADS, Candidate, Plan, default_cached_len, make_plan
 
 # --------------------------------------------------------------------------- output
 

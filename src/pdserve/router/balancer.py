@@ -1,6 +1,6 @@
 """Autobalance: move a worker between the prefill and decode pools when the mix shifts.
 
-Pure policy: `pressures` turns the router's picture of the queues (`slo.WorkerLoad`) and the
+Pure policy: `pressures` turns the router's picture of the queues (`loads.WorkerLoad`) and the
 cost model into a `PoolSample`; `Autobalancer.observe(now, sample)` returns which way to move
 one worker, or None. The RouterCore samples the pools every second and performs a move with
 `set_role` (drain, switch, rejoin), the same path as the admin endpoint.
@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.router.slo import SloPlanner, WorkerLoad
+from pdserve.router.loads import WorkerLoad
+from pdserve.router.slo import SloPlanner
 
 # Without SLOs, pressure is measured against these budgets.
 DEFAULT_TTFT_REF_S, DEFAULT_TPOT_REF_S = 2.0, 0.1

@@ -18,11 +18,12 @@ streamed — at most `max_recoveries` times, then a clear 503. With no healthy w
 role, a request runs whole on any healthy worker (counted, and in its timeline); with none at
 all it fails at once. A worker that answers again rejoins routing.
 
-This module is the request's life: generate, dispatch, delivery, failure and recovery. The
-rest lives beside it: `links` (sockets, pools, stats), `routing` (plan, admission, pick),
+This module is the request's life: generate, dispatch, failure and recovery. The rest lives
+beside it: `delivery` (tokens in order to the client, transfer reports), `links` (sockets,
+pools, stats), `routing` (plan, admission, pick; its decisions are `decide`'s),
 `liveness` (heartbeats, calling back `worker_down`), `roles` (role switching, autobalance),
-`timeline` (the event vocabulary, kept timelines, scored predictions) and `events` (counters and
-metrics in one sink).
+`timeline` and `timelines` (the event vocabulary; kept timelines, scored predictions) and
+`events` (counters and metrics in one sink).
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ import zmq
 from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.router import balancer, slo
+from pdserve.router.delivery import Delivery
 from pdserve.router.events import MetricsHooks, RouterEvents
 from pdserve.router.flight import Delta, Flight, RequestError, WorkerState
 from pdserve.router.links import Links, check_pairing
 from pdserve.router.liveness import Liveness
-from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback
+from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback, kvpool_report
 from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
 from pdserve.router.silence import SilenceWatch
-from pdserve.router.timeline import Ev, Event, Side, Timelines, labelled, render, staged
+from pdserve.router.timeline import Ev, Event, labelled, render
+from pdserve.router.timelines import Timelines
+from pdserve.router.worker_stats import WorkerStats
 from pdserve.workers import messages as m
 
 # Seconds a request may go without an event (at least 6x the hand-off deadline) before it ends
@@ -103,6 +107,9 @@ class RouterCore:
             switch_timeout_s=max(5.0, cfg.deadline_s),
         )
         self.timelines = Timelines(self.events)
+        self.delivery = Delivery(
+            self.links, self.events, self.pool_feedback, self.timelines, planner
+        )
         self._tasks: list[asyncio.Task] = []
         self._readers: dict[int, asyncio.Task] = {}  # id(WorkerState) -> its event reader
 
@@ -122,10 +129,10 @@ class RouterCore:
     async def start(self, timeout_s: float = 120.0) -> None:
         """Say hello to every worker; raises RuntimeError naming those that never answer."""
         for w in self.workers:
-            await w.sock.send(m.encode(m.Hello("router")))
+            await self.links.hello(w)
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            await self._greet(w, deadline, timeout_s)
+            await self.links.greeted(w, deadline, timeout_s)
         check_pairing(self.workers)
         for w in self.workers:
             self._watch(w)
@@ -134,16 +141,6 @@ class RouterCore:
         self._tasks.append(asyncio.create_task(self.liveness.run()))
         if self.roles.autobalancer is not None:
             self._tasks.append(asyncio.create_task(self.roles.autobalance()))
-
-    async def _greet(self, w: WorkerState, deadline: float, timeout_s: float) -> None:
-        """Wait for the worker's answer to Hello (its WorkerInfo)."""
-        while w.info is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not await w.sock.poll(int(left * 1000)):
-                raise RuntimeError(f"worker at {w.endpoint} did not answer within {timeout_s}s")
-            msg = m.decode(await w.sock.recv())
-            if isinstance(msg, m.WorkerInfo):
-                w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
 
     def _watch(self, w: WorkerState) -> None:
         """Read the worker's events and ping its heartbeat socket."""
@@ -158,8 +155,8 @@ class RouterCore:
         answered Hello. RuntimeError if it does not answer within `timeout_s`."""
         w = self.links.add(endpoint)
         try:
-            await w.sock.send(m.encode(m.Hello("router")))
-            await self._greet(w, time.monotonic() + timeout_s, timeout_s)
+            await self.links.hello(w)
+            await self.links.greeted(w, time.monotonic() + timeout_s, timeout_s)
             check_pairing(self.workers)
         except BaseException:
             self.links.remove(w)
@@ -379,7 +376,7 @@ class RouterCore:
                 self._send(w, m.Hello("router"))
             return
         if isinstance(msg, m.Stats):
-            w.stats = msg.stats
+            w.stats = WorkerStats.from_report(msg.stats)
             if w.hb is None:  # with a heartbeat socket, health is the heartbeat's call
                 w.healthy = True
             self.events.worker_stats(w, msg.stats)
@@ -387,82 +384,17 @@ class RouterCore:
         rid, _, attempt = str(getattr(msg, "rid", "")).rpartition(".")
         flight = self.flights.get(rid)
         if flight is None and isinstance(msg, m.TransferReport):
-            self._late_transfer(rid, attempt, msg)
+            self.delivery.late_transfer(rid, attempt, msg)
             return
         if flight is None or attempt != str(flight.attempt):
             return  # finished, unknown, or about an earlier attempt
         flight.last_event = time.monotonic()
         if isinstance(msg, m.Tokens):
-            self._on_tokens(flight, msg)
+            self.delivery.tokens(flight, msg)
         elif isinstance(msg, m.TransferReport):
-            self._on_transfer(flight, msg)
+            self.delivery.transfer(flight, msg)
         elif isinstance(msg, m.RequestFailed):
             self._on_failed(flight, msg)
-
-    def _late_transfer(self, rid: str, attempt: str, msg: m.TransferReport) -> None:
-        """P reports its side after D's ack, which can be after the request finished: still
-        part of the request's timeline (and of the transfer counters)."""
-        stamps = [(staged(msg.side, s), msg.worker, t) for s, t in (msg.times or {}).items()]
-        if self.timelines.add_late(rid, attempt, stamps):
-            self.events.transfer(msg)
-
-    def _on_tokens(self, flight: Flight, msg: m.Tokens) -> None:
-        """Deliver tokens in generation order. P's and D's events travel on different sockets,
-        so D's can overtake P's hand-off tokens: hold them until P's have been delivered."""
-        first, second = flight.pair or (None, None)
-        from_p = first is not None and second is not None and msg.worker == first.worker_id
-        if second is not None and not from_p and not flight.p_done:
-            flight.held.append(msg)
-            return
-        self._deliver(flight, msg)
-        if from_p:
-            flight.p_done = True
-            held, flight.held = flight.held, []
-            for early in held:
-                self._deliver(flight, early)
-
-    def _deliver(self, flight: Flight, msg: m.Tokens) -> None:
-        now = time.monotonic()
-        if msg.pool is not None:
-            self.pool_feedback.on_report(flight, msg.worker, msg.pool, now)
-        if msg.token_ids:
-            flight.first_at = flight.first_at or now
-            flight.last_at = now
-            for w in flight.pair or ():
-                if w is not None:
-                    w.load.first_token(flight.rid, now)
-                    w.load.tokens(flight.rid, len(msg.token_ids), now)
-        seen = {w for e, w, _ in flight.timeline if e == Ev.FIRST_TOKEN}
-        if msg.token_ids and msg.worker not in seen:  # each worker's first tokens: P's, then D's
-            flight.timeline.append((Ev.FIRST_TOKEN, msg.worker, msg.time))
-        colocated = flight.pair is not None and flight.pair[1] is None
-        for stage, t in (msg.times or {}).items() if colocated else ():
-            # A whole request on one worker: its own prefill stages (P and D report theirs in
-            # TransferReport instead).
-            flight.timeline.append((staged(Side.LOCAL, stage), msg.worker, t))
-        if msg.index == 0:
-            flight.sent += msg.token_ids  # what a retry resumes after (n = 1 only)
-        else:
-            flight.sent_other = True
-        finish = msg.finish_reason if msg.finished else None
-        flight.queue.put_nowait(
-            Delta(msg.token_ids, msg.text, msg.logprobs, finish, msg.stop_reason, msg.index)
-        )
-        if msg.finished:
-            flight.choices_done.add(msg.index)
-        if msg.finished and len(flight.choices_done) >= flight.params.n:
-            flight.finished = True
-            first, second = flight.pair or (None, None)
-            if second is not None and first is not None and msg.worker == first.worker_id:
-                self._send(second, m.Abort(flight.wire_rid))  # done on P: free D's reservation
-
-    def _on_transfer(self, flight: Flight, msg: m.TransferReport) -> None:
-        if self.planner is not None and msg.side == Side.RECV:
-            cached = flight.prediction.cached_decode if flight.prediction else 0
-            self.planner.observe_transfer(msg.nbytes, len(flight.prompt_ids) - cached)
-        for stage, t in (msg.times or {}).items():
-            flight.timeline.append((staged(msg.side, stage), msg.worker, t))
-        self.events.transfer(msg)
 
     def _on_failed(self, flight: Flight, msg: m.RequestFailed) -> None:
         self._abort_workers(flight)
@@ -539,27 +471,8 @@ class RouterCore:
         return self.links.table()
 
     def kvpool(self) -> dict[str, Any]:
-        """GET /admin/kvpool: per worker with a KV pool, its pool ids, the engine's use of it
-        (`kv_pool_*` of its last stats) and the tiers' stats; the pool index, its corrections
-        and the measured pool bandwidth (router/pool_feedback.py); the counters."""
-        workers = {}
-        for w in self.workers:
-            pools = w.info.kv_pools if w.info is not None else []
-            if not pools:
-                continue
-            s = w.stats
-            use = {k.removeprefix("kv_pool_"): v for k, v in s.items() if k.startswith("kv_pool_")}
-            workers[w.worker_id] = {"pools": pools, "use": use, "tiers": s.get("kv_pool", {})}
-        router = {k: v for k, v in self.counters.items() if "pool" in k}
-        # what the pool saves: prompt tokens every worker computed (with a pool or not)
-        computed = {w.worker_id: w.stats.get("prefill_tokens", 0) for w in self.workers}
-        return {
-            "workers": workers,
-            "index": self.routing.pools.stats(),
-            **self.pool_feedback.stats(),
-            "router": router,
-            "prefill_tokens": computed,
-        }
+        """GET /admin/kvpool (router/pool_feedback.py `kvpool_report`)."""
+        return kvpool_report(self.workers, self.counters, self.routing.pools, self.pool_feedback)
 
     def worker_vitals(self) -> dict[str, dict[str, Any]]:
         """For the dashboard (router/dashboard.py): heartbeat age and last stats per worker."""

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq.asyncio
 
 from pdserve.engine.request import SamplingParams
 from pdserve.router import slo
+from pdserve.router.loads import WorkerLoad
 from pdserve.router.timeline import Event
+from pdserve.router.worker_stats import WorkerStats
 from pdserve.workers import messages as m
 
 
@@ -47,7 +48,7 @@ class WorkerState:
     sock: zmq.asyncio.Socket
     info: m.WorkerInfo | None = None
     healthy: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # its last report
     outstanding: int = 0
     last_seen: float = 0.0
     hb: zmq.asyncio.Socket | None = None  # heartbeat socket (Ping -> Pong)
@@ -55,7 +56,7 @@ class WorkerState:
     loop_age: float = 0.0  # the worker's own report: since its main loop last turned
     down_reason: str | None = None  # why it was taken out of routing
     draining: bool = False  # out of routing until its requests finish (a role switch)
-    load: slo.WorkerLoad = field(default_factory=lambda: slo.WorkerLoad(""))
+    load: WorkerLoad = field(default_factory=lambda: WorkerLoad(""))
 
     @property
     def worker_id(self) -> str:

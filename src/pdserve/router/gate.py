@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router import dashboard
-from pdserve.router import protocol as p
+from pdserve.router.errors import error_body
 
 # reachable without the API key (the dashboard page is static code; its data needs the key)
 OPEN_PATHS = frozenset({"/health", "/metrics", dashboard.PAGE_PATH})
@@ -26,7 +26,7 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(
-        p.error_body(status, message, param=param, code=code), status_code=status, headers=headers
+        error_body(status, message, param=param, code=code), status_code=status, headers=headers
     )
 
 

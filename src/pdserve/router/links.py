@@ -66,6 +66,20 @@ class Links:
             for role in ROLES
         }
 
+    async def hello(self, w: WorkerState) -> None:
+        """Introduce the router (at start-up or when a worker joins): answered with WorkerInfo."""
+        await w.sock.send(m.encode(m.Hello("router")))
+
+    async def greeted(self, w: WorkerState, deadline: float, timeout_s: float) -> None:
+        """Wait for the worker's answer to `hello` (its WorkerInfo); RuntimeError by `deadline`."""
+        while w.info is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await w.sock.poll(int(left * 1000)):
+                raise RuntimeError(f"worker at {w.endpoint} did not answer within {timeout_s}s")
+            msg = m.decode(await w.sock.recv())
+            if isinstance(msg, m.WorkerInfo):
+                w.info, w.healthy, w.last_seen = msg, True, time.monotonic()
+
     def find(self, worker_id: str) -> WorkerState | None:
         return next((w for w in self.workers if w.worker_id == worker_id), None)
 
@@ -96,16 +110,16 @@ class Links:
                     "draining": w.draining,
                     "down_reason": w.down_reason,
                     "loop_age_s": round(w.loop_age, 3),
-                    "queue": s.get("waiting", 0),
-                    "running": s.get("running", 0),
+                    "queue": s.waiting,
+                    "running": s.running,
                     "outstanding": w.outstanding,
-                    "kv_blocks_used": s.get("kv_blocks_used", 0),
-                    "kv_blocks_total": s.get("kv_blocks_total", 0),
-                    "quantization": s.get("quantization"),
-                    "kv_cache_dtype": s.get("kv_cache_dtype"),
-                    "decode_matmul": s.get("decode_matmul"),
-                    "prefill_format": s.get("prefill_format"),
-                    "prefill_isa": s.get("prefill_isa"),
+                    "kv_blocks_used": s.kv_blocks_used,
+                    "kv_blocks_total": s.kv_blocks_total,
+                    "quantization": s.quantization,
+                    "kv_cache_dtype": s.kv_cache_dtype,
+                    "decode_matmul": s.decode_matmul,
+                    "prefill_format": s.prefill_format,
+                    "prefill_isa": s.prefill_isa,
                     **self.placement.get(w.worker_id, {}),
                 }
             )
@@ -118,7 +132,10 @@ class Links:
         out = {}
         for w in self.workers:
             heard = w.last_pong if w.hb is not None else w.last_seen
-            out[w.worker_id] = {"heartbeat_age_s": round(now - heard, 3), "stats": dict(w.stats)}
+            out[w.worker_id] = {
+                "heartbeat_age_s": round(now - heard, 3),
+                "stats": dict(w.stats.report),
+            }
         return out
 
     def close(self) -> None:

@@ -132,3 +132,29 @@ class PoolFeedback:
 
     def stats(self) -> dict[str, Any]:
         return {"index_corrections": self.corrections, "bandwidth": self.bandwidth.stats()}
+
+
+def kvpool_report(
+    workers: Iterable[WorkerState],
+    counters: dict[str, int],
+    index: PoolIndex,
+    feedback: PoolFeedback,
+) -> dict[str, Any]:
+    """GET /admin/kvpool: per worker with a KV pool, its pool ids, the engine's use of it
+    (`kv_pool_*` of its last stats) and the tiers' stats; the pool index, its corrections and
+    the measured pool bandwidth; the router's `pool` counters; and the prompt tokens every
+    worker computed (with a pool or not): what the pool saves."""
+    workers = list(workers)
+    used = {}
+    for w in workers:
+        pools = w.info.kv_pools if w.info is not None else []
+        if pools:
+            use, tiers = w.stats.kv_pool_use(), w.stats.kv_pool_tiers()
+            used[w.worker_id] = {"pools": pools, "use": use, "tiers": tiers}
+    return {
+        "workers": used,
+        "index": index.stats(),
+        **feedback.stats(),
+        "router": {k: v for k, v in counters.items() if "pool" in k},
+        "prefill_tokens": {w.worker_id: w.stats.prefill_tokens or 0 for w in workers},
+    }

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.router import protocol as p
+from pdserve.router.errors import InvalidRequest
 from pdserve.router.gate import error_response
 
 MAX_POOL = 64
@@ -57,5 +58,5 @@ def mount(app: FastAPI, scaler: Scaler | None) -> None:
             return error_response(409, NO_SCALER, code="no_scaler")
         targets = req.targets()
         if not targets:
-            raise p.InvalidRequest("give at least one of prefill, decode, colocated", "prefill")
+            raise InvalidRequest("give at least one of prefill, decode, colocated", "prefill")
         return JSONResponse(scaler.resize(targets), status_code=202)

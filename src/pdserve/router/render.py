@@ -4,18 +4,16 @@ and the whole (non-streaming) response."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.router import responses as r
-from pdserve.router.core import Delta
+from pdserve.router.flight import Delta
+from pdserve.router.generation import Generation
 from pdserve.router.tools import ToolPlan, ToolStream, call_deltas
-
-if TYPE_CHECKING:
-    from pdserve.router.app import _Generation
 
 
 class CompletionRender:
-    def __init__(self, g: _Generation, model: str) -> None:
+    def __init__(self, g: Generation, model: str) -> None:
         self.g, self.model = g, model
 
     def first(self) -> list[Any]:
@@ -49,7 +47,7 @@ class CompletionRender:
 
 
 class ChatRender:
-    def __init__(self, g: _Generation, model: str, plan: ToolPlan | None = None) -> None:
+    def __init__(self, g: Generation, model: str, plan: ToolPlan | None = None) -> None:
         self.g, self.model, self.plan = g, model, plan
         self.streams = [ToolStream(plan) for _ in range(g.params.n)] if plan else []
 

@@ -61,7 +61,7 @@ class Roles:
 
     async def _drain(self, w: WorkerState, timeout_s: float) -> None:
         ends = time.monotonic() + timeout_s
-        while self.busy(w) or (w.stats.get("transfers_out", 0) or w.stats.get("transfers_in", 0)):
+        while self.busy(w) or w.stats.transfers_out or w.stats.transfers_in:
             if time.monotonic() > ends:
                 msg = f"worker {w.worker_id} did not drain within {timeout_s:g}s"
                 raise RequestError(msg, 409, "conflict")

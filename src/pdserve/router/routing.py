@@ -5,18 +5,20 @@ with each worker's predicted load and the prompt tokens it caches (the prefix in
 session affinity); a first attempt predicted to miss its SLOs is refused (429). Without one,
 the pools' policies pick a P/D pair, else a colocated worker, else any worker whole.
 The chosen route is named in the timeline and the counters, and its work booked on the loads.
+The decisions themselves are decide.py's, which the simulator calls too.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
-from pdserve.router import slo
+from pdserve.router import decide, slo
 from pdserve.router.events import RouterEvents
 from pdserve.router.flight import Flight, RequestError, WorkerState
 from pdserve.router.links import ROLES, Links
-from pdserve.router.policies import WorkerLoad, make_policy
+from pdserve.router.policies import make_policy
 from pdserve.router.pool_index import PoolIndex
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.timeline import TIMELINE_KEEP, Ev, labelled
@@ -33,8 +35,10 @@ class Routing:
         *,
         policy: str,
         prefix_routing: bool,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.links, self.events, self.planner = links, events, planner
+        self.clock = clock  # the decisions' time (a test's own clock replays a sequence)
         self.prefix_routing = prefix_routing
         self.prefix = PrefixIndex()
         self.pools = PoolIndex()  # what the workers' KV pools hold (their stored hashes)
@@ -63,15 +67,13 @@ class Routing:
         else:
             flight.pair = self.pick()
         p = flight.params
-        if p.n > 1 and (p.max_tokens == 1 or p.logprobs is not None) and flight.pair[1]:
-            # n one-token choices end on P (nothing to hand over), and P does not send the
-            # logprobs of the choices' first tokens: D runs these whole (one prefill there)
+        if decide.whole_on_decode(p.n, p.max_tokens, p.logprobs) and flight.pair[1]:
             self.events.count("n_choice_local")
             flight.pair = (flight.pair[1], None)
         for w in flight.pair:
             if w is not None:
                 w.outstanding += 1
-        now = time.monotonic()
+        now = self.clock()
         flight.timeline.append((Ev.DISPATCH, f"attempt {flight.attempt}", now))
         self._note_route(flight, planned, only is not None, now, kind)
 
@@ -79,37 +81,32 @@ class Routing:
         """The planner's route for this attempt; refuses (429) a first attempt that would miss."""
         assert self.planner is not None
         pools = self.links.pools()
-        routes = self.planner.routes(*([w.worker_id for w in pools[r]] for r in ROLES))
-        if not routes:
-            raise RequestError("no healthy workers to serve the request", 503, "unavailable")
         byid = {w.worker_id: w for pool in pools.values() for w in pool}
+        if not byid:
+            raise RequestError("no healthy workers to serve the request", 503, "unavailable")
         for w in byid.values():
             w.load.worker_id = w.worker_id
         cached = self.cached(prompt, flight.session, byid) if self.prefix_routing else {}
         pooled = self.pooled(prompt, byid) if self.prefix_routing else {}
-        max_tokens = flight.params.max_tokens - len(flight.sent)
-        loads = {wid: w.load for wid, w in byid.items()}
-        decision = self.planner.decide(
+        pair, decision = decide.plan(
+            self.planner,
+            pools,
             len(prompt),
-            max_tokens,
-            routes,
-            loads,
-            cached,
-            time.monotonic(),
+            flight.params.max_tokens - len(flight.sent),
+            self.clock(),
+            cached=cached,
+            pooled=pooled,
             admit_all=not admit,
             streams=flight.params.n,
-            pooled=pooled,
         )
-        if decision.chosen is None:
+        if pair is None or decision.chosen is None:
             raise self._reject(flight, decision)
-        chosen = decision.chosen
-        second = byid[chosen.route.decode] if chosen.route.decode is not None else None
-        return (byid[chosen.route.first], second), chosen
+        return pair, decision.chosen
 
     def _reject(self, flight: Flight, decision: slo.Decision) -> RequestError:
         reason = decision.reject or "unavailable"
         self.events.refused(reason)
-        flight.timeline.append((labelled(Ev.REJECTED, reason), "router", time.monotonic()))
+        flight.timeline.append((labelled(Ev.REJECTED, reason), "router", self.clock()))
         what = {"slo_ttft": "TTFT", "slo_tpot": "TPOT"}.get(reason)
         msg = (
             f"predicted to miss the {what} SLO on every route"
@@ -126,23 +123,13 @@ class Routing:
     def cached(
         self, prompt: list[int], session: str | None, byid: dict[str, WorkerState]
     ) -> dict[str, int]:
-        """Prompt tokens each worker already caches: the index of its published block hashes;
-        for the worker that served this conversation's last turn, at least what that turn left
-        there when the index has not heard from it (affinity survives a lagging index)."""
+        """Prompt tokens each worker already caches (`decide.cached_tokens`), with the affinity
+        of this conversation's last turn."""
         infos = [w.info for w in byid.values() if w.info is not None]
         if not infos:
             return {}
-        bs = infos[0].block_size
-        cached = self.prefix.match(prompt, bs, list(byid))
         last = self.sessions.get(session) if session else None
-        if last is not None and last[0] in byid and self.prefix.needs_resync(last[0]):
-            common = 0
-            for a, b in zip(last[1], prompt, strict=False):
-                if a != b:
-                    break
-                common += 1
-            cached[last[0]] = max(cached.get(last[0], 0), common // bs * bs)
-        return cached
+        return decide.cached_tokens(self.prefix, prompt, infos[0].block_size, list(byid), last)
 
     def pooled(self, prompt: list[int], byid: dict[str, WorkerState]) -> dict[str, int]:
         """Prompt tokens each worker could load from its KV pools (the pool index)."""
@@ -170,16 +157,11 @@ class Routing:
         """Name the attempt's route (timeline, counters) and book its work on the loads."""
         assert flight.pair is not None
         first, second = flight.pair
-        if name is not None:
-            kind = name
-        elif pred is not None:
-            kind = pred.route.kind
-        elif second is not None:
-            kind = "remote"
-        elif forced:
-            kind = "recompute" if first.role == "decode" else "local"
-        else:
-            kind = "colocated" if first.role == "colocated" else "fallback"
+        kind = (
+            name
+            if name is not None
+            else decide.route_kind(first.role, second is not None, pred, forced)
+        )
         flight.route = kind
         self.events.route(kind)
         where = first.worker_id + (f"->{second.worker_id}" if second is not None else "")
@@ -195,37 +177,25 @@ class Routing:
     def _book(self, flight: Flight, pred: slo.Prediction | None, now: float) -> None:
         assert self.planner is not None and flight.pair is not None
         first, second = flight.pair
-        n = len(flight.prompt_ids) + len(flight.sent)
-        out = max(1, min(flight.params.max_tokens - len(flight.sent), self.planner.expected_output))
-        cached = pred.cached_first if pred is not None else 0
-        pooled = pred.pooled_first if pred is not None else 0
+        tokens = flight.prompt_ids + flight.sent
+        pooled = None
         if pred is None:  # a route the caller chose (a recovery): what its pool gives it
-            found = self.pooled(flight.prompt_ids + flight.sent, {first.worker_id: first})
-            pooled = min(found.get(first.worker_id, 0), n - 1)
-        prefill = self.planner.prefill_time(n, cached, first.load, pooled)
-        streams = flight.params.n  # n choices decode as n sequences
-        if second is None:
-            first.load.add(slo.Job(flight.rid, prefill, n, out, True, now, streams=streams))
-            return
-        first.load.add(slo.Job(flight.rid, prefill, 0, 0, False, now))
-        second.load.add(slo.Job(flight.rid, 0.0, n, out, True, now, streams=streams))
+            found = self.pooled(tokens, {first.worker_id: first})
+            pooled = min(found.get(first.worker_id, 0), len(tokens) - 1)
+        decide.book(
+            self.planner,
+            flight.rid,
+            (first.load, second.load if second is not None else None),
+            len(tokens),
+            flight.params.max_tokens - len(flight.sent),
+            now,
+            pred,
+            pooled=pooled,
+            streams=flight.params.n,
+        )
 
     def pick(self) -> Pair:
-        pools = self.links.pools()
-        if pools["prefill"] and pools["decode"]:
-            return self._choose("prefill", pools["prefill"]), self._choose(
-                "decode", pools["decode"]
-            )
-        if pools["colocated"]:
-            return self._choose("colocated", pools["colocated"]), None
-        for role in ("decode", "prefill"):  # a pool is empty: degrade to whole requests
-            if pools[role]:
-                return self._choose(role, pools[role]), None
-        raise RequestError("no healthy workers to serve the request", 503, "unavailable")
-
-    def _choose(self, role: str, pool: list[WorkerState]) -> WorkerState:
-        loads = [
-            WorkerLoad(w.worker_id, w.outstanding, int(w.stats.get("waiting", 0))) for w in pool
-        ]
-        chosen = self.policies[role].pick(loads)
-        return next(w for w in pool if w.worker_id == chosen.worker_id)
+        pair = decide.pick(self.links.pools(), self.policies)
+        if pair is None:
+            raise RequestError("no healthy workers to serve the request", 503, "unavailable")
+        return pair

@@ -16,9 +16,9 @@ def work_done(flight: Flight) -> int | None:
     if flight.pair is None:
         return None
     stats = flight.pair[0].stats
-    if "prefill_tokens" not in stats:
+    if stats.prefill_tokens is None:
         return None
-    return int(stats["prefill_tokens"]) + int(stats.get("decode_tokens", 0))
+    return stats.prefill_tokens + stats.decode_tokens
 
 
 class SilenceWatch:

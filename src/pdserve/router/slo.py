@@ -34,106 +34,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.costmodel.model import CostModel
+from pdserve.router.loads import Job, WorkerLoad
 from pdserve.router.pool_index import PoolBandwidth
 
 ROUTES = ("remote", "local", "colocated")
 ARRIVAL_WINDOW = 16  # first attempts the planner's arrival rate is measured over
 CALIBRATION_MIN_TOKENS = 16  # shorter requests' TPOT does not calibrate the model (`learn`)
 MODES = ("conditional", "always")
-
-
-@dataclass
-class Job:
-    """One request as seen on one worker: prefill owed, then decoding (or neither)."""
-
-    rid: str
-    prefill_s: float  # predicted seconds of prefill still owed here (0 once the first token came)
-    context: int  # tokens in KV when decoding here
-    remaining: int  # tokens still expected from this worker's decode steps
-    decodes: bool  # does this worker decode it (D, local, colocated) or only prefill (P)
-    queued_at: float
-    first_at: float | None = None  # first token seen (decode starts)
-    generated: int = 0
-    streams: int = 1  # sequences decoding (n > 1: n choices forked from one prefill)
-
-
-@dataclass
-class WorkerLoad:
-    """The router's picture of one worker's queue and batch."""
-
-    worker_id: str
-    jobs: dict[str, Job] = field(default_factory=dict)
-    prefill_free_at: float = 0.0  # when the prefill head-of-line started (approximation)
-
-    def _queue(self, now: float) -> tuple[list[Job], float]:
-        """The prefills owed here in the order they run, and how long the head has run."""
-        owed = sorted((j for j in self.jobs.values() if j.prefill_s > 0), key=lambda j: j.queued_at)
-        if not owed:
-            return owed, 0.0
-        ran = max(0.0, now - max(owed[0].queued_at, self.prefill_free_at))
-        return owed, min(ran, owed[0].prefill_s)
-
-    def prefill_backlog(self, now: float) -> float:
-        """Seconds of prefill queued here, minus what the head has already run."""
-        owed, ran = self._queue(now)
-        return sum(j.prefill_s for j in owed) - ran
-
-    def prefilled_in(self, rid: str, now: float) -> float | None:
-        """Seconds until the prefill of `rid` queued here ends (those queued before it run
-        first), or None when none is owed here."""
-        owed, total = self._queue(now)
-        total = -total
-        for j in owed:
-            total += j.prefill_s
-            if j.rid == rid:
-                return total
-        return None
-
-    def oldest_wait(self, now: float) -> float:
-        """How long the longest-queued prompt here has waited for its first token: the
-        measured side of the queue, which a worker slower than its model shows (the
-        predicted backlog would not)."""
-        owed = [j.queued_at for j in self.jobs.values() if j.prefill_s > 0]
-        return now - min(owed) if owed else 0.0
-
-    def decoding(self) -> list[Job]:
-        return [j for j in self.jobs.values() if j.decodes]
-
-    def context_sum(self) -> int:
-        return sum(j.context * j.streams for j in self.decoding())
-
-    def decode_streams(self) -> int:
-        """Sequences in this worker's decode batch (an n-choice request counts n)."""
-        return sum(j.streams for j in self.decoding())
-
-    # ---- events from the core ------------------------------------------------------------
-    def add(self, job: Job) -> None:
-        if not any(j.prefill_s > 0 for j in self.jobs.values()):
-            self.prefill_free_at = job.queued_at
-        self.jobs[job.rid] = job
-
-    def first_token(self, rid: str, now: float) -> None:
-        job = self.jobs.get(rid)
-        if job is None or job.prefill_s == 0:
-            return
-        job.prefill_s, job.first_at = 0.0, now
-        self.prefill_free_at = now  # the next queued prefill starts now
-        if not job.decodes:
-            del self.jobs[rid]
-
-    def tokens(self, rid: str, n: int, now: float) -> None:
-        job = self.jobs.get(rid)
-        if job is not None and job.decodes:
-            job.first_at = job.first_at or now
-            job.generated += n
-            job.context += n
-            job.remaining = max(1, job.remaining - n)
-
-    def remove(self, rid: str) -> None:
-        self.jobs.pop(rid, None)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.engine.grammar import check_spec
-from pdserve.router.protocol import InvalidRequest
+from pdserve.router.errors import InvalidRequest
 
 GUIDED = {
     "guided_json": "json",

@@ -1,5 +1,5 @@
-"""Request timelines: the event vocabulary, keeping finished requests' timelines, rendering them
-for people, and scoring the planner's predictions against what happened.
+"""Request timelines: the event vocabulary and rendering them for people (timelines.py keeps
+finished requests' timelines and scores the planner's predictions against what happened).
 
 A timeline is a list of `(event, worker, time.monotonic())`. Event names are the `Ev` members
 (plain strings, so a timeline is still JSON and tuples compare as before), some with a detail
@@ -7,19 +7,13 @@ A timeline is a list of `(event, worker, time.monotonic())`. Event names are the
 `side:stage` (`send:first_token`, `recv:done`, built by `staged`). Readers (cluster, chaos,
 metrics, bench) test events with `Ev`/`Side` and `kind_of`, never by spelling the strings.
 
-This module imports nothing from the router at run time, so metrics and bench may import it.
+This module imports nothing from pdserve, so metrics and bench may import it.
 """
 
 from __future__ import annotations
 
-import collections
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pdserve.router.events import RouterEvents
-    from pdserve.router.flight import Flight
-    from pdserve.router.slo import SloPlanner
+from typing import Any
 
 TIMELINE_KEEP = 2000  # finished requests whose timelines stay queryable
 
@@ -111,60 +105,3 @@ def render(events: list[Event]) -> list[dict[str, Any]]:
             name = Ev.FIRST_TOKEN.value if worker == first_by else Stage.DECODE_FIRST_TOKEN.value
         out.append({"event": name, "worker": worker, "t_ms": round((t - t0) * 1000, 3)})
     return out
-
-
-class Timelines:
-    """Finished requests' timelines and scored predictions, the last `TIMELINE_KEEP` of them."""
-
-    def __init__(self, events: RouterEvents) -> None:
-        self.events = events
-        self.raw: collections.OrderedDict[str, list[Event]] = collections.OrderedDict()
-        self.predictions: dict[str, dict[str, Any]] = {}  # kept beside raw
-        self._final_attempt: dict[str, str] = {}
-
-    def keep(self, flight: Flight) -> None:
-        self.raw[flight.rid] = sorted(flight.timeline, key=lambda e: e[2])
-        self._final_attempt[flight.rid] = str(flight.attempt)
-        while len(self.raw) > TIMELINE_KEEP:
-            old, _ = self.raw.popitem(last=False)
-            self._final_attempt.pop(old, None)
-            self.predictions.pop(old, None)
-
-    def add_late(self, rid: str, attempt: str, stamps: list[Event]) -> bool:
-        """Add stamps that arrive after the request finished (P's TransferReport trails D's
-        ack); False when the request or that attempt is no longer kept."""
-        events = self.raw.get(rid)
-        if events is None or self._final_attempt.get(rid) != attempt:
-            return False
-        events += stamps
-        events.sort(key=lambda e: e[2])
-        return True
-
-    def score(self, flight: Flight, outcome: str, planner: SloPlanner | None) -> None:
-        """Predicted vs actual TTFT/TPOT: kept for the timeline, fed to the metric of
-        prediction error and to the planner's online calibration."""
-        pred = flight.prediction
-        if pred is None:
-            return
-        arrive = flight.timeline[0][2]
-        ttft = flight.first_at - arrive if flight.first_at is not None else None
-        n = len(flight.sent)
-        tpot = None
-        if outcome == "ok" and n > 1 and flight.first_at is not None and flight.last_at:
-            tpot = (flight.last_at - flight.first_at) / (n - 1)
-        self.predictions[flight.rid] = {
-            "route": pred.route.kind,
-            "workers": [w for w in (pred.route.first, pred.route.decode) if w],
-            "ttft_s": round(pred.ttft_s, 6),
-            "tpot_s": round(pred.tpot_s, 6),
-            "cached_prefill_tokens": pred.cached_first,
-            "cached_decode_tokens": pred.cached_decode,
-            "pooled_prefill_tokens": pred.pooled_first,
-            "actual_ttft_s": None if ttft is None else round(ttft, 6),
-            "actual_tpot_s": None if tpot is None else round(tpot, 6),
-        }
-        for kind, predicted, actual in (("ttft", pred.ttft_s, ttft), ("tpot", pred.tpot_s, tpot)):
-            if actual is not None and actual > 0:
-                self.events.prediction(kind, abs(predicted - actual) / actual)
-        if planner is not None and flight.attempt == 1:
-            planner.learn(flight.raw_pred, ttft, tpot, n)

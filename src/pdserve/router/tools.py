@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdserve.router import responses as r
-from pdserve.router.protocol import InvalidRequest
+from pdserve.router.errors import InvalidRequest
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(TAG_OPEN) + r"\s*(.*?)\s*" + re.escape(TAG_CLOSE), re.DOTALL)

@@ -1,16 +1,15 @@
 """The discrete-event simulation of a deployment: router, P / D / colocated workers, KV links.
 
 Only time is simulated. Every decision is the real code's:
-  * each worker is the engine's `Scheduler` over a `KVCacheManager` (block ids only: the
-    simulator has no tensors, so the manager *is* the fake block store); `schedule()` decides
-    every step, `update_from_output` advances it; preemption, chunking, prefix caching, held KV
-    and reservations are the engine's own;
-  * the router is `SloPlanner.routes/decide` (admission, conditional disaggregation, and its
-    online calibration: `SloPlanner.learn` from each finished request, as `router/timeline.py`
-    calls it) over `WorkerLoad`s booked exactly as `router/routing.py` books them,
-    `PrefixIndex` fed with the workers' real `KVEvents`, the routing policies of
-    `router/policies.py` when there is no planner, and `balancer.pressures` + `Autobalancer`
-    for role moves.
+  * each worker (sim/worker.py) is the engine's `Scheduler` over a `KVCacheManager` (block ids
+    only: the simulator has no tensors, so the manager *is* the fake block store);
+    `schedule()` decides every step, `update_from_output` advances it; preemption, chunking,
+    prefix caching, held KV and reservations are the engine's own;
+  * the router's decisions are router/decide.py, the code router/routing.py calls: `plan`
+    (`SloPlanner.routes/decide`: admission, conditional disaggregation) or the policies' `pick`,
+    and `book` on the `WorkerLoad`s; the planner's online calibration is `SloPlanner.learn`
+    from each finished request, as `router/timeline.py` calls it; `PrefixIndex` is fed with the
+    workers' real `KVEvents`; `balancer.pressures` + `Autobalancer` move roles.
 
 Life of a request, by the handlers below:
   1. `_arrive`      the router decides: reject (admission), or a route and its workers;
@@ -35,244 +34,19 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from pdserve.costmodel.contention import Contention
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
-
-__all__ = ["Record", "SimConfig", "SimRequest", "SimWorker", "Simulation"]
-from pdserve.router import balancer, slo
-from pdserve.router.policies import WorkerLoad as PolicyLoad
+from pdserve.router import balancer, decide, slo
+from pdserve.router.decide import ROLES
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.records import Record, SimConfig, SimRequest
-from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
-from pdserve.workers.messages import KVEvents
+from pdserve.sim.steptime import Link, Row, StepModel
+from pdserve.sim.worker import Outgoing, SimWorker
 
-TOKEN = 7  # every sampled token (never an eos: requests stop at max_tokens, ignore_eos)
-ROLES = ("prefill", "decode", "colocated")
-
-
-@dataclass
-class _Outgoing:
-    """P's side of one hand-off: KV computed, streamed once D has reserved."""
-
-    rid: str
-    dest: SimWorker
-    reserved_at: float | None = None
-    have_tokens: int = 0  # D's cached prefix: not sent
-    chunks: list[tuple[int, int, float, float]] = field(default_factory=list)  # unsent
-    sent_until: float = 0.0
-    prefill_done: bool = False
-    nbytes: int = 0
-    tokens: int = 0  # KV tokens sent (D's receive work)
-
-
-class SimWorker:
-    """One engine instance: the real scheduler, stepping in simulated time."""
-
-    def __init__(
-        self, sim: Simulation, wid: str, role: str, step: StepModel, policy: SchedulerPolicy
-    ) -> None:
-        self.sim, self.wid, self.role, self.step = sim, wid, role, step
-        cfg = sim.config
-        self.kv = KVCacheManager(instance_kv_blocks(step, cfg.block_size), cfg.block_size,
-                                 enable_prefix_caching=cfg.prefix_caching)  # fmt: skip
-        self.sched = Scheduler(policy, self.kv)
-        self.load = slo.WorkerLoad(wid)
-        self.outstanding = 0
-        self.link = Link(sim.link.bytes_s * step.gpus, sim.link.per_message_s)
-        self.busy = False
-        self.draining = False
-        self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
-        self.reserved: dict[str, tuple[Request, float]] = {}
-        self.receiving: deque[tuple[str, float]] = deque()  # KV in, D's receive work owed
-        self.outgoing: dict[str, _Outgoing] = {}
-        self.busy_s = 0.0
-        self.steps = 0
-        self.kv_seq = 0
-        self.log: list[tuple[float, str, str]] = []  # (time, what, rid): scheduling decisions
-
-    # ---- intake ------------------------------------------------------------------------------
-    def generate(self, req: SimRequest) -> None:
-        self.sched.add_request(self._request(req, req.max_tokens))
-        self.kick()
-
-    def prefill(self, req: SimRequest, dest: SimWorker) -> None:
-        request = self._request(req, 1)
-        request.hold_kv = True
-        self.outgoing[req.rid] = _Outgoing(req.rid, dest)
-        self.sched.add_request(request)
-        self.kick()
-
-    def expect(self, req: SimRequest) -> None:
-        """ExpectKV: reserve blocks for the prompt's KV (as `LLMEngine.reserve_kv`)."""
-        request = self._request(req, req.max_tokens)
-        self.sched.check_fits(request)
-        self.reserving.append(request)
-        self._try_reserve()
-
-    def _request(self, req: SimRequest, max_tokens: int) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return Request(req.rid, list(req.prompt), params, arrival_time=req.arrival)
-
-    def _try_reserve(self) -> None:
-        while self.reserving:
-            request = self.reserving[0]
-            n_kv = request.num_prompt_tokens
-            got = self.kv.reserve_with_prefix(request, n_kv + 1, n_kv - 1)
-            if got is None:
-                return  # retried after the next step frees blocks
-            self.reserving.popleft()
-            self.reserved[request.request_id] = (request, self.sim.now)
-            self.log.append((self.sim.now, "reserve", request.request_id))
-            self.sim.on_reserved(self, request.request_id, got[1])
-
-    def received(self, rid: str, tokens: int) -> None:
-        """Every KV byte is here: D's loop registers it (decode + copy per frame) before its
-        next step, as `workers/decode.py` does between `engine.step()` calls, then admits."""
-        work = self.step.receive_s(tokens)
-        if work <= 0:
-            self.admit(rid)
-            return
-        self.receiving.append((rid, work))
-        self.kick()
-
-    def admit(self, rid: str) -> None:
-        """KVDone: every KV byte is here; the request decodes (`add_prefilled`)."""
-        request, _ = self.reserved.pop(rid)
-        request.output_token_ids = [TOKEN]
-        request.num_computed_tokens = request.num_prompt_tokens
-        if request.num_tokens >= request.num_prompt_tokens + request.sampling_params.max_tokens:
-            self.kv.free(rid)  # the first token was the last: nothing to decode
-            self.sim.on_finished(self, rid)
-            return
-        self.sched.add_prefilled(request)
-        self.log.append((self.sim.now, "admit", rid))
-        self.kick()
-
-    def cancel(self, rid: str) -> None:
-        for request in list(self.reserving):
-            if request.request_id == rid:
-                self.reserving.remove(request)
-        if self.reserved.pop(rid, None) is not None:
-            self.kv.free(rid)
-
-    def release(self, rid: str) -> None:
-        """KVAck: P frees the blocks it held for the transfer."""
-        self.sched.release_held(rid)
-        self.kick()
-
-    # ---- steps ---------------------------------------------------------------------------
-    def kick(self) -> None:
-        if self.busy:
-            return
-        if self.receiving:  # hand-offs received during the last step come first
-            rid, work = self.receiving.popleft()
-            self.busy, t0 = True, self.sim.now
-            # memory copies: on a shared host, slowed as a decode step (the nearer kind)
-            self.sim.run_step(self.wid, [], work, lambda: self._received(rid, t0), "decode")
-            return
-        out = self.sched.schedule()
-        for _ in range(len(self.sched.running) + 1):
-            # a step that only preempted (a request preempting itself) changed the queues:
-            # the worker loop would schedule again at once
-            for rid in out.preempted:
-                self.log.append((self.sim.now, "preempt", rid))
-            if not (out.is_empty and out.preempted):
-                break
-            out = self.sched.schedule()
-        if out.is_empty:
-            return
-        rows = [(s.num_tokens, s.start_pos) for s in out.scheduled]
-        for s in out.scheduled:
-            if s.start_pos == 0 or s.num_tokens > 1:
-                self.log.append((self.sim.now, "prefill", s.request_id))
-        self.busy, t0 = True, self.sim.now
-        self.steps += 1
-        self.sim.run_step(self.wid, rows, self.step.step_s(rows), lambda: self._step_done(out, t0))
-
-    def _received(self, rid: str, t0: float) -> None:
-        self.busy = False
-        self.busy_s += self.sim.now - t0
-        self.admit(rid)  # kicks the next step (or the next receive)
-        self.kick()
-
-    def _step_done(self, out: SchedulerOutput, t0: float) -> None:
-        self.busy, dur = False, self.sim.now - t0  # longer than step_s when the host is shared
-        self.busy_s += dur
-        for s in out.scheduled:
-            o = self.outgoing.get(s.request_id)
-            if o is not None:
-                o.chunks.append((s.start_pos, s.num_tokens, t0, dur))
-        sampled = {s.request_id: TOKEN for s in out.scheduled if s.sample}
-        finished = {r.request_id for r in self.sched.update_from_output(out, sampled)}
-        for rid in sampled:
-            o = self.outgoing.get(rid)
-            if o is not None:
-                o.prefill_done = True
-                self.sim.on_token(self, rid, finished=False)
-                self._flush(o)
-            else:
-                self.sim.on_token(self, rid, finished=rid in finished)
-        self._publish_kv_events()
-        self._try_reserve()
-        self.kick()
-
-    # ---- KV transfer (P side) ----------------------------------------------------------
-    def on_reserved(self, rid: str, at: float, have_tokens: int) -> None:
-        o = self.outgoing.get(rid)
-        if o is None:
-            return
-        o.reserved_at, o.have_tokens = at, have_tokens
-        self._flush(o)
-
-    def _flush(self, o: _Outgoing) -> None:
-        """Send the chunks computed so far (once D has reserved); hand off when all are sent."""
-        if o.reserved_at is None:
-            return
-        bpt = self.step.kv_bytes_per_token
-        for start, n, t0, dur in o.chunks:
-            tokens = max(0, start + n - max(start, o.have_tokens))
-            nbytes = tokens * bpt
-            o.nbytes += int(nbytes)
-            o.tokens += tokens
-            done = self.link.stream(t0, dur, nbytes, self.step.layers, o.reserved_at)
-            o.sent_until = max(o.sent_until, done)
-        o.chunks.clear()
-        if o.prefill_done:
-            del self.outgoing[o.rid]
-            at = max(o.sent_until, self.sim.now) + self.link.per_message_s
-            self.sim.at(at, lambda: self.sim.on_kv_done(self, o))
-
-    def _publish_kv_events(self) -> None:
-        if not self.sim.config.prefix_routing or not self.kv.has_events:
-            return
-        stored, removed, cleared = self.kv.take_events()
-        seq, self.kv_seq = self.kv_seq, self.kv_seq + 1
-        cleared = cleared or seq == 0
-        if cleared and seq == 0 and not stored:
-            stored = self.kv.cached_hashes()
-        ev = KVEvents(self.wid, seq, self.kv.block_size, stored, removed, cleared)
-        self.sim.at(self.sim.now + self.sim.config.message_s, lambda: self.sim.prefix.apply(ev))
-
-    def cached_tokens(self, rid: str) -> int:
-        request = self.sched.requests.get(rid) or self.sched.held.get(rid)
-        return request.num_cached_tokens if request is not None else 0
-
-    @property
-    def idle(self) -> bool:
-        return not (
-            self.sched.has_unfinished()
-            or self.sched.held
-            or self.reserved
-            or self.reserving
-            or self.receiving
-            or self.outgoing
-        )
+# Record, SimConfig and SimRequest live in sim/records.py; sim/deploy.py still imports them here.
+__all__ = ["Record", "SimConfig", "SimRequest", "SimWorker", "Simulation"]
 
 
 class Simulation:
@@ -384,7 +158,7 @@ class Simulation:
             return
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
-        kind = chosen.route.kind if chosen else ("remote" if second else "colocated")
+        kind = decide.route_kind(first.role, second is not None, chosen, forced=False)
         rec.route, rec.workers = kind, tuple(w.wid for w in pair if w is not None)
         if chosen is not None:
             rec.predicted_ttft, rec.predicted_tpot = chosen.ttft_s, chosen.tpot_s
@@ -397,57 +171,27 @@ class Simulation:
             if w is not None:
                 w.outstanding += 1
         if self.planner is not None:
-            self._book(req, pair, chosen)
+            loads = (first.load, second.load if second is not None else None)
+            decide.book(self.planner, req.rid, loads, len(req.prompt), req.max_tokens, self.now,
+                        chosen)  # fmt: skip
         self.at(self.now + self.config.message_s, lambda: self._dispatch(req, first, second))
 
     def _route(
         self, req: SimRequest
     ) -> tuple[tuple[SimWorker, SimWorker | None] | None, slo.Decision | None]:
-        """As router/routing.py: `plan` (with a planner) or `pick` (without)."""
+        """The router's decision (router/decide.py): `plan` with a planner, else `pick`."""
         pools = self._pools()
         if self.planner is None:
-            if pools["prefill"] and pools["decode"]:
-                return (self._choose(pools["prefill"]), self._choose(pools["decode"])), None
-            pool = pools["colocated"] or pools["decode"] or pools["prefill"]
-            return ((self._choose(pool), None), None) if pool else (None, None)
-        routes = self.planner.routes(*([w.wid for w in pools[r]] for r in ROLES))
-        byid = {w.wid: w for pool in pools.values() for w in pool}
+            return decide.pick(pools, self.policies), None
+        ids = [w.wid for r in ROLES for w in pools[r]]
+        if not ids:
+            return None, None
         cached: dict[str, int] = {}
         if self.config.prefix_routing:
-            cached = self.prefix.match(req.prompt, self.config.block_size, list(byid))
-        loads = {wid: w.load for wid, w in byid.items()}
-        decision = self.planner.decide(
-            len(req.prompt), req.max_tokens, routes, loads, cached, self.now
+            cached = decide.cached_tokens(self.prefix, req.prompt, self.config.block_size, ids)
+        return decide.plan(
+            self.planner, pools, len(req.prompt), req.max_tokens, self.now, cached=cached
         )
-        if decision.chosen is None:
-            return None, decision
-        route = decision.chosen.route
-        second = byid[route.decode] if route.decode is not None else None
-        return (byid[route.first], second), decision
-
-    def _choose(self, pool: list[SimWorker]) -> SimWorker:
-        loads = [PolicyLoad(w.wid, w.outstanding, w.sched.num_waiting) for w in pool]
-        chosen = self.policies[pool[0].role].pick(loads)
-        return self.byid[chosen.worker_id]
-
-    def _book(
-        self,
-        req: SimRequest,
-        pair: tuple[SimWorker, SimWorker | None],
-        pred: slo.Prediction | None,
-    ) -> None:
-        """As routing._book: the work this request puts on its workers' loads."""
-        assert self.planner is not None
-        first, second = pair
-        n = len(req.prompt)
-        out = max(1, min(req.max_tokens, self.planner.expected_output))
-        cached = pred.cached_first if pred is not None else 0
-        prefill = self.planner.prefill_time(n, cached, first.load)
-        if second is None:
-            first.load.add(slo.Job(req.rid, prefill, n, out, True, self.now))
-            return
-        first.load.add(slo.Job(req.rid, prefill, 0, 0, False, self.now))
-        second.load.add(slo.Job(req.rid, 0.0, n, out, True, self.now))
 
     def _dispatch(self, req: SimRequest, first: SimWorker, second: SimWorker | None) -> None:
         if second is None:
@@ -486,7 +230,7 @@ class Simulation:
         else:
             deliver()
 
-    def on_kv_done(self, p: SimWorker, o: _Outgoing) -> None:
+    def on_kv_done(self, p: SimWorker, o: Outgoing) -> None:
         rec = self.records[o.rid]
         rec.kv_bytes += o.nbytes
         self.count("kv_transfers")

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.costmodel import capacity
 from pdserve.costmodel import plan as analytic
 from pdserve.sim import hardware
 from pdserve.sim.deploy import DEFAULT_LINK_GBPS_GPU, Deployment, simulate
@@ -51,13 +52,13 @@ class Finalist:
 @dataclass
 class RoleCaps:
     tp: int
-    prefill: analytic.PrefillCapacity
-    decode: analytic.DecodeCapacity
-    colocated: analytic.ColocatedCapacity
+    prefill: capacity.PrefillCapacity
+    decode: capacity.DecodeCapacity
+    colocated: capacity.ColocatedCapacity
 
 
 def role_capacities(
-    hw: str, model: str, shape: analytic.Shape, slo: analytic.SLO, link_gbps: float
+    hw: str, model: str, shape: capacity.Shape, slo: capacity.SLO, link_gbps: float
 ) -> list[RoleCaps]:
     g, ms = hardware.gpu(hw), hardware.model_shape(model)
     out = []
@@ -73,11 +74,11 @@ def role_capacities(
         out.append(
             RoleCaps(
                 tp,
-                analytic.prefill_capacity(cm, shape, slo.ttft_s),
-                analytic.decode_capacity(
+                capacity.prefill_capacity(cm, shape, slo.ttft_s),
+                capacity.decode_capacity(
                     cm, shape, slo.tpot_s, max_kv_tokens=kv, kv_bytes_per_token=bpt
                 ),
-                analytic.colocated_capacity(cm, shape, slo, max_kv_tokens=kv),
+                capacity.colocated_capacity(cm, shape, slo, max_kv_tokens=kv),
             )
         )
     if not out:
@@ -188,8 +189,8 @@ def plan_simulated(args: argparse.Namespace) -> dict[str, Any]:
         if args.workload in analytic.WORKLOADS
         else 0
     )
-    shape = analytic.Shape(args.input_len, max(2, args.output_len), cached)
-    slo = analytic.SLO(args.slo_ttft, args.slo_tpot)
+    shape = capacity.Shape(args.input_len, max(2, args.output_len), cached)
+    slo = capacity.SLO(args.slo_ttft, args.slo_tpot)
     link = args.link_gbps or DEFAULT_LINK_GBPS_GPU
     caps = role_capacities(hw, model, shape, slo, link)
     base = Deployment(

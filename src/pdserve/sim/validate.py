@@ -49,8 +49,8 @@ from typing import Any
 
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.step_log import StepRecord
-from pdserve.sim.cluster import Record, SimRequest
 from pdserve.sim.deploy import Deployment, build, simulate, summarize
+from pdserve.sim.records import Record, SimRequest
 from pdserve.sim.validate_report import compare, report, report_runs, side_by_side
 from pdserve.sim.workload import arrivals, requests_from_items
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.sim.cluster import Record
 from pdserve.sim.deploy import meets
+from pdserve.sim.records import Record
 
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
 

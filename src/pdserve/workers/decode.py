@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +24,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
 from pdserve.transfer.transports import MSG, ShmReader
 from pdserve.workers import messages as m
-
-if TYPE_CHECKING:
-    from pdserve.workers.worker import Worker
+from pdserve.workers.side_host import SideHost
 
 
 @dataclass
@@ -51,7 +48,7 @@ class Incoming:
 
 
 class DecodeSide:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: SideHost) -> None:
         self.w = worker
         self.inc: dict[str, Incoming] = {}
         self.early_wants: dict[str, tuple[bytes, float]] = {}  # KVWant before ExpectKV

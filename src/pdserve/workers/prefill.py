@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -28,9 +27,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
 from pdserve.transfer.transports import FRAME, MSG, SHM_FRAME, ShmRing, connect_sender
 from pdserve.workers import messages as m
-
-if TYPE_CHECKING:
-    from pdserve.workers.worker import Worker
+from pdserve.workers.side_host import SideHost
 
 
 @dataclass
@@ -66,7 +63,7 @@ class Fault:
 
 
 class PrefillSide:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: SideHost) -> None:
         self.w = worker
         self.out: dict[str, Outgoing] = {}
         self.senders: dict[str, zmq.Socket] = {}  # endpoint -> DEALER

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdserve.workloads.streams import RequestItem, sample_lengths
+from pdserve.workloads.items import RequestItem, sample_lengths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

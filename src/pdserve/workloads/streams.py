@@ -34,15 +34,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 
 from pdserve import argtypes
-
-if TYPE_CHECKING:
-    from pdserve.workloads.spec import LoadSpec
+from pdserve.workloads.items import RequestItem, Workload, sample_lengths
 
 ID_LOW, ID_HIGH = 1000, 30000  # token ids of synthetic prompts: clear of special/byte tokens
 
@@ -58,43 +55,9 @@ _WORD_TEXT = (
 _WORDS = tuple(_WORD_TEXT.split())
 
 
-@dataclass(frozen=True)
-class RequestItem:
-    prompt: list[int]
-    max_tokens: int
-    conversation: int  # items of one conversation are sent in order, one at a time
-    turn: int = 0
-    # the prompt as text, when the workload has real text (rag): sent instead of `prompt`, which
-    # then holds its token ids under the workload's tokenizer (for lengths and reports)
-    text: str | None = None
-    # multiturn with actual answers: this turn's new user message; the load generator sends the
-    # previous turn's prompt + its actual answer + this (turn 0: this alone). `prompt` then holds
-    # the placeholder form (same lengths, answer unknown in advance), for reports only
-    question: list[int] | None = None
-    # a label reports split by (shifting: "prefill-heavy" / "decode-heavy"; mixed: short / long)
-    phase: str | None = None
-
-
-@runtime_checkable
-class Workload(Protocol):
-    name: str
-
-    def __iter__(self) -> Iterator[RequestItem]: ...
-
-
 def ids_to_text(ids: list[int]) -> str:
     """A deterministic word per id, so shared id prefixes stay shared text prefixes."""
     return " ".join(_WORDS[i % len(_WORDS)] for i in ids)
-
-
-def sample_lengths(rng: np.random.Generator, mean: int, spread: float, n: int) -> list[int]:
-    """`n` lengths uniform in [mean * (1 - spread), mean * (1 + spread)], each at least 1."""
-    if not 0.0 <= spread <= 1.0:
-        raise ValueError(f"length spread must be in [0, 1], got {spread}")
-    if mean < 1:
-        raise ValueError(f"mean length must be >= 1, got {mean}")
-    lo, hi = mean * (1.0 - spread), mean * (1.0 + spread)
-    return [max(1, round(x)) for x in rng.uniform(lo, hi, size=n)]
 
 
 def _random_ids(rng: np.random.Generator, n: int) -> list[int]:
@@ -284,13 +247,33 @@ class ShiftingWorkload:
             yield variants[0 if i < self.shift_at else 1]
 
 
-def _synthetic(args: LoadSpec) -> Workload:
+class WorkloadSpec(Protocol):
+    """What the factories read of a run's spec (workloads/spec.py `LoadSpec`); a workload's
+    own settings are read with getattr and their flags' defaults."""
+
+    @property
+    def workload(self) -> str: ...
+    @property
+    def num_requests(self) -> int: ...
+    @property
+    def input_len(self) -> int: ...
+    @property
+    def output_len(self) -> int: ...
+    @property
+    def len_spread(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def turns(self) -> int: ...
+
+
+def _synthetic(args: WorkloadSpec) -> Workload:
     return SyntheticWorkload(
         args.num_requests, args.input_len, args.output_len, args.len_spread, args.seed
     )
 
 
-def _multiturn(args: LoadSpec) -> Workload:
+def _multiturn(args: WorkloadSpec) -> Workload:
     return MultiTurnWorkload(
         args.num_requests,
         args.input_len,
@@ -302,7 +285,7 @@ def _multiturn(args: LoadSpec) -> Workload:
     )
 
 
-def _mixed(args: LoadSpec) -> Workload:
+def _mixed(args: WorkloadSpec) -> Workload:
     return MixedWorkload(
         args.num_requests,
         args.seed,
@@ -313,7 +296,7 @@ def _mixed(args: LoadSpec) -> Workload:
     )
 
 
-def _shifting(args: LoadSpec) -> Workload:
+def _shifting(args: WorkloadSpec) -> Workload:
     return ShiftingWorkload(
         args.num_requests,
         args.seed,
@@ -326,7 +309,7 @@ def _shifting(args: LoadSpec) -> Workload:
     )
 
 
-def _rag(args: LoadSpec) -> Workload:
+def _rag(args: WorkloadSpec) -> Workload:
     # lazy: the tokenizer, bm25s and the knowledge base are only needed for this workload
     from pdserve.engine.loader import load_tokenizer, resolve_model
     from pdserve.workloads.rag import RagWorkload
@@ -345,7 +328,7 @@ def _rag(args: LoadSpec) -> Workload:
 
 
 # name -> factory from the parsed `bench serve` flags
-WORKLOADS: dict[str, Callable[[LoadSpec], Workload]] = {
+WORKLOADS: dict[str, Callable[[WorkloadSpec], Workload]] = {
     "synthetic": _synthetic,
     "multiturn": _multiturn,
     "rag": _rag,
@@ -435,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add(parser)
 
 
-def make_workload(args: LoadSpec) -> Workload:
+def make_workload(args: WorkloadSpec) -> Workload:
     try:
         factory = WORKLOADS[args.workload]
     except KeyError:

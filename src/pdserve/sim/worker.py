@@ -1,0 +1,272 @@
+"""A simulated engine instance (`SimWorker`): the engine's real `Scheduler` over a
+`KVCacheManager`, stepping in simulated time, and P's side of a KV hand-off (`Outgoing`).
+
+The worker sees the simulation through `Loop`: its clock and event heap, and the router's
+handlers of what the worker reports (a reservation, a token, a hand-off's last byte, an end).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+from pdserve.router.loads import WorkerLoad
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.worker_stats import WorkerStats
+from pdserve.sim.records import SimConfig, SimRequest
+from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
+from pdserve.workers.messages import KVEvents
+
+TOKEN = 7  # every sampled token (never an eos: requests stop at max_tokens, ignore_eos)
+
+
+class Loop(Protocol):
+    """What a worker needs from the simulation (sim/cluster.py `Simulation`)."""
+
+    config: SimConfig
+    link: Link
+    now: float
+    prefix: PrefixIndex  # the router's, fed with the workers' KVEvents
+
+    def at(self, t: float, fn: Callable[[], None]) -> None: ...
+    def run_step(
+        self, wid: str, rows: list[Row], work: float, done: Callable[[], None], kind: str = ""
+    ) -> None: ...
+    def on_reserved(self, dest: SimWorker, rid: str, have_tokens: int) -> None: ...
+    def on_token(self, w: SimWorker, rid: str, finished: bool) -> None: ...
+    def on_kv_done(self, p: SimWorker, o: Outgoing) -> None: ...
+    def on_finished(self, w: SimWorker, rid: str) -> None: ...
+
+
+@dataclass
+class Outgoing:
+    """P's side of one hand-off: KV computed, streamed once D has reserved."""
+
+    rid: str
+    dest: SimWorker
+    reserved_at: float | None = None
+    have_tokens: int = 0  # D's cached prefix: not sent
+    chunks: list[tuple[int, int, float, float]] = field(default_factory=list)  # unsent
+    sent_until: float = 0.0
+    prefill_done: bool = False
+    nbytes: int = 0
+    tokens: int = 0  # KV tokens sent (D's receive work)
+
+
+class SimWorker:
+    """One engine instance: the real scheduler, stepping in simulated time."""
+
+    def __init__(
+        self, sim: Loop, wid: str, role: str, step: StepModel, policy: SchedulerPolicy
+    ) -> None:
+        self.sim, self.wid, self.role, self.step = sim, wid, role, step
+        cfg = sim.config
+        self.kv = KVCacheManager(instance_kv_blocks(step, cfg.block_size), cfg.block_size,
+                                 enable_prefix_caching=cfg.prefix_caching)  # fmt: skip
+        self.sched = Scheduler(policy, self.kv)
+        self.load = WorkerLoad(wid)
+        self.outstanding = 0
+        self.link = Link(sim.link.bytes_s * step.gpus, sim.link.per_message_s)
+        self.busy = False
+        self.draining = False
+        self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
+        self.reserved: dict[str, tuple[Request, float]] = {}
+        self.receiving: deque[tuple[str, float]] = deque()  # KV in, D's receive work owed
+        self.outgoing: dict[str, Outgoing] = {}
+        self.busy_s = 0.0
+        self.steps = 0
+        self.kv_seq = 0
+        self.log: list[tuple[float, str, str]] = []  # (time, what, rid): scheduling decisions
+
+    # ---- what the router reads (router/decide.py `Candidate`) ----------------------------
+    @property
+    def worker_id(self) -> str:
+        return self.wid
+
+    @property
+    def stats(self) -> WorkerStats:
+        """What a real worker would report now (the router's copy lags by up to a second)."""
+        return WorkerStats(waiting=self.sched.num_waiting, running=self.sched.num_running)
+
+    # ---- intake ------------------------------------------------------------------------------
+    def generate(self, req: SimRequest) -> None:
+        self.sched.add_request(self._request(req, req.max_tokens))
+        self.kick()
+
+    def prefill(self, req: SimRequest, dest: SimWorker) -> None:
+        request = self._request(req, 1)
+        request.hold_kv = True
+        self.outgoing[req.rid] = Outgoing(req.rid, dest)
+        self.sched.add_request(request)
+        self.kick()
+
+    def expect(self, req: SimRequest) -> None:
+        """ExpectKV: reserve blocks for the prompt's KV (as `LLMEngine.reserve_kv`)."""
+        request = self._request(req, req.max_tokens)
+        self.sched.check_fits(request)
+        self.reserving.append(request)
+        self._try_reserve()
+
+    def _request(self, req: SimRequest, max_tokens: int) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return Request(req.rid, list(req.prompt), params, arrival_time=req.arrival)
+
+    def _try_reserve(self) -> None:
+        while self.reserving:
+            request = self.reserving[0]
+            n_kv = request.num_prompt_tokens
+            got = self.kv.reserve_with_prefix(request, n_kv + 1, n_kv - 1)
+            if got is None:
+                return  # retried after the next step frees blocks
+            self.reserving.popleft()
+            self.reserved[request.request_id] = (request, self.sim.now)
+            self.log.append((self.sim.now, "reserve", request.request_id))
+            self.sim.on_reserved(self, request.request_id, got[1])
+
+    def received(self, rid: str, tokens: int) -> None:
+        """Every KV byte is here: D's loop registers it (decode + copy per frame) before its
+        next step, as `workers/decode.py` does between `engine.step()` calls, then admits."""
+        work = self.step.receive_s(tokens)
+        if work <= 0:
+            self.admit(rid)
+            return
+        self.receiving.append((rid, work))
+        self.kick()
+
+    def admit(self, rid: str) -> None:
+        """KVDone: every KV byte is here; the request decodes (`add_prefilled`)."""
+        request, _ = self.reserved.pop(rid)
+        request.output_token_ids = [TOKEN]
+        request.num_computed_tokens = request.num_prompt_tokens
+        if request.num_tokens >= request.num_prompt_tokens + request.sampling_params.max_tokens:
+            self.kv.free(rid)  # the first token was the last: nothing to decode
+            self.sim.on_finished(self, rid)
+            return
+        self.sched.add_prefilled(request)
+        self.log.append((self.sim.now, "admit", rid))
+        self.kick()
+
+    def cancel(self, rid: str) -> None:
+        for request in list(self.reserving):
+            if request.request_id == rid:
+                self.reserving.remove(request)
+        if self.reserved.pop(rid, None) is not None:
+            self.kv.free(rid)
+
+    def release(self, rid: str) -> None:
+        """KVAck: P frees the blocks it held for the transfer."""
+        self.sched.release_held(rid)
+        self.kick()
+
+    # ---- steps ---------------------------------------------------------------------------
+    def kick(self) -> None:
+        if self.busy:
+            return
+        if self.receiving:  # hand-offs received during the last step come first
+            rid, work = self.receiving.popleft()
+            self.busy, t0 = True, self.sim.now
+            # memory copies: on a shared host, slowed as a decode step (the nearer kind)
+            self.sim.run_step(self.wid, [], work, lambda: self._received(rid, t0), "decode")
+            return
+        out = self.sched.schedule()
+        for _ in range(len(self.sched.running) + 1):
+            # a step that only preempted (a request preempting itself) changed the queues:
+            # the worker loop would schedule again at once
+            for rid in out.preempted:
+                self.log.append((self.sim.now, "preempt", rid))
+            if not (out.is_empty and out.preempted):
+                break
+            out = self.sched.schedule()
+        if out.is_empty:
+            return
+        rows = [(s.num_tokens, s.start_pos) for s in out.scheduled]
+        for s in out.scheduled:
+            if s.start_pos == 0 or s.num_tokens > 1:
+                self.log.append((self.sim.now, "prefill", s.request_id))
+        self.busy, t0 = True, self.sim.now
+        self.steps += 1
+        self.sim.run_step(self.wid, rows, self.step.step_s(rows), lambda: self._step_done(out, t0))
+
+    def _received(self, rid: str, t0: float) -> None:
+        self.busy = False
+        self.busy_s += self.sim.now - t0
+        self.admit(rid)  # kicks the next step (or the next receive)
+        self.kick()
+
+    def _step_done(self, out: SchedulerOutput, t0: float) -> None:
+        self.busy, dur = False, self.sim.now - t0  # longer than step_s when the host is shared
+        self.busy_s += dur
+        for s in out.scheduled:
+            o = self.outgoing.get(s.request_id)
+            if o is not None:
+                o.chunks.append((s.start_pos, s.num_tokens, t0, dur))
+        sampled = {s.request_id: TOKEN for s in out.scheduled if s.sample}
+        finished = {r.request_id for r in self.sched.update_from_output(out, sampled)}
+        for rid in sampled:
+            o = self.outgoing.get(rid)
+            if o is not None:
+                o.prefill_done = True
+                self.sim.on_token(self, rid, finished=False)
+                self._flush(o)
+            else:
+                self.sim.on_token(self, rid, finished=rid in finished)
+        self._publish_kv_events()
+        self._try_reserve()
+        self.kick()
+
+    # ---- KV transfer (P side) ----------------------------------------------------------
+    def on_reserved(self, rid: str, at: float, have_tokens: int) -> None:
+        o = self.outgoing.get(rid)
+        if o is None:
+            return
+        o.reserved_at, o.have_tokens = at, have_tokens
+        self._flush(o)
+
+    def _flush(self, o: Outgoing) -> None:
+        """Send the chunks computed so far (once D has reserved); hand off when all are sent."""
+        if o.reserved_at is None:
+            return
+        bpt = self.step.kv_bytes_per_token
+        for start, n, t0, dur in o.chunks:
+            tokens = max(0, start + n - max(start, o.have_tokens))
+            nbytes = tokens * bpt
+            o.nbytes += int(nbytes)
+            o.tokens += tokens
+            done = self.link.stream(t0, dur, nbytes, self.step.layers, o.reserved_at)
+            o.sent_until = max(o.sent_until, done)
+        o.chunks.clear()
+        if o.prefill_done:
+            del self.outgoing[o.rid]
+            at = max(o.sent_until, self.sim.now) + self.link.per_message_s
+            self.sim.at(at, lambda: self.sim.on_kv_done(self, o))
+
+    def _publish_kv_events(self) -> None:
+        if not self.sim.config.prefix_routing or not self.kv.has_events:
+            return
+        stored, removed, cleared = self.kv.take_events()
+        seq, self.kv_seq = self.kv_seq, self.kv_seq + 1
+        cleared = cleared or seq == 0
+        if cleared and seq == 0 and not stored:
+            stored = self.kv.cached_hashes()
+        ev = KVEvents(self.wid, seq, self.kv.block_size, stored, removed, cleared)
+        self.sim.at(self.sim.now + self.sim.config.message_s, lambda: self.sim.prefix.apply(ev))
+
+    def cached_tokens(self, rid: str) -> int:
+        request = self.sched.requests.get(rid) or self.sched.held.get(rid)
+        return request.num_cached_tokens if request is not None else 0
+
+    @property
+    def idle(self) -> bool:
+        return not (
+            self.sched.has_unfinished()
+            or self.sched.held
+            or self.reserved
+            or self.reserving
+            or self.receiving
+            or self.outgoing
+        )
