@@ -136,7 +136,7 @@ def resolve_quantization(
     src = model if isinstance(model, ModelSource) else loader.resolve_model(model)
     chosen = "none"
     on_cpu = torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
-    kinds = _gguf_weight_types(src) if src.kind == "gguf" else set()
+    kinds = gguf_weight_types(src) if src.kind == "gguf" else set()
     quantized = kinds - set(FLOAT_TYPES)
     if quantized and on_cpu and kernels.cpu_supported():
         if quantized <= set(gguf_a16.FORMATS):
@@ -149,9 +149,10 @@ def resolve_quantization(
     return chosen
 
 
-def _gguf_weight_types(src: ModelSource) -> set[str]:
+def gguf_weight_types(src: ModelSource) -> set[str]:
     """The block formats of a GGUF file's weights: its 2-D tensors, and a mixture of experts'
-    3-D [expert, out, in] ones (models/moe.py)."""
+    3-D [expert, out, in] ones (models/moe.py). Also what a worker's KV fingerprint names
+    (workers/pool.py)."""
     index = model_cache.gguf_index(src.path)
     arch = index.field("general.architecture")
     return {
