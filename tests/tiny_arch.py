@@ -44,6 +44,19 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
              rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     ),
+    # Qwen3-MoE as transformers' default: the softmax's top-k weights kept as they are
+    # (norm_topk_prob false), and a dense layer between two of experts (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1]),
+    ),
+    # As the real ones (Qwen3-30B-A3B): every layer's MLP experts, top-k weights renormalised.
+    "qwen3_moe-norm": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1e6),
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2)),
     "phi3-window": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2, sliding_window=40)),
     "mistral-window": (

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pdserve.engine import loader, quantize
 from pdserve.engine.linear import gguf_a16, w8a8
+from pdserve.engine.models import gguf_config
 from pdserve.engine.models.llama import LlamaModel
 
 # K-quant blocks are 256 inputs: a tiny Llama 256 wide
@@ -54,13 +55,13 @@ def write_kquant_gguf(path: Path) -> None:
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**WIDE)).eval()
     names = {
-        v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in loader._GGUF_TOP.items()
+        v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in gguf_config._TOP.items()
     }
     names.update(
         {
             f"model.layers.{i}.{h}": f"blk.{i}.{g}"
             for i in range(2)
-            for g, h in loader._GGUF_BLOCK.items()
+            for g, h in gguf_config._BLOCK.items()
         }
     )
     writer = gguf.GGUFWriter(path, "llama")

@@ -28,6 +28,7 @@ from pdserve.engine.loader import (
     load_weights,
     resolve_model,
 )
+from pdserve.engine.models import gguf_config
 
 TINY: dict[str, Any] = dict(
     hidden_size=64,
@@ -174,13 +175,13 @@ def _write_tiny_gguf(
     """Write `model` the way llama.cpp would (Llama Q/K permuted, Q8_0 embedding; the layers'
     weight matrices in `blocks` when given, float32 otherwise)."""
     names = {
-        v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in loader._GGUF_TOP.items()
+        v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in gguf_config._TOP.items()
     }
     names.update(
         {
             f"model.layers.{i}.{h}": f"blk.{i}.{g}"
             for i in range(2)
-            for g, h in loader._GGUF_BLOCK.items()
+            for g, h in gguf_config._BLOCK.items()
         }
     )
     writer = gguf.GGUFWriter(path, arch)
@@ -233,7 +234,7 @@ def test_tiny_gguf_roundtrip(llama: LlamaForCausalLM, tmp_path: Path) -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    freqs = loader._llama3_factors(scaling, 500000.0, 16)
+    freqs = gguf_config.llama3_factors(scaling, 500000.0, 16)
     assert freqs.min() == 1.0 and freqs.max() == 32.0  # all three llama3 regimes covered
     emb = _write_tiny_gguf(llama, tmp_path / "tiny.gguf", rope_freqs=freqs)
     src = resolve_model(tmp_path)  # a folder with exactly one .gguf

@@ -82,7 +82,7 @@ def test_mixtral_greedy_equals_transformers_batched_and_alone(
     folder, want = mixtral[0], hf_tokens
     llm = LLM(str(folder), block_size=8, num_blocks=128)
     arch = llm.engine.arch
-    assert (arch.architecture, arch.moe) == ("mixtral", MoeArch(4, 2, True))
+    assert (arch.architecture, arch.moe) == ("mixtral", MoeArch(4, 2, True, 96))
     prompts = _prompts()
     assert _tokens(llm, prompts) == want  # all four in one batch
     assert [_tokens(llm, [p])[0] for p in prompts] == want  # one at a time
@@ -139,7 +139,7 @@ def test_w8g32_engine_agrees_with_float(mixtral: Any) -> None:
 
 
 def _tiny_moe(experts: int = 4, top_k: int = 2, norm: bool = True) -> SparseMoe:
-    arch = ModelArch("mixtral", 10, 16, 24, 1, 2, 2, 8, moe=MoeArch(experts, top_k, norm))
+    arch = ModelArch("mixtral", 10, 16, 24, 1, 2, 2, 8, moe=MoeArch(experts, top_k, norm, 24))
     moe = SparseMoe(arch)
     g = torch.Generator().manual_seed(3)
     for p in moe.parameters():
@@ -266,7 +266,7 @@ def test_a_float_mixtral_gguf_equals_transformers(
     folder, want = mixtral[0], hf_tokens
     write_mixtral_gguf(folder, tmp_path / "moe.gguf", {})
     llm = _gguf_llm(tmp_path / "moe.gguf", default_tokenizer, monkeypatch)
-    assert llm.engine.arch.moe == MoeArch(4, 2, True) and llm.engine.quantization == "none"
+    assert llm.engine.arch.moe == MoeArch(4, 2, True, 96) and llm.engine.quantization == "none"
     assert _tokens(llm, _prompts()) == want
     assert_engine_idle(llm)
 

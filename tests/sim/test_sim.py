@@ -356,3 +356,8 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_the_chosen_ones(
     assert moe.active_layer_params == one.layer_params + mlp + 64 * 4
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelShape.from_config("bad", {**dense, "num_local_experts": 2, "num_experts_per_tok": 3})
+    # Qwen3-MoE's spelling: num_experts, experts moe_intermediate_size wide
+    qwen = {**dense, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    small = ModelShape.from_config("qwen3-moe", qwen)
+    assert small.experts == 4 and small.intermediate == 32
+    assert small.layer_params == one.layer_params - mlp + 4 * 3 * 64 * 32 + 64 * 4

@@ -1,6 +1,7 @@
 """1P1D over real workers for the newer architectures: P prefills (the prompt past the sliding
-window, Gemma 3's sliding and global layers interleaved), hands its KV over, D decodes on;
-token for token what one colocated engine makes, which is transformers' greedy output."""
+window, Gemma 3's sliding and global layers interleaved, Qwen3-MoE's experts), hands its KV
+over, D decodes on; token for token what one colocated engine makes, which is transformers'
+greedy output."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow  # worker processes
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral-window", "qwen3"])
+@pytest.mark.parametrize("name", ["gemma3", "mistral-window", "qwen3", "qwen3_moe"])
 def test_1p1d_equals_colocated_and_transformers(tmp_path, default_tokenizer, name) -> None:  # type: ignore[no-untyped-def]
     ref = tiny_arch.save(tmp_path, name, default_tokenizer)
     prompts = tiny_arch.prompts((150, 3, 60))

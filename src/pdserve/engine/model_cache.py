@@ -110,11 +110,38 @@ def gguf_index(gguf: Path) -> GgufIndex:
     return index
 
 
+class UnknownTensorType(ValueError):
+    """A GGUF tensor whose type id the gguf package does not know (a newer llama.cpp's)."""
+
+
+def _reader(gguf: Path) -> Any:
+    """gguf's GGUFReader, but a tensor of a type it does not know is named with its type id
+    (the reader itself fails on it with only the id, as if the file were damaged)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    known = {int(t) for t in GGMLQuantizationType}
+
+    class Reader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                name, tensor_type = bytes(field.parts[1]).decode(errors="replace"), field.parts[4]
+                if int(tensor_type[0]) not in known:
+                    raise UnknownTensorType(
+                        f"{gguf}: tensor {name} has GGML type id {int(tensor_type[0])}, which "
+                        "this build's gguf package does not know (a newer format?)"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(gguf)
+
+
 def _build_index(gguf: Path) -> GgufIndex:
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
     try:
-        reader = GGUFReader(gguf)
+        reader = _reader(gguf)
+    except UnknownTensorType:
+        raise
     except (ValueError, IndexError, OSError, KeyError) as e:  # a cut or damaged header
         raise ValueError(f"{gguf} is not a readable GGUF file (cut short or damaged?): {e}") from e
     metadata: dict[str, Any] = {}

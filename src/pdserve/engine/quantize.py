@@ -31,6 +31,7 @@ from pdserve.engine.linear.int8 import Int8Linear
 from pdserve.engine.linear.w8a8 import W8A8Linear
 from pdserve.engine.linear.w8g32 import W8G32Linear
 from pdserve.engine.loader import ModelSource
+from pdserve.engine.models import checkpoint, gguf_config
 
 if TYPE_CHECKING:
     from pdserve.engine.models.arch import ModelArch
@@ -46,6 +47,8 @@ ATTENTION_PROJECTIONS = ("qkv", "o")
 NATIVE_QUANTIZATIONS = ("w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
 # The quantizations that run a GGUF file's own weights: float32, int8 or int16 activations.
 GGUF_QUANTIZATIONS = ("gguf", "gguf-a8", "gguf-a16")
+# 16-bit float GGUF weights, run as float32 (a WARNING says so: no 16-bit decode kernel here).
+HALF_TYPES = ("F16", "BF16")
 # Projections `w8a8` keeps on float32 activations (W8G32Linear): q|k|v, whose input (the
 # attention's RMSNorm output) was the one whose int8 rounding cost the most. Measured
 # (docs/benchmarks/quant.md, 60 prompts x 64 tokens): with every projection's activations int8,
@@ -125,7 +128,7 @@ def resolve_quantization(
     outputs equal to float32's under gguf-a16 as under gguf (float activations), KL 3.6e-7
     against 3.0e-7, in 0.71x the time; its projections take 0.58-0.66x gguf's at every row
     count (engine.md). Anything else (an HF folder, CUDA, bfloat16, a file in another block
-    format: warned) is `none`.
+    format or of 16-bit floats: both warned) is `none`.
     The choice is logged and shown wherever the quantization is (stats, /admin/workers, the
     cost-model file name)."""
     if name != "auto":
@@ -133,20 +136,42 @@ def resolve_quantization(
     src = model if isinstance(model, ModelSource) else loader.resolve_model(model)
     chosen = "none"
     on_cpu = torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
-    if src.kind == "gguf" and on_cpu and kernels.cpu_supported():
-        kinds = {
-            t.qtype.name
-            for t in model_cache.gguf_index(src.path).tensors
-            # 2-D weights, and a mixture of experts' 3-D [expert, out, in] (models/moe.py)
-            if len(t.shape) in (2, 3) and loader.gguf_hf_name(t.name) is not None
-        }
-        quantized = kinds - set(FLOAT_TYPES)
-        if quantized and quantized <= set(gguf_a16.FORMATS):
+    kinds = gguf_weight_types(src) if src.kind == "gguf" else set()
+    quantized = kinds - set(FLOAT_TYPES)
+    if quantized and on_cpu and kernels.cpu_supported():
+        if quantized <= set(gguf_a16.FORMATS):
             chosen = "gguf-a16"
-        elif quantized:
+        else:
             _warn_float(src, quantized - set(gguf_a16.FORMATS))
+    elif on_cpu and kinds & set(HALF_TYPES) and not quantized:
+        _warn_half(src, kinds & set(HALF_TYPES))
     log.info("quantization auto: %s (%s)", chosen, src.path.name)
     return chosen
+
+
+def gguf_weight_types(src: ModelSource) -> set[str]:
+    """The block formats of a GGUF file's weights: its 2-D tensors, and a mixture of experts'
+    3-D [expert, out, in] ones (models/moe.py). Also what a worker's KV fingerprint names
+    (workers/pool.py)."""
+    index = model_cache.gguf_index(src.path)
+    arch = index.field("general.architecture")
+    return {
+        t.qtype.name
+        for t in index.tensors
+        if len(t.shape) in (2, 3) and gguf_config.hf_name(t.name, arch, src.path) is not None
+    }
+
+
+def _warn_half(src: ModelSource, kinds: set[str]) -> None:
+    """A 16-bit float file runs as float32 (no 16-bit decode kernel here): twice the bytes a
+    decode step reads. Said at start-up, never silently (issue 44)."""
+    log.warning(
+        "%s holds %s weights, which run as float32 here (no 16-bit decode kernel): a decode "
+        "step reads 2x the file's weight bytes, ~6x a 4-bit file's. Quantize it (a Q4_K_M or "
+        "Q8_0 GGUF runs its own blocks) or pass --quantization w8g32 to requantize at load.",
+        src.path.name,
+        ", ".join(sorted(kinds)),
+    )
 
 
 def _warn_float(src: ModelSource, missing: set[str]) -> None:
@@ -316,17 +341,23 @@ def gguf_weights(src: ModelSource, arch: ModelArch) -> dict[str, GgufWeight]:
         )
     index = model_cache.gguf_index(src.path)
     file = np.memmap(src.path, dtype=np.uint8, mode="r")
-    permuted = index.field("general.architecture") == "llama"
+    gguf_arch = index.field("general.architecture")
+    permuted = gguf_arch in gguf_config.PERMUTED
     out: dict[str, GgufWeight] = {}
     for tensor in index.tensors:
-        name = loader.gguf_hf_name(tensor.name)
+        name = gguf_config.hf_name(tensor.name, gguf_arch, src.path)
         if name is None or len(tensor.shape) != 2:
             continue
         rows = int(tensor.shape[1])  # GGUF lists dims fastest-first: [in, out]
         raw = np.asarray(index.data(file, tensor)).view(np.uint8).reshape(rows, -1)
         if permuted and ".self_attn.q_proj." in name:
-            raw = loader.unpermute_rows(raw, arch.num_heads)
+            raw = gguf_config.unpermute_rows(raw, arch.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
-            raw = loader.unpermute_rows(raw, arch.num_kv_heads)
-        out[name] = GgufWeight(tensor.qtype.name, np.array(raw))  # copy: the file is mmapped
+            raw = gguf_config.unpermute_rows(raw, arch.num_kv_heads)
+        # Phi-3's fused q|k|v and gate|up: each part is a range of whole rows (blocks run
+        # along a row), so the parts are the file's own blocks too.
+        parts = checkpoint.fused_parts(name, arch) or [(name, 0, rows)]
+        checkpoint.check_fused_rows(name, rows, parts)
+        for part, start, end in parts:  # copies: the file is mmapped
+            out[part] = GgufWeight(tensor.qtype.name, np.array(raw[start:end]))
     return out

@@ -7,7 +7,8 @@ when streaming weights and KV, and a fixed `step_overhead_s` per engine step (ke
 scheduling, sampling) that a roofline cannot see.
 
 Models (`ModelShape`): the shapes in a Hugging Face `config.json` (layers, hidden, heads, KV
-heads, vocab, intermediate; a Mixtral's num_local_experts and num_experts_per_tok). Shipped
+heads, vocab, intermediate; a Mixtral's num_local_experts and num_experts_per_tok, a
+Qwen3-MoE's num_experts and moe_intermediate_size). Shipped
 for Llama-3.1-8B/70B and Qwen2.5-7B/32B (shapes only, no weights, in `configs/`); any other
 config.json path works too.
 """
@@ -131,17 +132,23 @@ class ModelShape:
                 raise ValueError(f"model config {name}: {key} is missing or not a number")
             return int(value)
 
+        # Qwen3-MoE names its experts num_experts (num_local_experts in transformers 5) and
+        # their width moe_intermediate_size; its few dense layers (mlp_only_layers) are
+        # counted as experts, a small overestimate of their weights.
+        experts = geti("num_local_experts", geti("num_experts", 1))
+        moe_width = experts > 1 and "moe_intermediate_size" in cfg
+        width = "moe_intermediate_size" if moe_width else "intermediate_size"
         return cls(
             name=name,
             layers=geti("num_hidden_layers"),
             hidden=geti("hidden_size"),
             heads=geti("num_attention_heads"),
             kv_heads=geti("num_key_value_heads", geti("num_attention_heads")),
-            intermediate=geti("intermediate_size"),
+            intermediate=geti(width),
             vocab=geti("vocab_size"),
             tied=bool(cfg.get("tie_word_embeddings", False)),
             max_len=geti("max_position_embeddings", 131072),
-            experts=geti("num_local_experts", 1),
+            experts=experts,
             experts_per_token=geti("num_experts_per_tok", 1),
         )
 

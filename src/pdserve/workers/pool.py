@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.config import WorkerConfig
+from pdserve.engine import quantize
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loader import ModelSource
 from pdserve.kvpool import build_pool
@@ -65,18 +66,26 @@ def model_fingerprint(source: ModelSource, quantization: str = "none") -> str:
 AS_STORED = ("none", "gguf", "gguf-a8", "gguf-a16")
 
 
-def kv_weights(source: ModelSource, quantization: str) -> tuple[str, str]:
-    """(what the KV fingerprint covers, a line saying it): the weights whose KV may pair."""
+def kv_weights(source: ModelSource, quantization: str, architecture: str) -> tuple[str, str]:
+    """(what the KV fingerprint covers, a line saying it): the weights whose KV may pair, the
+    architecture that reads them and the formats they are stored in (a GGUF file's block
+    formats; an HF folder's safetensors)."""
     family = "as stored" if quantization in AS_STORED else f"requantized {quantization}"
-    return model_fingerprint(source, family), f"{source.path.name} ({family})"
+    stored = (
+        "GGUF " + "+".join(sorted(quantize.gguf_weight_types(source)))
+        if source.kind == "gguf"
+        else "safetensors"
+    )
+    named = f"{source.path.name} ({architecture}, {stored}, {family})"
+    return f"{model_fingerprint(source, family)} arch={architecture}", named
 
 
 def kv_fingerprint(engine: LLMEngine) -> tuple[bytes, str]:
     """The KV hand-off's fingerprint of this engine (wire.layout_fingerprint over the layout
     and `kv_weights`) and its description: which formats this engine runs, for the router's
     refusal to pair workers whose fingerprints differ."""
-    weights, named = kv_weights(engine.source, engine.quantization)
     arch, dtype = engine.arch, str(engine.dtype).removeprefix("torch.")
+    weights, named = kv_weights(engine.source, engine.quantization, arch.architecture)
     prefill = engine.prefill_choice.format
     desc = (
         f"{named}, decode {engine.quantization}, prefill "

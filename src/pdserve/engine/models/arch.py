@@ -35,6 +35,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(),  # Mistral's attention, a mixture of experts (models/moe.py)
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    "qwen3_moe": Family(qk_norm=True),  # Qwen3's attention, a mixture of experts (models/moe.py)
     "phi3": Family(fused_checkpoint=True),
     "gemma2": Family(**_GEMMA),  # type: ignore[arg-type]
     "gemma3": Family(qk_norm=True, **_GEMMA),  # type: ignore[arg-type]
@@ -69,7 +70,11 @@ class MoeArch:
     top_k: int  # experts each token runs
     # Renormalise the chosen k routing weights to sum to 1 (Mixtral always does; Qwen3-MoE's
     # norm_topk_prob); False keeps the softmax's own values.
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool
+    expert_size: int  # each expert's intermediate width (Qwen3-MoE's moe_intermediate_size)
+    # Layers whose MLP stays dense, `intermediate_size` wide (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step); every other layer's MLP is the experts.
+    dense_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
-    # Set: every layer's MLP is a mixture of `intermediate_size`-wide experts (Mixtral).
+    # Set: the MLP of every layer but moe.dense_layers is a mixture of experts (Mixtral,
+    # Qwen3-MoE); `moe_at` says which.
     moe: MoeArch | None = None
     hidden_act: str = "silu"  # one of HIDDEN_ACTS
     sliding_window: int | None = None  # the window of the "sliding" layers
@@ -112,6 +118,12 @@ class ModelArch:
     @property
     def family(self) -> Family:
         return FAMILIES[self.architecture]
+
+    def moe_at(self, layer: int) -> MoeArch | None:
+        """The experts of `layer`'s MLP; None: a dense MLP."""
+        if self.moe is None or layer in self.moe.dense_layers:
+            return None
+        return self.moe
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"

@@ -52,7 +52,7 @@ def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             if arch.attention_bias:
                 shapes[f"{p}self_attn.{proj}_proj.bias"] = (out_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
-        if arch.moe is not None:  # the router and experts (models/moe.py)
+        if arch.moe_at(i) is not None:  # the router and experts (models/moe.py)
             shapes.update(moe.hf_shapes(arch, p))
             continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
@@ -64,25 +64,44 @@ def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def split_fused(weights: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """Phi-3's qkv_proj [q + 2 kv, h] and gate_up_proj [2 inter, h] (gate first, as Phi3MLP
-    chunks it) as Llama's q/k/v_proj and gate/up_proj, in place; other families unchanged."""
+def fused_parts(name: str, arch: ModelArch) -> list[tuple[str, int, int]] | None:
+    """Phi-3's fused tensor `name` as its parts' Llama names and row ranges [start, end):
+    qkv_proj [q + 2 kv, h] as q/k/v_proj, gate_up_proj [2 inter, h] (gate first, as Phi3MLP
+    chunks it) as gate/up_proj; None for any other tensor or family."""
     if not arch.family.fused_checkpoint:
-        return weights
+        return None
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    for name in [
-        n for n in weights if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))
-    ]:
+    if name.endswith("self_attn.qkv_proj.weight"):
+        p = name.removesuffix("qkv_proj.weight")
+        return [(p + "q_proj.weight", 0, q), (p + "k_proj.weight", q, q + kv),
+                (p + "v_proj.weight", q + kv, q + 2 * kv)]  # fmt: skip
+    if name.endswith("mlp.gate_up_proj.weight"):
+        p, i = name.removesuffix("gate_up_proj.weight"), arch.intermediate_size
+        return [(p + "gate_proj.weight", 0, i), (p + "up_proj.weight", i, 2 * i)]
+    return None
+
+
+def split_fused(weights: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Phi-3's fused q|k|v and gate|up tensors as Llama's (`fused_parts`), in place; other
+    families unchanged."""
+    for name in list(weights):
+        parts = fused_parts(name, arch)
+        if parts is None:
+            continue
         fused = weights.pop(name)
-        if name.endswith("qkv_proj.weight"):
-            prefix = name.removesuffix("qkv_proj.weight")
-            parts = dict(zip(("q", "k", "v"), fused.split([q, kv, kv]), strict=True))
-        else:
-            prefix = name.removesuffix("gate_up_proj.weight")
-            parts = dict(zip(("gate", "up"), fused.chunk(2), strict=True))
-        for part, tensor in parts.items():
-            weights[f"{prefix}{part}_proj.weight"] = tensor
+        check_fused_rows(name, fused.shape[0], parts)
+        for part, start, end in parts:
+            weights[part] = fused[start:end]
     return weights
+
+
+def check_fused_rows(name: str, rows: int, parts: list[tuple[str, int, int]]) -> None:
+    """A fused tensor must hold exactly its parts' rows: none cut off, none left over."""
+    if rows != parts[-1][2]:
+        raise ValueError(
+            f"{name}: {rows} rows, expected {parts[-1][2]} (the rows of "
+            f"{', '.join(p.rsplit('.', 2)[-2] for p, _, _ in parts)})"
+        )
 
 
 def fill(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:

@@ -21,6 +21,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, a mixture of experts (models/moe.py)
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",  # Mistral's attention, a mixture of experts (models/moe.py)
     "Phi3ForCausalLM": "phi3",
@@ -71,7 +72,7 @@ def arch_from_config(folder: Path) -> ModelArch:
         query_scale=float(scalar) ** -0.5 if scalar else None,
         attn_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
         final_softcap=_optional_float(cfg.get("final_logit_softcapping")),
-        moe=moe.hf_moe_arch(cfg, file),
+        moe=moe.hf_moe_arch(cfg, file, arch),
     )
 
 
@@ -157,6 +158,8 @@ def _layer_types(cfg: dict[str, Any], file: Path, arch: str) -> tuple[str, ...]:
     elif arch in ("qwen2", "qwen3"):  # the window, when used, from max_window_layers on
         first = int(cfg.get("max_window_layers", n)) if cfg.get("use_sliding_window") else n
         types = tuple("sliding" if i >= first else "full" for i in range(n))
+    elif arch == "qwen3_moe":  # the window, when used, on every layer (Qwen3MoeAttention)
+        types = tuple("sliding" if cfg.get("use_sliding_window") else "full" for _ in range(n))
     else:  # Mistral, Phi-3: every layer, when the config has a window
         types = tuple("sliding" for _ in range(n))
     if "sliding" not in types or not window:

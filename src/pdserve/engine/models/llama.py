@@ -1,5 +1,6 @@
 """The Llama decoder (Llama, SmolLM2, Qwen2/2.5 with q/k/v bias, Qwen3 with q/k head norms,
-Mistral, Phi-3) over a paged KV cache; Gemma 2/3 (models/gemma.py) subclass its layer.
+Mistral, Phi-3; Mixtral and Qwen3-MoE with models/moe.py's experts) over a paged KV cache;
+Gemma 2/3 (models/gemma.py) subclass its layer.
 
 What an architecture changes is read from its `Family` and `ModelArch` (models/arch.py), never
 from its name: q/k head norms, the MLP's activation, each layer's attention (scale, sliding
@@ -59,8 +60,9 @@ class LlamaLayer(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(d)) if arch.family.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d)) if arch.family.qk_norm else None
         self.o = nn.Parameter(torch.empty(self.q_size, h))
-        self.moe = SparseMoe(arch) if arch.moe is not None else None  # the MLP: the experts,
-        if self.moe is None:  # or a dense one
+        # The MLP: this layer's experts, or a dense one.
+        self.moe = SparseMoe(arch) if arch.moe_at(index) is not None else None
+        if self.moe is None:
             self.gate_up = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
             self.down = nn.Parameter(torch.empty(arch.intermediate_size, h))
         # Quantized stand-ins for the projections above, by name (quantize.quantize_model); a

@@ -1,19 +1,25 @@
-"""A sparse mixture-of-experts MLP (Mixtral): each token runs the k experts its router picks.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): each token runs the k experts its
+router picks.
 
-Routing, as HF's MixtralTopKRouter: logits = h @ router [T, E]; softmax in float32; the top k
-per token; renormalised to sum to 1 over the chosen k (`norm_topk_prob`, always on in
-Mixtral). Tokens are grouped per expert, never looped over: the step's T*k (token, expert)
+Routing, as HF's MixtralTopKRouter and Qwen3MoeTopKRouter: logits = h @ router [T, E]; softmax
+in float32; the top k per token; renormalised to sum to 1 over the chosen k when
+`norm_topk_prob` (always in Mixtral; Qwen3-MoE's config says, and llama.cpp's qwen3moe always
+does). Tokens are grouped per expert, never looped over: the step's T*k (token, expert)
 pairs are sorted by expert, and each expert that was chosen runs its MLP once on its group of
 rows (one gate|up and one down call per expert, float or quantized: engine/moe_quant.py); the
 weighted outputs go back to their tokens with one index_add_. A decode step of B tokens so
 reads at most min(E, B*k) experts' weights.
 
 Weights are stored per expert [in, out], as the dense layers' (engine/models/llama.py):
-gate_up [E, hidden, 2I] (w1 | w3 fused, as the dense gate|up), down [E, I, hidden].
+gate_up [E, hidden, 2I] (w1 | w3 fused, as the dense gate|up), down [E, I, hidden], I the
+experts' width (`MoeArch.expert_size`). One naming scheme for expert tensors, Mixtral's: a
+Qwen3-MoE checkpoint's are renamed to it as they load (`rename_hf`), as Phi-3's fused tensors
+are split into Llama's names, so the model code, quantization and the GGUF side read one.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,11 @@ if TYPE_CHECKING:
 
 # HF names of a Mixtral layer's MLP (model.layers.{i}.block_sparse_moe.*).
 MIXTRAL_BLOCK = "block_sparse_moe."
+# A Qwen3-MoE layer's router and experts (model.layers.{i}.mlp.gate, mlp.experts.{e}.*_proj).
+_QWEN3_MOE_NAME = re.compile(
+    r"model\.layers\.\d+\.mlp\.(gate|experts\.\d+\.(gate|up|down)_proj)\.weight"
+)
+_QWEN3_TO_MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 class SparseMoe(nn.Module):
@@ -37,7 +48,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         if arch.moe is None:
             raise ValueError("SparseMoe needs an architecture with `moe` set")
-        e, h, i = arch.moe.num_experts, arch.hidden_size, arch.intermediate_size
+        e, h, i = arch.moe.num_experts, arch.hidden_size, arch.moe.expert_size
         self.num_experts, self.top_k = e, arch.moe.top_k
         self.norm_topk_prob = arch.moe.norm_topk_prob
         self.intermediate_size = i
@@ -120,7 +131,7 @@ class SparseMoe(nn.Module):
 def hf_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes of one layer's MoE MLP (loader.expected_shapes)."""
     assert arch.moe is not None
-    h, i, p = arch.hidden_size, arch.intermediate_size, prefix + MIXTRAL_BLOCK
+    h, i, p = arch.hidden_size, arch.moe.expert_size, prefix + MIXTRAL_BLOCK
     shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (arch.moe.num_experts, h)}
     for e in range(arch.moe.num_experts):
         shapes[f"{p}experts.{e}.w1.weight"] = (i, h)
@@ -129,23 +140,59 @@ def hf_shapes(arch: ModelArch, prefix: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_moe_arch(cfg: dict[str, Any], config_file: Path) -> MoeArch | None:
-    """The MoE fields of an HF Mixtral config.json; None for a dense model. Anything this MLP
-    does not compute is refused, naming the field."""
-    if cfg.get("model_type") != "mixtral" and "MixtralForCausalLM" not in (
-        cfg.get("architectures") or []
-    ):
+def rename_hf(weights: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE checkpoint's router and expert tensors under Mixtral's names, in place
+    (mlp.gate -> block_sparse_moe.gate, mlp.experts.{e}.gate/up/down_proj -> w1/w3/w2); its
+    dense layers' mlp.*_proj keep theirs. Other families unchanged."""
+    if arch.architecture != "qwen3_moe":
+        return weights
+    for name in [n for n in weights if _QWEN3_MOE_NAME.fullmatch(n)]:
+        layer, _, part = name.partition("mlp.")
+        part = part.removesuffix(".weight")
+        stem, _, proj = part.rpartition(".")
+        new = f"{stem}.{_QWEN3_TO_MIXTRAL[proj]}" if proj in _QWEN3_TO_MIXTRAL else part
+        weights[f"{layer}{MIXTRAL_BLOCK}{new}.weight"] = weights.pop(name)
+    return weights
+
+
+def hf_moe_arch(cfg: dict[str, Any], config_file: Path, arch: str) -> MoeArch | None:
+    """The MoE fields of an HF Mixtral or Qwen3-MoE config.json; None for a dense model.
+    Anything this MLP does not compute is refused, naming the field."""
+    if arch not in ("mixtral", "qwen3_moe"):
         return None
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{config_file}: hidden_act={act!r} is not supported (only silu).")
-    experts, top_k = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, as Mixtral's
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg["num_experts_per_tok"])
     if not 1 <= top_k <= experts:
         raise ValueError(
-            f"{config_file}: num_experts_per_tok={top_k} must be in [1, num_local_experts="
-            f"{experts}]."
+            f"{config_file}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]."
         )
-    return MoeArch(num_experts=experts, top_k=top_k, norm_topk_prob=True)
+    if arch == "mixtral":
+        return MoeArch(experts, top_k, True, int(cfg["intermediate_size"]))
+    return MoeArch(
+        experts,
+        top_k,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # Qwen3MoeConfig's default
+        expert_size=int(cfg["moe_intermediate_size"]),
+        dense_layers=_qwen3_dense_layers(cfg, config_file),
+    )
+
+
+def _qwen3_dense_layers(cfg: dict[str, Any], config_file: Path) -> tuple[int, ...]:
+    """Layers whose MLP is dense, as Qwen3MoeDecoderLayer picks them: those listed in
+    mlp_only_layers, and those (i + 1) % decoder_sparse_step does not hit."""
+    n, step = int(cfg["num_hidden_layers"]), cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{config_file}: decoder_sparse_step={step!r} must be an integer >= 1.")
+    only = cfg.get("mlp_only_layers") or []
+    if any(not isinstance(i, int) or not 0 <= i < n for i in only):
+        raise ValueError(
+            f"{config_file}: mlp_only_layers={only!r} must list layer indices in [0, {n})."
+        )
+    return tuple(i for i in range(n) if i in only or (i + 1) % step != 0)
 
 
 # llama.cpp's names for a Mixtral layer's MoE tensors (arch "llama" with expert_count): the
@@ -164,15 +211,3 @@ def gguf_expert_split(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     [expert, out, in] as one HF tensor per expert ("...experts.{e}.w1.weight")."""
     stem, _, tail = name.rpartition(".experts.")
     return {f"{stem}.experts.{e}.{tail}": w[e] for e in range(w.shape[0])}
-
-
-def gguf_moe_arch(experts: int | None, used: int | None, path: Path) -> MoeArch | None:
-    """The MoE fields of GGUF metadata ({arch}.expert_count, {arch}.expert_used_count); None
-    for a dense model."""
-    if not experts:
-        return None
-    if not used or not 1 <= used <= experts:
-        raise ValueError(
-            f"{path}: expert_used_count={used} must be in [1, expert_count={experts}]."
-        )
-    return MoeArch(num_experts=int(experts), top_k=int(used), norm_topk_prob=True)
