@@ -32,10 +32,9 @@ from pdserve.config import (
     add_config_args,
     add_engine_overrides,
     config_from_args,
-    cost_kv_cache_dtype,
     engine_overrides,
 )
-from pdserve.costmodel.model import CostModel, default_path
+from pdserve.costmodel.model import CostModel
 from pdserve.engine import loader
 from pdserve.launcher import Launched, WorkerSpec, await_ready, launch, relaunch, stop
 from pdserve.router.slo import SloPlanner
@@ -287,8 +286,7 @@ def _cost_model(
             prefill_format=settings["prefill_format"],
         )
     if _needs_cost_model(args):
-        raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
-                         "--cost-model PATH")  # fmt: skip
+        raise ValueError(profile.missing_profile(path, threads))
     return None
 
 
@@ -321,9 +319,8 @@ def _default_cost_path(args: argparse.Namespace, model: str | None, threads: int
     and what stall-free workers are handed: the same file)."""
     from pdserve.costmodel import profile
 
-    settings = _cost_engine_args(args, model)
-    kv = cost_kv_cache_dtype(settings["kv_cache_dtype"], settings["quantization"])
-    return default_path(profile.model_path(model), threads, **{**settings, "kv_cache_dtype": kv})
+    dtype = getattr(args, "dtype", None) or "float32"
+    return profile.profile_path(model, threads, **_cost_engine_args(args, model), dtype=dtype)
 
 
 def _planner(args: argparse.Namespace, cost: CostModel | None) -> SloPlanner | None:

@@ -85,22 +85,21 @@ class Built:
 
 
 def cost_model_path(d: Deployment) -> Path:
-    from pdserve.costmodel.model import default_path
+    """--cost-model, else the file `pdserve serve` and `bench profile --threads 1` write for
+    the model with the engine's default settings (one name: `profile.profile_path`)."""
+    if d.cost_model is not None:
+        return Path(d.cost_model)
+    from pdserve.costmodel.profile import profile_path
 
-    path = d.cost_model
-    if path is None:
-        from pdserve.costmodel.profile import model_path
-
-        path = default_path(model_path(None if d.model == "default" else d.model), 1)
-    return Path(path)
+    return profile_path(None if d.model == "default" else d.model, 1)
 
 
 def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
     path = cost_model_path(d)
     if not Path(path).is_file():
-        raise ValueError(
-            f"no cost model at {path}: run `pdserve bench profile --threads 1` or pass --cost-model"
-        )
+        from pdserve.costmodel.profile import missing_profile
+
+        raise ValueError(missing_profile(path))
     model = CostModel.load(Path(path))
     about = CostModel.load_about(Path(path))
     bpt = float(str(about.get("kv_bytes_per_token", 0)) or 0)
