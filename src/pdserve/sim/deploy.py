@@ -254,6 +254,10 @@ def summarize(
         "tpot_attainment": _share(
             records, lambda r: slo_tpot is None or _le(r.tpot, slo_tpot, True)
         ),
+        # the prefix cache's share of the served prompts (the workers' own caches; the
+        # simulator has no KV pool)
+        "prefix_hit_ratio": sum(r.cached_tokens for r in served)
+        / max(1, sum(r.prompt_len for r in served)),
         "goodput_rps": met / span,
         "goodput_per_gpu": met / span / max(gpus, 1),
         "throughput_rps": len(served) / span,
@@ -293,6 +297,7 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
         f"goodput: {s['goodput_rps']:.3f} req/s, {s['goodput_per_gpu']:.3f} req/s per GPU; "
         f"throughput {s['throughput_rps']:.3f} req/s",
         f"routes: {s['routes']}; utilization: {s['utilization']}; preemptions: {s['preemptions']}",
+        f"prefix cache hits: {s['prefix_hit_ratio']:.1%} of served prompt tokens",
     ]
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
