@@ -244,3 +244,31 @@ def test_replay_bad_input_is_a_clear_error(tmp_path, capsys) -> None:  # type: i
     assert "ConnectError" in capsys.readouterr().err
     assert cli.main(["bench", "replay", str(tmp_path / "none.jsonl"), "--url", "x"]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- against pdserve
+
+
+@pytest.mark.slow
+def test_replay_against_pdserve_measures_the_trace_reuse(tmp_path, tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
+    """Text prompts on the tiny model (the default model's tokenizer): the server counts each
+    block as its length, every output is exactly max_tokens, and the prefix cache's hits (from
+    /metrics) are the trace's to within a token a request."""
+    from test_serve import Server
+
+    # turn i: the previous turn's whole blocks, one more, then a partial block of its own (as
+    # Mooncake hashes: a partial block's id never matches a longer block's)
+    rows = [(500 * i, 512 * (i + 2) - 100, 96, [*range(i + 1), 100 + i]) for i in range(4)]
+    trace = _mooncake(tmp_path, rows)
+    srv = Server(str(tiny_llama_path), "--colocated", "1")
+    try:
+        args = _args(trace, srv.url, "--length-scale", "0.03125")
+        res = asyncio.run(replay.run_replay(args))
+    finally:
+        srv.stop()
+    assert res["completed"] == 4 and res["failed"] == 0, res["errors"]
+    assert res["config"]["server_block_tokens"] == 16
+    assert all(r["output_tokens"] == r["max_tokens"] == 3 for r in res["requests"])
+    assert [r["prompt_tokens"] for r in res["requests"]] == [16 * (i + 1) + 13 for i in range(4)]
+    assert res["prefix_hit_ratio"] == pytest.approx(96 / 212)  # 16 x (0 + 1 + 2 + 3) hit
+    assert res["server_prefix_hit_ratio"] == pytest.approx(res["prefix_hit_ratio"], abs=0.01)

@@ -223,6 +223,9 @@ async def run_replay(
         if bt is not None:
             counted = await _check_blocks(client, url, model, headers, bt, scaling.block_tokens)
         before = await scrape(client, base)
+        if before is not None and bt is not None:  # the check's prefills are not the run's
+            await asyncio.sleep(SETTLE_S)
+            before = await scrape(client, base)
         records, duration = await _send_all(args, client, url, model, reqs, prompts)
         if before is not None:
             await asyncio.sleep(SETTLE_S)
