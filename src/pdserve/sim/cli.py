@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve import argtypes
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware
 from pdserve.sim.deploy import Deployment, render, simulate
-from pdserve.sim.workload import SIM_WORKLOADS, make_requests
+from pdserve.sim.workload import SIM_WORKLOADS, make_requests, scaling_from_args, trace_requests
 from pdserve.workloads import streams as bw
+from pdserve.workloads.traces import expected_prefix_hits, read_trace
 
 
 def _pos_int(text: str) -> int:
@@ -56,7 +58,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     a("--turns", type=_pos_int, default=3, help="multiturn: turns per conversation")
     a("--seed", type=int, default=0)
     a("--arrival-cv", type=_pos_float, default=1.0, help="gamma arrivals' cv (1: Poisson)")
-    a("--trace", type=Path, default=None, help="CSV: arrival_s,input_tokens,output_tokens")
+    a("--trace", type=Path, default=None,
+      help="replay a trace (Mooncake .jsonl, Azure .csv, or CSV arrival_s,input_tokens,"
+      "output_tokens) instead of --workload/--rate/--num-requests")  # fmt: skip
+    a("--limit", type=_pos_int, default=None, help="--trace: requests in the window (all)")
+    a("--start-ms", type=argtypes.non_negative_float, default=0.0,
+      help="--trace: the window's start, ms")  # fmt: skip
+    a("--length-scale", type=_pos_float, default=1.0,
+      help="--trace: prompt, 512-token block and output lengths x this (1)")  # fmt: skip
+    a("--time-scale", type=_pos_float, default=1.0,
+      help="--trace: arrival times x this (2: half the rate)")  # fmt: skip
     bw.add_arguments(parser)
 
 
@@ -178,13 +189,25 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
 
 def run(args: argparse.Namespace) -> int:
     d = deployment_from_args(args)
-    requests = make_requests(args)
+    trace = None
+    if args.trace:
+        trace = read_trace(args.trace, scaling_from_args(args))
+        requests = trace_requests(trace, args.seed)
+    else:
+        requests = make_requests(args)
     t0 = time.perf_counter()
     result: dict[str, Any] = simulate(d, requests)
     result["wall_s"] = time.perf_counter() - t0
+    if trace is not None:
+        # the reuse the trace promises (an unbounded cache) beside what the workers' caches got
+        result["trace"] = {**trace.config(), **expected_prefix_hits(trace.requests)}
     if args.json:
         print(json.dumps(result, indent=1))
-    else:
-        print(render(result, d.slo_ttft_s, d.slo_tpot_s))
-        print(f"(simulated in {result['wall_s']:.2f} s of wall time)")
+        return 0
+    if trace is not None:
+        t = result["trace"]
+        print(f"trace: {t['trace']} ({t['format']}); {t['scaling']}; the trace's own prefix "
+              f"reuse {t['prefix_hit_ratio']:.1%} of prompt tokens (unbounded cache)")  # fmt: skip
+    print(render(result, d.slo_ttft_s, d.slo_tpot_s))
+    print(f"(simulated in {result['wall_s']:.2f} s of wall time)")
     return 0

@@ -129,22 +129,21 @@ class Built:
 
 
 def cost_model_path(d: Deployment) -> Path:
-    from pdserve.costmodel.model import default_path
+    """--cost-model, else the file `pdserve serve` and `bench profile --threads 1` write for
+    the model with the engine's default settings (one name: `profile.profile_path`)."""
+    if d.cost_model is not None:
+        return Path(d.cost_model)
+    from pdserve.costmodel.profile import profile_path
 
-    path = d.cost_model
-    if path is None:
-        from pdserve.costmodel.profile import model_path
-
-        path = default_path(model_path(None if d.model == "default" else d.model), 1)
-    return Path(path)
+    return profile_path(None if d.model == "default" else d.model, 1)
 
 
 def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
     path = cost_model_path(d)
     if not Path(path).is_file():
-        raise ValueError(
-            f"no cost model at {path}: run `pdserve bench profile --threads 1` or pass --cost-model"
-        )
+        from pdserve.costmodel.profile import missing_profile
+
+        raise ValueError(missing_profile(path))
     model = CostModel.load(Path(path))
     about = CostModel.load_about(Path(path))
     bpt = float(str(about.get("kv_bytes_per_token", 0)) or 0)
@@ -299,6 +298,10 @@ def summarize(
         "tpot_attainment": _share(
             records, lambda r: slo_tpot is None or _le(r.tpot, slo_tpot, True)
         ),
+        # the prefix cache's share of the served prompts (the workers' own caches; the
+        # simulator has no KV pool)
+        "prefix_hit_ratio": sum(r.cached_tokens for r in served)
+        / max(1, sum(r.prompt_len for r in served)),
         "goodput_rps": met / span,
         "goodput_per_gpu": met / span / max(gpus, 1),
         "throughput_rps": len(served) / span,
@@ -338,6 +341,7 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
         f"goodput: {s['goodput_rps']:.3f} req/s, {s['goodput_per_gpu']:.3f} req/s per GPU; "
         f"throughput {s['throughput_rps']:.3f} req/s",
         f"routes: {s['routes']}; utilization: {s['utilization']}; preemptions: {s['preemptions']}",
+        f"prefix cache hits: {s['prefix_hit_ratio']:.1%} of served prompt tokens",
     ]
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
