@@ -38,11 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pdserve.cluster import LocalCluster
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import SamplingParams
+from pdserve.percentiles import percentiles
 from pdserve.router import timeline as tl
 
 PROMPTS = (
@@ -201,7 +200,7 @@ def _report(
     idle: dict[str, dict[str, Any]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    rec = np.asarray(tally.recovery_ms) if tally.recovery_ms else None
+    rec = tally.recovery_ms
     counters = dict(cluster.stats)
     return {
         "duration_s": args.duration,
@@ -214,16 +213,11 @@ def _report(
         "wrong": tally.wrong,
         "leaked_blocks": sum(int(s["kv_blocks_used"]) for s in idle.values()),
         "workers_not_idle": [w for w, s in idle.items() if s["running"] or s["waiting"]],
-        "recovery_ms": None if rec is None else _percentiles(rec),
+        "recovery_ms": {"n": len(rec), **percentiles(rec, (50, 99))} if rec else None,
         "router": {k: counters.get(k, 0) for k in (
             "workers_down", "workers_up", "recoveries", "local_fallbacks", "retries",
             "send_dropped")},
     }  # fmt: skip
-
-
-def _percentiles(values: np.ndarray) -> dict[str, float]:
-    p50, p99 = (float(x) for x in np.percentile(values, [50, 99]))
-    return {"n": len(values), "p50": p50, "p99": p99}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """The dashboard's JSON (validated against its schema) over the scripted fake core, its key
-check, the page's self-containment, and the pure parts: quantiles, waterfall spans, states,
+check, the page's self-containment, and the pure parts: the window point, waterfall spans, states,
 worker events, the KV-pool panel's presence rule."""
 
 from __future__ import annotations
@@ -175,13 +175,6 @@ def test_a_change_undone_between_two_looks_still_shows(core: FakeCore, metrics: 
 
 
 # ---- pure parts ----------------------------------------------------------------------------------
-def test_quantile() -> None:
-    assert data.quantile([], 0.5) is None
-    assert data.quantile([1.0], 0.9) == 1.0
-    assert data.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
-    assert data.quantile([float(i) for i in range(11)], 0.9) == pytest.approx(9.0)
-
-
 def test_window_point_counts_goodput_within_both_slos() -> None:
     mx = Metrics(slo_ttft_s=0.3, slo_tpot_s=0.02)
 

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.config import cache_dir  # where cost models live
+from pdserve.percentiles import percentiles
 
 # 3: per-batch decode terms and the D-side receive term; 2: may carry a "contention" section
 # (costmodel/contention.py); 1 and 2 still load (no per-batch terms, receive = 0)
@@ -248,8 +249,9 @@ class CostModel:
             ("decode", [abs(self.decode_step_s(b, x) - s) / s for b, x, s in decode_samples]),
         ):
             if rel:
-                out[f"{kind}_p50"] = float(np.percentile(rel, 50))
-                out[f"{kind}_p90"] = float(np.percentile(rel, 90))
+                for key, value in percentiles(rel, (50, 90)).items():
+                    if value is not None:  # never: `rel` has samples
+                        out[f"{kind}_{key}"] = value
         return out
 
     # ---- storage --------------------------------------------------------------------------

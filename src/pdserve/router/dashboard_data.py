@@ -17,6 +17,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from pdserve.percentiles import percentiles
 from pdserve.router.timeline import Ev, Stage
 
 WINDOW_S = 60.0  # "the last minute" of the latency quantiles and goodput
@@ -32,17 +33,7 @@ DEGRADED_HEARTBEAT_S = 1.5  # older than 3 heartbeats (0.5 s), not yet down (2 s
 State = Literal["ready", "draining", "down", "degraded"]
 
 
-# ---- quantiles, segments -----------------------------------------------------------------------
-def quantile(sorted_values: list[float], q: float) -> float | None:
-    """The q-quantile (linear interpolation) of already sorted values; None when empty."""
-    if not sorted_values:
-        return None
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
+# ---- the window, segments ----------------------------------------------------------------------
 def window_point(recent: Sequence[Any], now: float, t_unix: float) -> dict[str, Any]:
     """The series point at `now` (monotonic) over the finished requests of the last WINDOW_S
     (`recent`: `Finished` records, oldest first; walked from the newest, so O(window))."""
@@ -59,15 +50,14 @@ def window_point(recent: Sequence[Any], now: float, t_unix: float) -> dict[str, 
             tpots.append(f.tpot_s)
         ok += f.outcome == "ok"
         good += f.within_slo
-    ttfts.sort()
-    tpots.sort()
+    ttft, tpot = percentiles(ttfts, (50, 90)), percentiles(tpots, (50, 90))
     return {
         "t": round(t_unix, 3),
         "n": n,
-        "ttft_p50": rounded(quantile(ttfts, 0.5)),
-        "ttft_p90": rounded(quantile(ttfts, 0.9)),
-        "tpot_p50": rounded(quantile(tpots, 0.5)),
-        "tpot_p90": rounded(quantile(tpots, 0.9)),
+        "ttft_p50": rounded(ttft["p50"]),
+        "ttft_p90": rounded(ttft["p90"]),
+        "tpot_p50": rounded(tpot["p50"]),
+        "tpot_p90": rounded(tpot["p90"]),
         "goodput_rps": round(good / WINDOW_S, 4),
         "throughput_rps": round(ok / WINDOW_S, 4),
     }

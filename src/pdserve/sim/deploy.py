@@ -16,12 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pdserve import deployment as served
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.scheduler import SchedulerPolicy
+from pdserve.percentiles import summary
 from pdserve.router import slo
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import gpu, model_shape
@@ -252,18 +251,6 @@ def utilization(sim: Simulation) -> dict[str, float]:
     return out
 
 
-def _pct(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    a = np.asarray(values)
-    return {
-        "p50": float(np.percentile(a, 50)),
-        "p90": float(np.percentile(a, 90)),
-        "p99": float(np.percentile(a, 99)),
-        "mean": float(a.mean()),
-    }
-
-
 def meets(r: Record, slo_ttft: float | None, slo_tpot: float | None) -> bool:
     if r.rejected is not None or r.finished_at is None:
         return False
@@ -291,8 +278,8 @@ def summarize(
         "served": len(served),
         "rejected": sum(r.rejected is not None for r in records),
         "unfinished": sum(r.rejected is None and r.finished_at is None for r in records),
-        "ttft_s": _pct(ttfts),
-        "tpot_s": _pct(tpots),
+        "ttft_s": summary(ttfts),
+        "tpot_s": summary(tpots),
         "attainment": met / len(records) if records else 0.0,
         "ttft_attainment": _share(records, lambda r: slo_ttft is None or _le(r.ttft, slo_ttft)),
         "tpot_attainment": _share(
