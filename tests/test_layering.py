@@ -259,13 +259,7 @@ def test_the_loop_check_sees_lazy_and_type_only_loops(tmp_path: Path) -> None:
 MAX_LINES = 500
 # Modules over MAX_LINES for now, each with why; the list only shrinks (the test below fails on
 # an entry that is back under the limit or gone).
-LONG_MODULES = {
-    "bench/sched.py": "bench/ gets one shared harness (issue 46 step 5)",
-    "bench/load/serve_bench.py": "bench/ gets one shared harness (issue 46 step 5)",
-    "bench/transfer/transfer_bench.py": "bench/ gets one shared harness (issue 46 step 5)",
-    "bench/transfer/transfer_link.py": "bench/ gets one shared harness (issue 46 step 5)",
-    "bench/transfer/transfer_report.py": "bench/ gets one shared harness (issue 46 step 5)",
-}
+LONG_MODULES: dict[str, str] = {}
 
 
 def _line_counts() -> dict[str, int]:

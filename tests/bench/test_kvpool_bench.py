@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.bench import common, kvpool_bench
+from pdserve.bench import kvpool_bench
+from pdserve.bench.harness import report
 
 
 def _row(tier: str) -> kvpool_bench.Row:
@@ -18,7 +19,7 @@ def _row(tier: str) -> kvpool_bench.Row:
 def _render() -> str:
     machine = {"cpu": "Xeon", "cores": 2, "threads": 1, "load_average": [1.0, 1.0, 1.0],
                "load_average_end": [2.0, 1.5, 1.0]}  # fmt: skip
-    head = common.ReportHead("2026-12-01", "pdserve bench kvpool", machine)
+    head = report.ReportHead("2026-12-01", "pdserve bench kvpool", machine)
     model = {"name": "m", "block_shape": [30, 2, 16, 3, 64], "dtype": "float32", "chunk_mb": 2.0}
     return kvpool_bench.render(head, model, [_row("memory"), _row("redis")], "/tmp")
 

@@ -91,7 +91,7 @@ def test_warm_up_prompt_shares_no_prefix_with_measured_ones(
 ) -> None:
     sent: list[Any] = []
 
-    async def fake_run(spec: Any) -> dict[str, Any]:
+    async def fake_run(spec: Any, workload: Any = None) -> dict[str, Any]:
         sent.append(spec)
         return {"completed": 1}
 

@@ -18,7 +18,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from factories import serving
-from pdserve.bench import compare, observe, sched, sched_report, sched_stats
+from pdserve.bench import (
+    observe,
+    sched,
+    sched_calibrate,
+    sched_report,
+    sched_stats,
+)
+from pdserve.bench import sched_experiments as exps
+from pdserve.bench.harness.servers import Launchable
 from pdserve.workloads.streams import MixedWorkload
 
 MODEL = "fake-pdserve"
@@ -129,7 +137,7 @@ def started(fake: tuple[str, _State], monkeypatch: pytest.MonkeyPatch) -> list[s
     names: list[str] = []
 
     @contextlib.contextmanager
-    def server(system: compare.System, args: argparse.Namespace) -> Iterator[str]:
+    def server(system: Launchable, args: argparse.Namespace) -> Iterator[str]:
         names.append(system.name)
         system.command(args, 0)  # the command builds
         state.reset()
@@ -155,61 +163,61 @@ def _flags(cmd: list[str]) -> list[str]:
 def test_server_commands_per_experiment_and_arm() -> None:
     args = _args("--pdserve-args", "--kv-codec int8")
     slo = (1.5, 0.05)
-    adm = sched.EXPERIMENTS["admission"]
-    a, b = (_flags(sched.server_command(args, adm, 9, arm, slo)) for arm in adm.arms)
+    adm = exps.EXPERIMENTS["admission"]
+    a, b = (_flags(exps.server_command(args, adm, 9, arm, slo)) for arm in adm.arms)
     assert a[:8] == ["--prefill", "1", "--decode", "1", "--threads", "1", "--host", "127.0.0.1"]
     assert "--slo-ttft" in a and a[a.index("--slo-ttft") + 1] == "1.5"
     assert "--no-admission" not in a and a[-2:] == ["--kv-codec", "int8"]
     assert "--no-admission" in b and b[b.index("--slo-tpot") + 1] == "0.05"
-    cond = sched.EXPERIMENTS["conditional"]
-    c = _flags(sched.server_command(args, cond, 9, cond.arms[0], slo))
+    cond = exps.EXPERIMENTS["conditional"]
+    c = _flags(exps.server_command(args, cond, 9, cond.arms[0], slo))
     assert c.count("--no-admission") == 1 and "conditional" in c
-    cal = _flags(sched.server_command(args, cond, "PORT", None, None))
+    cal = _flags(exps.server_command(args, cond, "PORT", None, None))
     assert "--slo-ttft" not in cal and "--disaggregation" not in cal and "PORT" in cal
-    pre = sched.EXPERIMENTS["prefix"]
-    p = _flags(sched.server_command(args, pre, 9, pre.arms[1], slo))
+    pre = exps.EXPERIMENTS["prefix"]
+    p = _flags(exps.server_command(args, pre, 9, pre.arms[1], slo))
     assert p[:4] == ["--prefill", "2", "--decode", "2"] and "--no-prefix-routing" in p
     # --no-server-slos: only admission's servers get the SLOs
     quiet = _args("--no-server-slos", "--prefill", "3", "--model", "m.gguf")
-    q = sched.server_command(quiet, pre, 9, pre.arms[0], slo)
+    q = exps.server_command(quiet, pre, 9, pre.arms[0], slo)
     assert "--slo-ttft" not in q and "--no-admission" not in q and "m.gguf" in q
     assert _flags(q)[1:4] == ["--prefill", "3", "--decode"]
-    assert "--slo-ttft" in sched.server_command(quiet, adm, 9, adm.arms[0], slo)
-    auto = sched.EXPERIMENTS["autobalance"]
-    assert "--autobalance" in sched.server_command(args, auto, 9, auto.arms[0], slo)
-    assert "--autobalance" not in sched.server_command(args, auto, 9, auto.arms[1], slo)
+    assert "--slo-ttft" in exps.server_command(quiet, adm, 9, adm.arms[0], slo)
+    auto = exps.EXPERIMENTS["autobalance"]
+    assert "--autobalance" in exps.server_command(args, auto, 9, auto.arms[0], slo)
+    assert "--autobalance" not in exps.server_command(args, auto, 9, auto.arms[1], slo)
 
 
 def test_flags_and_settings() -> None:
-    assert _args().experiment == list(sched.EXPERIMENTS)
-    assert _args("--experiment", "all").experiment == list(sched.EXPERIMENTS)
+    assert _args().experiment == list(exps.EXPERIMENTS)
+    assert _args("--experiment", "all").experiment == list(exps.EXPERIMENTS)
     assert _args("--experiment", "prefix,admission").experiment == ["prefix", "admission"]
     with pytest.raises(SystemExit):
         _args("--experiment", "nope")
-    pre = sched.EXPERIMENTS["prefix"]
-    s = sched.settings(_args(), pre)
+    pre = exps.EXPERIMENTS["prefix"]
+    s = exps.settings(_args(), pre)
     assert s["workload"] == "multiturn" and s["turns"] == 4 and s["prompt_format"] == "text"
     assert s["multiturn_answers"] == "actual"
-    assert sched.settings(_args("--turns", "2"), pre)["turns"] == 2
-    mixed = sched.settings(_args("--long-fraction", "0.5"), sched.EXPERIMENTS["conditional"])
+    assert exps.settings(_args("--turns", "2"), pre)["turns"] == 2
+    mixed = exps.settings(_args("--long-fraction", "0.5"), exps.EXPERIMENTS["conditional"])
     assert mixed["long_fraction"] == 0.5 and mixed["short_len"] == (64, 200)
-    ns = sched.bench_ns(_args(), pre, "http://x", num_requests=3, seed=1, rate=2.0, slo=(1, 2))
+    ns = exps.bench_ns(_args(), pre, "http://x", num_requests=3, seed=1, rate=2.0, slo=(1, 2))
     assert ns.rate == 2.0 and ns.turns == 4 and ns.prompt_format == "text"
     assert (ns.slo_ttft, ns.slo_tpot) == (1, 2) and ns.backend == "pdserve"
-    ns = sched.bench_ns(_args(), pre, "http://x", num_requests=3, seed=1, concurrency=4)
+    ns = exps.bench_ns(_args(), pre, "http://x", num_requests=3, seed=1, concurrency=4)
     assert ns.concurrency == 4 and ns.rate is None
-    assert sched.load_factor(_args(), sched.EXPERIMENTS["admission"]) == 2.0
-    assert sched.load_factor(_args("--load-factor", "3"), pre) == 3.0
+    assert exps.load_factor(_args(), exps.EXPERIMENTS["admission"]) == 2.0
+    assert exps.load_factor(_args("--load-factor", "3"), pre) == 3.0
 
 
 def test_calibration_items_span_the_prompt_lengths() -> None:
     wl = MixedWorkload(40, seed=0, long_fraction=0.3)
-    items = sched.calibration_items(wl, 4)
+    items = sched_calibrate.calibration_items(wl, 4)
     lens = sorted(len(it.prompt) for it in wl)
     assert len(items) == 4 and [it.conversation for it in items] == [0, 1, 2, 3]
     assert len(items[0].prompt) == lens[0] and len(items[-1].prompt) == lens[-1]
     assert all(it.question is None and it.turn == 0 for it in items)
-    assert len(sched.calibration_items(list(wl)[:2], 5)) == 2
+    assert len(sched_calibrate.calibration_items(list(wl)[:2], 5)) == 2
 
 
 # ---------------------------------------------------------------------------- per-arm numbers
@@ -464,7 +472,7 @@ def test_sched_reports_a_server_that_does_not_start(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     @contextlib.contextmanager
-    def broken(system: compare.System, args: argparse.Namespace) -> Iterator[str]:
+    def broken(system: Launchable, args: argparse.Namespace) -> Iterator[str]:
         raise RuntimeError("server exited with 2:\nunrecognized arguments: --autobalance")
         yield ""
 

@@ -23,8 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from factories import serving
+from pdserve.bench.load import client, summary
 from pdserve.bench.load import serve_bench as sb
-from pdserve.bench.load import summary
 from pdserve.workloads import streams as wl
 from pdserve.workloads.spec import LoadSpec
 from pdserve.workloads.streams import (
@@ -334,11 +334,11 @@ def test_backends_ask_for_exact_lengths_in_their_dialect() -> None:
          {"max_new_tokens": 9, "min_new_tokens": 9, "do_sample": False}),
     ):  # fmt: skip
         args = _args("http://x", "--rate", "1", "--num-requests", "1", "--backend", backend)
-        payload = sb._payload(args, MODEL, item)
+        payload = client.payload(args, MODEL, item)
         assert check(payload), backend
         assert payload["prompt"] == item.text and payload["max_tokens"] == 9
     args = _args("http://x", "--rate", "1", "--num-requests", "1", "--no-ignore-eos")
-    payload = sb._payload(args, MODEL, RequestItem([5, 6], 3, 0))
+    payload = client.payload(args, MODEL, RequestItem([5, 6], 3, 0))
     assert payload["prompt"] == [5, 6] and "ignore_eos" not in payload
 
 

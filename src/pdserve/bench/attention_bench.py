@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
-import shlex
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report, timing
 
 BACKENDS = ("gather", "paged")
 BLOCK_SIZE = 16
@@ -70,7 +69,7 @@ def read_gbs(repeats: int = 3) -> float:
     import torch
 
     x = torch.ones(BANDWIDTH_MIB * 2**20 // 4)
-    best = min(common.timed(lambda: x.sum()) for _ in range(repeats + 1))
+    best = min(timing.timed(lambda: x.sum()) for _ in range(repeats + 1))
     return x.nbytes / best / 1e9
 
 
@@ -124,7 +123,7 @@ def measure(engine: Any, batch: int, context: int, repeats: int, gbs: float) -> 
         r.execute(out)  # warm-up
     for _ in range(repeats):  # interleaved, so a burst of load hits both backends alike
         for b, r in runners.items():
-            steps[b].append(common.timed(partial(r.execute, out)))
+            steps[b].append(timing.timed(partial(r.execute, out)))
             sink: list[float] = []
             with timed_attention(sink):
                 r.execute(out)
@@ -170,7 +169,7 @@ def tiny_overhead(repeats: int) -> dict[str, float]:
     steps: dict[str, list[float]] = {b: [] for b in BACKENDS}
     for _ in range(max(50, repeats)):
         for b, r in runners.items():
-            steps[b].append(common.timed(partial(r.execute, out)))
+            steps[b].append(timing.timed(partial(r.execute, out)))
     return {b: statistics.median(steps[b][5:]) * 1e3 for b in BACKENDS}  # first 5: warm-up
 
 
@@ -196,10 +195,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"attention bench: B={b} context={c}", file=sys.stderr, flush=True)
             cells += measure(engine.engine, b, c, args.repeats, gbs)
     overhead = tiny_overhead(args.repeats)
-    info = common.machine_info(args.threads, read_gbs=round(gbs, 2))
-    md = report(args, cells, overhead, info)
+    info = report.machine_info(args.threads, read_gbs=round(gbs, 2))
+    md = render(args, cells, overhead, info)
     data = {"machine": info, "cells": [asdict(c) for c in cells], "tiny_step_ms": overhead}
-    common.write_report(md, data, args.output, args.json)
+    report.write_report(md, data, args.output, args.json)
     return 0
 
 
@@ -207,14 +206,14 @@ def _cell(cells: list[Cell], backend: str, b: int, c: int) -> Cell:
     return next(x for x in cells if (x.backend, x.batch, x.context) == (backend, b, c))
 
 
-def report(args: argparse.Namespace, cells: list[Cell], tiny: dict[str, float], info: dict) -> str:
-    cmd = "pdserve bench attention " + shlex.join(sys.argv[3:] if len(sys.argv) > 3 else [])
+def render(args: argparse.Namespace, cells: list[Cell], tiny: dict[str, float], info: dict) -> str:
+    cmd = report.command_line(sys.argv[3:], "pdserve bench attention")
     lines = [
         "# Paged attention: in-place kernel vs gather",
         "",
-        f"`{cmd.strip()}` — {datetime.date.today()}, {info['cpu']}, {info['cores']} cores, "
+        f"`{cmd}` — {datetime.date.today()}, {info['cpu']}, {info['cores']} cores, "
         f"{args.threads} threads, torch {info['torch']}, load average "
-        f"{' / '.join(f'{x:.2f}' for x in info['load_average'])} at the end, "
+        f"{report.load_text(info['load_average'])} at the end, "
         f"read bandwidth {info['read_gbs']} GB/s.",
         "",
         "Decode step (all layers + LM head, no scheduler/sampler), median ms; attention = cache "

@@ -33,27 +33,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
-import platform
 import shlex
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
-
 from pdserve import argtypes
 from pdserve.bench import peers
+from pdserve.bench.harness import report
+from pdserve.bench.harness.servers import fetch_timelines, pdserve_bin, run_load, running_server
 from pdserve.bench.load import serve_bench, summary
 from pdserve.bench.peers import System
+from pdserve.percentiles import percentiles
 from pdserve.workloads.spec import LoadSpec
 
 DEFAULT_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", *peers.PEER_NAMES)
@@ -65,17 +58,13 @@ WORKLOAD_KEYS = ("workload", "input_len", "output_len", "len_spread", "seed", "n
 # ---------------------------------------------------------------------------- systems
 
 
-def _pdserve_bin() -> str:
-    return str(Path(sys.executable).with_name("pdserve"))
-
-
 def _model_args(args: argparse.Namespace) -> list[str]:
     return [str(args.model)] if args.model else []
 
 
 def _pdserve_colocated(args: argparse.Namespace, port: int) -> list[str]:
     return [
-        _pdserve_bin(), "serve", *_model_args(args), "--colocated", "1",
+        pdserve_bin(), "serve", *_model_args(args), "--colocated", "1",
         "--threads", str(args.cores), "--host", "127.0.0.1", "--port", str(port),
         *shlex.split(args.pdserve_args),
     ]  # fmt: skip
@@ -83,7 +72,7 @@ def _pdserve_colocated(args: argparse.Namespace, port: int) -> list[str]:
 
 def _pdserve_1p1d(args: argparse.Namespace, port: int) -> list[str]:
     return [
-        _pdserve_bin(), "serve", *_model_args(args), "--prefill", "1", "--decode", "1",
+        pdserve_bin(), "serve", *_model_args(args), "--prefill", "1", "--decode", "1",
         "--threads", str(max(1, args.cores // 2)), "--host", "127.0.0.1", "--port", str(port),
         *shlex.split(args.pdserve_args),
     ]  # fmt: skip
@@ -125,98 +114,6 @@ SYSTEMS: dict[str, System] = {
 }
 
 
-# ---------------------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _log_tail(path: Path, n: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-@contextlib.contextmanager
-def running_server(system: System, args: argparse.Namespace, log_path: Path) -> Iterator[str]:
-    """Start `system` on a free port, yield its base URL once /v1/models answers, stop it."""
-    port = free_port()
-    cmd = system.command(args, port)
-    env = dict(os.environ, **(system.env(args) if system.env else {}))
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _await_ready(proc, url, args.startup_timeout, log_path)
-        yield url
-    finally:
-        _stop(proc)
-
-
-def _await_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{_log_tail(log)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout:g}s:\n{_log_tail(log)}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    # children that outlived the server (vLLM's engine core, its workers) would hold cores and
-    # memory into the next phase (its own session: the group is the server's alone)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def export_hf_folder(dest: Path, model: str | None) -> Path:
-    """Save the (dequantized) GGUF model as a HF folder for transformers and vLLM; once."""
-    if (dest / "config.json").is_file():
-        return dest
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pdserve.engine.loader import resolve_model
-
-    src = resolve_model(model)
-    if src.kind != "gguf":
-        return src.path  # already a HF folder
-    folder, name = str(src.path.parent), src.path.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = loaded.config
-    # transformers refuses to save a model it loaded from GGUF; the weights are plain float32
-    # after dequantization, so a fresh model from the same config takes them unchanged
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict(), strict=True)
-    dest.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(dest)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
-    return dest
-
-
 # ---------------------------------------------------------------------------- phases
 
 
@@ -242,18 +139,6 @@ def bench_args(args: argparse.Namespace, system: System, url: str, **load: Any) 
     )
 
 
-async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> None:
-    """Attach pdserve's timeline events to each completed record (by the response id)."""
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        for rec in records:
-            rid = rec.get("response_id")
-            if rec.get("error") is not None or not rid:
-                continue
-            resp = await client.get(f"{url}/v1/requests/{rid}/timeline")
-            if resp.status_code == 200:
-                rec["timeline"] = resp.json()["events"]
-
-
 def warm_up(system: System, args: argparse.Namespace, url: str) -> None:
     # random words, not a measured workload's prompt: nothing a prefix cache keeps from it
     # serves a measured request
@@ -261,7 +146,7 @@ def warm_up(system: System, args: argparse.Namespace, url: str) -> None:
         args, system, url, num_requests=1, seed=args.seed + 999, output_len=WARMUP_TOKENS,
         workload="synthetic",
     )  # fmt: skip
-    res = asyncio.run(serve_bench.run_benchmark(ns))
+    res = run_load(ns)
     if not res["completed"]:
         raise RuntimeError(f"{system.name}: warm-up request failed: {res['errors']}")
 
@@ -271,7 +156,7 @@ def run_phase(system: System, args: argparse.Namespace, label: str, **load: Any)
     with running_server(system, args, log) as url:
         warm_up(system, args, url)
         ns = bench_args(args, system, url, **load)
-        res = asyncio.run(serve_bench.run_benchmark(ns))
+        res = run_load(ns)
         if system.timelines:
             asyncio.run(fetch_timelines(url, res["requests"]))
     res["phase"] = label
@@ -315,8 +200,7 @@ def run_system(system: System, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _median(values: Sequence[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return float(np.median(vals)) if vals else None
+    return percentiles([v for v in values if v is not None], (50,))["p50"]
 
 
 def _unloaded_medians(system: dict[str, Any]) -> tuple[float, float] | None:
@@ -433,16 +317,6 @@ def check_prompts(args: argparse.Namespace) -> None:
         )
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
-
-
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     from pdserve.bench import compare_report
 
@@ -450,7 +324,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         args.tokenizer = str(args.model)
     check_prompts(args)
     if any(SYSTEMS[name].hf_folder for name in args.systems):
-        args.hf_model = export_hf_folder(args.hf_model, args.model)
+        args.hf_model = peers.export_hf_folder(args.hf_model, args.model)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     systems = []
@@ -462,10 +336,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         for res in [s.get("unloaded"), *s.get("rates", [])]:
             if res is not None:
                 apply_slos(res, slo_ttft, slo_tpot)
-    command = "pdserve " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = {
-        "command": command,
-        "machine": machine(),
+        "command": report.command_line(argv),
+        "machine": report.host(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t0)),
         "wall_s": time.time() - t0,
         "workload": {
@@ -477,9 +350,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "how": how},
         "systems": systems,
     }
-    (args.output_dir / "results.json").write_text(
-        json.dumps(summary.json_safe(result), indent=1) + "\n"
-    )
-    report = compare_report.write_report(result, args.output_dir)
-    print(report)
+    report.write_json(args.output_dir / "results.json", result, indent=1)
+    text = compare_report.write_report(result, args.output_dir)
+    print(text)
     return 0 if any("rates" in s for s in systems) else 1

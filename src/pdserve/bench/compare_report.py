@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.harness import plots
 from pdserve.bench.peers import PEER_NAMES as PEERS
 from pdserve.router.timeline import Ev, Stage
 
@@ -190,17 +191,8 @@ def markdown(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- plots
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never needs a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_attainment(result: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = plots.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for s in result["systems"]:
         phases = _phases(s)
@@ -214,13 +206,11 @@ def plot_attainment(result: dict[str, Any], path: Path) -> None:
     ax1.set_title("requests meeting both SLOs")
     ax2.set_title("goodput")
     ax1.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def plot_latency(result: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = plots.pyplot()
     systems = [s for s in result["systems"] if _phases(s)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(systems))
@@ -244,13 +234,11 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
         ax.set(xlabel="request rate (req/s)", ylabel=key.replace("_ms", " (ms)").upper())
         ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def plot_breakdown(result: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = plots.pyplot()
     panels = []
     for s in result["systems"]:
         phases = _phases(s)
@@ -273,9 +261,7 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> None:
             title=f"{name}, rate {res['config']['rate']:g} req/s (requests in order of arrival)",
         )
         ax.legend(ncol=4, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def write_report(result: dict[str, Any], out_dir: Path) -> str:

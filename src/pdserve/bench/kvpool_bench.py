@@ -20,15 +20,11 @@ The report replaces the `## Tier bandwidth` section of `--output` (other section
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -38,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
-from pdserve.bench import common
+from pdserve.bench.harness import report, timing
+from pdserve.bench.harness.servers import redis_server
 from pdserve.kvpool.api import DEFAULT_CHUNK_MB
+from pdserve.percentiles import percentile
 
 DEFAULT_OUTPUT = Path("docs/benchmarks/kvpool.md")
 SECTION = "## Tier bandwidth"
@@ -50,7 +48,7 @@ MB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
+    timing.add_model_arguments(parser)
     parser.add_argument(
         "--tokens",
         type=argtypes.int_list,
@@ -115,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
     if min(args.tokens) < BLOCK_SIZE:
         raise ValueError(f"--tokens must each be >= {BLOCK_SIZE} (one block)")
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    machine = common.machine_info(args.threads or torch.get_num_threads())
+    date = report.now()
+    machine = report.machine_info(args.threads or torch.get_num_threads())
     engine = _engine(args)
     arch = engine.arch
     shape = (arch.num_layers, 2, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
@@ -135,16 +133,15 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(
                         _measure(tier, codec, n, shape, dtype, recompute[n], args, redis_url)
                     )
-    machine["load_average_end"] = list(os.getloadavg())
+    machine["load_average_end"] = report.load_average()
     model = {"name": arch.name, "block_shape": list(shape), "dtype": dtype}
     model["chunk_mb"] = args.chunk_mb
-    head = common.ReportHead(date, _command(args), machine)
+    head = report.ReportHead(date, _command(args), machine)
     markdown = render(head, model, rows, args.disk_dir or tempfile.gettempdir())
     data = {"head": head.__dict__, "model": model, "rows": [r.__dict__ for r in rows]}
     _write_section(args.output, markdown)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        report.write_json(args.json, data)
     print(markdown)
     return 0
 
@@ -205,10 +202,10 @@ def _measure(
             pool = TieredKVPool(ns, [tier], queue_size=n_blocks + c, close_tiers=False)
             try:
                 rep_calls: list[float] = []
-                put_s = common.timed(functools.partial(_put_all, pool, hashes, kv, rep_calls))
-                get_s = common.timed(functools.partial(_get_all, pool, hashes))
+                put_s = timing.timed(functools.partial(_put_all, pool, hashes, kv, rep_calls))
+                get_s = timing.timed(functools.partial(_get_all, pool, hashes))
                 first = hashes[: spans[0][1]]
-                block_s = [common.timed(functools.partial(_get_all, pool, first)) for _ in spans]
+                block_s = [timing.timed(functools.partial(_get_all, pool, first)) for _ in spans]
                 usage = pool.stats()["tiers"]
                 stored = int(usage[tier_name]["bytes_written"])  # type: ignore[index]
             finally:
@@ -220,7 +217,6 @@ def _measure(
             gets.append(get_s)
             per_block += block_s
             calls += rep_calls
-    q = statistics.quantiles(per_block, n=10) if len(per_block) > 1 else per_block
     return Row(
         tier=tier_name,
         codec=codec,
@@ -233,7 +229,7 @@ def _measure(
         put_s=statistics.median(puts),
         get_s=statistics.median(gets),
         get_chunk_ms_p50=statistics.median(per_block) * 1e3,
-        get_chunk_ms_p90=q[-1] * 1e3 if len(per_block) > 1 else per_block[0] * 1e3,
+        get_chunk_ms_p90=percentile(per_block, 90) * 1e3,
         put_call_ms_p50=statistics.median(calls) * 1e3,
         recompute_s=recompute_s,
     )
@@ -288,48 +284,16 @@ def _redis(args: argparse.Namespace) -> Iterator[str | None]:
     if args.redis_url is not None or "redis" not in args.tiers:
         yield args.redis_url
         return
-    exe = shutil.which("redis-server")
-    if exe is None:
+    if shutil.which("redis-server") is None:
         yield None
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="pdserve-kvpool-bench-redis-")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_redis(port, proc)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
-    import redis
-
-    client = redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
-    end = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            client.close()
-            return
-        except redis.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("redis-server did not start") from None
-            time.sleep(0.05)
+    with redis_server("4gb") as url:
+        yield url
 
 
 # ---- report ------------------------------------------------------------------------------------
 def _command(args: argparse.Namespace) -> str:
-    invoked = common.invoked_as("kvpool")
+    invoked = report.invoked_as("kvpool")
     if invoked is not None:
         return invoked
     parts = ["pdserve", "bench", "kvpool", "--tokens", ",".join(map(str, args.tokens))]
@@ -338,14 +302,15 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def render(head: common.ReportHead, model: dict[str, Any], rows: list[Row], disk: str) -> str:
+def render(head: report.ReportHead, model: dict[str, Any], rows: list[Row], disk: str) -> str:
     m = head.machine
     lines = [
         SECTION,
         "",
         f"Measured {head.date} with `{head.command}` (written by `pdserve bench kvpool`).",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['threads']}, load average "
-        f"{_load(m['load_average'])} at start and {_load(m['load_average_end'])} at the end "
+        f"{report.load_text(m['load_average'])} at start and "
+        f"{report.load_text(m['load_average_end'])} at the end "
         "(a shared machine: compare rows of this run with each other).",
         f"Model: {model['name']}, one block = {model['block_shape']} {model['dtype']} "
         f"({_block_kb(model):.0f} KB raw). Disk tier under {disk} ({_fs(disk)}); Redis: "
@@ -394,10 +359,6 @@ def _summary(rows: list[Row]) -> list[str]:
         f"{calls[0]:.2f}-{calls[-1]:.2f} ms per chunk (median per row): the chunk's copy and "
         "the hand-off to the write-back thread."
     ]
-
-
-def _load(avg: list[float]) -> str:
-    return " / ".join(f"{x:.2f}" for x in avg)
 
 
 def _block_kb(model: dict[str, Any]) -> float:

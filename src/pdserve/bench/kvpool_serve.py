@@ -24,9 +24,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +35,15 @@ from typing import Any
 
 import httpx
 
-from pdserve.bench.common import ReportHead, invoked_as, machine_info, write_report
-from pdserve.bench.compare import free_port, running_server
+from pdserve.bench.harness.report import (
+    ReportHead,
+    invoked_as,
+    machine_info,
+    write_json,
+    write_report,
+)
+from pdserve.bench.harness.servers import Server, redis_server, running_server
+from pdserve.percentiles import percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,16 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- servers -------------------------------------------------------------------------------------
-@dataclass
-class Server:
-    """What `compare.running_server` needs: a command line for a port."""
-
-    name: str
-    argv: list[str]
-    env: Any = None
-
-    def command(self, args: argparse.Namespace, port: int) -> list[str]:
-        return [sys.executable, "-m", "pdserve.cli", "serve", *self.argv, "--port", str(port)]
+def _server(name: str, argv: list[str]) -> Server:
+    """`pdserve serve` with `argv` on the port the harness picks."""
+    return Server(
+        name,
+        lambda _, port: [sys.executable, "-m", "pdserve.cli", "serve", *argv, "--port", str(port)],
+    )
 
 
 def _serve_argv(args: argparse.Namespace, decode: int, pool: list[str]) -> list[str]:
@@ -84,35 +85,10 @@ def _serve_argv(args: argparse.Namespace, decode: int, pool: list[str]) -> list[
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (make redis); or use --pool disk")
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="pdserve-bench-redis-")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-@contextlib.contextmanager
 def pool_flags(kind: str) -> Iterator[list[str]]:
     if kind == "redis":
+        if shutil.which("redis-server") is None:
+            raise SystemExit("redis-server is not installed (make redis); or use --pool disk")
         with redis_server() as url:
             yield ["--kv-pool-redis", url]
     else:
@@ -193,11 +169,11 @@ def run_turns(args: argparse.Namespace, pool: list[str], label: str) -> dict[str
     gen = np.random.default_rng(args.seed)
     system = _ids(gen, args.system_tokens, vocab)
     history = [list(system) for _ in range(args.conversations)]
-    servers = [Server(f"{label}-{i}", _serve_argv(args, 1, pool)) for i in range(2)]
+    servers = [_server(f"{label}-{i}", _serve_argv(args, 1, pool)) for i in range(2)]
     turns: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         urls = [
-            stack.enter_context(running_server(s, args, args.logs / f"{s.name}.log"))  # type: ignore[arg-type]
+            stack.enter_context(running_server(s, args, args.logs / f"{s.name}.log"))
             for s in servers
         ]
         for t in range(args.turns):
@@ -236,7 +212,7 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
     tok = tokenizer(args.model)
     gen = np.random.default_rng(args.seed + 1)
     prompt = _ids(gen, args.recovery_prompt, min(int(tok.vocab_size), 49000))
-    server = Server(f"{label}-recovery", _serve_argv(args, 2, pool))
+    server = _server(f"{label}-recovery", _serve_argv(args, 2, pool))
     killed: dict[str, float] = {}
 
     def maybe_kill(s: Streamed) -> None:
@@ -245,7 +221,7 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
             killed["at"] = time.monotonic()
             os.kill(pid, signal.SIGKILL)
 
-    with running_server(server, args, args.logs / f"{server.name}.log") as url:  # type: ignore[arg-type]
+    with running_server(server, args, args.logs / f"{server.name}.log") as url:
         before = computed(url)
         total = args.recovery_kill_at + 64
         got = stream(url, prompt, total, maybe_kill)
@@ -273,11 +249,6 @@ def run_recovery(args: argparse.Namespace, pool: list[str], label: str) -> dict[
 
 
 # ---- report --------------------------------------------------------------------------------------
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def render(head: ReportHead, data: dict[str, Any]) -> str:
     m = head.machine
     lines = [
@@ -296,7 +267,8 @@ def render(head: ReportHead, data: dict[str, Any]) -> str:
             p50a, p50b = statistics.median(a["ttft_s"]), statistics.median(b["ttft_s"])
             lines.append(
                 f"| {a['turn']} | {p50a * 1e3:.0f} ms | {p50b * 1e3:.0f} ms | "
-                f"{_pct(a['ttft_s'], 0.9) * 1e3:.0f} ms | {_pct(b['ttft_s'], 0.9) * 1e3:.0f} ms | "
+                f"{percentile(a['ttft_s'], 90) * 1e3:.0f} ms | "
+                f"{percentile(b['ttft_s'], 90) * 1e3:.0f} ms | "
                 f"{a['computed_tokens']} | {b['computed_tokens']} | {a['prompt_tokens']} | "
                 f"{p50b / p50a:.2f} |"
             )
@@ -340,5 +312,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(markdown)
         if args.json:
-            args.json.write_text(json.dumps(data, indent=2) + "\n")
+            write_json(args.json, data)
     return 0

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from pdserve import argtypes
-from pdserve.bench.load.serve_bench import fetch_model
+from pdserve.bench.load.client import auth_headers, completion_body, fetch_model
 from pdserve.workloads.spec import LoadSpec
 
 SUMMARY = "mlperf_log_summary.txt"
@@ -111,7 +111,7 @@ class OpenAISut:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.client = self._call(self._open())
-        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.headers = auth_headers(args.api_key)
 
     def connect(self) -> None:
         """The model to ask for (the first of /v1/models unless --model): a server that is not
@@ -148,9 +148,8 @@ class OpenAISut:
             self.lg.QuerySamplesComplete([self.lg.QuerySampleResponse(qid, ptr, n, tokens or 0)])
 
     async def _query(self, qid: int, index: int) -> None:
-        body = {"model": self.model, "prompt": self.prompts[index],
-                "max_tokens": self.args.output_len, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = completion_body(self.model, self.prompts[index], self.args.output_len)
+        body["ignore_eos"] = True
         text, tokens, first = "", 0, False
         try:
             text, tokens, first = await self._stream(qid, body)

@@ -1,6 +1,6 @@
 """What `bench sched` watches on a running pdserve: the worker table polled through a run
-(roles, queues: role switches), Prometheus text scraped before and after (deltas), and each
-request's timeline."""
+(roles, queues: role switches) and Prometheus text scraped before and after (deltas). Each
+request's timeline comes from `harness.servers.fetch_timelines`."""
 
 from __future__ import annotations
 
@@ -112,21 +112,3 @@ def scrape_metrics(url: str) -> list[dict[str, Any]] | None:
         return parse_metrics(resp.text)
     except ValueError:
         return None
-
-
-async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> int:
-    """Attach each request's timeline events and prediction (when served); returns how many."""
-    n = 0
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        for rec in records:
-            rid = rec.get("response_id")
-            if not rid:
-                continue
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                resp = await client.get(f"{url}/v1/requests/{rid}/timeline")
-                if resp.status_code == 200:
-                    body = resp.json()
-                    rec["timeline"] = body.get("events")
-                    rec["prediction"] = body.get("prediction")
-                    n += 1
-    return n

@@ -2,7 +2,8 @@
 why it cannot run here when it cannot.
 
   * transformers: `transformers serve --continuous-batching` on the same weights, saved as a
-                  HF folder (it cannot serve the GGUF file itself: made once, `--hf-model`);
+                  HF folder (it cannot serve the GGUF file itself: made once, `--hf-model`,
+                  by `export_hf_folder`);
   * llama-cpp:    llama-cpp-python's server on the same GGUF file, `--cores` threads,
                   `--interrupt_requests False` (else each new request cancels the running one).
                   Built by `make bench-peers`;
@@ -162,3 +163,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_VLLM_KV_CACHE_GIB,
         help="vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)",
     )
+
+
+def export_hf_folder(dest: Path, model: str | None) -> Path:
+    """Save the (dequantized) GGUF model as a HF folder for transformers and vLLM; once."""
+    if (dest / "config.json").is_file():
+        return dest
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.engine.loader import resolve_model
+
+    src = resolve_model(model)
+    if src.kind != "gguf":
+        return src.path  # already a HF folder
+    folder, name = str(src.path.parent), src.path.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    # transformers refuses to save a model it loaded from GGUF; the weights are plain float32
+    # after dequantization, so a fresh model from the same config takes them unchanged
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
+    return dest

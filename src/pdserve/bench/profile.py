@@ -4,13 +4,14 @@ machine's engine and fits its `CostModel`; see that module for what is measured 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.bench.harness import report
 from pdserve.costmodel.model import CostModel
 from pdserve.costmodel.profile import profile_engine, profile_path
+from pdserve.percentiles import percentile
 
 # --------------------------------------------------------------------------- CLI
 
@@ -91,9 +92,8 @@ def run(args: argparse.Namespace) -> int:
     )
     result["model"].save(out, **about)
     if args.samples_out:
-        args.samples_out.parent.mkdir(parents=True, exist_ok=True)
         raw = {k: result[k] for k in ("prefill", "decode", "transfer", "receive")}
-        args.samples_out.write_text(json.dumps({**raw, "about": about}, indent=1) + "\n")
+        report.write_json(args.samples_out, {**raw, "about": about}, indent=1)
     print(render(result, out))
     if args.contention:
         print(_contention(args, out))
@@ -110,7 +110,7 @@ def _contention(args: argparse.Namespace, out: Path) -> str:
     shapes = Shapes(prompt, 2 if args.quick else 4, prompt, args.contention_seconds)
     got = measure(args.model, args.threads, shapes, quantization=args.quantization)
     got["contention"].save_into(out)
-    alone = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in got["alone"].items()}
+    alone = {k: percentile(v, 50) * 1e3 for k, v in got["alone"].items()}
     return (
         f"{got['contention'].note}\n(alone: prefill {shapes.prompt} tokens "
         f"{alone['prefill']:.1f} ms, decode {shapes.batch} x {shapes.context} "

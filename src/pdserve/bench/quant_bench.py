@@ -52,18 +52,15 @@ activations to 8 bits per block of 32 (Q8_1) and use the file's own 4-bit weight
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report
+from pdserve.percentiles import percentile
 
 if TYPE_CHECKING:
     import torch
@@ -104,10 +101,6 @@ VARIANTS = (
 )
 HEAD_F32 = ("int8-head-f32", "w8g32-head-f32")
 BLOCK_SIZE = 16
-
-
-def _log(msg: str) -> None:
-    print(f"[bench quant] {msg}", file=sys.stderr, flush=True)
 
 
 def _positive(text: str) -> int:
@@ -360,28 +353,28 @@ def _quality(
 ) -> Quality:
     agree, match, identical = agreement(ref, got)
     kls = [k for a, b in zip(ref_lp, lp, strict=True) for k in _kl(a, b)]
-    kls.sort()
     return Quality(
-        name, agree, match, identical, statistics.fmean(kls), kls[int(0.9 * (len(kls) - 1))],
-        seconds,
-    )  # fmt: skip
+        name, agree, match, identical, statistics.fmean(kls), percentile(kls, 90), seconds
+    )
 
 
 def measure(args: argparse.Namespace, engine: LLMEngine, prompts: list[list[int]]) -> list[Quality]:
     n, k = args.max_tokens, min(args.kl_steps, args.max_tokens)
-    _log(f"reference (float32): {len(prompts)} prompts x {n} tokens")
+    report.log(f"reference (float32): {len(prompts)} prompts x {n} tokens", "bench quant")
     t0 = time.perf_counter()
     ref, ref_lp = pdserve_run(engine, prompts, n, k, "ref", None)
     results = [_quality("none (reference)", ref, ref, ref_lp, ref_lp, time.perf_counter() - t0)]
     for variant in args.variants:
-        _log(variant)
+        report.log(variant, "bench quant")
         apply_variant(engine, variant)
         t0 = time.perf_counter()
         got, _ = pdserve_run(engine, prompts, n, k, f"{variant}-free", None)
         seconds = time.perf_counter() - t0
         _, lp = pdserve_run(engine, prompts, n, k, f"{variant}-forced", ref)
         results.append(_quality(variant, ref, got, ref_lp, lp, seconds))
-        _log(f"{variant}: {results[-1]}")  # partial results survive an interrupted run
+        report.log(
+            f"{variant}: {results[-1]}", "bench quant"
+        )  # partial results survive an interrupted run
     apply_variant(engine, None)
     if not args.no_llama_cpp:
         results += _llama_cpp(args, engine, prompts, ref, ref_lp, k)
@@ -393,14 +386,17 @@ def _llama_cpp(
     ref: list[list[int]], ref_lp: Any, k: int,
 ) -> list[Quality]:  # fmt: skip
     if engine.source.kind != "gguf":
-        _log("llama.cpp skipped: the model is not a GGUF file")
+        report.log("llama.cpp skipped: the model is not a GGUF file", "bench quant")
         return []
     try:
         cpp = LlamaCpp(engine.source.path, args.threads, max(map(len, prompts)) + args.max_tokens)
     except ImportError:
-        _log("llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers`)")
+        report.log(
+            "llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers`)",
+            "bench quant",
+        )
         return []
-    _log("llama.cpp (llama-cpp-python)")
+    report.log("llama.cpp (llama-cpp-python)", "bench quant")
     t0 = time.perf_counter()
     got = [cpp.greedy(p, args.max_tokens) for p in prompts]
     seconds = time.perf_counter() - t0
@@ -422,12 +418,11 @@ def render_markdown(rep: dict[str, Any]) -> str:
     lines = [
         "# Quantized weights: agreement with float32",
         "",
-        f"- date: {rep['date']}",
-        f"- command: `{rep['command']}`",
+        *report.head_lines(report.ReportHead(rep["date"], rep["command"], m)),
         f"- model: {rep['model']}",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, "
         f"llama-cpp-python {m['llama_cpp']}, load average (1 min) at start/end "
-        f"{m['load_average'][0]:.2f}/{m['load_average_end'][0]:.2f}",
+        f"{report.load_span(m)}",
         f"- {s['num_prompts']} chat prompts ({min(rep['prompt_lens'])}-{max(rep['prompt_lens'])} "
         f"tokens), {s['max_tokens']} greedy tokens each (EOS ignored), KL teacher-forced over "
         f"steps 0-{s['kl_steps'] - 1}",
@@ -451,15 +446,10 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve import LLM
 
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    date = report.now()
     torch.set_num_threads(args.threads)
-    try:
-        import llama_cpp
-
-        cpp_version = llama_cpp.__version__
-    except ImportError:
-        cpp_version = "not installed"
-    machine = common.machine_info(args.threads, llama_cpp=cpp_version)
+    cpp_version = report.version_of("llama_cpp") or "not installed"
+    machine = report.machine_info(args.threads, llama_cpp=cpp_version)
     # quantization="none": the reference is float32 and every variant is built from the float
     # weights (the default, auto, would load the file's own weights and free the floats).
     llm = LLM(
@@ -469,10 +459,10 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.engine
     prompts = _chat_prompts(llm, args.num_prompts)
     quality = measure(args, engine, prompts)
-    machine["load_average_end"] = list(os.getloadavg())
+    machine["load_average_end"] = report.load_average()
     rep = {
         "date": date,
-        "command": shlex.join(["pdserve", *sys.argv[1:]]),
+        "command": report.command_line(None),
         "machine": machine,
         "model": f"{engine.arch.name} ({engine.source.path.name})",
         "settings": {k: getattr(args, k) for k in ("num_prompts", "max_tokens", "threads")}
@@ -480,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_lens": [len(p) for p in prompts],
         "quality": [asdict(q) for q in quality],
     }
-    common.write_report(render_markdown(rep), rep, args.output, args.json)
+    report.write_report(render_markdown(rep), rep, args.output, args.json)
     return 0
 
 

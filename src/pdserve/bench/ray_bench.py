@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.harness import report
 from pdserve.hostinfo import cpu_model
 
 SECRET = b"bench-secret-0123456789abcdef0123"
@@ -277,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "load_average_before": [round(x, 2) for x in os.getloadavg()],
-        "command": "python -m pdserve.bench.ray_bench " + " ".join(argv or sys.argv[1:]),
+        "load_average_before": [round(x, 2) for x in report.load_average()],
+        "command": report.command_line(argv, "python -m pdserve.bench.ray_bench"),
     }
     out: dict[str, Any] = {"head": head}
     if args.part in ("startup", "all"):
@@ -292,10 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                 out["scale"] = scale(args)
         finally:
             nodes.close()
-    head["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    head["load_average_after"] = [round(x, 2) for x in report.load_average()]
     print(json.dumps(out, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        report.write_json(args.json, out)
     return 0
 
 

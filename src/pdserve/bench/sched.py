@@ -48,159 +48,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
-import os
 import shlex
-import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from pdserve import argtypes
-from pdserve.bench import compare
-from pdserve.bench.load import serve_bench, summary
-from pdserve.bench.observe import (
-    WorkerPoller,
+from pdserve.bench import sched_calibrate
+from pdserve.bench.harness import report
+from pdserve.bench.harness.servers import (
+    Launchable,
+    Server,
     fetch_timelines,
-    get,
-    metrics_delta,
-    scrape_metrics,
+    run_load,
+    running_server,
+    wait_healthy,
+)
+from pdserve.bench.observe import WorkerPoller, get, metrics_delta, scrape_metrics
+from pdserve.bench.sched_experiments import (
+    EXPERIMENTS,
+    Arm,
+    Experiment,
+    bench_ns,
+    parse_experiments,
+    server_command,
+    settings,
+    topology,
+    warm_up,
 )
 from pdserve.bench.sched_stats import summarize_arm
 from pdserve.workloads import streams as wl
-from pdserve.workloads.spec import LoadSpec, default
-from pdserve.workloads.streams import RequestItem
 
-WARMUP_TOKENS = 4
 HEALTH_WAIT_S = 60.0
 
 
-# ---------------------------------------------------------------------------- experiments
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    flags: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    workload: str
-    prefill: int
-    decode: int
-    arms: tuple[Arm, Arm]  # A: the feature, B: the baseline
-    load_factor: float  # x the measured capacity
-    num_requests: int
-    # bench serve settings of the workload (input_len, output_len, ...), unless given as flags
-    settings: dict[str, Any] = field(default_factory=dict)
-
-
-EXPERIMENTS: dict[str, Experiment] = {
-    e.name: e
-    for e in (
-        Experiment(
-            "admission",
-            "synthetic",
-            1,
-            1,
-            (Arm("admission", ()), Arm("no-admission", ("--no-admission",))),
-            load_factor=2.0,
-            num_requests=40,
-            settings={"input_len": 512, "output_len": 64, "len_spread": 0.25},
-        ),
-        Experiment(
-            "conditional",
-            "mixed",
-            1,
-            1,
-            (
-                Arm("conditional", ("--disaggregation", "conditional")),
-                Arm("always", ("--disaggregation", "always")),
-            ),
-            load_factor=1.0,
-            num_requests=40,
-        ),
-        Experiment(
-            "prefix",
-            "multiturn",
-            2,
-            2,
-            (
-                Arm("prefix-routing", ("--prefix-routing",)),
-                Arm("no-prefix", ("--no-prefix-routing",)),
-            ),
-            load_factor=1.0,
-            num_requests=32,
-            settings={
-                "input_len": 256,
-                "output_len": 32,
-                "len_spread": 0.25,
-                "turns": 4,
-                "prompt_format": "text",
-            },
-        ),
-        Experiment(
-            "autobalance",
-            "shifting",
-            1,
-            1,
-            (Arm("autobalance", ("--autobalance",)), Arm("static", ())),
-            load_factor=1.0,
-            num_requests=40,
-        ),
-    )
-}
-# the bench serve settings each workload reads (generic flags and its own, WORKLOAD_ARGUMENTS)
-_LENGTHS = ("input_len", "output_len", "len_spread")
-WORKLOAD_KEYS: dict[str, tuple[str, ...]] = {
-    "synthetic": (*_LENGTHS, "prompt_format"),
-    "multiturn": (*_LENGTHS, "turns", "prompt_format", "multiturn_answers"),
-    "mixed": ("short_len", "long_len", "long_fraction", "mixed_output_len", "prompt_format"),
-    "shifting": (
-        "phase1_input_len",
-        "phase1_output_len",
-        "phase2_input_len",
-        "phase2_output_len",
-        "shift_at",
-        "shift_at_s",
-        "prompt_format",
-    ),
-}
-
-
-def topology(exp: Experiment, args: argparse.Namespace) -> tuple[int, int]:
-    return (args.prefill or exp.prefill, args.decode or exp.decode)
-
-
-def server_command(
-    args: argparse.Namespace,
-    exp: Experiment,
-    port: int | str,
-    arm: Arm | None,
-    slo: tuple[float, float] | None,
-) -> list[str]:
-    """`pdserve serve` of one arm (`arm=None`, `slo=None`: the plain calibration server)."""
-    p, d = topology(exp, args)
-    cmd = [
-        compare._pdserve_bin(), "serve", *([str(args.model)] if args.model else []),
-        "--prefill", str(p), "--decode", str(d), "--threads", str(args.threads),
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    if slo is not None and (args.server_slos or exp.name == "admission"):
-        cmd += ["--slo-ttft", f"{slo[0]:.6g}", "--slo-tpot", f"{slo[1]:.6g}"]
-        if exp.name != "admission":
-            cmd.append("--no-admission")
-    if arm is not None:
-        cmd += list(arm.flags)
-    return cmd + shlex.split(args.pdserve_args)
+# ---------------------------------------------------------------------------- servers
 
 
 def _system(
@@ -209,187 +95,34 @@ def _system(
     label: str,
     arm: Arm | None,
     slo: tuple[float, float] | None,
-) -> compare.System:
+) -> Server:
     def command(_: argparse.Namespace, port: int) -> list[str]:
         return server_command(args, exp, port, arm, slo)
 
-    def missing(_: argparse.Namespace) -> str | None:
-        return None
-
-    return compare.System(f"{exp.name}-{label}", "pdserve", command, missing, timelines=True)
+    return Server(f"{exp.name}-{label}", command)
 
 
 @contextlib.contextmanager
-def server(system: compare.System, args: argparse.Namespace) -> Iterator[str]:
-    """compare.running_server (free port, /v1/models, stop), then /health "ok"."""
+def server(system: Launchable, args: argparse.Namespace) -> Iterator[str]:
+    """`running_server` (free port, /v1/models, stop), then /health "ok"."""
     log = args.output_dir / "logs" / f"{system.name}.log"
-    with compare.running_server(system, args, log) as url:
+    with running_server(system, args, log) as url:
         wait_healthy(url, HEALTH_WAIT_S)
         yield url
 
 
-def wait_healthy(url: str, timeout: float) -> bool:
-    """Until GET /health says "ok" (True), or `timeout` passed (False: run anyway)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            resp = httpx.get(f"{url}/health", timeout=2.0)
-            if resp.status_code == 200 and resp.json().get("status") == "ok":
-                return True
-        time.sleep(0.5)
-    return False
-
-
-# ---------------------------------------------------------------------------- bench serve runs
-
-
-class _Items:
-    def __init__(self, name: str, items: list[RequestItem]) -> None:
-        self.name, self.items = name, items
-
-    def __iter__(self) -> Iterator[RequestItem]:
-        return iter(self.items)
-
-
-def settings(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
-    """The workload's bench serve settings: flags given here, else the experiment's defaults
-    (else bench serve's); only those its workload reads."""
-    out: dict[str, Any] = {"workload": exp.workload}
-    for key in WORKLOAD_KEYS[exp.workload]:
-        given = getattr(args, key, None)
-        out[key] = given if given is not None else exp.settings.get(key)
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def bench_ns(
-    args: argparse.Namespace,
-    exp: Experiment,
-    url: str,
-    *,
-    num_requests: int,
-    seed: int,
-    rate: float | None = None,
-    concurrency: int | None = None,
-    slo: tuple[float, float] | None = None,
-) -> LoadSpec:
-    """The load of one arm's run, with the experiment's workload settings."""
-    spec = LoadSpec(
-        url=url,
-        workload=exp.workload,
-        num_requests=num_requests,
-        seed=seed,
-        backend="pdserve",
-        timeout=args.timeout,
-        no_progress=True,
-        rate=rate,
-        burstiness=args.burstiness if rate is not None else default("burstiness"),
-        concurrency=None if rate is not None else (concurrency or 1),
-        tokenizer=str(args.model) if args.model else None,
-        slo_ttft=slo[0] if slo is not None else None,
-        slo_tpot=slo[1] if slo is not None else None,
-    )
-    return spec.but(**{k: v for k, v in settings(args, exp).items() if k != "workload"})
-
-
-def calibration_items(workload: Any, k: int) -> list[RequestItem]:
-    """`k` independent requests spanning the workload's prompt lengths (shortest, longest, evenly
-    between by rank): multi-turn items become single requests of their placeholder prompt."""
-    items = sorted(workload, key=lambda it: (len(it.prompt), it.max_tokens))
-    if not items:
-        return []
-    picks = sorted({round(x) for x in np.linspace(0, len(items) - 1, num=min(k, len(items)))})
-    return [
-        RequestItem(items[i].prompt, items[i].max_tokens, conversation=j, phase=items[i].phase)
-        for j, i in enumerate(picks)
-    ]
-
-
-def warm_up(args: argparse.Namespace, exp: Experiment, url: str) -> None:
-    """One short request (rejected or failed is fine: the run will show it)."""
-    ns = bench_ns(args, exp, url, num_requests=1, seed=args.seed + 999).but(
-        workload="synthetic",
-        input_len=16,
-        output_len=WARMUP_TOKENS,
-        len_spread=0.0,
-        prompt_format="text",
-    )
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        asyncio.run(serve_bench.run_benchmark(ns))
+# ---------------------------------------------------------------------------- one arm
 
 
 def calibrate(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
     """SLOs and the load rate: given, or measured on a plain server (see the module doc)."""
     out: dict[str, Any] = {}
-    need_slo = args.slo_ttft is None or args.slo_tpot is None
-    need_rate = args.rate is None
-    p, d = topology(exp, args)
-    conc = args.capacity_concurrency or 2 * (p + d)
-    if need_slo or need_rate:
+    if any(sched_calibrate.needs(args)):
         out["command"] = shlex.join(server_command(args, exp, "PORT", None, None))
         with server(_system(args, exp, "calibration", None, None), args) as url:
             warm_up(args, exp, url)
-            if need_slo:
-                n = args.calibration_requests
-                ns = bench_ns(args, exp, url, num_requests=n, seed=args.seed + 1)
-                items = calibration_items(serve_bench.make_workload(_wider(ns)), ns.num_requests)
-                ns = ns.but(num_requests=len(items))
-                res = asyncio.run(serve_bench.run_benchmark(ns, _Items(exp.workload, items)))
-                out["unloaded"] = res
-            if need_rate:
-                n = args.capacity_requests or 3 * conc
-                ns = bench_ns(args, exp, url, num_requests=n, seed=args.seed + 2, concurrency=conc)
-                res = asyncio.run(serve_bench.run_benchmark(ns))
-                out["capacity_run"] = res
-    ttft_s = tpot_s = None
-    how: list[str] = []
-    if need_slo:
-        reqs = [r for r in out["unloaded"]["requests"] if r.get("error") is None]
-        ttfts = [r["ttft_ms"] for r in reqs if r.get("ttft_ms") is not None]
-        tpots = [r["tpot_ms"] for r in reqs if r.get("tpot_ms") is not None]
-        if not ttfts or not tpots:
-            raise RuntimeError(f"calibration: no unloaded latencies ({out['unloaded']['errors']})")
-        ttft_s, tpot_s = (
-            args.slo_ttft_factor * max(ttfts) / 1e3,
-            args.slo_tpot_factor * max(tpots) / 1e3,
-        )
-        how.append(
-            f"{args.slo_ttft_factor:g} x the slowest unloaded TTFT ({max(ttfts):.0f} ms) and "
-            f"{args.slo_tpot_factor:g} x the slowest unloaded TPOT ({max(tpots):.1f} ms) of "
-            f"{len(reqs)} requests spanning the prompt lengths, one at a time"
-        )
-    slo_ttft = args.slo_ttft if args.slo_ttft is not None else ttft_s
-    slo_tpot = args.slo_tpot if args.slo_tpot is not None else tpot_s
-    if not need_slo:
-        how.append("given on the command line")
-    assert slo_ttft is not None and slo_tpot is not None
-    out["slo"] = {"ttft_s": slo_ttft, "tpot_s": slo_tpot, "how": "; ".join(how)}
-    if need_rate:
-        cap = out["capacity_run"]
-        capacity = cap["completed"] / max(cap["duration_s"], 1e-9)
-        if not capacity > 0:
-            raise RuntimeError(f"calibration: nothing completed at capacity ({cap['errors']})")
-        factor = load_factor(args, exp)
-        rate = factor * capacity
-        out["capacity_rps"] = capacity
-        out["rate_how"] = (
-            f"{factor:g} x capacity {capacity:.3f} req/s (closed loop, "
-            f"concurrency {conc}, {cap['config']['num_requests']} requests)"
-        )
-    else:
-        rate = args.rate
-        out["rate_how"] = "given on the command line"
-    out["rate"] = rate
-    return out
-
-
-def _wider(ns: LoadSpec) -> LoadSpec:
-    """The calibration pool: enough items of the workload to span its lengths."""
-    # by index (shift_at*: None): both phases in the pool
-    return ns.but(num_requests=max(20, 5 * ns.num_requests), shift_at_s=None, shift_at=None)
-
-
-def load_factor(args: argparse.Namespace, exp: Experiment) -> float:
-    return float(args.load_factor) if args.load_factor is not None else exp.load_factor
+            out.update(sched_calibrate.measure(args, exp, url))
+    return sched_calibrate.decide(args, exp, out)
 
 
 def run_arm(
@@ -413,7 +146,7 @@ def run_arm(
                 args, exp, url, num_requests=num_requests, seed=args.seed, rate=rate, slo=slo
             )
             with WorkerPoller(url, args.poll_interval) as poller:
-                res = asyncio.run(serve_bench.run_benchmark(ns))
+                res = run_load(ns)
             after = scrape_metrics(url)
             resp = get(url, "/admin/workers")
             workers = resp.json() if resp is not None and resp.status_code == 200 else None
@@ -489,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
     parser.add_argument(
         "--experiment",
-        type=_experiments,
+        type=parse_experiments,
         default=list(EXPERIMENTS),
         help=f"{' | '.join(EXPERIMENTS)} | all (or a comma-separated list); default all",
     )
@@ -546,10 +279,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     ns = args
     ns.output_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    command = "pdserve " + shlex.join(argv if argv is not None else sys.argv[1:])
     result: dict[str, Any] = {
-        "command": command,
-        "machine": {**compare.machine(), "load_average": list(os.getloadavg())},
+        "command": report.command_line(argv),
+        "machine": report.host(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t0)),
         "experiments": [],
     }
@@ -557,9 +289,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     for name in ns.experiment:
         result["experiments"].append(run_experiment(ns, EXPERIMENTS[name]))
         result["wall_s"] = time.time() - t0
-        path.write_text(json.dumps(summary.json_safe(result), indent=1) + "\n")
-    report = sched_report.build_report(result)
-    (ns.output_dir / "report.md").write_text(report)
-    print(report)
+        report.write_json(path, result, indent=1)
+    text = sched_report.build_report(result)
+    (ns.output_dir / "report.md").write_text(text)
+    print(text)
     ok = any("summary" in a for e in result["experiments"] for a in e.get("arms", []))
     return 0 if ok else 1

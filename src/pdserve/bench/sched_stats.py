@@ -10,13 +10,7 @@ import numpy as np
 
 from pdserve.bench.load import summary
 from pdserve.bench.observe import role_switches
-
-
-def _pct(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
-    if not values:
-        return {f"p{q}": None for q in qs}
-    got = np.percentile(np.asarray(values, dtype=np.float64), list(qs))
-    return {f"p{q}": float(v) for q, v in zip(qs, got, strict=True)}
+from pdserve.percentiles import percentiles
 
 
 def by_label(
@@ -55,7 +49,7 @@ def prediction_error(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if isinstance(p, int | float) and isinstance(a, int | float) and a > 0:
                 errs[kind].append(abs(p - a) / a)
     for kind, values in errs.items():
-        out[kind] = {**_pct(values, (50, 90)), "n": len(values)}
+        out[kind] = {**percentiles(values, (50, 90)), "n": len(values)}
     return out
 
 
@@ -117,10 +111,10 @@ def turn_ttfts(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
     later = [r["ttft_ms"] for r in ok if (r.get("turn") or 0) > 0]
     per_turn: dict[str, dict[str, float | None]] = {}
     for t in sorted({int(r.get("turn") or 0) for r in ok}):
-        per_turn[str(t)] = _pct(
+        per_turn[str(t)] = percentiles(
             [r["ttft_ms"] for r in ok if int(r.get("turn") or 0) == t], (50, 90)
         )
-    return {"later_turns": {**_pct(later, (50, 90)), "n": len(later)}, "per_turn": per_turn}
+    return {"later_turns": {**percentiles(later, (50, 90)), "n": len(later)}, "per_turn": per_turn}
 
 
 def summarize_arm(arm: dict[str, Any], slo: tuple[float, float]) -> dict[str, Any]:
@@ -135,8 +129,8 @@ def summarize_arm(arm: dict[str, Any], slo: tuple[float, float]) -> dict[str, An
     switches = role_switches(arm.get("worker_polls") or [])
     return {
         **outcome,
-        "ttft_ms": _pct([r["ttft_ms"] for r in done if r.get("ttft_ms") is not None]),
-        "tpot_ms": _pct([r["tpot_ms"] for r in done if r.get("tpot_ms") is not None]),
+        "ttft_ms": percentiles([r["ttft_ms"] for r in done if r.get("ttft_ms") is not None]),
+        "tpot_ms": percentiles([r["tpot_ms"] for r in done if r.get("tpot_ms") is not None]),
         "by_phase": summary.by_phase(reqs, slo[0], slo[1]),
         "server_rejections": by_label(delta, ["pdserve_rejected"], "reason")
         or by_label(delta, ["pdserve_request_rejections"], "code"),

@@ -13,13 +13,13 @@ plus `SchedulerPolicy.prefill_budget` from the TPOT SLO and this host's cost mod
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report
+from pdserve.percentiles import percentile
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,11 +34,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=15)
     p.add_argument("--output", type=Path, default=Path("docs/benchmarks/stall-free.md"))
     return p.parse_args(argv)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run_arm(args: argparse.Namespace, budget: Any) -> dict[str, Any]:
@@ -81,8 +76,8 @@ def run_arm(args: argparse.Namespace, budget: Any) -> dict[str, Any]:
                 ttft.append(now - arrived[o.request_id])
     return {
         "steps": step,
-        "tpot_p50": statistics.median(tpot),
-        "tpot_p90": _pct(tpot, 0.9),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p90": percentile(tpot, 90),
         "tpot_max": max(tpot),
         "ttft": ttft,
     }
@@ -102,28 +97,42 @@ def main(argv: list[str] | None = None) -> int:
     for name, b in (("whole", None), ("stall-free", budget)):
         print(f"stall-free bench: arm {name}", file=sys.stderr, flush=True)
         rows[name] = run_arm(args, b)
-    info = common.machine_info(args.threads)
-    cmd = "python -m pdserve.bench.stall_free " + " ".join(argv or sys.argv[1:])
+    info = report.machine_info(args.threads)
+    cmd = report.command_line(argv, "python -m pdserve.bench.stall_free")
     lines = [
         "# Stall-free batching on a colocated engine",
         "",
-        f"`{cmd.strip()}` — {info['cpu']}, {info['cores']} cores, {args.threads} thread(s), "
-        f"load average {' / '.join(f'{x:.2f}' for x in info['load_average'])}; cost model "
+        f"`{cmd}` — {info['cpu']}, {info['cores']} cores, {args.threads} thread(s), "
+        f"load average {report.load_text(info['load_average'])}; cost model "
         f"`{path.name}`; TPOT SLO {args.slo_tpot} s; {args.decodes} decode streams x "
         f"{args.decode_tokens} tokens, {args.arrivals} prompts of {args.prompt_len} tokens "
         f"arriving every {args.every} steps.",
         "",
-        "| arm | steps | TPOT p50 s | TPOT p90 s | TPOT max s | TTFT of the long prompts, s |",
-        "|---|---:|---:|---:|---:|---|",
+        *report.markdown_table(
+            (
+                "arm",
+                "steps",
+                "TPOT p50 s",
+                "TPOT p90 s",
+                "TPOT max s",
+                "TTFT of the long prompts, s",
+            ),
+            [
+                (
+                    name,
+                    r["steps"],
+                    f"{r['tpot_p50']:.3f}",
+                    f"{r['tpot_p90']:.3f}",
+                    f"{r['tpot_max']:.3f}",
+                    ", ".join(f"{t:.1f}" for t in r["ttft"]),
+                )
+                for name, r in rows.items()
+            ],
+            "lrrrrl",
+        ),
     ]
-    for name, r in rows.items():
-        ttft = ", ".join(f"{t:.1f}" for t in r["ttft"])
-        lines.append(
-            f"| {name} | {r['steps']} | {r['tpot_p50']:.3f} | {r['tpot_p90']:.3f} "
-            f"| {r['tpot_max']:.3f} | {ttft} |"
-        )
     md = "\n".join(lines) + "\n"
-    common.write_report(md, {"machine": info, "rows": rows}, args.output, None)
+    report.write_report(md, {"machine": info, "rows": rows}, args.output, None)
     return 0
 
 

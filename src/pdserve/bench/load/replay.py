@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -34,8 +33,15 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import argtypes
-from pdserve.bench.load.serve_bench import BACKENDS, fetch_model, send_request
-from pdserve.bench.load.summary import RequestRecord, format_table, json_safe, summarize
+from pdserve.bench.harness.report import write_json
+from pdserve.bench.load.client import (
+    BACKENDS,
+    auth_headers,
+    completion_body,
+    fetch_model,
+    send_request,
+)
+from pdserve.bench.load.summary import RequestRecord, format_table, summarize
 from pdserve.bench.load.trace_text import BlockText, server_block_tokens
 from pdserve.workloads import traces
 from pdserve.workloads.spec import LoadSpec
@@ -174,7 +180,7 @@ async def _send_all(
     """Each request at its arrival time (from now); the records and the run's duration."""
     from tqdm import tqdm
 
-    headers = _headers(args)
+    headers = auth_headers(args.api_key)
     bar = tqdm(total=len(reqs), file=sys.stderr, disable=args.no_progress, unit="req")
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task[None]] = []
@@ -183,8 +189,7 @@ async def _send_all(
         delay = t_start + req.arrival_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        payload = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0,
-                   "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        payload = completion_body(model, prompt, req.output_len)
         BACKENDS[args.backend](payload, req.output_len)
         rec = RequestRecord(i, i, 0, req.input_len, req.output_len)
         records.append(rec)
@@ -197,10 +202,6 @@ async def _send_all(
     return records, duration
 
 
-def _headers(args: argparse.Namespace) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
 async def run_replay(
     args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = None
 ) -> dict[str, Any]:
@@ -208,7 +209,7 @@ async def run_replay(
     and the prefix reuse expected and measured)."""
     scaling = traces.Scaling(args.limit, args.start_ms, args.length_scale, args.time_scale)
     trace = traces.read_trace(args.trace, scaling)
-    base, headers = args.url.rstrip("/"), _headers(args)
+    base, headers = args.url.rstrip("/"), auth_headers(args.api_key)
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
     limits = httpx.Limits(max_connections=len(trace.requests) + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
@@ -306,6 +307,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"bench replay: {args.url}: {type(e).__name__}: {e}") from None
     print(format_replay(res))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(json_safe(res), indent=1) + "\n")
+        write_json(args.json, res, indent=1)
     return 0 if res["completed"] else 1

@@ -33,19 +33,19 @@ Metrics, as vLLM's `bench serve` (shared/design/ANCHORS.md), per completed reque
   * rejection latency: p50/p99 of send -> 429/503 status; Retry-After values as sent.
   * by_phase: the same counts per item `phase` (shifting, mixed), goodput over each phase's span.
   * duration: first send -> last response; throughputs = completed totals / duration.
-Percentiles are numpy's (linear interpolation).
+Percentiles are `pdserve.percentiles`' (numpy's linear interpolation). The HTTP client of one
+request is `client.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,12 +53,17 @@ import httpx
 import numpy as np
 
 from pdserve import argtypes
-from pdserve.bench.load.summary import (
-    RequestRecord,
-    format_table,
-    json_safe,
-    summarize,
+from pdserve.bench.harness.report import write_json
+from pdserve.bench.load.client import (
+    BACKENDS,
+    ERROR_CHARS,
+    auth_headers,
+    fetch_model,
+    payload,
+    send_request,
+    user_of,
 )
+from pdserve.bench.load.summary import RequestRecord, format_table, summarize
 from pdserve.workloads import streams as wl
 from pdserve.workloads.spec import LoadSpec, default
 from pdserve.workloads.streams import (
@@ -68,9 +73,6 @@ from pdserve.workloads.streams import (
     ids_to_text,
     make_workload,
 )
-
-ERROR_CHARS = 300
-REJECT_STATUSES = frozenset({429, 503})  # answers that are a refusal, recorded as `rejected`
 
 
 class Encoder(Protocol):
@@ -180,171 +182,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------- one request
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _exact_length_ignore_eos(payload: dict[str, Any], n: int) -> None:
-    payload["ignore_eos"] = True
-
-
-def _exact_length_min_tokens(payload: dict[str, Any], n: int) -> None:
-    payload["min_tokens"] = n  # llama-cpp-python: EOS is masked until n tokens
-
-
-def _exact_length_generation_config(payload: dict[str, Any], n: int) -> None:
-    # `transformers serve` answers 422 to unknown fields; its own knob is a GenerationConfig
-    # (which replaces the model's defaults: so greedy and the length are spelled out here)
-    cfg = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
-    payload["generation_config"] = json.dumps(cfg)
-
-
-# --backend -> how a request asks for exactly max_tokens tokens (EOS ignored), so every server
-# generates the same number of tokens for the same item
-BACKENDS: dict[str, Callable[[dict[str, Any], int], None]] = {
-    "openai": _exact_length_ignore_eos,
-    "pdserve": _exact_length_ignore_eos,
-    "vllm": _exact_length_ignore_eos,
-    "llama-cpp": _exact_length_min_tokens,
-    "transformers": _exact_length_generation_config,
-}
-
-
-def _prompt(args: LoadSpec, item: RequestItem) -> str | list[int]:
-    if item.text is not None:
-        return item.text
-    return ids_to_text(item.prompt) if args.prompt_format == "text" else item.prompt
-
-
-def user_of(item: RequestItem) -> str:
-    return f"conv-{item.conversation}"
-
-
-def _payload(
-    args: LoadSpec,
-    model: str,
-    item: RequestItem,
-    prompt: str | list[int] | None = None,
-) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": model,
-        "prompt": _prompt(args, item) if prompt is None else prompt,
-        "max_tokens": item.max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if getattr(args, "send_user", True):
-        payload["user"] = user_of(item)
-    if args.ignore_eos:
-        BACKENDS[getattr(args, "backend", "openai")](payload, item.max_tokens)
-    return payload
-
-
-def _retry_after(value: str | None) -> float | None:
-    try:
-        v = float(value) if value is not None else None
-    except ValueError:  # an HTTP date: not used by the servers benchmarked here
-        return None
-    return v if v is not None and math.isfinite(v) else None
-
-
-def _reject_code(status: int, body: bytes) -> str:
-    """`error.code` of an OpenAI error envelope (else its `type`), or "http_<status>"."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        obj = None
-    err = obj.get("error") if isinstance(obj, dict) else None
-    if isinstance(err, dict):
-        for key in ("code", "type"):
-            if err.get(key) not in (None, ""):
-                return str(err[key])
-    return f"http_{status}"
-
-
-def _sse_error(obj: Any) -> str | None:
-    if not isinstance(obj, dict):
-        return f"unexpected SSE data: {str(obj)[:ERROR_CHARS]}"
-    err = obj.get("error")
-    if err is None and obj.get("object") != "error":
-        return None
-    if isinstance(err, dict):
-        err = err.get("message", err)
-    return f"SSE error: {err if err is not None else obj.get('message', obj)}"
-
-
-async def send_request(
-    client: httpx.AsyncClient,
-    url: str,
-    payload: dict[str, Any],
-    headers: dict[str, str],
-    rec: RequestRecord,
-    t_start: float,
-) -> None:
-    """Stream one completion into `rec` (timings, tokens or the error); never raises."""
-    t0 = time.perf_counter()
-    rec.send_s = t0 - t_start
-    first = last = None
-    chunks = 0
-    usage_tokens: int | None = None
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code in REJECT_STATUSES:
-                rec.reject_ms = (time.perf_counter() - t0) * 1e3
-                rec.rejected = True
-                rec.retry_after_s = _retry_after(resp.headers.get("retry-after"))
-                rec.reject_code = _reject_code(resp.status_code, await resp.aread())
-                return
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                rec.error = f"HTTP {resp.status_code}: {body[:ERROR_CHARS]}"
-                return
-            event = ""
-            async for line in resp.aiter_lines():
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                    continue
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                err = _sse_error(obj) if event != "error" else f"SSE error: {data[:ERROR_CHARS]}"
-                if err is not None:
-                    rec.error = err
-                    return
-                if rec.response_id is None and isinstance(obj.get("id"), str):
-                    rec.response_id = obj["id"]
-                choices = obj.get("choices") or []
-                if choices and choices[0].get("text"):
-                    rec.answer += choices[0]["text"]
-                    if first is None:
-                        first = now
-                    else:
-                        assert last is not None
-                        rec.itl_ms.append((now - last) * 1e3)
-                    last = now
-                    chunks += 1
-                usage = obj.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens", usage_tokens)
-                    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-    except Exception as e:  # any transport or parsing failure fails this request only
-        rec.error = f"{type(e).__name__}: {e}"[:ERROR_CHARS]
-        return
-    if first is None or last is None:
-        rec.error = "stream ended without content"
-        return
-    rec.output_tokens = usage_tokens if usage_tokens else chunks
-    rec.ttft_ms = (first - t0) * 1e3
-    rec.e2e_ms = (last - t0) * 1e3
-    if rec.output_tokens > 1:
-        rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (rec.output_tokens - 1)
-
-
 # ---------------------------------------------------------------------------- the run
 
 
@@ -378,17 +215,6 @@ def arrival_gaps(rate: float, burstiness: float, n: int, seed: int) -> list[floa
         return [0.0] * n
     rng = np.random.default_rng(seed)
     return [float(x) for x in rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)]
-
-
-async def fetch_model(
-    client: httpx.AsyncClient, base: str, headers: dict[str, str], timeout: float = 30.0
-) -> str:
-    resp = await client.get(f"{base}/v1/models", headers=headers, timeout=timeout)
-    resp.raise_for_status()
-    data = resp.json().get("data") or []
-    if not data:
-        raise ValueError(f"{base}/v1/models lists no model; pass --model")
-    return str(data[0]["id"])
 
 
 class _Conversations:
@@ -456,7 +282,7 @@ async def run_benchmark(
         encoder = await asyncio.to_thread(_default_encoder, args)
     convs = _Conversations(text_prompts, encoder)
     base = args.url.rstrip("/")
-    headers = _headers(args.api_key)
+    headers = auth_headers(args.api_key)
     n_conn = args.concurrency or len(items)
     limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
@@ -474,8 +300,8 @@ async def run_benchmark(
                 prompt = convs.prompt(item) if item.question is not None else None
                 if prompt is not None:
                     rec.prompt_len = _prompt_len(prompt)
-                payload = _payload(args, model, item, prompt)
-                await send_request(client, url, payload, headers, rec, t_start)
+                body = payload(args, model, item, prompt)
+                await send_request(client, url, body, headers, rec, t_start)
                 if prompt is not None:
                     convs.finished(item, prompt, rec.answer if rec.ok else "")
             except Exception as e:  # building the prompt (tokenizer) fails this request only
@@ -522,8 +348,7 @@ def run(args: argparse.Namespace) -> int:
     res = asyncio.run(run_benchmark(LoadSpec.from_args(args)))
     print(format_table(res))
     if args.result_json is not None:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(json_safe(res), indent=1) + "\n")
+        write_json(args.result_json, res, indent=1)
     return 0 if res["completed"] or res["rejected"] else 1  # refusals are results too
 
 

@@ -1,16 +1,15 @@
 """What a load run produced: one `RequestRecord` per request, and the summary of a run —
 latency percentiles, outcomes (completed / rejected / failed), SLO goodput, per-phase splits —
-as the result dict `bench serve` prints (`format_table`) and writes (`json_safe`)."""
+as the result dict `bench serve` prints (`format_table`) and writes (`harness.report`).
+Percentiles are `pdserve.percentiles`'s (numpy's linear interpolation)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
+from pdserve import percentiles
 from pdserve.workloads.spec import LoadSpec
 
 MAX_ERRORS = 5  # distinct error messages kept in the JSON
@@ -45,14 +44,6 @@ class RequestRecord:
     def ok(self) -> bool:
         """Completed: admitted and streamed to the end without an error."""
         return self.error is None and not self.rejected
-
-
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values, dtype=np.float64)
-    p50, p90, p99 = (float(x) for x in np.percentile(a, [50, 90, 99]))
-    return {"mean": float(a.mean()), "p50": p50, "p90": p90, "p99": p99}
 
 
 def is_good(rec: RequestRecord, slo_ttft: float | None, slo_tpot: float | None) -> bool:
@@ -115,10 +106,10 @@ def outcome_summary(
         "goodput": good / duration if duration > 0 else 0.0,
         "slo_attainment": good / sent if sent else None,
         "slo_attainment_admitted": good / admitted if admitted else None,
-        "rejection_latency_ms": _stats(
+        "rejection_latency_ms": percentiles.summary(
             [r["reject_ms"] for r in rejected if r.get("reject_ms") is not None]
         ),
-        "retry_after_s": _stats(
+        "retry_after_s": percentiles.summary(
             [r["retry_after_s"] for r in rejected if r.get("retry_after_s") is not None]
         ),
     }
@@ -201,10 +192,10 @@ def summarize(
         "slo_attainment": outcome["slo_attainment"],
         "slo_attainment_admitted": outcome["slo_attainment_admitted"],
         "by_phase": by_phase(rows, args.slo_ttft, args.slo_tpot),
-        "ttft_ms": _stats([r.ttft_ms for r in done if r.ttft_ms is not None]),
-        "tpot_ms": _stats([r.tpot_ms for r in done if r.tpot_ms is not None]),
-        "itl_ms": _stats([x for r in done for x in r.itl_ms]),
-        "e2e_ms": _stats([r.e2e_ms for r in done if r.e2e_ms is not None]),
+        "ttft_ms": percentiles.summary([r.ttft_ms for r in done if r.ttft_ms is not None]),
+        "tpot_ms": percentiles.summary([r.tpot_ms for r in done if r.tpot_ms is not None]),
+        "itl_ms": percentiles.summary([x for r in done for x in r.itl_ms]),
+        "e2e_ms": percentiles.summary([r.e2e_ms for r in done if r.e2e_ms is not None]),
         "requests": rows,
     }
 
@@ -245,13 +236,3 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"{name.upper():<8}" + "".join(f"{fmt(s[k]):>10}" for k in s))
     lines += [f"error: {e}" for e in res["errors"]]
     return "\n".join(lines)
-
-
-def json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [json_safe(v) for v in obj]
-    return obj

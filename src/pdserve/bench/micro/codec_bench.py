@@ -33,7 +33,6 @@ on a `--crc-mb` MB buffer.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 from collections.abc import Sequence
@@ -41,13 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve import argtypes
-from pdserve.bench import common
+from pdserve.bench.harness import report, timing
 from pdserve.bench.micro.codec_quality import (
     KL_STEPS,
     TEMPLATES,
     TOPICS,
     bench_prompts,
-    log,
     measure_quality,
 )
 from pdserve.bench.micro.codec_report import Report, render_markdown, report_json
@@ -65,7 +63,7 @@ BLOCK_SIZE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
+    timing.add_model_arguments(parser)
     parser.add_argument(
         "--num-prompts",
         type=argtypes.positive_int,
@@ -111,12 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- report head
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    return common.machine_info(threads)
-
-
 def command_line(args: argparse.Namespace) -> str:
-    invoked = common.invoked_as("codec")
+    invoked = report.invoked_as("codec")
     if invoked is not None:
         return invoked
     parts = ["pdserve", "bench", "codec"]
@@ -152,17 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.engine import loader
 
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    machine = machine_info(args.threads or torch.get_num_threads())
+    date = report.now()
+    machine = report.machine_info(args.threads or torch.get_num_threads())
     texts = bench_prompts(args.num_prompts)
     tokenizer = loader.load_tokenizer(loader.resolve_model(args.model))
     prompts = [list(tokenizer.encode(t, add_special_tokens=True)) for t in texts]
     engine = build_engine(args, [len(p) for p in prompts])
     quality = measure_quality(engine, prompts, args.max_tokens, args.codecs)
-    log("speed")
+    report.log("speed", "bench codec")
     speed = measure_speed(engine, args.speed_tokens, args.codecs, args.repeats)
-    crc32_gbs = common.measure_crc32(args.crc_mb, args.repeats)
-    machine["load_average_end"] = list(os.getloadavg())
+    crc32_gbs = timing.measure_crc32(args.crc_mb, args.repeats)
+    machine["load_average_end"] = report.load_average()
     rep = Report(
         date=date,
         command=command_line(args),
@@ -174,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         crc32_gbs=crc32_gbs,
         prompt_lens=[len(p) for p in prompts],
     )
-    common.write(render_markdown(rep), report_json(rep), args)
+    report.write(render_markdown(rep), report_json(rep), args)
     return 0
 
 

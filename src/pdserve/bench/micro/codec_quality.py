@@ -5,11 +5,12 @@ that keeps its KV. The method is in `pdserve.bench.micro.codec_bench`."""
 from __future__ import annotations
 
 import statistics
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
+
+from pdserve.bench.harness import report
 
 if TYPE_CHECKING:
     import torch
@@ -77,10 +78,6 @@ class CodecQuality:
     @property
     def bytes_per_token(self) -> float:
         return self.wire_bytes / self.prompt_tokens
-
-
-def log(msg: str) -> None:
-    print(f"[bench codec] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- engine hooks
@@ -225,13 +222,13 @@ def measure_quality(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int, codecs: Sequence[str]
 ) -> list[CodecQuality]:
     kl_steps = range(1, min(KL_STEPS, max_tokens - 1) + 1)
-    log(f"baseline: {len(prompts)} prompts x {max_tokens} tokens")
+    report.log(f"baseline: {len(prompts)} prompts x {max_tokens} tokens", "bench codec")
     base = run_batch(engine, prompts, max_tokens, None, ProbeSampler(kl_steps), "base")
     results = []
     for codec in codecs:
-        log(f"{codec}: free run")
+        report.log(f"{codec}: free run", "bench codec")
         free = run_batch(engine, prompts, max_tokens, codec, ProbeSampler(range(0)), codec)
-        log(f"{codec}: teacher-forced run for KL")
+        report.log(f"{codec}: teacher-forced run for KL", "bench codec")
         force = {f"{codec}-forced-{i}": base.tokens[i] for i in range(len(prompts))}
         probe = ProbeSampler(kl_steps, force)
         forced = run_batch(

@@ -6,7 +6,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report
 from pdserve.bench.micro.codec_quality import CodecQuality
 from pdserve.bench.micro.codec_speed import CodecSpeed
 
@@ -14,7 +14,7 @@ CRC_WARN_GBS = 2.0
 
 
 @dataclass
-class Report(common.ReportHead):
+class Report(report.ReportHead):
     model: dict[str, Any]
     settings: dict[str, Any]
     quality: list[CodecQuality]
@@ -48,11 +48,10 @@ def _header(rep: Report) -> list[str]:
     m, model, s, lens = rep.machine, rep.model, rep.settings, rep.prompt_lens
     threads_note = "torch's default" if s["threads"] is None else "--threads"
     return [
-        f"- date: {rep.date}",
-        f"- command: `{rep.command}`",
+        *report.head_lines(rep),
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads "
         f"({threads_note}), torch {m['torch']}, python {m['python']}, load average (1 min) "
-        f"at start/end {m['load_average'][0]:.2f}/{m['load_average_end'][0]:.2f}",
+        f"at start/end {report.load_span(m)}",
         f"- model: {model['name']} ({model['dtype']}, {model['layers']} layers, "
         f"{model['kv_heads']} KV heads x head_dim {model['head_dim']})",
         f"- prompts: {len(lens)} ({min(lens)}-{max(lens)} tokens, mean "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.bench import common
+from pdserve.bench.harness import timing
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ def _codec_speed(name: str, kv: list[torch.Tensor], repeats: int) -> CodecSpeed:
     encoded = [codec.encode(t) for t in kv]
 
     def gbs(fn: Callable[[], object]) -> float:
-        return raw / common.median_seconds(fn, repeats) / 1e9
+        return raw / timing.median_seconds(fn, repeats) / 1e9
 
     def frame_round_trip() -> None:
         parts = encode_frame("speed", 0, 0, kv[0::2], kv[1::2], name, bytes(8))

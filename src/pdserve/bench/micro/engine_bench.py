@@ -66,14 +66,12 @@ llama.cpp; `engine_report` the targets and the page.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve import argtypes
-from pdserve.bench import common
+from pdserve.bench.harness import report, timing
 from pdserve.bench.micro.engine_measure import (
     PdserveSystem,
     build_engine,
@@ -84,10 +82,9 @@ from pdserve.bench.micro.engine_peers import (
     HFSystem,
     attach_peer,
     llama_cpp_system,
-    llama_cpp_version,
 )
 from pdserve.bench.micro.engine_report import evaluate_targets, render_markdown, report_json
-from pdserve.bench.micro.engine_results import SEED, Key, ModelCost, Report, Row, System, log
+from pdserve.bench.micro.engine_results import SEED, Key, ModelCost, Report, Row, System
 from pdserve.config import DECODE_MATMULS, KV_CACHE_DTYPES, PREFILL_FORMATS, QUANTIZATIONS
 from pdserve.engine.quantize import projection_bytes
 
@@ -145,7 +142,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
+    timing.add_model_arguments(parser)
     for flag, default, text in _LIST_FLAGS:
         shown = ",".join(map(str, default))
         parser.add_argument(flag, type=argtypes.int_list, default=default, help=f"{text} ({shown})")
@@ -193,13 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    try:
-        import transformers
-
-        hf_version = transformers.__version__
-    except ImportError:
-        hf_version = "not installed"
-    return common.machine_info(threads, transformers=hf_version, llama_cpp=llama_cpp_version())
+    hf_version = report.version_of("transformers") or "not installed"
+    return report.machine_info(
+        threads, transformers=hf_version, llama_cpp=report.version_of("llama_cpp")
+    )
 
 
 def model_info(engine: LLMEngine, cost: ModelCost) -> dict[str, Any]:
@@ -223,7 +217,7 @@ def model_info(engine: LLMEngine, cost: ModelCost) -> dict[str, Any]:
 
 def command_line(args: argparse.Namespace, threads: int) -> str:
     """The invoking command if it was `pdserve bench engine ...`, else an equivalent one."""
-    invoked = common.invoked_as("engine")
+    invoked = report.invoked_as("engine")
     if invoked is not None:
         return invoked
     parts = ["pdserve", "bench", "engine", "--threads", str(threads)]
@@ -244,18 +238,18 @@ def command_line(args: argparse.Namespace, threads: int) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    date = report.now()
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     machine = machine_info(threads)
     _warn_if_busy(machine)
-    log(f"roofline with {threads} threads")
+    report.log(f"roofline with {threads} threads")
     roof = measure_roofline()
     gen = torch.Generator().manual_seed(SEED)
     engines: list[tuple[PdserveSystem, ModelCost]] = []
     for q, kv, mm, pf in variants(args):
         label = variant_label(q, kv, mm, pf)
-        log(f"loading pdserve engine ({label})")
+        report.log(f"loading pdserve engine ({label})")
         engine = build_engine(args, threads, q, kv, mm, pf)
         cost = ModelCost.from_arch(engine.arch, engine.dtype.itemsize, engine.cache.dtype.itemsize)
         engines.append((PdserveSystem(label, engine, args, gen), cost))
@@ -275,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     for side, peer in (("hf", hf), ("cpp", cpp)):
         if peer is not None:
             attach_peer(rows, side, samples[peer.name])
-    machine["load_average_end"] = list(os.getloadavg())
+    machine["load_average_end"] = report.load_average()
     rep = Report(
         date=date,
         command=command_line(args, threads),
@@ -287,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         targets=evaluate_targets(rows),
         notes=[] if note is None else [note],
     )
-    common.write(render_markdown(rep), report_json(rep), args)
+    report.write(render_markdown(rep), report_json(rep), args)
     return 0
 
 
@@ -300,7 +294,7 @@ def run_rounds(systems: list[System], repeats: int) -> dict[str, dict[Key, list[
     samples: dict[str, dict[Key, list[float]]] = {s.name: {k: [] for k in s.keys} for s in systems}
     keys = list(dict.fromkeys(k for s in systems for k in s.keys))
     for r in range(repeats + 1):
-        log("warm-up round" if r == 0 else f"round {r}/{repeats}")
+        report.log("warm-up round" if r == 0 else f"round {r}/{repeats}")
         for key in keys:
             for system in systems if r % 2 == 0 else systems[::-1]:
                 if key in samples[system.name]:
@@ -313,7 +307,7 @@ def run_rounds(systems: list[System], repeats: int) -> dict[str, dict[Key, list[
 def _warn_if_busy(machine: dict[str, Any]) -> None:
     load = machine["load_average"][0]
     if load > 0.5 and machine["threads"] >= (machine["cores"] or 1):
-        log(
+        report.log(
             f"load average {load:.2f} with every core in use: timings will be noisy "
             "(with torch's OpenMP threads, a busy core can slow each op by milliseconds); "
             "use --threads 1 or a quiet machine"

@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report, timing
 from pdserve.bench.micro.engine_results import (
     BANDWIDTH_MIB,
     MATMUL_N,
@@ -21,7 +21,6 @@ from pdserve.bench.micro.engine_results import (
     ModelCost,
     Roofline,
     Row,
-    log,
 )
 
 if TYPE_CHECKING:
@@ -42,14 +41,14 @@ def measure_roofline(repeats: int = ROOFLINE_REPEATS) -> Roofline:
     import torch
 
     x = torch.ones(BANDWIDTH_MIB * 2**20 // 4)
-    sum_gbs = x.nbytes / common.median_seconds(lambda: x.sum(), repeats) / 1e9
+    sum_gbs = x.nbytes / timing.median_seconds(lambda: x.sum(), repeats) / 1e9
     n = math.isqrt(x.numel())
     matrix, vector = x[: n * n].view(n, n), torch.ones(n)
     matvec_gbs = (
-        matrix.nbytes / common.median_seconds(lambda: torch.mv(matrix, vector), repeats) / 1e9
+        matrix.nbytes / timing.median_seconds(lambda: torch.mv(matrix, vector), repeats) / 1e9
     )
     dst = torch.empty_like(x)
-    copy_gbs = 2 * x.nbytes / common.median_seconds(lambda: dst.copy_(x), repeats) / 1e9
+    copy_gbs = 2 * x.nbytes / timing.median_seconds(lambda: dst.copy_(x), repeats) / 1e9
     return Roofline(
         matmul_gflops=_matmul_gflops(MATMUL_N, repeats),
         read_gbs=max(sum_gbs, matvec_gbs),
@@ -64,7 +63,7 @@ def _matmul_gflops(n: int, repeats: int) -> float:
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    seconds = common.median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+    seconds = timing.median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
     return 2 * n**3 / seconds / 1e9
 
 
@@ -118,16 +117,16 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 def pdserve_prefill(engine: LLMEngine, n: int, repeats: int, gen: torch.Generator) -> list[float]:
     """Seconds of the single step that prefills an n-token prompt, per timed repeat."""
-    _prefill_once(engine, common.random_ids(gen, n, engine.arch.vocab_size))  # warm-up
+    _prefill_once(engine, timing.random_ids(gen, n, engine.arch.vocab_size))  # warm-up
     return [
-        _prefill_once(engine, common.random_ids(gen, n, engine.arch.vocab_size))
+        _prefill_once(engine, timing.random_ids(gen, n, engine.arch.vocab_size))
         for _ in range(repeats)
     ]
 
 
 def _prefill_once(engine: LLMEngine, ids: list[int]) -> float:
     engine.add_request(ids, _greedy(1))
-    seconds = common.timed(engine.step)
+    seconds = timing.timed(engine.step)
     if engine.has_unfinished_requests():
         raise RuntimeError(f"a {len(ids)}-token prompt did not prefill in one step")
     return seconds
@@ -151,7 +150,7 @@ class PdserveSystem:
         if isinstance(what, DecodePoint):
             seconds, self.contexts[what] = _decode_once(self.engine, what, self.gen)
             return seconds
-        return _prefill_once(self.engine, common.random_ids(self.gen, what, self.vocab))
+        return _prefill_once(self.engine, timing.random_ids(self.gen, what, self.vocab))
 
     @property
     def vocab(self) -> int:
@@ -172,7 +171,7 @@ def admit_decoding(engine: LLMEngine, point: DecodePoint, gen: torch.Generator) 
     rids = []
     for _ in range(point.batch):
         rid = f"bench-decode-{next(_RIDS)}"
-        ids = common.random_ids(gen, c, arch.vocab_size)
+        ids = timing.random_ids(gen, c, arch.vocab_size)
         blocks = engine.reserve_kv(ids, params, rid, c)
         if blocks is None:
             raise RuntimeError("the KV cache is too small for this decode point")
@@ -180,7 +179,7 @@ def admit_decoding(engine: LLMEngine, point: DecodePoint, gen: torch.Generator) 
         slots = engine.kv_slots(list(blocks), 0, c)
         for layer in range(arch.num_layers):
             engine.write_kv(slots, layer, k, v)
-        engine.admit_prefilled(rid, common.random_ids(gen, 1, arch.vocab_size), c)
+        engine.admit_prefilled(rid, timing.random_ids(gen, 1, arch.vocab_size), c)
     return rids
 
 
@@ -193,7 +192,7 @@ def _decode_once(
             _decode_step(engine, point.batch)
         requests = engine.scheduler.requests
         computed = statistics.mean(requests[r].num_computed_tokens for r in rids)
-        seconds = common.timed(lambda: _decode_step(engine, point.batch), point.steps)
+        seconds = timing.timed(lambda: _decode_step(engine, point.batch), point.steps)
     finally:
         for rid in rids:
             engine.abort_request(rid)
@@ -223,7 +222,7 @@ def attention_share(engine: LLMEngine, point: DecodePoint, gen: torch.Generator)
         for _ in range(WARMUP_STEPS):
             _decode_step(engine, point.batch)
         spent[0] = 0.0
-        total = common.timed(lambda: _decode_step(engine, point.batch), point.steps)
+        total = timing.timed(lambda: _decode_step(engine, point.batch), point.steps)
     finally:
         llama.paged_attention = inner  # type: ignore[attr-defined]
         for rid in rids:
@@ -259,7 +258,7 @@ def pdserve_rows(
         ctx = system.contexts[point]
         row = _decode_row(point, samples[("decode", point)], ctx, cost, roof, q, weight_bytes)
         if not args.no_attention:
-            log(f"pdserve ({q}) attention share B={point.batch} C={point.context}")
+            report.log(f"pdserve ({q}) attention share B={point.batch} C={point.context}")
             row.attention_share = attention_share(engine, point, system.gen)
         rows.append(row)
     return rows

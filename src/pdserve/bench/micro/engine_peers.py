@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report, timing
 from pdserve.bench.micro.engine_results import (
     SEED,
     WARMUP_STEPS,
@@ -20,7 +20,6 @@ from pdserve.bench.micro.engine_results import (
     Key,
     Row,
     key_label,
-    log,
 )
 
 if TYPE_CHECKING:
@@ -78,7 +77,7 @@ class HFSystem:
     def __init__(self, args: argparse.Namespace, source: ModelSource, points: list[Key]) -> None:
         import torch
 
-        log("transformers: loading the same weights")
+        report.log("transformers: loading the same weights")
         self.hf = HFRunner(load_hf(source))
         self.gen = torch.Generator().manual_seed(SEED)
         self.keys = [
@@ -94,9 +93,9 @@ class HFSystem:
         what = key[1]
         if isinstance(what, DecodePoint):
             return _hf_decode_once(self.hf, what, self.gen)
-        ids = torch.tensor([common.random_ids(self.gen, what, self.hf.model.config.vocab_size)])
+        ids = torch.tensor([timing.random_ids(self.gen, what, self.hf.model.config.vocab_size)])
         with torch.inference_mode():
-            return common.timed(lambda: self.hf.prefill(ids))
+            return timing.timed(lambda: self.hf.prefill(ids))
 
 
 def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> float:
@@ -110,7 +109,7 @@ def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> f
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer)
-    token = torch.tensor([common.random_ids(gen, point.batch, cfg.vocab_size)]).t()  # [B, 1]
+    token = torch.tensor([timing.random_ids(gen, point.batch, cfg.vocab_size)]).t()  # [B, 1]
     with torch.inference_mode():
         state: list[Any] = [token, cache]
 
@@ -119,7 +118,7 @@ def _hf_decode_once(hf: HFRunner, point: DecodePoint, gen: torch.Generator) -> f
 
         for _ in range(WARMUP_STEPS):
             step()
-        return common.timed(step, point.steps) / point.steps
+        return timing.timed(step, point.steps) / point.steps
 
 
 def attach_peer(rows: list[Row], side: str, samples: dict[Key, list[float]]) -> None:
@@ -138,23 +137,15 @@ def attach_peer(rows: list[Row], side: str, samples: dict[Key, list[float]]) -> 
 # --------------------------------------------------------------------------- llama.cpp
 
 
-def llama_cpp_version() -> str | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return str(llama_cpp.__version__)
-
-
 def llama_cpp_system(
     args: argparse.Namespace, source: ModelSource, threads: int, points: list[Key]
 ) -> tuple[CppSystem | None, str]:
     """llama.cpp as a side of the rounds (or None), and a note on what ran."""
     if source.kind != "gguf":
         return None, "llama.cpp: not run (the model is not a GGUF file)"
-    if llama_cpp_version() is None:
+    if report.version_of("llama_cpp") is None:
         return None, "llama.cpp: not run (llama-cpp-python is not installed; `make bench-peers`)"
-    note = f"llama.cpp: llama-cpp-python {llama_cpp_version()}, decode at batch 1 only"
+    note = f"llama.cpp: llama-cpp-python {report.version_of('llama_cpp')}, decode at batch 1 only"
     return CppSystem(args, source, threads, points), note
 
 
@@ -170,7 +161,7 @@ class CppSystem:
         from llama_cpp import Llama
 
         n_ctx = max(*args.prompt_lens, max(args.contexts) + WARMUP_STEPS + args.decode_steps + 2)
-        log("llama.cpp: loading the same GGUF")
+        report.log("llama.cpp: loading the same GGUF")
         self.llm = Llama(
             model_path=str(source.path), n_ctx=n_ctx, n_batch=max(args.prompt_lens),
             n_ubatch=max(args.prompt_lens), n_threads=threads, n_threads_batch=threads,
@@ -189,15 +180,15 @@ class CppSystem:
 
 def _cpp_prefill(llm: Any, gen: torch.Generator, n: int, vocab: int) -> float:
     llm.reset()
-    ids = common.random_ids(gen, n, vocab)
-    return common.timed(lambda: llm.eval(ids))
+    ids = timing.random_ids(gen, n, vocab)
+    return timing.timed(lambda: llm.eval(ids))
 
 
 def _cpp_decode(llm: Any, gen: torch.Generator, context: int, steps: int, vocab: int) -> float:
     """Seconds per single-token eval after `context` tokens (+ a warm-up token)."""
     llm.reset()
-    llm.eval(common.random_ids(gen, context + WARMUP_STEPS, vocab))
-    tokens = common.random_ids(gen, steps, vocab)
+    llm.eval(timing.random_ids(gen, context + WARMUP_STEPS, vocab))
+    tokens = timing.random_ids(gen, steps, vocab)
     t0 = time.perf_counter()
     for t in tokens:
         llm.eval([t])

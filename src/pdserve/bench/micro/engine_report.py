@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.bench import common
+from pdserve.bench.harness import report
 from pdserve.bench.micro.engine_results import (
     BANDWIDTH_MIB,
     MATMUL_N,
@@ -40,17 +40,17 @@ def _find(rows: list[Row], phase: str, size: int, context: int | None = None) ->
     )
 
 
-def evaluate_targets(rows: list[Row]) -> list[common.Target]:
-    out: list[common.Target] = []
+def evaluate_targets(rows: list[Row]) -> list[report.Target]:
+    out: list[report.Target] = []
     for q in dict.fromkeys(r.quantization for r in rows):
         out += [
-            common.Target(f"[{q}] {t.name}", t.measured, t.met)
+            report.Target(f"[{q}] {t.name}", t.measured, t.met)
             for t in _targets_of([r for r in rows if r.quantization == q])
         ]
     return out
 
 
-def _targets_of(rows: list[Row]) -> list[common.Target]:
+def _targets_of(rows: list[Row]) -> list[report.Target]:
     decodes = [r for r in rows if r.phase == "decode"]
     low = min((r.nominal_context for r in decodes), default=0)
     prefill = _find(rows, "prefill", TARGET_PREFILL_LEN)
@@ -60,12 +60,12 @@ def _targets_of(rows: list[Row]) -> list[common.Target]:
     ratios = [r.ratio for r in rows if r.ratio is not None]
     cpp_prefill = [r.cpp_ratio for r in rows if r.phase == "prefill" and r.cpp_ratio is not None]
     return [
-        common.Target(
+        report.Target(
             f"prefill MFU at {TARGET_PREFILL_LEN} tokens >= {TARGET_PREFILL_MFU:.0%}",
             f"{prefill.utilization:.1%}" if prefill else "not run",
             prefill.utilization >= TARGET_PREFILL_MFU if prefill else None,
         ),
-        common.Target(
+        report.Target(
             f"decode B=1 C={TARGET_CONTEXT} MBU >= {TARGET_DECODE_MBU:.0%}",
             f"{d1.utilization:.1%}" if d1 else "not run",
             d1.utilization >= TARGET_DECODE_MBU if d1 else None,
@@ -84,7 +84,7 @@ def _targets_of(rows: list[Row]) -> list[common.Target]:
         _scaling_target(_find(rows, "decode", 1, low), _find(rows, "decode", b, low), b, factor),
         _growth_target(_find(rows, "decode", 1, long_c), _find(rows, "decode", 1, short_c), growth),
         _attention_target(d1),
-        common.Target(
+        report.Target(
             "never slower than transformers (every pdserve/HF >= 1)",
             f"min {min(ratios):.2f}x" if ratios else "not run",
             min(ratios) >= 1.0 if ratios else None,
@@ -94,39 +94,39 @@ def _targets_of(rows: list[Row]) -> list[common.Target]:
 
 def _ratio_target(
     name: str, ratio: float | None, need: float, strict: bool = False
-) -> common.Target:
+) -> report.Target:
     if ratio is None:
-        return common.Target(name, "not run", None)
+        return report.Target(name, "not run", None)
     met = ratio > need if strict else ratio >= need
-    return common.Target(name, f"{ratio:.2f}x", met)
+    return report.Target(name, f"{ratio:.2f}x", met)
 
 
-def _scaling_target(d1: Row | None, db: Row | None, b: int, factor: float) -> common.Target:
+def _scaling_target(d1: Row | None, db: Row | None, b: int, factor: float) -> report.Target:
     name = f"decode B={b} tokens/s >= {factor:g}x B=1"
     if d1 is None or db is None:
-        return common.Target(name, "not run", None)
+        return report.Target(name, "not run", None)
     gain = db.tokens_per_s / d1.tokens_per_s
-    return common.Target(f"{name} (C={d1.nominal_context})", f"{gain:.2f}x", gain >= factor)
+    return report.Target(f"{name} (C={d1.nominal_context})", f"{gain:.2f}x", gain >= factor)
 
 
-def _growth_target(long: Row | None, short: Row | None, limit: float) -> common.Target:
+def _growth_target(long: Row | None, short: Row | None, limit: float) -> report.Target:
     long_c, short_c, _ = TARGET_CONTEXT_GROWTH
     name = f"decode B=1 step at C={long_c} <= {limit:g}x the step at C={short_c}"
     if long is None or short is None:
-        return common.Target(name, "not run", None)
+        return report.Target(name, "not run", None)
     growth = long.seconds / short.seconds
-    return common.Target(name, f"{growth:.2f}x", growth <= limit)
+    return report.Target(name, f"{growth:.2f}x", growth <= limit)
 
 
-def _attention_target(d1: Row | None) -> common.Target:
+def _attention_target(d1: Row | None) -> report.Target:
     name = (
         f"attention at B=1 C={TARGET_CONTEXT} <= {TARGET_ATTENTION_VS_READ:g}x the time to "
         "read its KV"
     )
     if d1 is None or d1.attention_share is None or not d1.kv_read_s:
-        return common.Target(name, "not run", None)
+        return report.Target(name, "not run", None)
     times = d1.attention_share * d1.seconds / d1.kv_read_s
-    return common.Target(name, f"{times:.2f}x", times <= TARGET_ATTENTION_VS_READ)
+    return report.Target(name, f"{times:.2f}x", times <= TARGET_ATTENTION_VS_READ)
 
 
 # --------------------------------------------------------------------------- report
@@ -147,9 +147,7 @@ def render_markdown(rep: Report) -> str:
         "",
         "## Targets",
         "",
-        "| target | measured | status |",
-        "|---|---|---|",
-        *(f"| {t.name} | {t.measured} | {t.status} |" for t in rep.targets),
+        *report.targets_table(rep.targets),
         "",
         "MFU = model FLOPs / time / fp32 matmul FLOP/s (int8 rows too); MBU = (weight bytes as "
         "stored + KV bytes) / step time / read GB/s; attn = share of the decode step inside "
@@ -163,19 +161,16 @@ def render_markdown(rep: Report) -> str:
 
 def _header(rep: Report) -> list[str]:
     m, roof, model, st = rep.machine, rep.roofline, rep.model, rep.settings
-    ends = (m["load_average"], m.get("load_average_end", m["load_average"]))
-    load = "/".join(f"{x[0]:.2f}" for x in ends)
     weights = ", ".join(f"{q} {b / 1e6:.0f} MB" for q, b in model["weight_bytes_per_step"].items())
     return [
-        f"- date: {rep.date}",
-        f"- command: `{rep.command}`",
+        *report.head_lines(rep),
         f"- model: {model['name']} ({model['source']}, {model['dtype']}, {model['layers']} "
         f"layers, {model['matmul_params'] / 1e6:.1f} M matmul params; weights read per decode "
         f"step: {weights})",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads used, "
         f"torch {m['torch']}, transformers {m['transformers']}, "
         f"llama-cpp-python {m.get('llama_cpp') or 'not installed'}, "
-        f"load average (1 min) at start/end {load}",
+        f"load average (1 min) at start/end {report.load_span(m)}",
         f"- roofline (torch, {m['threads']} threads, {BANDWIDTH_MIB} MiB buffers): matmul "
         f"{roof.matmul_gflops:.1f} GFLOP/s ({MATMUL_N}x{MATMUL_N} fp32); read "
         f"{roof.read_gbs:.1f} GB/s (bytes read / time, best of torch.sum "

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.bench import common
+from pdserve.bench.harness import report
 
 if TYPE_CHECKING:
     from pdserve.engine.models.arch import ModelArch
@@ -138,12 +137,12 @@ def paired_ratio(
 
 
 @dataclass
-class Report(common.ReportHead):
+class Report(report.ReportHead):
     model: dict[str, Any]
     settings: dict[str, Any]
     roofline: Roofline
     rows: list[Row]
-    targets: list[common.Target] = field(default_factory=list)
+    targets: list[report.Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -174,7 +173,3 @@ class System(Protocol):
     keys: list[Key]
 
     def once(self, key: Key) -> float: ...
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)

@@ -43,9 +43,7 @@ Medians over the requests; exposed % = median of exposed / TTFT per request.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 from collections.abc import Sequence
@@ -53,24 +51,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve import argtypes
-from pdserve.bench import common
-from pdserve.bench.transfer.transfer_link import (
-    ReceiverProcess,
-    _encode_layers,
-    _fingerprint,
-    _log,
-    _random_kv,
-    _recv_exact,
-    _setup_msg,
-    _Store,
-    run_throughput,
+from pdserve.bench.harness import report, timing
+from pdserve.bench.transfer.transfer_baselines import (
+    attach_baselines,
+    measure_codecs,
+    run_baselines,
 )
+from pdserve.bench.transfer.transfer_link import run_throughput
 from pdserve.bench.transfer.transfer_report import (
-    _BASELINE_OF,
-    _OP_DATA,
-    _OP_SETUP,
-    _OP_STOP,
-    _SOCK_HEAD,
+    command_line,
+    machine_info,
+    render_markdown,
+    report_json,
+)
+from pdserve.bench.transfer.transfer_results import (
+    BASELINE_OF,
     BREAKDOWN,
     CODEC_NAMES,
     CRC_MB,
@@ -82,23 +77,13 @@ from pdserve.bench.transfer.transfer_report import (
     TRANSPORT_NAMES,
     TTFT_DEADLINE_S,
     TTFT_MAX_TOKENS,
-    BaselineRow,
-    CodecRow,
     Layout,
     Report,
-    ThroughputRow,
     TtftRow,
-    command_line,
-    git_head,
-    machine_info,
-    render_markdown,
-    report_json,
 )
 from pdserve.router import timeline as tl
 
 if TYPE_CHECKING:
-    import torch
-
     from pdserve.cluster import LocalCluster
     from pdserve.engine.outputs import RequestOutput
 
@@ -146,154 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="markdown report")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-
-
-# --------------------------------------------------------------------------- baselines
-
-
-def _frame_bytes(layout: Layout, n: int) -> list[bytes]:
-    """Each layer's "none" frame as one bytes object: what the baselines move."""
-    keys, values = _random_kv(layout, n, SEED + n)
-    frames = _encode_layers("baseline", keys, values, "none", _fingerprint(layout))
-    return [b"".join(bytes(p) for p in parts) for parts in frames]
-
-
-def _copy_in_out(srcs: list[Any], ring: Any, dest: Any) -> None:
-    pos = 0
-    for src in srcs:
-        end = pos + src.size
-        ring[pos:end] = src  # sender: into shared memory
-        dest[pos:end] = ring[pos:end]  # receiver: out of it into the tensor
-        pos = end
-
-
-def memcpy_baselines(layout: Layout, n: int, repeats: int) -> list[BaselineRow]:
-    import functools
-    from multiprocessing import shared_memory
-
-    import numpy as np
-    import torch
-
-    chunks = _frame_bytes(layout, n)
-    total = sum(len(c) for c in chunks)
-    raw = n * layout.bytes_per_token
-    srcs = [np.frombuffer(c, dtype=np.uint8) for c in chunks]
-    dest = torch.empty(total, dtype=torch.uint8)
-    seg = shared_memory.SharedMemory(create=True, size=total)
-    assert seg.buf is not None
-    ring = np.ndarray((total,), dtype=np.uint8, buffer=seg.buf)
-    try:
-        x2 = common.sample_times(functools.partial(_copy_in_out, srcs, ring, dest.numpy()), repeats)
-    finally:
-        del ring  # no view may outlive the segment
-        seg.close()
-        seg.unlink()
-    src_t = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    one = common.sample_times(functools.partial(dest.copy_, src_t), repeats)
-    return [
-        BaselineRow("memcpy x2", n, raw, statistics.median(x2), x2),
-        BaselineRow("copy", n, raw, statistics.median(one), one),
-    ]
-
-
-def socket_baseline(
-    receiver: ReceiverProcess, family: str, layout: Layout, n: int, repeats: int
-) -> BaselineRow:
-    chunks = _frame_bytes(layout, n)
-    total = sum(len(c) for c in chunks)
-    address = receiver.serve("socket", family)
-    if family == "tcp":
-        sock = socket.create_connection(tuple(address))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    else:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(address)
-    reply = memoryview(bytearray(1))
-    try:
-        sock.sendall(_SOCK_HEAD.pack(_OP_SETUP, total))
-        _recv_exact(sock, reply)
-
-        def once() -> None:
-            sock.sendall(_SOCK_HEAD.pack(_OP_DATA, total))
-            for chunk in chunks:
-                sock.sendall(chunk)
-            _recv_exact(sock, reply)
-
-        samples = common.sample_times(once, repeats)
-        sock.sendall(_SOCK_HEAD.pack(_OP_STOP, 0))
-    finally:
-        sock.close()
-    kind = "tcp socket" if family == "tcp" else "unix socket"
-    return BaselineRow(kind, n, n * layout.bytes_per_token, statistics.median(samples), samples)
-
-
-def run_baselines(args: argparse.Namespace, layout: Layout) -> list[BaselineRow]:
-    rows: list[BaselineRow] = []
-    families = [f for f in ("tcp", "ipc") if f in args.transports]
-    receiver = ReceiverProcess() if families else None
-    try:
-        for n in args.sizes:
-            _log(f"baselines {n} tokens")
-            rows += memcpy_baselines(layout, n, args.repeats)
-            for family in families:
-                assert receiver is not None
-                rows.append(socket_baseline(receiver, family, layout, n, args.repeats))
-    finally:
-        if receiver is not None:
-            receiver.close()
-    return rows
-
-
-def attach_baselines(rows: list[ThroughputRow], baselines: list[BaselineRow]) -> None:
-    by_key = {(b.kind, b.tokens): b for b in baselines}
-    for r in rows:
-        base = by_key.get((_BASELINE_OF[r.transport], r.tokens))
-        if base is None:
-            continue
-        r.baseline, r.baseline_gbs = base.kind, base.gbs
-        if r.codec == "none":
-            r.ratio = r.effective_gbs / base.gbs
-
-
-# --------------------------------------------------------------------------- codec CPU cost
-
-
-def measure_codecs(args: argparse.Namespace, layout: Layout) -> list[CodecRow]:
-    fp, rows = _fingerprint(layout), []
-    for n in args.sizes:
-        keys, values = _random_kv(layout, n, SEED + n)
-        store = _Store()
-        store.setup(_setup_msg(layout, n, fp))
-        for codec in args.codecs:
-            _log(f"codec {codec} {n} tokens")
-            rows.append(_codec_cost(codec, keys, values, fp, store, args.repeats))
-    return rows
-
-
-def _codec_cost(
-    codec: str, keys: torch.Tensor, values: torch.Tensor, fp: bytes, store: _Store, repeats: int
-) -> CodecRow:
-    from pdserve.transfer import wire
-
-    frames = _encode_layers("codec", keys, values, codec, fp)
-
-    def encode() -> None:
-        _encode_layers("codec", keys, values, codec, fp)
-
-    def decode() -> None:
-        for parts in frames:
-            store.on_frame(parts)
-
-    n, layers = keys.shape[1], keys.shape[0]
-    raw = 2 * keys[0].nbytes * layers
-    return CodecRow(
-        codec,
-        n,
-        raw,
-        sum(wire.frame_nbytes(p) for p in frames),
-        statistics.median(common.sample_times(encode, repeats)),
-        statistics.median(common.sample_times(decode, repeats)),
-    )
 
 
 # --------------------------------------------------------------------------- TTFT breakdown
@@ -347,7 +184,7 @@ def run_ttft(args: argparse.Namespace, vocab: int) -> list[TtftRow]:
     rows = []
     for transport in args.ttft_transports:
         for stream in (True, False):
-            _log(f"TTFT: {transport}, stream_kv={stream}: starting 1P1D")
+            report.log(f"TTFT: {transport}, stream_kv={stream}: starting 1P1D")
             with LocalCluster(
                 args.model,
                 transport=transport,
@@ -357,10 +194,10 @@ def run_ttft(args: argparse.Namespace, vocab: int) -> list[TtftRow]:
                 lease_s=2 * TTFT_DEADLINE_S,
             ) as cluster:
                 for n in args.ttft_lens:
-                    _log(f"TTFT: {transport}, stream_kv={stream}, {n} tokens")
-                    _ttft_request(cluster, common.random_ids(gen, n, vocab), params)  # warm-up
+                    report.log(f"TTFT: {transport}, stream_kv={stream}, {n} tokens")
+                    _ttft_request(cluster, timing.random_ids(gen, n, vocab), params)  # warm-up
                     runs = [
-                        _ttft_request(cluster, common.random_ids(gen, n, vocab), params)
+                        _ttft_request(cluster, timing.random_ids(gen, n, vocab), params)
                         for _ in range(args.ttft_requests)
                     ]
                     rows.append(_ttft_row(transport, stream, n, runs))
@@ -398,22 +235,22 @@ def _ttft_row(
 # --------------------------------------------------------------------------- targets
 
 
-def evaluate_targets(rep: Report) -> list[common.Target]:
+def evaluate_targets(rep: Report) -> list[report.Target]:
     targets = []
     for transport in dict.fromkeys(r.transport for r in rep.throughput):
         rows = [r for r in rep.throughput if r.transport == transport and r.ratio is not None]
         name = (
             f"{transport}: codec none >= {TARGET_RATIO:.0%} of the raw baseline "
-            f"({_BASELINE_OF[transport]}), at the largest size"
+            f"({BASELINE_OF[transport]}), at the largest size"
         )
         if not rows:
-            targets.append(common.Target(name, "not run", None))
+            targets.append(report.Target(name, "not run", None))
             continue
         big = max(rows, key=lambda r: r.tokens)
         assert big.ratio is not None
         every = ", ".join(f"{r.tokens}: {r.ratio:.0%}" for r in rows)
         targets.append(
-            common.Target(
+            report.Target(
                 name, f"{big.ratio:.0%} at {big.tokens} (all: {every})", big.ratio >= TARGET_RATIO
             )
         )
@@ -433,11 +270,11 @@ def evaluate_targets(rep: Report) -> list[common.Target]:
             None,
         )
         if row is None or row.exposed_pct is None:
-            targets.append(common.Target(name, "not run", None))
+            targets.append(report.Target(name, "not run", None))
         else:
             ms = row.medians["exposed"] * 1e3
             targets.append(
-                common.Target(
+                report.Target(
                     name, f"{row.exposed_pct:.1%} ({ms:.1f} ms)", row.exposed_pct <= TARGET_EXPOSED
                 )
             )
@@ -462,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    date = report.now()
     machine = machine_info()
     layout, vocab = load_layout(args.model)
     rep = Report(
@@ -474,22 +311,22 @@ def run(args: argparse.Namespace) -> int:
     )
     loads: dict[str, list[float]] = {}
     if not args.no_throughput:
-        loads["throughput"] = list(os.getloadavg())
+        loads["throughput"] = report.load_average()
         rep.throughput = run_throughput(args, layout)
-        loads["baselines"] = list(os.getloadavg())
+        loads["baselines"] = report.load_average()
         rep.baselines = run_baselines(args, layout)
         attach_baselines(rep.throughput, rep.baselines)
-        loads["codecs"] = list(os.getloadavg())
+        loads["codecs"] = report.load_average()
         rep.codecs = measure_codecs(args, layout)
-        rep.crc32_gbs = common.measure_crc32(CRC_MB, args.repeats)
+        rep.crc32_gbs = timing.measure_crc32(CRC_MB, args.repeats)
     if not args.no_ttft:
-        loads["ttft"] = list(os.getloadavg())
+        loads["ttft"] = report.load_average()
         rep.ttft = run_ttft(args, vocab)
     machine["load_by_part"] = loads
-    machine["load_average_end"] = list(os.getloadavg())
-    machine["git_head_end"] = git_head()
+    machine["load_average_end"] = report.load_average()
+    machine["git_head_end"] = report.git_head()
     rep.targets = evaluate_targets(rep)
-    common.write(render_markdown(rep), report_json(rep), args)
+    report.write(render_markdown(rep), report_json(rep), args)
     return 0
 
 

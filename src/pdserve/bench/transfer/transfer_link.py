@@ -1,27 +1,21 @@
-"""The two ends of a KV link for `pdserve bench transfer`: a receiver process doing what a
-decode worker does per frame, and the sender side (split from `transfer_bench`)."""
+"""The sending end of a `pdserve bench transfer` link (what `PrefillSide` does per layer: encode
+a frame, put shm payloads in the ring, `send_multipart`) and the throughput part of the bench:
+each transport x codec x size against a `ReceiverProcess`, timed stage by stage."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import socket
 import statistics
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.transfer.transfer_report import (
-    _OP_SETUP,
-    _OP_STOP,
-    _SOCK_HEAD,
+from pdserve.bench.harness import report
+from pdserve.bench.transfer.transfer_kv import fingerprint, minor_faults, random_kv, setup_msg
+from pdserve.bench.transfer.transfer_receiver import ReceiverProcess, serve_zmq
+from pdserve.bench.transfer.transfer_results import (
     ACK_TIMEOUT_S,
-    BLOCK_SIZE,
     SEED,
     SHM_MB,
     Layout,
@@ -31,320 +25,6 @@ from pdserve.bench.transfer.transfer_report import (
 if TYPE_CHECKING:
     import torch
     import zmq
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _minor_faults() -> int:
-    """Minor page faults of this thread so far: first touches of freshly allocated memory."""
-    import resource
-
-    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-    return resource.getrusage(who).ru_minflt
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def _shuffled_slots(n: int, seed: int = SEED) -> torch.Tensor:
-    """Slots of tokens [0, n) in a paged cache whose block table is a random permutation."""
-    import torch
-
-    blocks = -(-n // BLOCK_SIZE)
-    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))
-    pos = torch.arange(n)
-    return table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-
-
-def _random_kv(layout: Layout, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    shape = (layout.layers, n, layout.kv_heads, layout.head_dim)
-    dtype = _torch_dtype(layout.dtype)
-    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
-
-
-def _fingerprint(layout: Layout) -> bytes:
-    import hashlib
-
-    from pdserve.transfer.wire import FINGERPRINT_BYTES
-
-    # Same text as wire.layout_fingerprint, from the layout alone (no ModelArch needed).
-    text = (
-        f"pdkv-layout/1 layers={layout.layers} kv_heads={layout.kv_heads} "
-        f"head_dim={layout.head_dim} dtype={layout.dtype}"
-    )
-    return hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
-
-
-def _encode_layers(
-    rid: str, keys: torch.Tensor, values: torch.Tensor, codec: str, fp: bytes
-) -> list[list[Any]]:
-    from pdserve.transfer import wire
-
-    return [
-        wire.encode_frame(rid, layer, 0, [keys[layer]], [values[layer]], codec, fp)
-        for layer in range(keys.shape[0])
-    ]
-
-
-# --------------------------------------------------------------------------- receiver side
-
-
-class _Store:
-    """What `DecodeSide` does with frames: check, decode, copy into a paged cache."""
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.slots: torch.Tensor | None = None
-        self.fingerprint: bytes | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        self.frames = self.bad = self.nbytes = self.tensors = self.in_place = 0
-        self.first_at: float | None = None
-        self.faults_at_first = 0
-        self.last_at = 0.0
-        self.t_decode_frame = self.t_codec = self.t_store = 0.0
-
-    def setup(self, msg: dict[str, Any]) -> None:
-        import torch
-
-        n, dtype = msg["tokens"], _torch_dtype(msg["dtype"])
-        self.k = self.v = None  # free the previous size first
-        slots = -(-n // BLOCK_SIZE) * BLOCK_SIZE
-        shape = (msg["layers"], slots, msg["kv_heads"], msg["head_dim"])
-        self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-        self.slots = _shuffled_slots(n)
-        self.fingerprint = msg["fingerprint"]
-        self.reset()
-
-    def on_frame(self, parts: list[Any]) -> None:
-        from pdserve.transfer import wire
-
-        t0 = time.monotonic()
-        if self.first_at is None:
-            self.first_at, self.faults_at_first = t0, _minor_faults()
-        try:
-            wire.peek_header(parts)
-            frame = wire.decode_frame(parts, fingerprint=self.fingerprint)
-        except wire.WireError:
-            self.bad += 1
-            return
-        t1 = time.monotonic()
-        h = frame.header
-        assert self.k is not None and self.v is not None and self.slots is not None
-        slots = self.slots[h.token_start : h.token_end]
-        layers = frame.layers()
-        t_codec = t_store = 0.0
-        received = [_address_range(p) for p in parts]
-        while True:
-            ta = time.monotonic()
-            item = next(layers, None)
-            tb = time.monotonic()
-            if item is None:
-                break
-            layer, k, v = item
-            self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
-            t_codec += tb - ta
-            t_store += time.monotonic() - tb
-            self.tensors += 2
-            self.in_place += sum(_inside(t.data_ptr(), received) for t in (k, v))
-        self.t_decode_frame += t1 - t0
-        self.t_codec += t_codec
-        self.t_store += t_store
-        self.frames += 1
-        self.nbytes += h.header_len + h.payload_len
-        self.last_at = time.monotonic()
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "frames": self.frames,
-            "bad": self.bad,
-            "nbytes": self.nbytes,
-            "first_frame_at": self.first_at or 0.0,
-            "last_frame_at": self.last_at,
-            "decode_frame_s": self.t_decode_frame,
-            "codec_decode_s": self.t_codec,
-            "store_s": self.t_store,
-            "tensors": self.tensors,
-            "in_place": self.in_place,
-            "minor_faults": _minor_faults() - self.faults_at_first if self.first_at else 0,
-        }
-
-
-def _address_range(part: Any) -> tuple[int, int]:
-    import numpy as np
-
-    arr = np.frombuffer(part, dtype=np.uint8)
-    return arr.ctypes.data, arr.ctypes.data + arr.nbytes
-
-
-def _inside(ptr: int, ranges: list[tuple[int, int]]) -> bool:
-    """Whether a decoded tensor's memory lies in a received buffer (a view, not a copy)."""
-    return any(lo <= ptr < hi for lo, hi in ranges)
-
-
-def _serve_zmq(conn: Connection, transport: str, ctx: zmq.Context | None = None) -> None:
-    """Receiver of the real transport: ROUTER from `bind_receiver`, frames as `Worker` does."""
-    import msgpack
-    import zmq
-
-    from pdserve.transfer import wire
-    from pdserve.transfer.transports import (
-        FRAME,
-        MSG,
-        SHM_FRAME,
-        ShmReader,
-        bind_receiver,
-        get_transport,
-    )
-
-    own = ctx is None
-    context = zmq.Context() if ctx is None else ctx
-    sock, endpoint = bind_receiver(context, get_transport(transport), "127.0.0.1", 0, "bench-D")
-    conn.send(endpoint)
-    store, reader = _Store(), ShmReader()
-    try:
-        while True:
-            parts = sock.recv_multipart(copy=False)
-            peer, kind = parts[0].bytes, parts[1].bytes
-            if kind == FRAME:
-                store.on_frame([p.buffer for p in parts[2:]])
-            elif kind == SHM_FRAME:
-                payload = reader.view(parts[3].bytes, wire.DEFAULT_MAX_PAYLOAD)
-                try:
-                    store.on_frame([parts[2].buffer, payload])
-                finally:
-                    payload.release()
-            elif kind == MSG:
-                msg = msgpack.unpackb(parts[2].bytes)
-                reply: dict[str, Any] = {"op": "bye"}
-                if msg["op"] == "setup":
-                    store.setup(msg)
-                    reply = {"op": "ready"}
-                elif msg["op"] == "done":
-                    reply = {"op": "ack", **store.report(), "done_at": time.monotonic()}
-                    store.reset()
-                sock.send_multipart([peer, MSG, msgpack.packb(reply)])
-                if msg["op"] == "stop":
-                    break
-    finally:
-        reader.close()
-        sock.close(0)
-        if own:
-            context.term()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("the peer closed the baseline socket")
-        got += n
-
-
-def _serve_socket(conn: Connection, family: str) -> None:
-    """Receiver of the raw socket baseline: recv_into a preallocated bytearray, reply 1 byte."""
-    if family == "tcp":
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.bind(("127.0.0.1", 0))
-        address: Any = srv.getsockname()
-    else:
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        address = os.path.join(tempfile.gettempdir(), f"pdserve-bench-{os.getpid()}.sock")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(address)
-        srv.bind(address)
-    srv.listen(1)
-    conn.send(address)
-    peer, _ = srv.accept()
-    if family == "tcp":
-        peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf, head = bytearray(0), bytearray(_SOCK_HEAD.size)
-    try:
-        while True:
-            _recv_exact(peer, memoryview(head))
-            op, n = _SOCK_HEAD.unpack(head)
-            if op == _OP_STOP:
-                break
-            if op == _OP_SETUP:
-                buf = bytearray(n)
-            else:
-                _recv_exact(peer, memoryview(buf)[:n])
-            peer.sendall(b"k")
-    finally:
-        peer.close()
-        srv.close()
-        if family != "tcp":
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address)
-
-
-def _receiver_main(conn: Connection) -> None:
-    """The receiver process: serves one link at a time, as the sender asks through `conn`."""
-    from multiprocessing import resource_tracker
-
-    import torch
-
-    torch.set_num_threads(1)
-    # A worker is its own process with its own resource tracker; a spawned child shares its
-    # parent's, and ShmReader's unregister of the ring would then drop the sender's own
-    # registration (a KeyError traceback from the tracker when the ring is unlinked).
-    own = resource_tracker.ResourceTracker()
-    resource_tracker._resource_tracker = own
-    resource_tracker.register, resource_tracker.unregister = own.register, own.unregister
-    resource_tracker.ensure_running = own.ensure_running
-    while True:
-        cmd = conn.recv()
-        if cmd is None:
-            return
-        kind, name = cmd
-        if kind == "zmq":
-            _serve_zmq(conn, name)
-        else:
-            _serve_socket(conn, name)
-
-
-class ReceiverProcess:
-    def __init__(self) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def serve(self, kind: str, name: str) -> Any:
-        """Ask the receiver to serve a link; returns its address once it is bound."""
-        self.conn.send((kind, name))
-        if not self.conn.poll(120):
-            raise RuntimeError("the receiver process did not bind its socket")
-        return self.conn.recv()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.send(None)
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join()
-
-
-# --------------------------------------------------------------------------- sender side
 
 
 class ZmqLink:
@@ -388,7 +68,7 @@ class ZmqLink:
         layers = keys.shape[0]
         t_encode = t_pack = t_send = 0.0
         nbytes = inline = 0
-        faults = _minor_faults()
+        faults = minor_faults()
         t0 = time.monotonic()
         for layer in range(layers):
             ta = time.monotonic()
@@ -410,7 +90,7 @@ class ZmqLink:
         self.sock.send_multipart([MSG, msgpack.packb({"op": "done", "frames": layers})])
         ack = self._reply()
         t1 = time.monotonic()
-        faults = _minor_faults() - faults
+        faults = minor_faults() - faults
         if self.ring is not None:
             self.ring.release(rid)
         if ack.get("frames") != layers or ack.get("bad"):
@@ -439,18 +119,6 @@ class ZmqLink:
             self.ring.close()
 
 
-def _setup_msg(layout: Layout, n: int, fp: bytes) -> dict[str, Any]:
-    return {
-        "op": "setup",
-        "tokens": n,
-        "layers": layout.layers,
-        "kv_heads": layout.kv_heads,
-        "head_dim": layout.head_dim,
-        "dtype": layout.dtype,
-        "fingerprint": fp,
-    }
-
-
 def measure_transport(
     transport: str,
     endpoint: str,
@@ -460,16 +128,16 @@ def measure_transport(
     codecs: Sequence[str],
     repeats: int,
 ) -> list[ThroughputRow]:
-    fp = _fingerprint(layout)
+    fp = fingerprint(layout)
     link = ZmqLink(transport, endpoint, ctx)
     rows = []
     try:
         for n in sizes:
-            keys, values = _random_kv(layout, n, SEED + n)
-            if link.request(_setup_msg(layout, n, fp)).get("op") != "ready":
+            keys, values = random_kv(layout, n, SEED + n)
+            if link.request(setup_msg(layout, n, fp)).get("op") != "ready":
                 raise RuntimeError("the receiver did not set up")
             for codec in codecs:
-                _log(f"{transport} {codec} {n} tokens")
+                report.log(f"{transport} {codec} {n} tokens")
                 runs = [link.send_batch(keys, values, codec, fp) for _ in range(repeats + 1)][1:]
                 rows.append(_throughput_row(transport, codec, n, layout, runs))
             del keys, values
@@ -537,7 +205,7 @@ def _inproc_throughput(args: argparse.Namespace, layout: Layout) -> list[Through
 
     ctx = zmq.Context()
     parent, child = multiprocessing.Pipe()
-    thread = threading.Thread(target=_serve_zmq, args=(child, "inproc", ctx), daemon=True)
+    thread = threading.Thread(target=serve_zmq, args=(child, "inproc", ctx), daemon=True)
     thread.start()
     try:
         endpoint = parent.recv()

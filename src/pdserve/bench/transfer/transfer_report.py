@@ -1,178 +1,38 @@
-"""Results of `pdserve bench transfer` and their markdown/JSON report (split from
-`transfer_bench`, which measures)."""
+"""The markdown page and the JSON of `pdserve bench transfer` (`transfer_results.Report`; the
+measuring is `transfer_bench`'s)."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import struct
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
-from pdserve.bench import common
-
-# Shared by transfer_bench, transfer_link and this module.
-DEFAULT_OUTPUT = Path("docs/benchmarks/transfer.md")
-TRANSPORT_NAMES = ("tcp", "ipc", "shm", "inproc")
-CODEC_NAMES = ("none", "int8", "int4")
-BLOCK_SIZE = 16  # the receiver's paged cache: slots of shuffled 16-token blocks
-SHM_MB = 512  # the shm ring, as a worker's default --shm-mb
-SEED = 0
-ACK_TIMEOUT_S = 300.0
-CRC_MB = 64
-NOISY_SPREAD = 1.3
-TTFT_MAX_TOKENS = 4
-TTFT_DEADLINE_S = 120.0  # a non-streaming hand-off is silent for the whole prefill
-
-TARGET_RATIO = 0.70  # transport >= 70% of its raw baseline, codec none
-TARGET_EXPOSED = 0.10  # exposed transfer <= 10% of TTFT ...
-TARGET_EXPOSED_LEN = 2048  # ... at this prompt length, with streaming
-
-_OP_SETUP, _OP_DATA, _OP_STOP = 1, 2, 3
-_SOCK_HEAD = struct.Struct("<QQ")
-_BASELINE_OF = {"tcp": "tcp socket", "ipc": "unix socket", "shm": "memcpy x2", "inproc": "copy"}
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass
-class Layout:
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * _itemsize(self.dtype)
-
-
-@dataclass
-class ThroughputRow:
-    transport: str
-    codec: str
-    tokens: int
-    frames: int
-    raw_bytes: int
-    wire_bytes: int
-    seconds: float
-    samples_s: list[float]
-    effective_gbs: float
-    wire_gbs: float
-    baseline: str | None = None
-    baseline_gbs: float | None = None
-    ratio: float | None = None
-    inline_frames: int = 0  # shm frames that did not fit the ring and went inline
-    stages: dict[str, float] = field(default_factory=dict)  # median run: seconds, *_faults counts
-
-    @property
-    def spread(self) -> float:
-        return max(self.samples_s) / min(self.samples_s)
-
-
-@dataclass
-class BaselineRow:
-    kind: str  # "memcpy x2" | "copy" | "tcp socket" | "unix socket"
-    tokens: int
-    nbytes: int
-    seconds: float
-    samples_s: list[float]
-
-    @property
-    def gbs(self) -> float:
-        return self.nbytes / self.seconds / 1e9
-
-    @property
-    def spread(self) -> float:
-        return max(self.samples_s) / min(self.samples_s)
-
-
-@dataclass
-class CodecRow:
-    codec: str
-    tokens: int
-    raw_bytes: int
-    wire_bytes: int
-    encode_s: float
-    decode_s: float
-
-    @property
-    def encode_gbs(self) -> float:
-        return self.raw_bytes / self.encode_s / 1e9
-
-    @property
-    def decode_gbs(self) -> float:
-        return self.raw_bytes / self.decode_s / 1e9
-
-
-BREAKDOWN = ("queue", "prefill", "exposed", "first_decode", "ttft", "time_to_decode")
-
-
-@dataclass
-class TtftRow:
-    transport: str
-    stream_kv: bool
-    prompt_tokens: int
-    medians: dict[str, float]  # BREAKDOWN -> seconds
-    exposed_pct: float | None  # median over requests of exposed / TTFT
-    transfer_s: float | None  # median recv:done - send:ready: the whole transfer window
-    kv_bytes: int  # frame bytes sent per request (P's report)
-    samples: list[dict[str, float]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Report(common.ReportHead):
-    layout: Layout
-    settings: dict[str, Any]
-    throughput: list[ThroughputRow] = field(default_factory=list)
-    baselines: list[BaselineRow] = field(default_factory=list)
-    codecs: list[CodecRow] = field(default_factory=list)
-    crc32_gbs: float | None = None
-    ttft: list[TtftRow] = field(default_factory=list)
-    targets: list[common.Target] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------- report
-
-
-def git_head() -> str | None:
-    """The checkout's commit (read-only `git rev-parse`), or None outside a git checkout."""
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+from pdserve.bench.harness import report
+from pdserve.bench.transfer.transfer_results import (
+    CRC_MB,
+    NOISY_SPREAD,
+    SHM_MB,
+    TARGET_EXPOSED,
+    TARGET_RATIO,
+    BaselineRow,
+    Report,
+    ThroughputRow,
+)
 
 
 def machine_info() -> dict[str, Any]:
     import zmq
 
-    return common.machine_info(
-        1, pyzmq=zmq.__version__, libzmq=zmq.zmq_version(), git_head=git_head()
+    return report.machine_info(
+        1, pyzmq=zmq.__version__, libzmq=zmq.zmq_version(), git_head=report.git_head()
     )
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The invoking command if it was `pdserve bench transfer ...`, else an equivalent one with
     every setting spelled out (`python -m pdserve.bench.transfer.transfer_bench ...`, `main`)."""
-    invoked = common.invoked_as("transfer")
+    invoked = report.invoked_as("transfer")
     if invoked is not None:
         return invoked
     parts = shlex.split(getattr(args, "prog", None) or "pdserve bench transfer")
@@ -212,9 +72,7 @@ def render_markdown(rep: Report) -> str:
     lines += [
         "## Targets",
         "",
-        "| target | measured | status |",
-        "|---|---|---|",
-        *(f"| {t.name} | {t.measured} | {t.status} |" for t in rep.targets),
+        *report.targets_table(rep.targets),
         "",
         *_notes(rep),
     ]
@@ -225,12 +83,10 @@ def _header(rep: Report) -> list[str]:
     m, lay = rep.machine, rep.layout
     loads = ", ".join(f"{k} {v[0]:.2f}" for k, v in m.get("load_by_part", {}).items())
     return [
-        f"- date: {rep.date}",
-        f"- command: `{rep.command}`",
+        *report.head_lines(rep),
         f"- machine: {m['cpu']}, {m['cores']} cores, 1 torch thread per process, "
         f"torch {m['torch']}, pyzmq {m['pyzmq']} (libzmq {m['libzmq']}), python {m['python']}",
-        f"- load average (1 min) at start/end: {m['load_average'][0]:.2f}/"
-        f"{m.get('load_average_end', m['load_average'])[0]:.2f}"
+        f"- load average (1 min) at start/end: {report.load_span(m)}"
         + (f"; at the start of each part: {loads}" if loads else "")
         + " (a shared machine: other jobs ran alongside)",
         f"- code: git {m.get('git_head') or 'unknown'}"
@@ -256,20 +112,27 @@ def _throughput_table(rep: Report) -> list[str]:
         "One frame per layer; seconds from the first encode to the receiver's ack of the batch. "
         "eff GB/s = raw KV bytes / s; ratio = eff GB/s / baseline GB/s (codec none).",
         "",
-        "| transport | codec | tokens | raw MB | wire MB | ms | eff GB/s | wire GB/s "
-        "| baseline | baseline GB/s | ratio | spread |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
-    for r in rep.throughput:
-        flag = " (!)" if r.spread > NOISY_SPREAD else ""
-        inline = f" ({r.inline_frames} inline)" if r.inline_frames else ""
-        out.append(
-            f"| {r.transport}{inline} | {r.codec} | {r.tokens} | {_mb(r.raw_bytes)} | "
-            f"{_mb(r.wire_bytes)} | {r.seconds * 1e3:.1f} | {r.effective_gbs:.2f} | "
-            f"{r.wire_gbs:.2f} | {r.baseline or '—'} | {_fmt(r.baseline_gbs, '.2f')} | "
-            f"{_fmt(r.ratio, '.0%')} | {r.spread:.2f}{flag} |"
+    header = ("transport", "codec", "tokens", "raw MB", "wire MB", "ms", "eff GB/s", "wire GB/s",
+              "baseline", "baseline GB/s", "ratio", "spread")  # fmt: skip
+    rows = [
+        (
+            f"{r.transport}{f' ({r.inline_frames} inline)' if r.inline_frames else ''}",
+            r.codec,
+            r.tokens,
+            _mb(r.raw_bytes),
+            _mb(r.wire_bytes),
+            f"{r.seconds * 1e3:.1f}",
+            f"{r.effective_gbs:.2f}",
+            f"{r.wire_gbs:.2f}",
+            r.baseline or "—",
+            _fmt(r.baseline_gbs, ".2f"),
+            _fmt(r.ratio, ".0%"),
+            f"{r.spread:.2f}{' (!)' if r.spread > NOISY_SPREAD else ''}",
         )
-    return out
+        for r in rep.throughput
+    ]
+    return out + report.markdown_table(header, rows, "llrrrrrrlrrr")
 
 
 def _baseline_table(rep: Report) -> list[str]:
@@ -282,13 +145,9 @@ def _baseline_table(rep: Report) -> list[str]:
         "whole KV; sockets = sendall per layer to a receiver process that recv_into's a "
         "preallocated buffer and replies).",
         "",
-        "| tokens | " + " | ".join(kinds) + " |",
-        "|---:|" + "---:|" * len(kinds),
     ]
-    for n in sizes:
-        cells = [_baseline_cell(by_key.get((k, n))) for k in kinds]
-        out.append(f"| {n} | " + " | ".join(cells) + " |")
-    return out
+    rows = [(n, *(_baseline_cell(by_key.get((k, n))) for k in kinds)) for n in sizes]
+    return out + report.markdown_table(("tokens", *kinds), rows, "r" * (1 + len(kinds)))
 
 
 def _baseline_cell(b: BaselineRow | None) -> str:
@@ -325,13 +184,10 @@ def _stage_table(rep: Report) -> list[str]:
         f"ms of the median run at {n} tokens; sender and receiver run in parallel "
         "(two processes, plus zmq's I/O threads for tcp/ipc).",
         "",
-        "| stage | " + " | ".join(r.transport for r in rows) + " |",
-        "|---|" + "---:|" * len(rows),
     ]
-    for key, label in _STAGES:
-        cells = [_stage_cell(key, r.stages[key]) for r in rows]
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
-    return out
+    table = [(label, *(_stage_cell(key, r.stages[key]) for r in rows)) for key, label in _STAGES]
+    header = ("stage", *(r.transport for r in rows))
+    return out + report.markdown_table(header, table, "l" + "r" * len(rows))
 
 
 def _stage_cell(key: str, value: float) -> str:
@@ -343,14 +199,19 @@ def _codec_table(rep: Report) -> list[str]:
         "GB/s of raw KV bytes; encode = encode_frame of every layer, decode+store = decode_frame "
         "+ codec decode + index_copy_ (what the receiver does per frame).",
         "",
-        "| codec | tokens | wire/raw | encode GB/s | decode+store GB/s |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for c in rep.codecs:
-        out.append(
-            f"| {c.codec} | {c.tokens} | {c.wire_bytes / c.raw_bytes:.3f} | "
-            f"{c.encode_gbs:.2f} | {c.decode_gbs:.2f} |"
+    rows = [
+        (
+            c.codec,
+            c.tokens,
+            f"{c.wire_bytes / c.raw_bytes:.3f}",
+            f"{c.encode_gbs:.2f}",
+            f"{c.decode_gbs:.2f}",
         )
+        for c in rep.codecs
+    ]
+    header = ("codec", "tokens", "wire/raw", "encode GB/s", "decode+store GB/s")
+    out += report.markdown_table(header, rows, "lrrrr")
     if rep.crc32_gbs is not None:
         out += ["", f"zlib.crc32 on {CRC_MB} MB: {rep.crc32_gbs:.2f} GB/s."]
     return out
@@ -361,23 +222,25 @@ def _ttft_table(rep: Report) -> list[str]:
         "ms, medians; exposed = KV still in flight after P sampled its first token "
         "(recv:done - send:first_token); transfer = recv:done - send:ready (whole window).",
         "",
-        "| transport | streaming | prompt | TTFT | queue | prefill | exposed | exposed % TTFT "
-        "| first decode | time to decode | transfer | KV MB | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rep.ttft:
-        md = r.medians
-
-        def ms(key: str, md: dict[str, float] = md) -> str:
-            return _fmt(md.get(key), ".1f", 1e3)
-
-        out.append(
-            f"| {r.transport} | {'yes' if r.stream_kv else 'no'} | {r.prompt_tokens} | "
-            f"{ms('ttft')} | {ms('queue')} | {ms('prefill')} | {ms('exposed')} | "
-            f"{_fmt(r.exposed_pct, '.1%')} | {ms('first_decode')} | {ms('time_to_decode')} | "
-            f"{_fmt(r.transfer_s, '.1f', 1e3)} | {_mb(r.kv_bytes)} | {len(r.errors)} |"
+    header = ("transport", "streaming", "prompt", "TTFT", "queue", "prefill", "exposed",
+              "exposed % TTFT", "first decode", "time to decode", "transfer", "KV MB",
+              "errors")  # fmt: skip
+    rows = [
+        (
+            r.transport,
+            "yes" if r.stream_kv else "no",
+            r.prompt_tokens,
+            *(_fmt(r.medians.get(k), ".1f", 1e3) for k in ("ttft", "queue", "prefill", "exposed")),
+            _fmt(r.exposed_pct, ".1%"),
+            *(_fmt(r.medians.get(k), ".1f", 1e3) for k in ("first_decode", "time_to_decode")),
+            _fmt(r.transfer_s, ".1f", 1e3),
+            _mb(r.kv_bytes),
+            len(r.errors),
         )
-    return out
+        for r in rep.ttft
+    ]
+    return out + report.markdown_table(header, rows, "ll" + "r" * 11)
 
 
 def _notes(rep: Report) -> list[str]:
