@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.models.arch import ModelArch
+from pdserve.kv_layout import KVLayout
 from pdserve.transfer.codecs import CODECS, GROUP_TOKENS
 from pdserve.transfer.wire import (
     HEADER_FIXED_SIZE,
@@ -26,7 +27,6 @@ from pdserve.transfer.wire import (
     decode_frame,
     encode_frame,
     frame_nbytes,
-    layout_fingerprint,
     peek_header,
 )
 
@@ -216,6 +216,10 @@ def test_golden_int8_values_are_the_quantized_inputs() -> None:
 # --------------------------------------------------------------------------- fingerprint
 
 
+def layout_fingerprint(arch: ModelArch, dtype: torch.dtype) -> bytes:
+    return arch.kv_layout(dtype).fingerprint()
+
+
 def _arch(**overrides: Any) -> ModelArch:
     base: dict[str, Any] = dict(architecture="llama", vocab_size=100, hidden_size=576,
                                 intermediate_size=1536, num_layers=30, num_heads=9,
@@ -231,6 +235,14 @@ def test_fingerprint_depends_on_the_kv_layout_only() -> None:
     different = [_arch(num_layers=24), _arch(num_kv_heads=4), _arch(head_dim=128)]
     assert all(layout_fingerprint(a, torch.float32) != fp for a in different)
     assert layout_fingerprint(_arch(), torch.bfloat16) != fp
+
+
+def test_the_layout_names_the_weights_and_sizes_a_block() -> None:
+    layout = _arch().kv_layout(torch.float32)
+    assert layout == KVLayout(30, 3, 64, torch.float32)
+    assert KVLayout(30, 3, 64, torch.float32, weights="w").fingerprint() != layout.fingerprint()
+    assert layout.block_shape(16) == (30, 2, 16, 3, 64)
+    assert layout.block_nbytes(16) == 30 * 2 * 16 * 3 * 64 * 4
 
 
 def test_fingerprint_mismatch_is_rejected() -> None:

@@ -49,8 +49,10 @@ class LLMEngine:
         plan = model_build.plan(mc, cc.kv_cache_dtype)  # every refusal before the slow load
         self.device, self.dtype, self.source = plan.device, plan.dtype, plan.source
         self.quantization, self.decode_matmul = plan.quantization, plan.decode_matmul
-        kv_dtype = plan.kv_dtype
         self.arch = loader.load_arch(self.source)
+        # The KV as handed to another worker (read_kv): the model's dtype, whatever the cache's.
+        self.kv_layout = self.arch.kv_layout(self.dtype)
+        cache_layout = self.arch.kv_layout(plan.kv_dtype)
         self.tokenizer = loader.load_tokenizer(self.source)
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
@@ -59,9 +61,9 @@ class LLMEngine:
             self.source, self.arch, mc, self.quantization, self.decode_matmul
         )
         num_blocks = cc.num_blocks or num_blocks_for_memory(
-            self.arch, cc.block_size, kv_dtype, cc.kv_cache_memory_gb
+            cache_layout, cc.block_size, cc.kv_cache_memory_gb
         )
-        self.cache = PagedKVCache(self.arch, num_blocks, cc.block_size, kv_dtype, self.device)
+        self.cache = PagedKVCache(cache_layout, num_blocks, cc.block_size, self.device)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         sc = config.scheduler_config
         self.scheduler = Scheduler(

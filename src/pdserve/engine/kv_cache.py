@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from pdserve.engine.models.arch import ModelArch
+from pdserve.kv_layout import KVLayout
 
 ALIGN = 64  # bytes: a cache line, and an AVX-512 vector, so block rows never split one
 
@@ -31,32 +31,22 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
-
-
-def num_blocks_for_memory(
-    arch: ModelArch, block_size: int, dtype: torch.dtype, memory_gb: float
-) -> int:
-    return max(1, int(memory_gb * 1024**3) // bytes_per_block(arch, block_size, dtype))
+def num_blocks_for_memory(layout: KVLayout, block_size: int, memory_gb: float) -> int:
+    return max(1, int(memory_gb * 1024**3) // layout.block_nbytes(block_size))
 
 
 class PagedKVCache:
     def __init__(
-        self,
-        arch: ModelArch,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device
     ) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.layout = layout  # its dtype is the cache's (--kv-cache-dtype)
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, layout.dtype
+        dtype = layout.dtype
+        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
         # Zero-filled so padded (masked) slots never hold NaN/Inf that could leak through 0 * x.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeros(shape, dtype, device), zeros(shape, dtype, device))
-            for _ in range(arch.num_layers)
+            for _ in range(layout.num_layers)
         ]
 
     @property

@@ -167,8 +167,7 @@ class PoolLink:
         return len(kvs)
 
     def _block_shape(self) -> tuple[int, ...]:
-        k = self.cache.layers[0][0]
-        return (len(self.cache.layers), 2, k.shape[1], k.shape[2], k.shape[3])
+        return self.cache.layout.block_shape(self.cache.block_size)
 
     def _write_block(self, block_id: int, kv: torch.Tensor) -> None:
         for layer, (k_cache, v_cache) in enumerate(self.cache.layers):

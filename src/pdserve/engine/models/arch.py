@@ -13,6 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from pdserve.kv_layout import KVLayout
+
 
 @dataclass(frozen=True)
 class Family:
@@ -131,6 +135,10 @@ class ModelArch:
     def attention(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if self.is_sliding(layer) else None
         return AttentionSpec(self.query_scale, window, self.attn_softcap)
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """The KV this model computes, held in `dtype`."""
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:
