@@ -41,7 +41,7 @@ def measure_transfer(
 
     ctx = zmq.Context()
     receiver, endpoint = transports.bind_receiver(
-        ctx, transports.get_transport("tcp"), "127.0.0.1", 0, "profile-d"
+        ctx, transports.ZMQ_TRANSPORTS["tcp"], "127.0.0.1", 0, "profile-d"
     )
     sender = transports.connect_sender(ctx, endpoint, "profile-p")
     try:

@@ -196,18 +196,12 @@ def _serve_zmq(conn: Connection, transport: str, ctx: zmq.Context | None = None)
     import zmq
 
     from pdserve.transfer import wire
-    from pdserve.transfer.transports import (
-        FRAME,
-        MSG,
-        SHM_FRAME,
-        ShmReader,
-        bind_receiver,
-        get_transport,
-    )
+    from pdserve.transfer.shm import ShmReader
+    from pdserve.transfer.transports import FRAME, MSG, SHM_FRAME, ZMQ_TRANSPORTS, bind_receiver
 
     own = ctx is None
     context = zmq.Context() if ctx is None else ctx
-    sock, endpoint = bind_receiver(context, get_transport(transport), "127.0.0.1", 0, "bench-D")
+    sock, endpoint = bind_receiver(context, ZMQ_TRANSPORTS[transport], "127.0.0.1", 0, "bench-D")
     conn.send(endpoint)
     store, reader = _Store(), ShmReader()
     try:
@@ -345,7 +339,8 @@ class ZmqLink:
     """Sender of the real transport: a DEALER from `connect_sender`, frames as `PrefillSide`."""
 
     def __init__(self, transport: str, endpoint: str, ctx: zmq.Context) -> None:
-        from pdserve.transfer.transports import ShmRing, connect_sender
+        from pdserve.transfer.shm import ShmRing
+        from pdserve.transfer.transports import connect_sender
 
         self.sock = connect_sender(ctx, endpoint, "bench-P")
         self.ring = ShmRing(SHM_MB << 20) if transport == "shm" else None
