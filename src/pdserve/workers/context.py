@@ -15,21 +15,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.config import WorkerConfig
+
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
 
 
 @dataclass(frozen=True)
 class HandoffSettings:
-    """The hand-off's knobs (config.py `WorkerConfig` has their help) and the KV fingerprint
-    every frame carries and is checked against (workers/pool.py `kv_fingerprint`)."""
+    """The hand-off's knobs (config.py `WorkerConfig` has their help and defaults) and the KV
+    fingerprint every frame carries and is checked against (workers/pool.py `kv_fingerprint`)."""
 
     fingerprint: bytes
-    kv_codec: str = "none"
-    stream_kv: bool = True  # send each layer's KV as it is computed (else after the prefill)
-    deadline_s: float = 5.0
-    lease_s: float = 10.0
-    kv_wait_s: float = 30.0  # at least deadline_s
+    kv_codec: str = WorkerConfig.kv_codec
+    stream_kv: bool = WorkerConfig.stream_kv  # each layer's KV as it is computed, else after
+    deadline_s: float = WorkerConfig.deadline_s
+    lease_s: float = WorkerConfig.lease_s
+    kv_wait_s: float = WorkerConfig.kv_wait_s
+
+    @classmethod
+    def of(cls, config: WorkerConfig, fingerprint: bytes) -> HandoffSettings:
+        # D's wait for a first frame is never shorter than the silence any other stage allows
+        kv_wait_s = max(config.deadline_s, config.kv_wait_s)
+        return cls(
+            fingerprint, config.kv_codec, config.stream_kv, config.deadline_s, config.lease_s,
+            kv_wait_s,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -251,10 +251,9 @@ class PrefillSide:
             payload = bytearray(b"".join(bytes(p) for p in parts[1:]))
             payload[random.randrange(len(payload))] ^= 0x10
             parts = [parts[0], bytes(payload)]
-        frame = parts
 
         def send() -> None:
-            self.link.send_layer(o.dest, o.rid, frame)
+            self.link.send_layer(o.dest, o.rid, parts)
 
         if fault == "delay":
             self.delayed.append((time.monotonic() + self.fault.delay_s, o.dest, send))

@@ -108,10 +108,7 @@ class Worker:
         )  # fmt: skip
         kv_in = link.receiver(setup)
         self.kv_endpoint = kv_in.endpoint
-        settings = HandoffSettings(
-            self.fingerprint, cfg.kv_codec, cfg.stream_kv, cfg.deadline_s, cfg.lease_s,
-            max(cfg.deadline_s, cfg.kv_wait_s),
-        )  # fmt: skip
+        settings = HandoffSettings.of(cfg, self.fingerprint)
         sides = WorkerContext(
             self.worker_id, self.engine, settings, self.emit, self.clients, self.counters, self.log
         )
