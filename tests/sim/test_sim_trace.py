@@ -78,3 +78,25 @@ def test_bad_trace_flags_are_clear_errors(tmp_path, capsys) -> None:  # type: ig
     assert "no request at or after" in capsys.readouterr().err
     assert cli.main(["sim", "--trace", str(tmp_path / "none.csv")]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_validation_runs_the_traces_window_as_sim_does(tmp_path: Path) -> None:
+    """`python -m pdserve.sim.validate --trace` (simulated vs real on this machine) runs the
+    requests `pdserve sim --trace` simulates: same window, scaling, arrivals and blocks."""
+    import argparse
+
+    from pdserve.sim import validate
+    from pdserve.sim.workload import trace_requests
+    from pdserve.workloads.traces import Scaling, read_trace
+
+    trace = _two_conversations(tmp_path)
+    args = argparse.Namespace(
+        trace=trace, limit=6, start_ms=2000.0, length_scale=0.5, time_scale=3.0, seed=1
+    )
+    got = validate.workload(args)
+    want = trace_requests(read_trace(trace, Scaling(6, 2000.0, 0.5, 3.0)), 1)
+    assert [(r.arrival, r.prompt, r.max_tokens) for r in got] == [
+        (r.arrival, r.prompt, r.max_tokens) for r in want
+    ]
+    assert len(got) == 6 and got[1].arrival == pytest.approx(6.0)  # 2 s apart, x3
+    assert got[0].prompt[:256] == got[3].prompt[:256]  # A's first block, shared across turns
