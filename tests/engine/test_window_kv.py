@@ -101,6 +101,18 @@ def test_the_same_prompt_again_hits_the_cache_and_stays_exact(mistral, num_block
     assert_engine_idle(llm)
 
 
+def test_n_choices_fork_the_windowed_kv(mistral) -> None:  # type: ignore[no-untyped-def]
+    """n = 3 greedy choices of the 130-token prompt share its window's full blocks (and its
+    null entries) and copy its last partial block: each gives transformers' tokens."""
+    folder, prompts, want = mistral
+    llm = LLM(str(folder), block_size=BS, num_blocks=32, max_num_batched_tokens=32)
+    params = SamplingParams(n=3, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    (out,) = llm.generate([prompts[1]], params)
+    assert [c.token_ids for c in out.outputs] == [want[1]] * 3
+    assert llm.engine.counters.forked_choices == 2
+    assert_engine_idle(llm)
+
+
 # ---- the KV manager alone ----------------------------------------------------------------------
 def test_sliding_frees_leading_blocks_and_keeps_positions() -> None:
     kv = make_kv(num_blocks=16, block_size=4, window=6)

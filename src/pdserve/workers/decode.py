@@ -98,7 +98,9 @@ class DecodeSide:
         inc.have_tokens = blocks.cached_tokens
         # P sends a sliding layer only its window (ModelArch.kv_needed_from), as expected here
         arch, n = eng.arch, inc.num_kv_tokens
-        inc.next_token = [max(inc.have_tokens, arch.kv_needed_from(i, n)) for i in range(arch.num_layers)]
+        inc.next_token = [
+            max(inc.have_tokens, arch.kv_needed_from(i, n)) for i in range(arch.num_layers)
+        ]
         inc.stage, inc.times["reserved"] = "receiving", time.monotonic()
         self._maybe_ready(inc)
 

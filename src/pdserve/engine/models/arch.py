@@ -126,8 +126,10 @@ class ModelArch:
         free whole blocks that leave it (engine/kv_cache_manager.py). None when some layer sees
         every key (Gemma's global layers keep the whole context, so the shared block table
         does too)."""
-        if self.sliding_window and self.layer_types and all(
-            t == "sliding" for t in self.layer_types
+        if (
+            self.sliding_window
+            and self.layer_types
+            and all(t == "sliding" for t in self.layer_types)
         ):
             return self.sliding_window
         return None
