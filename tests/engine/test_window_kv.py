@@ -177,3 +177,21 @@ def test_peak_blocks_counts_the_window_and_one_chunk() -> None:
     assert kv.peak_blocks(190, 1) == 3 and kv.peak_blocks(190, 32) == 7
     assert kv.peak_blocks(10, 32) == 2  # a short request: its own blocks
     assert make_kv(num_blocks=16, block_size=8).peak_blocks(190, 32) == 24
+
+
+def test_start_up_log_says_what_the_windows_keep(caplog) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.engine.kv_cache import log_window_layout
+    from pdserve.engine.models.arch import ModelArch
+
+    base = dict(architecture="gemma3", vocab_size=10, hidden_size=8, intermediate_size=8,
+                num_layers=4, num_heads=1, num_kv_heads=1, head_dim=8)  # fmt: skip
+    mixed = ModelArch(**base, sliding_window=16, layer_types=("sliding", "full") * 2)  # type: ignore[arg-type]
+    every = ModelArch(**base, sliding_window=16, layer_types=("sliding",) * 4)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="pdserve.engine.kv_cache"):
+        log_window_layout(mixed)
+        log_window_layout(every)
+        log_window_layout(ModelArch(**base))  # type: ignore[arg-type]
+    mixed_line, every_line = (r.getMessage() for r in caplog.records)
+    assert "2 of 4 layers" in mixed_line and "window layers keep full KV" in mixed_line
+    assert mixed.uniform_window is None and every.uniform_window == 16
+    assert "every layer" in every_line and "freed" in every_line
