@@ -233,6 +233,20 @@ def test_fingerprint_depends_on_the_kv_layout_only() -> None:
     assert layout_fingerprint(_arch(), torch.bfloat16) != fp
 
 
+def test_fingerprint_names_the_sliding_windows() -> None:
+    """The window changes every later layer's KV and which tokens a hand-off sends a sliding
+    layer (its window only): a P and a D that disagree on it must not pair."""
+    plain = layout_fingerprint(_arch(), torch.float32)
+    mistral = _arch(sliding_window=16, layer_types=("sliding",) * 30)
+    mixed = _arch(sliding_window=16, layer_types=("sliding", "full") * 15)
+    fps = {plain, *(layout_fingerprint(a, torch.float32) for a in (mistral, mixed))}
+    assert len(fps) == 3
+    wider = _arch(sliding_window=32, layer_types=("sliding",) * 30)
+    assert layout_fingerprint(wider, torch.float32) != layout_fingerprint(mistral, torch.float32)
+    unused = _arch(sliding_window=16)  # a window the config switches off (Qwen2.5)
+    assert layout_fingerprint(unused, torch.float32) == plain
+
+
 def test_fingerprint_mismatch_is_rejected() -> None:
     data = _frame()
     assert decode_frame(data, fingerprint=FP).header.fingerprint == FP
