@@ -108,6 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_bench.add_arguments(transfer)
     load = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server: goodput")
     serve_bench.add_arguments(load)
+    from pdserve.bench.load import replay
+
+    rep = bench_sub.add_parser(
+        "replay",
+        help="replay a production trace's window (Mooncake, Azure), prefix reuse kept",
+        description=replay.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_arguments(rep)
+    from pdserve.bench import mlperf
+
+    mlp = bench_sub.add_parser(
+        "mlperf",
+        help="MLPerf LoadGen's Server scenario (TTFT/TPOT limits) on the knowledge-base QA",
+        description=mlperf.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mlperf.add_arguments(mlp)
     from pdserve.bench import attention_bench
 
     attn = bench_sub.add_parser("attention", help="paged attention kernel vs gather: step times")
@@ -295,6 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return compare.run(args, argv if argv is not None else sys.argv[1:])
             if args.bench_command == "sched":
                 return sched.run(args, argv if argv is not None else sys.argv[1:])
+            if args.bench_command == "mlperf":
+                from pdserve.bench import mlperf
+
+                return mlperf.run(args)
+            if args.bench_command == "replay":
+                from pdserve.bench.load import replay
+
+                return replay.run(args)
             if args.bench_command == "kvpool-serve":
                 from pdserve.bench import kvpool_serve
 

@@ -24,6 +24,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype  # of the KV as stored or sent (the cache's, or the model's on the wire)
+    # A sliding window on some layers (`layer_kinds`: "s" sliding or "f" full, per layer);
+    # None: every layer sees every key. The window changes the KV of every layer after the first,
+    # and the hand-off sends a sliding layer only its window (ModelArch.kv_needed_from).
+    window: int | None = None
+    layer_kinds: str = ""
     # The weights the KV is computed from (workers/pool.py `kv_weights`), when they must match
     # too: a P and a D whose weights differ must not pair. "" names the layout alone.
     weights: str = ""
@@ -51,6 +56,10 @@ class KVLayout:
             f"pdkv-layout/1 layers={self.num_layers} kv_heads={self.num_kv_heads} "
             f"head_dim={self.head_dim} dtype={self.dtype_name}"
         )
+        if self.window is not None:
+            # a build that sent sliding layers whole does not pair with one that expects their
+            # window (`window-kv/1`); layouts without a window are unchanged
+            text += f" window={self.window} layers={self.layer_kinds} window-kv/1"
         if self.weights:
             text += f" weights={self.weights}"
         return hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]

@@ -3,6 +3,7 @@ WireError only (structure checks, exact lengths, max_payload, checksum, fingerpr
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import struct
 import zlib
@@ -243,6 +244,30 @@ def test_the_layout_names_the_weights_and_sizes_a_block() -> None:
     assert KVLayout(30, 3, 64, torch.float32, weights="w").fingerprint() != layout.fingerprint()
     assert layout.block_shape(16) == (30, 2, 16, 3, 64)
     assert layout.block_nbytes(16) == 30 * 2 * 16 * 3 * 64 * 4
+
+
+def test_fingerprint_names_the_sliding_windows() -> None:
+    """The window changes every later layer's KV and which tokens a hand-off sends a sliding
+    layer (its window only): a P and a D that disagree on it must not pair."""
+    plain = layout_fingerprint(_arch(), torch.float32)
+    mistral = _arch(sliding_window=16, layer_types=("sliding",) * 30)
+    mixed = _arch(sliding_window=16, layer_types=("sliding", "full") * 15)
+    fps = {plain, *(layout_fingerprint(a, torch.float32) for a in (mistral, mixed))}
+    assert len(fps) == 3
+    wider = _arch(sliding_window=32, layer_types=("sliding",) * 30)
+    assert layout_fingerprint(wider, torch.float32) != layout_fingerprint(mistral, torch.float32)
+    unused = _arch(sliding_window=16)  # a window the config switches off (Qwen2.5)
+    assert layout_fingerprint(unused, torch.float32) == plain
+
+
+def test_the_fingerprint_text_is_a_wire_format() -> None:
+    """Workers of different builds pair only if they hash the same text: pinned here."""
+    mixed = _arch(sliding_window=16, layer_types=("sliding", "full") * 15)
+    text = "pdkv-layout/1 layers=30 kv_heads=3 head_dim=64 dtype=float32"
+    window = f" window=16 layers={'sf' * 15} window-kv/1"
+    for arch, tail in ((_arch(), ""), (mixed, window)):
+        pinned = hashlib.sha256((text + tail).encode()).digest()[:8]
+        assert layout_fingerprint(arch, torch.float32) == pinned
 
 
 def test_fingerprint_mismatch_is_rejected() -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
-from pdserve.config import cost_kv_cache_dtype
-from pdserve.costmodel.model import CostModel, default_path
-from pdserve.costmodel.profile import profile_engine
+from pdserve.costmodel.model import CostModel
+from pdserve.costmodel.profile import profile_engine, profile_path
 
 # --------------------------------------------------------------------------- CLI
 
@@ -82,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
         prefill_format=args.prefill_format,
     )
     about = result["about"]
-    out = args.out or default_path(
-        about["model"],
+    out = args.out or profile_path(
+        args.model,
         args.threads,
         quantization=args.quantization,
-        kv_cache_dtype=cost_kv_cache_dtype(args.kv_cache_dtype, args.quantization),
+        kv_cache_dtype=args.kv_cache_dtype,
         decode_matmul=args.decode_matmul,
         prefill_format=args.prefill_format,
     )

@@ -83,10 +83,9 @@ def load_models(
     """A model per thread count (measured where a sibling file exists, else scaled from
     `path`), and where each came from."""
     if not path.is_file():
-        raise ValueError(
-            f"no cost model at {path}: run `pdserve bench profile --threads 1` (about a minute) "
-            "or pass --cost-model"
-        )
+        from pdserve.costmodel.profile import missing_profile
+
+        raise ValueError(missing_profile(path))
     base = CostModel.load(path)
     base_threads = int(str(CostModel.load_about(path).get("threads", 1)))
     models, sources = {}, {}
@@ -184,10 +183,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_cost_model(model: str | None) -> Path:
-    from pdserve.costmodel.model import default_path
-    from pdserve.costmodel.profile import model_path
+    from pdserve.costmodel.profile import profile_path
 
-    return default_path(model_path(model), 1)
+    return profile_path(model, 1)  # the file `pdserve serve` and `bench profile` write
 
 
 if __name__ == "__main__":

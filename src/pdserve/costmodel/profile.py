@@ -24,7 +24,7 @@ least-squares fit would serve the long ones and miss the short ones by 2x.
 `quick=True` uses a few small points (seconds, for tests on tiny models).
 
 `load_or_profile` is what a server calls at start-up: the saved model for this host, model and
-thread count (`costmodel.default_path`) if there is a valid one, else a fresh profile, saved.
+thread count (`profile_path`) if there is a valid one, else a fresh profile, saved.
 """
 
 from __future__ import annotations
@@ -183,6 +183,47 @@ def model_path(model: str | None) -> str:
     return str(resolve_model(model).path)
 
 
+def profile_path(
+    model: str | None,
+    threads: int,
+    *,
+    quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
+    decode_matmul: str = "auto",
+    prefill_format: str = "auto",
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> Path:
+    """This host's cost-model file for an engine with these settings: the one name that
+    `pdserve serve`, `bench profile`, `plan` and `sim` read and write (each used to resolve the
+    settings its own way, and `sim --hardware cpu` looked for a file serve never wrote).
+
+    The settings are made concrete as the engine makes them (`auto` quantization for this model,
+    the KV dtype the cache really holds, the prefill format this CPU runs), so `auto` and the
+    setting it resolves to name one file."""
+    from pdserve.engine.prefill_format import resolved
+    from pdserve.engine.quantize import resolve_quantization
+
+    quant = resolve_quantization(quantization, model, device, dtype)
+    return default_path(
+        model_path(model),
+        threads,
+        quantization=quant,
+        kv_cache_dtype=cost_kv_cache_dtype(kv_cache_dtype, quant, dtype),
+        decode_matmul=decode_matmul,
+        prefill_format=resolved(prefill_format, quant, dtype),
+    )
+
+
+def missing_profile(path: Path, threads: int = 1) -> str:
+    """What to say when a command needs this host's cost model and finds none."""
+    return (
+        f"no cost model at {path}: profile this machine with `pdserve bench profile --threads "
+        f"{threads}` (about a minute; `pdserve serve` with a feature that needs one also writes "
+        "it), or pass --cost-model PATH"
+    )
+
+
 def load_or_profile(
     model: str | None,
     threads: int,
@@ -200,19 +241,19 @@ def load_or_profile(
     from pdserve.engine.quantize import resolve_quantization
 
     dtype = str(engine_args.get("dtype", "float32"))
+    device = str(engine_args.get("device", "cpu"))
     quantization = resolve_quantization(
-        str(engine_args.get("quantization", "auto")),
-        model,
-        str(engine_args.get("device", "cpu")),
-        dtype,
+        str(engine_args.get("quantization", "auto")), model, device, dtype
     )
     engine_args["quantization"] = quantization
     kv = cost_kv_cache_dtype(str(engine_args.get("kv_cache_dtype", "auto")), quantization, dtype)
     mm = str(engine_args.get("decode_matmul", "auto"))
     pf = resolved(str(engine_args.get("prefill_format", "auto")), quantization, dtype)
     engine_args["prefill_format"] = pf
-    path = path or default_path(model_path(model), threads, quantization=quantization,
-                                kv_cache_dtype=kv, decode_matmul=mm, prefill_format=pf)  # fmt: skip
+    path = path or profile_path(
+        model, threads, quantization=quantization, kv_cache_dtype=kv, decode_matmul=mm,
+        prefill_format=pf, dtype=dtype, device=device,
+    )  # fmt: skip
     cached = _load_valid(path, threads, quantization, kv, _resolved_matmul(mm, quantization, dtype))
     if cached is not None:
         log(f"cost model from {path}")

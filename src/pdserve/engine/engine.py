@@ -19,7 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import engine_stats, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend
-from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
+from pdserve.engine.kv_cache import PagedKVCache, log_window_layout, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
@@ -64,7 +64,10 @@ class LLMEngine:
             cache_layout, cc.block_size, cc.kv_cache_memory_gb
         )
         self.cache = PagedKVCache(cache_layout, num_blocks, cc.block_size, self.device)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, window=self.arch.uniform_window
+        )
+        log_window_layout(self.arch)
         sc = config.scheduler_config
         self.scheduler = Scheduler(
             SchedulerPolicy(
@@ -163,8 +166,9 @@ class LLMEngine:
         if not 0 < num_kv_tokens < self.max_model_len:
             raise ValueError(f"num_kv_tokens must be in [1, {self.max_model_len})")
         self.scheduler.check_fits(tracked.request)  # never wait for memory that cannot exist
+        complete = self.arch.kv_complete_from(num_kv_tokens)  # P sends window layers their window
         got = self.kv_manager.reserve_with_prefix(
-            tracked.request, num_kv_tokens + 1, num_kv_tokens - 1
+            tracked.request, num_kv_tokens + 1, num_kv_tokens - 1, complete
         )
         if got is None:
             return None

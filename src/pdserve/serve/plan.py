@@ -18,8 +18,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.config import cost_kv_cache_dtype
-from pdserve.costmodel.model import CostModel, default_path
+from pdserve.costmodel.model import CostModel
 from pdserve.deployment import Deployment
 from pdserve.launcher import WorkerSpec
 from pdserve.router.core import RouterCore
@@ -58,8 +57,7 @@ def cost_model(d: Deployment, threads: int, may_profile: bool = True) -> CostMod
         settings: dict[str, Any] = dict(cost_settings(d))
         return profile.load_or_profile(d.model, threads, path, **settings)
     if d.planner.needs_cost_model():
-        raise ValueError(f"no cost model at {path}: run `pdserve bench profile` or pass "
-                         "--cost-model PATH")  # fmt: skip
+        raise ValueError(profile.missing_profile(path, threads))
     return None
 
 
@@ -88,9 +86,13 @@ def cost_path(d: Deployment, threads: int) -> Path:
         return Path(d.planner.cost_model)
     from pdserve.costmodel import profile
 
-    settings = cost_settings(d)
-    kv = cost_kv_cache_dtype(settings["kv_cache_dtype"], settings["quantization"])
-    return default_path(profile.model_path(d.model), threads, **{**settings, "kv_cache_dtype": kv})
+    return profile.profile_path(
+        d.model,
+        threads,
+        **cost_settings(d),
+        dtype=d.setting("dtype", "float32"),
+        device=d.setting("device", "cpu"),
+    )
 
 
 def with_stall_free(

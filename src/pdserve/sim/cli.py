@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve import argtypes
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware
 from pdserve.sim.deploy import Deployment, render, simulate
-from pdserve.sim.workload import SIM_WORKLOADS, make_requests
+from pdserve.sim.workload import SIM_WORKLOADS, make_requests, scaling_from_args, trace_requests
 from pdserve.workloads import streams as bw
+from pdserve.workloads.traces import expected_prefix_hits, read_trace
 
 
 def _pos_int(text: str) -> int:
@@ -56,7 +58,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     a("--turns", type=_pos_int, default=3, help="multiturn: turns per conversation")
     a("--seed", type=int, default=0)
     a("--arrival-cv", type=_pos_float, default=1.0, help="gamma arrivals' cv (1: Poisson)")
-    a("--trace", type=Path, default=None, help="CSV: arrival_s,input_tokens,output_tokens")
+    a("--trace", type=Path, default=None,
+      help="replay a trace (Mooncake .jsonl, Azure .csv, or CSV arrival_s,input_tokens,"
+      "output_tokens) instead of --workload/--rate/--num-requests")  # fmt: skip
+    a("--limit", type=_pos_int, default=None, help="--trace: requests in the window (all)")
+    a("--start-ms", type=argtypes.non_negative_float, default=0.0,
+      help="--trace: the window's start, ms")  # fmt: skip
+    a("--length-scale", type=_pos_float, default=1.0,
+      help="--trace: prompt, 512-token block and output lengths x this (1)")  # fmt: skip
+    a("--time-scale", type=_pos_float, default=1.0,
+      help="--trace: arrival times x this (2: half the rate)")  # fmt: skip
     bw.add_arguments(parser)
 
 
@@ -97,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--admission", action="store_true", help="reject predicted SLO misses (needs SLOs)")
     a("--disaggregation", choices=("always", "conditional"), default="always")
     a("--prefix-routing", action="store_true")
+    a("--kv-pool", action="store_true",
+      help="a KV pool shared by every worker: blocks put as computed, prefixes loaded")  # fmt: skip
+    a("--kv-pool-gb", type=_pos_float, default=None, help="--kv-pool: capacity (unbounded)")
+    a("--kv-pool-gbps", type=_pos_float, default=None,
+      help="--kv-pool: its link per worker, Gbit/s (the P->D link's)")  # fmt: skip
     a("--autobalance", action="store_true")
     a("--message-ms", type=float, default=0.0, help="router <-> worker message latency, ms")
     a("--json", action="store_true", help="print JSON")
@@ -121,6 +137,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     want_planner = planner == "planner"
     if (args.admission or args.prefix_routing or args.autobalance) and not want_planner:
         raise ValueError("--admission, --prefix-routing and --autobalance need --router planner")
+    if (args.kv_pool_gb or args.kv_pool_gbps) and not args.kv_pool:
+        raise ValueError("--kv-pool-gb and --kv-pool-gbps need --kv-pool")
     if args.admission and not (args.slo_ttft or args.slo_tpot):
         raise ValueError("--admission needs --slo-ttft and/or --slo-tpot")
     return Deployment(
@@ -147,6 +165,9 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         kv_cache_gb=args.kv_cache_gb,
         shared_host=not args.no_contention,
         message_s=args.message_ms / 1e3,
+        kv_pool=args.kv_pool,
+        kv_pool_gb=args.kv_pool_gb,
+        kv_pool_gbps=args.kv_pool_gbps,
     )
 
 
@@ -170,7 +191,9 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
                            "tp_decode": args.tp_decode, "link_gbps": args.link_gbps,
                            "per_message_s": args.per_message_ms / 1e3,
                            "shared_host": not args.no_contention,
-                           "message_s": args.message_ms / 1e3}  # fmt: skip
+                           "message_s": args.message_ms / 1e3, "kv_pool": args.kv_pool,
+                           "kv_pool_gb": args.kv_pool_gb,
+                           "kv_pool_gbps": args.kv_pool_gbps}  # fmt: skip
     if args.cost_model is not None:
         sim["cost_model"] = args.cost_model
     return Deployment.of(served, **sim)
@@ -178,13 +201,25 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
 
 def run(args: argparse.Namespace) -> int:
     d = deployment_from_args(args)
-    requests = make_requests(args)
+    trace = None
+    if args.trace:
+        trace = read_trace(args.trace, scaling_from_args(args))
+        requests = trace_requests(trace, args.seed)
+    else:
+        requests = make_requests(args)
     t0 = time.perf_counter()
     result: dict[str, Any] = simulate(d, requests)
     result["wall_s"] = time.perf_counter() - t0
+    if trace is not None:
+        # the reuse the trace promises (an unbounded cache) beside what the workers' caches got
+        result["trace"] = {**trace.config(), **expected_prefix_hits(trace.requests)}
     if args.json:
         print(json.dumps(result, indent=1))
-    else:
-        print(render(result, d.slo_ttft_s, d.slo_tpot_s))
-        print(f"(simulated in {result['wall_s']:.2f} s of wall time)")
+        return 0
+    if trace is not None:
+        t = result["trace"]
+        print(f"trace: {t['trace']} ({t['format']}); {t['scaling']}; the trace's own prefix "
+              f"reuse {t['prefix_hit_ratio']:.1%} of prompt tokens (unbounded cache)")  # fmt: skip
+    print(render(result, d.slo_ttft_s, d.slo_tpot_s))
+    print(f"(simulated in {result['wall_s']:.2f} s of wall time)")
     return 0

@@ -13,20 +13,21 @@ Arrivals: Poisson (exponential gaps, mean 1 / rate) or gamma with a coefficient 
 multiturn conversation share their first turn's arrival process; later turns are sent when the
 previous one ends (the simulator holds them), as the load generator does.
 
-Trace CSV: a header with `arrival_s` (or `arrival_timestamp`), `input_tokens` (or
-`prompt_size`), `output_tokens` (or `token_size`): the SplitwiseSim / Azure trace columns.
+A trace (`--trace`: Mooncake jsonl, Azure csv, or a CSV with `arrival_s`, `input_tokens`,
+`output_tokens`: workloads/traces.py) gives the arrivals and lengths, windowed and scaled as
+`bench replay` does it, and the prompts' shared blocks where its hash_ids repeat.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.sim.cluster import SimRequest
 from pdserve.workloads import streams as bw
+from pdserve.workloads.traces import Scaling, Trace, prompt_ids, read_trace
 
 SIM_WORKLOADS = ("synthetic", "rag", "mixed", "shifting", "multiturn")
 RAG_SHARED_PREFIX = 58  # tokens of the rag workload's system prompt + chat header
@@ -111,47 +112,31 @@ def requests_from_items(items: list[bw.RequestItem], times: list[float]) -> list
 
 def make_requests(args: argparse.Namespace) -> list[SimRequest]:
     if getattr(args, "trace", None):
-        return load_trace(Path(args.trace), args.seed)
+        return trace_requests(read_trace(Path(args.trace), scaling_from_args(args)), args.seed)
     items = make_items(args)
     return requests_from_items(items, arrivals(len(items), args.rate, args.seed, args.arrival_cv))
 
 
-_COLUMNS = {
-    "arrival": ("arrival_s", "arrival_timestamp", "arrival"),
-    "input": ("input_tokens", "prompt_size", "input_len"),
-    "output": ("output_tokens", "token_size", "output_len"),
-}
+def scaling_from_args(args: argparse.Namespace) -> Scaling:
+    """The trace window and scaling flags (`pdserve sim` and `bench replay` spell them alike)."""
+    return Scaling(
+        getattr(args, "limit", None),
+        getattr(args, "start_ms", 0.0),
+        getattr(args, "length_scale", 1.0),
+        getattr(args, "time_scale", 1.0),
+    )
+
+
+def trace_requests(trace: Trace, seed: int = 0) -> list[SimRequest]:
+    """The trace's requests with prompts of token ids whose blocks repeat where its hash_ids
+    repeat (`traces.prompt_ids`, the blocks `bench replay --prompt-format ids` sends), so the
+    workers' prefix caches and the router's prefix index see the trace's reuse."""
+    return [
+        SimRequest(f"r{i}", r.arrival_s, prompt_ids(r, i, seed), r.output_len)
+        for i, r in enumerate(trace.requests)
+    ]
 
 
 def load_trace(path: Path, seed: int = 0) -> list[SimRequest]:
-    """Requests from a CSV trace (see the module docstring); prompts are random ids."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read the trace {path}: {e}") from None
-    reader = csv.DictReader(text.splitlines())
-    fields = reader.fieldnames or []
-    cols = {}
-    for key, names in _COLUMNS.items():
-        found = next((n for n in names if n in fields), None)
-        if found is None:
-            raise ValueError(f"{path}: no {key} column (one of {', '.join(names)})")
-        cols[key] = found
-    rng = np.random.default_rng(seed)
-    out: list[SimRequest] = []
-    t0: float | None = None
-    for line, row in enumerate(reader, start=2):
-        try:
-            t, n_in, n_out = (float(row[cols["arrival"]]), int(row[cols["input"]]),
-                              int(row[cols["output"]]))  # fmt: skip
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}:{line}: expected a number in every column") from None
-        if n_in < 1 or n_out < 1 or not np.isfinite(t):
-            raise ValueError(f"{path}:{line}: token counts must be >= 1, times finite")
-        t0 = t if t0 is None else t0
-        if t < t0:
-            raise ValueError(f"{path}:{line}: arrivals must not go back in time")
-        out.append(SimRequest(f"r{len(out)}", t - t0, bw._random_ids(rng, n_in), n_out))
-    if not out:
-        raise ValueError(f"{path}: the trace has no requests")
-    return out
+    """Every request of a trace file (traces.py: Mooncake, Azure or a plain CSV), unscaled."""
+    return trace_requests(read_trace(path, Scaling()), seed)

@@ -13,10 +13,15 @@ Why this shape:
     implies (`codec.encoded_size`) and against `max_payload` before any tensor is allocated, and
     a CRC-32 over the header and payload catches corruption (every single-bit flip, any burst up
     to 32 bits). CRC-32 is not a MAC: it guards against accidents, not against an attacker.
-  * `fingerprint` is 8 bytes of sha256 over the KV layout (layers, KV heads, head dim, dtype:
-    `kv_layout.KVLayout.fingerprint`), independent of the model's name, so P and D serving the
-    same model agree and a frame for a different layout is rejected. It cannot tell two
-    fine-tunes of one architecture apart (workers add the weights' identity for that).
+  * `fingerprint` is 8 bytes of sha256 over the KV layout (layers, KV heads, head dim, dtype,
+    and a model's sliding windows: `kv_layout.KVLayout.fingerprint`), independent of the model's
+    name, so P and D serving the same model agree and a frame for a different layout is
+    rejected. It cannot tell two fine-tunes of one architecture apart (workers add the weights'
+    identity for that).
+  * Sliding windows: a sliding-window layer's frames cover only what D's first query there can
+    see, tokens [num_kv - window + 1, num_kv) (`ModelArch.kv_needed_from`, computed alike on
+    both sides from the arch), so the frame itself is unchanged and its version too; what
+    changed is which ranges a sender sends, which the layout fingerprint names instead.
 
 Header (little-endian, `HEADER_FIXED_SIZE` = 50 bytes, then the request id):
   magic b"PDKV" | version u16 | header_len u16 | codec u8 | dtype u8 | flags u16 (0 in v1) |

@@ -6,7 +6,8 @@ Life cycle of a request here, by the names used below (`Incoming.stage`, a `Rece
                     is reused (`have_tokens`, whole blocks), so only the rest must arrive;
   2. `receiving`  — reserved and P's KVWant seen: KVReady(have_tokens) went to P; frames are
                     checked (checksum, layout fingerprint, ranges in order per layer, nothing
-                    before have_tokens) and written into the blocks;
+                    before have_tokens, a sliding layer's from its window's start, where P
+                    starts it) and written into the blocks;
   3. admitted     — KVDone arrived and every layer holds every token: the engine admits the
                     request with num_computed_tokens = KV tokens; KVAck releases P's blocks.
 Any bad frame, silence longer than the deadline, or KVFail from P cancels the reservation and tells
@@ -102,7 +103,11 @@ class DecodeSide:
             return  # memory short: retried each loop until the deadline
         inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
         inc.have_tokens = blocks.cached_tokens
-        inc.next_token = [blocks.cached_tokens] * len(inc.next_token)
+        # P sends a sliding layer only its window (ModelArch.kv_needed_from), as expected here
+        arch, n = eng.arch, inc.num_kv_tokens
+        inc.next_token = [
+            max(inc.have_tokens, arch.kv_needed_from(i, n)) for i in range(arch.num_layers)
+        ]
         inc.stage, inc.times["reserved"] = ReceiveStage.RECEIVING, time.monotonic()
         self._maybe_ready(inc)
 

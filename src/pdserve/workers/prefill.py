@@ -5,7 +5,9 @@ Life cycle of a request here, by the names used below (`Outgoing.stage`, a `Send
                         not sent until D answers KVReady (its blocks are reserved).
   2. `streaming`      — D is ready: the backlog (layers already computed) is sent from the cache,
                         then every layer's KV is sent from the layer hook as soon as it exists.
-                        Tokens before KVReady.have_tokens (D's own cached prefix) are never sent.
+                        Tokens before KVReady.have_tokens (D's own cached prefix) are never sent,
+                        nor, on a sliding-window layer, those before D's first query's window
+                        (`ModelArch.kv_needed_from`; this worker still holds those).
   3. `done_sent`      — the hand-off tokens are sampled, all frames and KVDone are out; the blocks
                         stay held (lease) until KVAck, KVFail, or the lease runs out (reclaimed,
                         counted, reported).
@@ -89,7 +91,10 @@ class PrefillSide:
         handoff = max(1, msg.handoff_tokens)
         local = m.sampling_params({**msg.params, "max_tokens": min(handoff, params.max_tokens)})
         self.ctx.engine.add_request(msg.prompt_ids, local, msg.rid, hold_kv=True)
-        layers = self.ctx.engine.arch.num_layers
+        arch = self.ctx.engine.arch
+        # D continues after the hand-off's KV tokens (D counts them the same way): a sliding
+        # layer gets only the last `window - 1` of them, all D's first query there can see.
+        num_kv = len(msg.prompt_ids) + handoff - 1
         now = time.monotonic()
         self.out[msg.rid] = Outgoing(
             msg.rid,
@@ -97,7 +102,7 @@ class PrefillSide:
             msg.dest_endpoint,
             params,
             now,
-            next_token=[0] * layers,
+            next_token=[arch.kv_needed_from(i, num_kv) for i in range(arch.num_layers)],
             times={"received": now},
         )
         self.ctx.clients[msg.rid] = client
