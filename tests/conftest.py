@@ -126,6 +126,7 @@ SLOW_MODULES = {
     "test_dashboard_browser.py",  # `pdserve serve` under load + headless chromium
     "test_netns.py",  # worker processes in network namespaces
     "test_prefix_transfer.py",  # real clusters
+    "test_window_handoff.py",  # real clusters with sliding-window models
     "test_cluster_pool.py",  # real (inproc) clusters sharing a KV pool
     "test_recovery.py",  # worker processes killed and stalled, liveness timeouts
     "test_scheduling_e2e.py",  # real clusters under the SLO planner

@@ -67,8 +67,10 @@ def take_made() -> list[Scheduler | KVCacheManager]:
     return made
 
 
-def make_kv(num_blocks: int = 64, block_size: int = 4, caching: bool = True) -> KVCacheManager:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+def make_kv(
+    num_blocks: int = 64, block_size: int = 4, caching: bool = True, window: int | None = None
+) -> KVCacheManager:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, window=window)
     _made.append(kv)
     return kv
 
@@ -82,6 +84,7 @@ def make_scheduler(
     decode_first: bool = True,
     caching: bool = True,
     prefill_budget: Callable[[int, int, int], int] | None = None,
+    window: int | None = None,
 ) -> Scheduler:
     policy = SchedulerPolicy(
         max_num_batched_tokens=budget,
@@ -90,7 +93,7 @@ def make_scheduler(
         decode_first=decode_first,
         prefill_budget=prefill_budget,
     )
-    scheduler = Scheduler(policy, make_kv(num_blocks, block_size, caching))
+    scheduler = Scheduler(policy, make_kv(num_blocks, block_size, caching, window))
     _made.append(scheduler)
     return scheduler
 
@@ -105,11 +108,14 @@ class FakeKVCache:
 
     Each step writes the scheduled tokens into their slots, then checks that every scheduled row
     finds its whole context (prefix-cache hits included) in the slots its block table names. This
-    catches a block table that points at evicted, reused or wrongly shared blocks.
+    catches a block table that points at evicted, reused or wrongly shared blocks. Under a
+    sliding window (`window`) the context is what the step's rows see, nothing is written to
+    the null block, and a request holds no more blocks than its window and the step span.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, window: int | None = None, null: int = -1) -> None:
         self.block_size = block_size
+        self.window, self.null = window, null
         self.slots: dict[int, int] = {}
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
@@ -119,13 +125,22 @@ class FakeKVCache:
         for s in out.scheduled:
             end = s.start_pos + s.num_tokens
             assert len(s.block_ids) >= -(-end // self.block_size), s
-            assert len(set(s.block_ids)) == len(s.block_ids), s
+            real = [b for b in s.block_ids if b != self.null]
+            assert len(set(real)) == len(real), s
             for i, tok in enumerate(s.token_ids):
+                assert s.block_ids[(s.start_pos + i) // self.block_size] != self.null, s
                 self.slots[self._slot(s.block_ids, s.start_pos + i)] = tok
+            if self.window is not None:
+                span = self.window - 1 + s.num_tokens
+                assert len(real) <= -(-span // self.block_size) + 1, s
         for s in out.scheduled:
             req = scheduler.requests[s.request_id]
-            expected = req.all_token_ids[: s.start_pos + s.num_tokens]
-            got = [self.slots.get(self._slot(s.block_ids, p)) for p in range(len(expected))]
+            first = 0 if self.window is None else max(0, s.start_pos - self.window + 1)
+            expected = req.all_token_ids[first : s.start_pos + s.num_tokens]
+            got = [
+                self.slots.get(self._slot(s.block_ids, p))
+                for p in range(first, s.start_pos + s.num_tokens)
+            ]
             assert got == expected, f"{s.request_id}: KV content differs from its tokens"
 
 
@@ -157,7 +172,9 @@ _fakes: weakref.WeakKeyDictionary[Scheduler, FakeKVCache] = weakref.WeakKeyDicti
 def fake_cache(scheduler: Scheduler) -> FakeKVCache:
     """The FakeKVCache that follows `scheduler` across `step` and `run_to_completion` calls."""
     if scheduler not in _fakes:
-        _fakes[scheduler] = FakeKVCache(scheduler.kv.block_size)
+        kv = scheduler.kv
+        null = kv.null_block.block_id if kv.null_block is not None else -1
+        _fakes[scheduler] = FakeKVCache(kv.block_size, kv.window, null)
     return _fakes[scheduler]
 
 
@@ -228,17 +245,21 @@ def assert_no_leaks(obj: Scheduler | KVCacheManager | BlockPool) -> None:
         assert not obj.running
         assert not obj.held, f"KV still held for transfer: {list(obj.held)}"
         obj = obj.kv
+    null = None  # a windowed manager's null block: held for good, by no request
     if isinstance(obj, KVCacheManager):
         assert not obj._blocks, f"block tables still held: {list(obj._blocks)}"
         assert not obj._hashes
         assert not obj._num_cached
         assert obj.num_free_blocks == obj.num_blocks
         assert obj.usage == 0.0
+        null = obj.null_block
+        assert null is None or (null.ref_cnt == 1 and null.block_hash is None)
         obj = obj.pool
     pool = obj
-    assert pool.num_free_blocks == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks), "non-zero reference count"
-    assert sorted(pool._free) == list(range(pool.num_blocks))
+    others = [b for b in pool.blocks if b is not null]
+    assert pool.num_free_blocks == len(others)
+    assert all(b.ref_cnt == 0 for b in others), "non-zero reference count"
+    assert sorted(pool._free) == [b.block_id for b in others]
     for block_hash, block in pool._cached.items():
         assert block.block_hash == block_hash, "cache map and block disagree"
     for b in pool.blocks:

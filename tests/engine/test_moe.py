@@ -300,14 +300,13 @@ def test_gguf_experts_run_their_own_blocks_per_expert(
 def test_p_and_d_of_another_architecture_with_the_same_kv_layout_do_not_pair(
     mixtral: Any, tiny_llama_path: Path
 ) -> None:
-    from pdserve.transfer import wire
     from pdserve.workers.pool import kv_fingerprint
 
     moe = LLM(str(mixtral[0]), block_size=8, num_blocks=16, quantization="w8g32")
     dense = LLM(str(tiny_llama_path), block_size=8, num_blocks=16, quantization="w8g32")
     a, b = moe.engine, dense.engine
     # The same KV layout (2 layers x 2 KV heads x 16): only the weights tell them apart.
-    assert wire.layout_fingerprint(a.arch, a.dtype) == wire.layout_fingerprint(b.arch, b.dtype)
+    assert a.kv_layout.fingerprint() == b.kv_layout.fingerprint()
     assert kv_fingerprint(a)[0] != kv_fingerprint(b)[0]
     stats = a.stats()  # nothing in the stats assumes a dense MLP
     assert stats["quantization"] == "w8g32" and stats["prefill_format"] == "none"

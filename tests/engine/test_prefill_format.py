@@ -10,12 +10,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine import kernels, prefill_format
 from pdserve.engine.linear import bf16
 from pdserve.engine.linear.bf16 import BF16Linear
-from pdserve.engine.prefill_format import (
-    MIN_PROMPT_ROWS,
-    MatrixUnits,
-    PhaseProjection,
-    StepRows,
-)
+from pdserve.engine.linear.phases import MIN_PROMPT_ROWS, StepRows
+from pdserve.engine.prefill_format import MatrixUnits, PhaseProjection
 from pdserve.engine.quantize import projection_bytes
 
 AMX = MatrixUnits(amx_bf16=True, avx512_bf16=True)

@@ -545,6 +545,8 @@ def workloads(draw):  # type: ignore[no-untyped-def]
         chunked=draw(st.booleans()),
         decode_first=draw(st.booleans()),
         caching=draw(st.booleans()),
+        # a sliding window on every layer: blocks that leave it are freed as requests run
+        window=draw(st.one_of(st.none(), st.integers(1, 12))),
     )
     prefixes = [list(range(100 * g, 100 * g + 12)) for g in range(1, 4)]
     reqs = []
@@ -586,7 +588,8 @@ def test_random_workloads_keep_invariants(workload) -> None:  # type: ignore[no-
                 req = make_request(
                     rid, prompt=spec["prompt"], max_tokens=spec["max_tokens"], ignore_eos=True
                 )
-                need = sched.kv.blocks_needed(len(spec["prompt"]) + spec["max_tokens"] - 1)
+                kv_tokens = len(spec["prompt"]) + spec["max_tokens"] - 1
+                need = sched.kv.peak_blocks(kv_tokens, sched.policy.max_num_batched_tokens)
                 if need > sched.kv.num_blocks:
                     with pytest.raises(ValueError):
                         sched.add_request(req)

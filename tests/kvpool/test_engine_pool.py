@@ -186,3 +186,45 @@ def test_an_aborted_request_puts_its_open_chunk(tiny_llama_path) -> None:  # typ
     assert pool.lookup(hash_full_blocks(prompt, BS)) == 6
     assert eng.stats()["kv_pool_put_blocks"] == 6
     assert_engine_idle(a)
+
+
+@pytest.fixture(scope="module")
+def mistral_w16(tmp_path_factory, default_tokenizer):  # type: ignore[no-untyped-def]
+    """A tiny Mistral with a window of 16, a 130-token prompt, one sharing its first 40
+    tokens; transformers' greedy tokens of the first and last-position logprobs of the other."""
+    import tiny_arch
+
+    folder = tmp_path_factory.mktemp("mistral-w16")
+    model = tiny_arch.save(folder, "mistral-window", default_tokenizer, sliding_window=16)
+    prompt = _prompt(130)
+    other = prompt[:40] + _prompt(20, 9)
+    want = tiny_arch.hf_greedy(model, prompt, PARAMS.max_tokens)
+    with torch.no_grad():  # a random tiny model's greedy tokens barely notice wrong KV
+        ref = torch.log_softmax(model(torch.tensor([other])).logits[0, -1], -1)
+    return folder, prompt, other, want, ref
+
+
+@pytest.mark.parametrize("c", [4, 8])
+def test_a_windowed_model_pools_each_block_s_own_kv(mistral_w16, c) -> None:  # type: ignore[no-untyped-def]
+    """Mistral, window 16, 4 usable blocks, a block a step: a's blocks leave the window and
+    are taken again soon after. Chunks of 4 blocks fill before that; chunks of 8 do not, and
+    the pool keeps only blocks that still held their KV when their chunk filled. b loads a's
+    prompt from the pool, then runs a prompt sharing its first 40 tokens, whose first query
+    reads blocks 3-4 of what b holds: a's own KV, or computed by b, never another's."""
+    folder, prompt, other, want, ref = mistral_w16
+    a = LLM(str(folder), block_size=BS, num_blocks=5, max_num_batched_tokens=BS)
+    b = LLM(str(folder), block_size=BS, num_blocks=64)
+    pool = FakeKVPool(namespace(a.engine, c))
+    a.engine.attach_pool(pool)
+    b.engine.attach_pool(pool)
+    assert a.generate([prompt], PARAMS)[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in b.generate([prompt], PARAMS)] == [want]
+    (out,) = b.generate([other], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+    assert out.metrics is not None and out.metrics.num_cached_tokens == 40
+    got = out.outputs[0].logprobs[0]  # type: ignore[index]
+    assert got and all(abs(lp - ref[t].item()) < 1e-4 for t, lp in got.items())
+    assert (a.engine.stats()["kv_pool_put_gaps"] > 0) == (c == 8)
+    s = b.engine.stats()  # chunks of 8: those from the first block lost their first blocks
+    assert (s["kv_pool_loaded_tokens"] > 0) == (c == 4) and s["kv_pool_recomputed_tokens"] == 0
+    assert_engine_idle(a)
+    assert_engine_idle(b)

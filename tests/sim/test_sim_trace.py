@@ -78,3 +78,51 @@ def test_bad_trace_flags_are_clear_errors(tmp_path, capsys) -> None:  # type: ig
     assert "no request at or after" in capsys.readouterr().err
     assert cli.main(["sim", "--trace", str(tmp_path / "none.csv")]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_validation_runs_the_traces_window_as_sim_does(tmp_path: Path) -> None:
+    """`python -m pdserve.sim.validate --trace` (simulated vs real on this machine) runs the
+    requests `pdserve sim --trace` simulates: same window, scaling, arrivals and blocks."""
+    import argparse
+
+    from pdserve.sim import validate
+    from pdserve.sim.workload import trace_requests
+    from pdserve.workloads.traces import Scaling, read_trace
+
+    trace = _two_conversations(tmp_path)
+    args = argparse.Namespace(
+        trace=trace, limit=6, start_ms=2000.0, length_scale=0.5, time_scale=3.0, seed=1
+    )
+    got = validate.workload(args)
+    want = trace_requests(read_trace(trace, Scaling(6, 2000.0, 0.5, 3.0)), 1)
+    assert [(r.arrival, r.prompt, r.max_tokens) for r in got] == [
+        (r.arrival, r.prompt, r.max_tokens) for r in want
+    ]
+    assert len(got) == 6 and got[1].arrival == pytest.approx(6.0)  # 2 s apart, x3
+    assert got[0].prompt[:256] == got[3].prompt[:256]  # A's first block, shared across turns
+
+
+def test_a_kv_pool_finds_what_round_robin_sends_away(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Round robin sends each turn away from the worker holding the previous one; with a KV
+    pool (sim/pool.py) the other worker loads those blocks instead of recomputing them."""
+    trace = str(_two_conversations(tmp_path))
+    one = _run(capsys, "--trace", trace, "--colocated", "1")
+    expected = one["trace"]["prefix_hit_ratio"]
+    rr = _run(capsys, "--trace", trace, "--colocated", "2")
+    pooled = _run(capsys, "--trace", trace, "--colocated", "2", "--kv-pool")
+    assert rr["prefix_hit_ratio"] < expected - 0.1 and "kv_pool" not in rr
+    assert pooled["prefix_hit_ratio"] == pytest.approx(expected, abs=0.01)
+    # every hit round robin missed came from the pool, and cost less than computing it
+    assert pooled["kv_pool_hit_ratio"] == pytest.approx(expected - rr["prefix_hit_ratio"], abs=0.01)
+    assert pooled["kv_pool"]["hit_tokens"] > 0 and pooled["kv_pool"]["evicted_blocks"] == 0
+    assert pooled["ttft_s"]["p50"] < rr["ttft_s"]["p50"]
+    # a pool of a few blocks keeps only the newest: fewer hits, evictions counted
+    small = _run(capsys, "--trace", trace, "--colocated", "2", "--kv-pool", "--kv-pool-gb",
+                 "0.0003")  # fmt: skip
+    assert small["kv_pool"]["evicted_blocks"] > 0
+    assert small["kv_pool_hit_ratio"] < pooled["kv_pool_hit_ratio"]
+
+
+def test_kv_pool_sizes_need_the_pool(capsys) -> None:  # type: ignore[no-untyped-def]
+    code = cli.main(["sim", "--hardware", "h100", "--colocated", "1", "--kv-pool-gb", "1"])
+    assert code == 2 and "need --kv-pool" in capsys.readouterr().err

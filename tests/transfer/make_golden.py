@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.models.arch import ModelArch
-from pdserve.transfer.wire import encode_frame, layout_fingerprint
+from pdserve.transfer.wire import encode_frame
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDENS = {"kv_frame_v2.bin": "int8", "kv_frame_v2_none.bin": "none"}
@@ -39,7 +39,7 @@ def golden_inputs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def golden_frame(codec: str) -> bytes:
     keys, values = golden_inputs()
-    fingerprint = layout_fingerprint(ARCH, torch.float32)
+    fingerprint = ARCH.kv_layout(torch.float32).fingerprint()
     parts = encode_frame(REQUEST_ID, LAYER_START, TOKEN_START, keys, values, codec, fingerprint)
     return b"".join(parts)
 

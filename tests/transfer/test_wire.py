@@ -3,6 +3,7 @@ WireError only (structure checks, exact lengths, max_payload, checksum, fingerpr
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import struct
 import zlib
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.models.arch import ModelArch
+from pdserve.kv_layout import KVLayout
 from pdserve.transfer.codecs import CODECS, GROUP_TOKENS
 from pdserve.transfer.wire import (
     HEADER_FIXED_SIZE,
@@ -26,7 +28,6 @@ from pdserve.transfer.wire import (
     decode_frame,
     encode_frame,
     frame_nbytes,
-    layout_fingerprint,
     peek_header,
 )
 
@@ -216,6 +217,10 @@ def test_golden_int8_values_are_the_quantized_inputs() -> None:
 # --------------------------------------------------------------------------- fingerprint
 
 
+def layout_fingerprint(arch: ModelArch, dtype: torch.dtype) -> bytes:
+    return arch.kv_layout(dtype).fingerprint()
+
+
 def _arch(**overrides: Any) -> ModelArch:
     base: dict[str, Any] = dict(architecture="llama", vocab_size=100, hidden_size=576,
                                 intermediate_size=1536, num_layers=30, num_heads=9,
@@ -231,6 +236,38 @@ def test_fingerprint_depends_on_the_kv_layout_only() -> None:
     different = [_arch(num_layers=24), _arch(num_kv_heads=4), _arch(head_dim=128)]
     assert all(layout_fingerprint(a, torch.float32) != fp for a in different)
     assert layout_fingerprint(_arch(), torch.bfloat16) != fp
+
+
+def test_the_layout_names_the_weights_and_sizes_a_block() -> None:
+    layout = _arch().kv_layout(torch.float32)
+    assert layout == KVLayout(30, 3, 64, torch.float32)
+    assert KVLayout(30, 3, 64, torch.float32, weights="w").fingerprint() != layout.fingerprint()
+    assert layout.block_shape(16) == (30, 2, 16, 3, 64)
+    assert layout.block_nbytes(16) == 30 * 2 * 16 * 3 * 64 * 4
+
+
+def test_fingerprint_names_the_sliding_windows() -> None:
+    """The window changes every later layer's KV and which tokens a hand-off sends a sliding
+    layer (its window only): a P and a D that disagree on it must not pair."""
+    plain = layout_fingerprint(_arch(), torch.float32)
+    mistral = _arch(sliding_window=16, layer_types=("sliding",) * 30)
+    mixed = _arch(sliding_window=16, layer_types=("sliding", "full") * 15)
+    fps = {plain, *(layout_fingerprint(a, torch.float32) for a in (mistral, mixed))}
+    assert len(fps) == 3
+    wider = _arch(sliding_window=32, layer_types=("sliding",) * 30)
+    assert layout_fingerprint(wider, torch.float32) != layout_fingerprint(mistral, torch.float32)
+    unused = _arch(sliding_window=16)  # a window the config switches off (Qwen2.5)
+    assert layout_fingerprint(unused, torch.float32) == plain
+
+
+def test_the_fingerprint_text_is_a_wire_format() -> None:
+    """Workers of different builds pair only if they hash the same text: pinned here."""
+    mixed = _arch(sliding_window=16, layer_types=("sliding", "full") * 15)
+    text = "pdkv-layout/1 layers=30 kv_heads=3 head_dim=64 dtype=float32"
+    window = f" window=16 layers={'sf' * 15} window-kv/1"
+    for arch, tail in ((_arch(), ""), (mixed, window)):
+        pinned = hashlib.sha256((text + tail).encode()).digest()[:8]
+        assert layout_fingerprint(arch, torch.float32) == pinned
 
 
 def test_fingerprint_mismatch_is_rejected() -> None:

@@ -161,19 +161,22 @@ def test_hello_again_resyncs_with_a_fresh_snapshot(tiny_llama_path) -> None:  # 
         assert_cluster_idle(c)
 
 
+def _side_context(engine: Any) -> Any:
+    from pdserve.workers.context import HandoffSettings, WorkerContext
+
+    return WorkerContext("W", engine, HandoffSettings(b"\x00" * 8), lambda rid, msg: None)
+
+
 def _side_recording_frames() -> tuple[Any, list[tuple[int, int, list[float]]]]:
-    """A PrefillSide on a stub worker whose frames are recorded, not sent: (layer, start, rows)."""
+    """A PrefillSide on a stub engine whose frames are recorded, not sent: (layer, start, rows)."""
     from types import SimpleNamespace
 
+    from pdserve.transfer.api import LinkSetup
+    from pdserve.transfer.fake import FakeNetwork
     from pdserve.workers.prefill import PrefillSide
 
-    stub = SimpleNamespace(
-        stream_kv=True,
-        transport="tcp",
-        shm_bytes=0,
-        engine=SimpleNamespace(runner=SimpleNamespace(layer_hook=None)),
-    )
-    side = PrefillSide(stub)  # type: ignore[arg-type]
+    engine = SimpleNamespace(runner=SimpleNamespace(layer_hook=None))
+    side = PrefillSide(_side_context(engine), FakeNetwork().sender(LinkSetup("W")))
     sent: list[tuple[int, int, list[float]]] = []
 
     def record(o: Any, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -211,13 +214,13 @@ def test_decode_rejects_a_frame_before_its_cached_prefix() -> None:
     from types import SimpleNamespace
 
     from pdserve.transfer import wire
+    from pdserve.transfer.api import LinkSetup
+    from pdserve.transfer.fake import FakeNetwork
     from pdserve.workers.decode import DecodeSide, Incoming
 
     writes: list[int] = []
-    stub = SimpleNamespace(
-        engine=SimpleNamespace(write_kv=lambda slots, *a: writes.append(len(slots)))
-    )
-    side = DecodeSide(stub)  # type: ignore[arg-type]
+    engine = SimpleNamespace(write_kv=lambda slots, *a: writes.append(len(slots)))
+    side = DecodeSide(_side_context(engine), FakeNetwork().receiver(LinkSetup("W")))
     inc = Incoming(
         "r", [1] * 30, GREEDY, "P0", 30, b"c", 0.0, stage="receiving",
         slots=torch.arange(30), next_token=[24, 24], have_tokens=24,
@@ -235,7 +238,6 @@ def test_decode_rejects_a_frame_before_its_cached_prefix() -> None:
     assert writes == [] and inc.next_token == [24, 24]
     side._store(inc, frame(24, 6))
     assert writes == [6] and inc.next_token == [30, 24]
-    side.shm.close()
 
 
 def test_large_event_batches_are_split_and_only_the_first_part_clears(

@@ -41,7 +41,7 @@ def measure_transfer(
 
     ctx = zmq.Context()
     receiver, endpoint = transports.bind_receiver(
-        ctx, transports.get_transport("tcp"), "127.0.0.1", 0, "profile-d"
+        ctx, transports.ZMQ_TRANSPORTS["tcp"], "127.0.0.1", 0, "profile-d"
     )
     sender = transports.connect_sender(ctx, endpoint, "profile-p")
     try:
@@ -68,13 +68,11 @@ class _Loopback:
     first n (wrapping): nothing reads this engine's cache after the transfer points."""
 
     def __init__(self, engine: LLMEngine, sender: Any, receiver: Any) -> None:
-        from pdserve.transfer import wire
-
-        arch = engine.arch
+        layout = engine.kv_layout
         self.engine = engine
-        self.layers, self.heads, self.dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
-        self.dtype = engine.dtype
-        self.fingerprint = wire.layout_fingerprint(arch, engine.dtype)
+        self.layers, self.heads, self.dim = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        self.dtype = layout.dtype
+        self.fingerprint = engine.kv_layout.fingerprint()
         self.sender, self.receiver = sender, receiver
         self.slots_total = engine.kv_manager.num_blocks * engine.kv_manager.block_size
 

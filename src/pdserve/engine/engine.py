@@ -19,7 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import engine_stats, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend
-from pdserve.engine.kv_cache import PagedKVCache, num_blocks_for_memory
+from pdserve.engine.kv_cache import PagedKVCache, log_window_layout, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
@@ -49,8 +49,10 @@ class LLMEngine:
         plan = model_build.plan(mc, cc.kv_cache_dtype)  # every refusal before the slow load
         self.device, self.dtype, self.source = plan.device, plan.dtype, plan.source
         self.quantization, self.decode_matmul = plan.quantization, plan.decode_matmul
-        kv_dtype = plan.kv_dtype
         self.arch = loader.load_arch(self.source)
+        # The KV as handed to another worker (read_kv): the model's dtype, whatever the cache's.
+        self.kv_layout = self.arch.kv_layout(self.dtype)
+        cache_layout = self.arch.kv_layout(plan.kv_dtype)
         self.tokenizer = loader.load_tokenizer(self.source)
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
@@ -59,10 +61,13 @@ class LLMEngine:
             self.source, self.arch, mc, self.quantization, self.decode_matmul
         )
         num_blocks = cc.num_blocks or num_blocks_for_memory(
-            self.arch, cc.block_size, kv_dtype, cc.kv_cache_memory_gb
+            cache_layout, cc.block_size, cc.kv_cache_memory_gb
         )
-        self.cache = PagedKVCache(self.arch, num_blocks, cc.block_size, kv_dtype, self.device)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.cache = PagedKVCache(cache_layout, num_blocks, cc.block_size, self.device)
+        self.kv_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, window=self.arch.uniform_window
+        )
+        log_window_layout(self.arch)
         sc = config.scheduler_config
         self.scheduler = Scheduler(
             SchedulerPolicy(
@@ -161,8 +166,9 @@ class LLMEngine:
         if not 0 < num_kv_tokens < self.max_model_len:
             raise ValueError(f"num_kv_tokens must be in [1, {self.max_model_len})")
         self.scheduler.check_fits(tracked.request)  # never wait for memory that cannot exist
+        complete = self.arch.kv_complete_from(num_kv_tokens)  # P sends window layers their window
         got = self.kv_manager.reserve_with_prefix(
-            tracked.request, num_kv_tokens + 1, num_kv_tokens - 1
+            tracked.request, num_kv_tokens + 1, num_kv_tokens - 1, complete
         )
         if got is None:
             return None

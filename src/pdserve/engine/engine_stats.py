@@ -12,6 +12,7 @@ from pdserve.engine import prefill_format
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.linear.phases import StepRows
     from pdserve.engine.pool_link import PoolLink
     from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -72,7 +73,7 @@ class EngineStats:
 def record(
     settings: tuple[str, str, str],
     prefill: prefill_format.PrefillChoice,
-    step_rows: prefill_format.StepRows | None,
+    step_rows: StepRows | None,
     scheduler: Scheduler,
     kv: KVCacheManager,
     counters: StepCounters,

@@ -1,17 +1,23 @@
 """The paged KV tensors: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
 
 Block ids handed out by `KVCacheManager` index the first axis. Token t of a request lives at
-block_table[t // block_size], offset t % block_size — the same on every layer.
+block_table[t // block_size], offset t % block_size — the same on every layer. Under a window
+on every layer, entries of blocks that left the window hold the null block's id (nothing reads
+them: every attention path starts at the window's first block).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import torch
 
 from pdserve.engine.models.arch import ModelArch
+from pdserve.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: a cache line, and an AVX-512 vector, so block rows never split one
 
@@ -31,32 +37,42 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+def num_blocks_for_memory(layout: KVLayout, block_size: int, memory_gb: float) -> int:
+    return max(1, int(memory_gb * 1024**3) // layout.block_nbytes(block_size))
 
 
-def num_blocks_for_memory(
-    arch: ModelArch, block_size: int, dtype: torch.dtype, memory_gb: float
-) -> int:
-    return max(1, int(memory_gb * 1024**3) // bytes_per_block(arch, block_size, dtype))
+def log_window_layout(arch: ModelArch) -> None:
+    """Say at start-up what the paged KV cache does with the model's sliding windows."""
+    sliding = sum(arch.is_sliding(i) for i in range(arch.num_layers))
+    if sliding and arch.sliding_window:
+        log.info("%s", _window_layout(arch, sliding))
+
+
+def _window_layout(arch: ModelArch, sliding: int) -> str:
+    if arch.uniform_window is not None:
+        return (
+            f"sliding window {arch.sliding_window} on every layer: KV blocks that leave the "
+            "window are freed; the hand-off sends each layer its window"
+        )
+    return (
+        f"sliding window {arch.sliding_window} on {sliding} of {arch.num_layers} layers: window "
+        "layers keep full KV (one block table for all layers; global layers need every block); "
+        "the hand-off sends window layers only their window"
+    )
 
 
 class PagedKVCache:
     def __init__(
-        self,
-        arch: ModelArch,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device
     ) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.layout = layout  # its dtype is the cache's (--kv-cache-dtype)
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, layout.dtype
+        dtype = layout.dtype
+        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
         # Zero-filled so padded (masked) slots never hold NaN/Inf that could leak through 0 * x.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeros(shape, dtype, device), zeros(shape, dtype, device))
-            for _ in range(arch.num_layers)
+            for _ in range(layout.num_layers)
         ]
 
     @property

@@ -4,6 +4,17 @@ It maps request ids to the blocks they hold, finds cached prefixes, allocates ro
 tokens scheduled next, and frees. Only block ids leave it (`get_block_ids`), never `Block`s, so
 callers cannot corrupt reference counts.
 
+Under a sliding window on every layer (`window`, Mistral), a request keeps only the blocks its
+next query can see: as its first uncomputed position p moves, the blocks wholly before
+p - window + 1 go back to the pool (their content stays valid, so they stay in the prefix cache
+until evicted, as any freed block). The block table keeps its positions: a freed entry is None
+here and the null block's id in `get_block_ids` (a block no request owns, taken out of the pool
+at start), so token t still lives at table[t // block_size] and the kernels, which start at the
+window's first block, index it unchanged. A prefix hit then needs only the blocks before its
+end that the window covers (`_window_lookup`, found from the right as vLLM's
+SlidingWindowManager does), and requests hold at most cdiv(window - 1 + chunk, block_size) + 1
+blocks (`peak_blocks`), which is what admission counts.
+
 Invariant (checked by the tests after every scenario): when no request is alive, every block is
 free (`num_free_blocks == num_blocks`).
 """
@@ -22,9 +33,10 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixHit:
-    """Result of a prefix-cache lookup: opaque to callers except for the token count."""
+    """Result of a prefix-cache lookup: opaque to callers except for the token count. Under a
+    window, leading entries the hit does not need are None."""
 
-    blocks: list[Block]
+    blocks: list[Block | None]
     num_tokens: int
 
 
@@ -45,14 +57,21 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         root_hash: BlockHash = ROOT_HASH,
+        window: int | None = None,
     ) -> None:
+        """`window`: the sliding window of every layer (ModelArch.uniform_window), or None."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if window is not None and (window < 1 or num_blocks < 2):
+            raise ValueError(f"a window needs window >= 1 and 2 blocks, got {window}, {num_blocks}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash
-        self._blocks: dict[str, list[Block]] = {}
+        self.window = window
+        # Where the table entries of blocks that left the window point; never freed.
+        self.null_block: Block | None = self.pool.get_new_blocks(1)[0] if window else None
+        self._blocks: dict[str, list[Block | None]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a request already registered
         self.stats = PrefixCacheStats()
@@ -66,7 +85,8 @@ class KVCacheManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the null block is none of them)."""
+        return self.pool.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,16 +94,52 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        null = self.null_block.block_id if self.null_block is not None else -1
+        return [null if b is None else b.block_id for b in self._blocks.get(request_id, ())]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request holds at once while its KV grows to `num_tokens` tokens,
+        `chunk` at most per step: all of them, or under a window those its window and one
+        chunk span (a step at p computing n tokens holds the blocks of [p - window + 1, p + n),
+        cdiv(window - 1 + n, block_size) + 1 at most for a window starting mid-block)."""
+        full = self.blocks_needed(num_tokens)
+        if self.window is None:
+            return full
+        span = self.window - 1 + max(1, min(chunk, num_tokens))
+        return min(full, cdiv(span, self.block_size) + 1)
+
+    def _out_of_window(self, position: int) -> int:
+        """Leading blocks nothing computed from `position` on reads: those wholly before the
+        first key `position` sees (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.block_size
+
+    def _slide(self, blocks: list[Block | None], position: int) -> None:
+        """Free the blocks that left the window of `position` (entries become None). Each call
+        frees from where the last stopped, so walking back stops at the first None."""
+        freed: list[Block] = []
+        for i in range(min(len(blocks), self._out_of_window(position)) - 1, -1, -1):
+            block = blocks[i]
+            if block is None:
+                break
+            freed.append(block)
+            blocks[i] = None
+        self.pool.free_blocks(reversed(freed))  # the oldest evicted first
+
+    def _in_window(self, hit: list[Block | None], position: int) -> list[Block | None]:
+        """A hit's entries, None for those before the window of `position` (left untouched)."""
+        skip = self._out_of_window(position)
+        return [None if i < skip else b for i, b in enumerate(hit)]
 
     # ---- prefix cache ----------------------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> PrefixHit:
@@ -108,13 +164,35 @@ class KVCacheManager:
         """Cached leading full blocks covering at most `max_tokens` tokens (no stats)."""
         hashes = self._request_hashes(request)
         max_blocks = max(0, max_tokens) // self.block_size
-        hit: list[Block] = []
+        if self.window is not None:
+            return self._window_lookup(hashes[:max_blocks])
+        hit: list[Block | None] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hit.append(block)
         return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _window_lookup(self, hashes: list[BlockHash]) -> PrefixHit:
+        """The longest hit of h blocks whose last cdiv(window - 1, block_size) blocks (what the
+        query at h * block_size sees before itself) are cached, or whose blocks are all cached
+        from the first; found from the right. Entries before those are None."""
+        assert self.window is not None
+        need = cdiv(self.window - 1, self.block_size)
+        run: list[Block] = []  # cached blocks, right to left, ending just before the hit's end
+        for i in range(len(hashes) - 1, -1, -1):
+            block = self.pool.get_cached_block(hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) >= need:
+                hit: list[Block | None] = [None] * i
+                hit.extend(reversed(run))
+                return PrefixHit(hit, len(hit) * self.block_size)
+        run.reverse()  # a run from block 0 shorter than the window: every key it needs
+        return PrefixHit(list(run), len(run) * self.block_size)
 
     def _count(self, num_tokens: int, hit: PrefixHit) -> None:
         self.stats.queries += num_tokens
@@ -143,22 +221,27 @@ class KVCacheManager:
 
         `prefix` is a hit from `find_cached_prefix` for a request that holds no blocks yet.
         Returns the request's full block table, or None (nothing changed) if memory is short.
+        Under a window, blocks that left the window of the first new token are freed first
+        (even when the rest does not fit: nothing will read them again).
         """
         held = self._blocks.get(request.request_id, [])
-        hit = prefix.blocks if prefix else []
         computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
-        need = self.blocks_needed(computed + num_new_tokens) - len(held) - len(hit)
+        self._slide(held, computed)
+        hit = self._in_window(prefix.blocks, computed) if prefix else []
+        have = max(len(held) + len(hit), self._out_of_window(computed))
+        need = self.blocks_needed(computed + num_new_tokens) - have
         # Hit blocks that are free count as free now but stop being free once touched.
-        reclaimable = sum(1 for b in hit if b.ref_cnt == 0)
+        reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reclaimable:
             return None
-        self.pool.touch(hit)
+        self.pool.touch(b for b in hit if b is not None)
         blocks = self._blocks.setdefault(request.request_id, held)
         blocks.extend(hit)
+        blocks.extend([None] * (have - len(blocks)))
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
         self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
-        return [b.block_id for b in blocks]
+        return self.get_block_ids(request.request_id)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for KV that will arrive from elsewhere (a decode worker's pre-allocation).
@@ -171,7 +254,7 @@ class KVCacheManager:
         return self._reserve(request_id, num_tokens, PrefixHit([], 0))
 
     def reserve_with_prefix(
-        self, request: Request, num_tokens: int, max_cached_tokens: int
+        self, request: Request, num_tokens: int, max_cached_tokens: int, complete_from: int = 0
     ) -> tuple[list[int], int] | None:
         """`reserve`, reusing the request's cached prefix (at most `max_cached_tokens` tokens,
         whole blocks): only the rest has to arrive. Returns (block ids, cached tokens), or None
@@ -179,6 +262,9 @@ class KVCacheManager:
 
         The hit blocks are already registered, so they count as registered (`_num_cached`);
         the blocks after them are registered once the request is admitted and scheduled.
+        `complete_from`: the first token whose KV will arrive for every layer (a sender gives
+        a windowed layer only its window): blocks after the hit and before it are never
+        registered, since some layer of theirs stays unfilled.
         """
         rid = request.request_id
         if rid in self._blocks:
@@ -192,17 +278,22 @@ class KVCacheManager:
             return None
         if self.enable_prefix_caching:
             self._count(request.num_tokens, hit)
-        self._num_cached[rid] = len(hit.blocks)
+        self._num_cached[rid] = max(len(hit.blocks), cdiv(complete_from, self.block_size))
         return block_ids, hit.num_tokens
 
     def _reserve(self, request_id: str, num_tokens: int, hit: PrefixHit) -> list[int] | None:
-        need = self.blocks_needed(num_tokens) - len(hit.blocks)
+        # The last token is computed here: blocks before its window need no KV (None).
+        hit_blocks = self._in_window(hit.blocks, num_tokens - 1)
+        have = max(len(hit_blocks), self._out_of_window(num_tokens - 1))
+        need = self.blocks_needed(num_tokens) - have
         # Hit blocks that are free count as free now but stop being free once touched.
-        reclaimable = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        reclaimable = sum(1 for b in hit_blocks if b is not None and b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reclaimable:
             return None
-        self.pool.touch(hit.blocks)  # taken before new blocks, so eviction cannot pick them
-        self._blocks[request_id] = [*hit.blocks, *self.pool.get_new_blocks(max(0, need))]
+        # taken before new blocks, so eviction cannot pick them
+        self.pool.touch(b for b in hit_blocks if b is not None)
+        blocks = [*hit_blocks, *[None] * (have - len(hit_blocks))]
+        self._blocks[request_id] = [*blocks, *self.pool.get_new_blocks(max(0, need))]
         return self.get_block_ids(request_id)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -217,8 +308,11 @@ class KVCacheManager:
         hashes = self._request_hashes(request)
         blocks = self._blocks[rid]
         for i in range(done, num_full):
-            if self.pool.cache_block(blocks[i], hashes[i]) and self.track_registered:
-                self._registered.append((rid, i, blocks[i].block_id, hashes[i]))
+            block = blocks[i]
+            if block is None:  # out of the window: freed, or its KV never came here
+                continue
+            if self.pool.cache_block(block, hashes[i]) and self.track_registered:
+                self._registered.append((rid, i, block.block_id, hashes[i]))
         self._num_cached[rid] = num_full
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
@@ -239,14 +333,16 @@ class KVCacheManager:
         if partial and self.pool.num_free_blocks < 1:
             raise MemoryError("no free block to copy the last partial block into")
         shared = parent[:num_full]
-        self.pool.touch(shared)
+        self.pool.touch(b for b in shared if b is not None)
         self._blocks[child_id] = list(shared)
         self._num_cached[child_id] = min(self._num_cached.get(parent_id, 0), num_full)
         if not partial:
             return None
+        source = parent[num_full]
+        assert source is not None, "the block of the last computed token is in its window"
         (copy,) = self.pool.get_new_blocks(1)
         self._blocks[child_id].append(copy)
-        return parent[num_full].block_id, copy.block_id
+        return source.block_id, copy.block_id
 
     # ---- KV pool (engine/pool_link.py) ------------------------------------------------------
     def take_registered(self) -> list[tuple[str, int, int, BlockHash]]:
@@ -261,7 +357,7 @@ class KVCacheManager:
         full block in the prefix cache); stops at the first that is not."""
         out: list[tuple[int, BlockHash]] = []
         for block in self._blocks.get(request_id, [])[start:end]:
-            if block.block_hash is None:
+            if block is None or block.block_hash is None:
                 break
             out.append((block.block_id, block.block_hash))
         return out
@@ -288,7 +384,7 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self._pins or rid in self._blocks:
             raise ValueError(f"request {rid!r} already holds blocks")
-        local = self._lookup(request, request.num_tokens - 1).blocks
+        local = [b for b in self._lookup(request, request.num_tokens - 1).blocks if b is not None]
         reclaimable = sum(1 for b in local if b.ref_cnt == 0)
         n = max(0, min(len(hashes), self.pool.num_free_blocks - reclaimable - 1))
         self.pool.touch(local)  # before taking new blocks, so eviction cannot pick them
@@ -313,7 +409,7 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

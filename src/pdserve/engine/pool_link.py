@@ -74,7 +74,9 @@ class PoolLinkStats:
     load_seconds: float = 0.0
     put_blocks: int = 0
     put_drops: int = 0  # blocks of chunks the write-back queue dropped
-    put_gaps: int = 0  # blocks not put: a chunk's leading blocks were no longer registered
+    # blocks not put: a chunk's leading blocks were no longer registered, or (sliding window)
+    # no longer held their KV when the chunk filled
+    put_gaps: int = 0
     errors: int = 0  # a pool call raised: treated as a miss, counted
     last_error: str = ""
 
@@ -167,8 +169,7 @@ class PoolLink:
         return len(kvs)
 
     def _block_shape(self) -> tuple[int, ...]:
-        k = self.cache.layers[0][0]
-        return (len(self.cache.layers), 2, k.shape[1], k.shape[2], k.shape[3])
+        return self.cache.layout.block_shape(self.cache.block_size)
 
     def _write_block(self, block_id: int, kv: torch.Tensor) -> None:
         for layer, (k_cache, v_cache) in enumerate(self.cache.layers):
@@ -213,20 +214,30 @@ class PoolLink:
                 self.stats.put_gaps += 1  # is full and registered; counted if it ever happens
                 return
         blocks.append((index, block_id, block_hash))
-        if len(blocks) == c:
-            self._put(blocks)
-        else:
+        if len(blocks) < c:
             self._open[rid] = blocks
+            return
+        # Under a sliding window the chunk's first blocks may have left the window and been
+        # taken again meanwhile: only what still holds its KV goes in (from the chunk's start).
+        valid = self._holding(blocks)
+        self.stats.put_gaps += c - valid
+        if valid:
+            self._put(blocks[:valid])
 
     def _put_open(self, rid: str) -> None:
         """Put the request's open chunk as a partial one: its leading blocks that still hold
         their KV (a preempted request's blocks are free, and may be reused by now)."""
         blocks = self._open.pop(rid, [])
+        valid = self._holding(blocks)
+        if valid:
+            self._put(blocks[:valid])
+
+    def _holding(self, blocks: list[tuple[int, int, BlockHash]]) -> int:
+        """How many leading blocks still hold the KV they were registered with."""
         valid = 0
         while valid < len(blocks) and self.kv.block_holds(blocks[valid][1], blocks[valid][2]):
             valid += 1
-        if valid:
-            self._put(blocks[:valid])
+        return valid
 
     def _put(self, blocks: list[tuple[int, int, BlockHash]]) -> None:
         try:

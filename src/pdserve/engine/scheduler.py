@@ -118,7 +118,10 @@ class Scheduler:
             request.num_prompt_tokens + request.sampling_params.max_tokens, request.max_model_len
         )
         max_kv_tokens = max(request.num_tokens, final_len - 1)
-        if self.kv.blocks_needed(max_kv_tokens) > self.kv.num_blocks:
+        # Under a sliding window only the window's blocks are held at once (a step computes at
+        # most max_num_batched_tokens tokens).
+        peak = self.kv.peak_blocks(max_kv_tokens, self.policy.max_num_batched_tokens)
+        if peak > self.kv.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} needs more KV blocks than the cache holds "
                 f"(up to {max_kv_tokens} tokens with max_tokens="

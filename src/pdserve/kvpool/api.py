@@ -45,6 +45,9 @@ from typing import Protocol
 
 import torch
 
+from pdserve.kv_layout import KVLayout
+from pdserve.kvpool.values import value_nbytes
+
 BlockHash = bytes
 
 DEFAULT_CHUNK_MB = 2.0  # target stored bytes of a chunk (the issue: 1-10 MB values in Redis)
@@ -57,7 +60,7 @@ class PoolNamespace:
 
     model: str  # model fingerprint (e.g. the GGUF file's sha256 or the model path + size)
     dtype: str  # KV dtype, e.g. "float32"
-    layout: str  # hex of transfer.wire.layout_fingerprint (layers, kv heads, head dim, dtype)
+    layout: str  # hex of KVLayout.fingerprint (layers, kv heads, head dim, dtype)
     block_size: int
     codec: str = "none"  # how values are stored: none | int8
     chunk_blocks: int = 1  # C: blocks per stored value (see the module docstring)
@@ -67,6 +70,28 @@ class PoolNamespace:
             raise ValueError(
                 f"chunk_blocks must be in [1, {MAX_CHUNK_BLOCKS}], got {self.chunk_blocks}"
             )
+
+    @classmethod
+    def of(
+        cls,
+        model: str,
+        layout: KVLayout,
+        block_size: int,
+        codec: str = "none",
+        chunk_mb: float = DEFAULT_CHUNK_MB,
+    ) -> PoolNamespace:
+        """The namespace of blocks of `layout` (its dtype: as cached, and so as stored) computed
+        by the weights `model` names; chunks of about `chunk_mb` MiB stored with `codec`."""
+        block = layout.block_shape(block_size)
+        block_bytes = value_nbytes(48, block, layout.dtype, codec)  # 48: a pool key's bytes
+        return cls(
+            model=model,
+            dtype=layout.dtype_name,
+            layout=layout.fingerprint().hex(),
+            block_size=block_size,
+            codec=codec,
+            chunk_blocks=chunk_blocks_for(chunk_mb, block_bytes),
+        )
 
     def digest(self) -> bytes:
         # pdkvpool/2: chunked values (values.py version 2); version-1 keys are never asked for.

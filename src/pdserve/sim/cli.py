@@ -108,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--admission", action="store_true", help="reject predicted SLO misses (needs SLOs)")
     a("--disaggregation", choices=("always", "conditional"), default="always")
     a("--prefix-routing", action="store_true")
+    a("--kv-pool", action="store_true",
+      help="a KV pool shared by every worker: blocks put as computed, prefixes loaded")  # fmt: skip
+    a("--kv-pool-gb", type=_pos_float, default=None, help="--kv-pool: capacity (unbounded)")
+    a("--kv-pool-gbps", type=_pos_float, default=None,
+      help="--kv-pool: its link per worker, Gbit/s (the P->D link's)")  # fmt: skip
     a("--autobalance", action="store_true")
     a("--message-ms", type=float, default=0.0, help="router <-> worker message latency, ms")
     a("--json", action="store_true", help="print JSON")
@@ -132,6 +137,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     want_planner = planner == "planner"
     if (args.admission or args.prefix_routing or args.autobalance) and not want_planner:
         raise ValueError("--admission, --prefix-routing and --autobalance need --router planner")
+    if (args.kv_pool_gb or args.kv_pool_gbps) and not args.kv_pool:
+        raise ValueError("--kv-pool-gb and --kv-pool-gbps need --kv-pool")
     if args.admission and not (args.slo_ttft or args.slo_tpot):
         raise ValueError("--admission needs --slo-ttft and/or --slo-tpot")
     return Deployment(
@@ -158,6 +165,9 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         kv_cache_gb=args.kv_cache_gb,
         shared_host=not args.no_contention,
         message_s=args.message_ms / 1e3,
+        kv_pool=args.kv_pool,
+        kv_pool_gb=args.kv_pool_gb,
+        kv_pool_gbps=args.kv_pool_gbps,
     )
 
 
@@ -181,7 +191,9 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
                            "tp_decode": args.tp_decode, "link_gbps": args.link_gbps,
                            "per_message_s": args.per_message_ms / 1e3,
                            "shared_host": not args.no_contention,
-                           "message_s": args.message_ms / 1e3}  # fmt: skip
+                           "message_s": args.message_ms / 1e3, "kv_pool": args.kv_pool,
+                           "kv_pool_gb": args.kv_pool_gb,
+                           "kv_pool_gbps": args.kv_pool_gbps}  # fmt: skip
     if args.cost_model is not None:
         sim["cost_model"] = args.cost_model
     return Deployment.of(served, **sim)

@@ -41,6 +41,7 @@ from pdserve.router.decide import ROLES
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.sim.host import Host, step_kind
+from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import Record, SimConfig, SimRequest
 from pdserve.sim.steptime import Link, Row, StepModel
 from pdserve.sim.worker import Outgoing, SimWorker
@@ -65,6 +66,10 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.host = None if contention is None else Host(contention, self.at, lambda: self.now)
+        self.kvpool: SimKVPool | None = None
+        if config.kv_pool:
+            self.kvpool = SimKVPool(config.kv_pool_blocks, config.kv_pool_bytes_s or link.bytes_s,
+                                    link.per_message_s)  # fmt: skip
         self.workers: list[SimWorker] = []
         p_policy = config.prefill_policy or config.policy
         for role, n, model, pol in (
@@ -216,6 +221,7 @@ class Simulation:
             if rec.first_at is None:
                 rec.first_at = now
                 rec.cached_tokens = w.cached_tokens(rid)
+                rec.pool_tokens = w.pool_tokens.get(rid, 0)
             rec.last_at = now
             rec.tokens += 1
             for x in self.routes.get(rid, ()) if self.planner is not None else ():

@@ -62,6 +62,9 @@ class Deployment:
     kv_cache_gb: float = 1.0  # cpu: the engine's default KV memory
     shared_host: bool = True  # cpu: workers share this host's cores (the profiled contention)
     message_s: float = 0.0
+    kv_pool: bool = False  # a KV pool every worker puts into and loads from (sim/pool.py)
+    kv_pool_gb: float | None = None  # its capacity (None: unbounded)
+    kv_pool_gbps: float | None = None  # its link per worker, Gbit/s (None: the P -> D link's)
 
     @classmethod
     def of(cls, d: served.Deployment, **sim: Any) -> Deployment:
@@ -188,12 +191,26 @@ def build(d: Deployment) -> Built:
         autobalance=d.autobalance,
         expected_output=d.expected_output,
         message_s=d.message_s,
+        **_pool_config(d, step),
     )
     planner_model = planner_cost_model(step, link=link) if d.planner else None
     contention = None
     if d.hardware == "cpu" and d.shared_host:
         contention = Contention.load(cost_model_path(d))
     return Built(config, step, pstep, link, planner_model, contention)
+
+
+def _pool_config(d: Deployment, step: StepModel) -> dict[str, Any]:
+    """SimConfig's KV pool settings: the capacity in blocks of the sim's block size."""
+    if not d.kv_pool:
+        return {}
+    out: dict[str, Any] = {"kv_pool": True}
+    if d.kv_pool_gb is not None:
+        block_bytes = step.kv_bytes_per_token * SimConfig.block_size
+        out["kv_pool_blocks"] = max(1, int(d.kv_pool_gb * 1e9 // block_bytes))
+    if d.kv_pool_gbps is not None:
+        out["kv_pool_bytes_s"] = gbps_to_bytes_s(d.kv_pool_gbps)
+    return out
 
 
 def simulate(
@@ -222,6 +239,8 @@ def simulate(
     out["preemptions"] = sum(w.sched.num_preemptions for w in sim.workers)
     if b.contention is not None:
         out["contention"] = b.contention.note
+    if sim.kvpool is not None:
+        out["kv_pool"] = sim.kvpool.stats(b.config.block_size)
     return out
 
 
@@ -285,9 +304,11 @@ def summarize(
         "tpot_attainment": _share(
             records, lambda r: slo_tpot is None or _le(r.tpot, slo_tpot, True)
         ),
-        # the prefix cache's share of the served prompts (the workers' own caches; the
-        # simulator has no KV pool)
+        # the share of the served prompts found cached: the workers' own prefix caches and
+        # the KV pool (loaded from it: kv_pool_hit_ratio)
         "prefix_hit_ratio": sum(r.cached_tokens for r in served)
+        / max(1, sum(r.prompt_len for r in served)),
+        "kv_pool_hit_ratio": sum(r.pool_tokens for r in served)
         / max(1, sum(r.prompt_len for r in served)),
         "goodput_rps": met / span,
         "goodput_per_gpu": met / span / max(gpus, 1),
@@ -330,6 +351,9 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
         f"routes: {s['routes']}; utilization: {s['utilization']}; preemptions: {s['preemptions']}",
         f"prefix cache hits: {s['prefix_hit_ratio']:.1%} of served prompt tokens",
     ]
+    if s.get("kv_pool"):
+        lines.append(f"of which loaded from the KV pool: {s['kv_pool_hit_ratio']:.1%}; "
+                     f"pool: {s['kv_pool']}")  # fmt: skip
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
     if s.get("contention"):

@@ -46,7 +46,8 @@ class Record:
     last_at: float | None = None
     finished_at: float | None = None
     tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens the prefilling worker found in its prefix cache
+    cached_tokens: int = 0  # prompt tokens the prefilling worker found cached (pool included)
+    pool_tokens: int = 0  # of those, loaded from the KV pool
     kv_bytes: int = 0
     predicted_ttft: float | None = None
     predicted_tpot: float | None = None
@@ -81,6 +82,9 @@ class SimConfig:
     expected_output: int = 256
     router_policy: str = "round_robin"
     message_s: float = 0.0  # one control message router <-> worker
+    kv_pool: bool = False  # a KV pool shared by every worker (sim/pool.py)
+    kv_pool_blocks: int | None = None  # its capacity (None: unbounded)
+    kv_pool_bytes_s: float | None = None  # its link per worker (None: the P -> D link's)
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:

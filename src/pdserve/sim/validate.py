@@ -208,12 +208,12 @@ def calibrated(d: Deployment, run: RealRun, folder: Path) -> tuple[Deployment, d
     return replace(d, cost_model=out), factors
 
 
-def profile(folder: Path, seconds: float) -> Path:
+def profile(folder: Path, seconds: float, max_prompt: int = 512) -> Path:
     """A fresh cost model with its contention section, measured now (a subprocess: its engines
-    and threads are gone before the clusters start)."""
+    and threads are gone before the clusters start), over prompts up to `max_prompt` tokens."""
     out = folder / f"costmodel-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.json"
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "profile", "--threads", "1"]
-    cmd += ["--max-prompt", "512", "--contention", "--contention-seconds", str(seconds)]
+    cmd += ["--max-prompt", str(max_prompt), "--contention", "--contention-seconds", str(seconds)]
     samples = out.with_name(out.stem + "-samples.json")  # to refit or compare fits later
     subprocess.run([*cmd, "--out", str(out), "--samples-out", str(samples)], check=True)
     return out
@@ -326,7 +326,14 @@ def _steps_wire(run: RealRun) -> dict[str, list[list[float]]]:
 
 
 def workload(args: argparse.Namespace) -> list[SimRequest]:
-    """The request list of a validation: synthetic lengths (+-25%), Poisson arrivals."""
+    """The request list of a validation: synthetic lengths (+-25%), Poisson arrivals; or a
+    trace's window, scaled (`--trace`: prompts of token ids whose 512-token blocks, scaled,
+    repeat where the trace's hash_ids do, as `bench replay --prompt-format ids` sends them)."""
+    if getattr(args, "trace", None):
+        from pdserve.sim.workload import scaling_from_args, trace_requests
+        from pdserve.workloads.traces import read_trace
+
+        return trace_requests(read_trace(args.trace, scaling_from_args(args)), args.seed)
     from pdserve.workloads.streams import SyntheticWorkload
 
     items = list(
@@ -360,6 +367,9 @@ def resimulate(args: argparse.Namespace) -> None:
     old = body["args"]
     for key in ("num_requests", "input_len", "output_len", "rate", "seed"):
         setattr(args, key, old[key])
+    for key in ("trace", "limit", "start_ms", "length_scale", "time_scale"):
+        if old.get(key) is not None:
+            setattr(args, key, Path(old[key]) if key == "trace" else old[key])
     args.slo_ttft, args.slo_tpot = body["slo"]["ttft_s"], body["slo"]["tpot_s"]
     args.cost_model = args.cost_model or Path(old["cost_model"])
     requests = workload(args)
@@ -393,6 +403,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slo-ttft-x", type=float, default=1.5)
     p.add_argument("--slo-tpot-x", type=float, default=1.25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="replay this trace's window instead (Mooncake .jsonl or Azure .csv)",
+    )
+    p.add_argument("--limit", type=int, default=20, help="--trace: requests (20)")
+    p.add_argument("--start-ms", type=float, default=0.0, help="--trace: the window's start")
+    p.add_argument(
+        "--length-scale",
+        type=float,
+        default=0.125,
+        help="--trace: prompt, block and output lengths x this (0.125)",
+    )
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="--trace: arrival times x this (2: half the rate)")  # fmt: skip
     p.add_argument("--only", default=None, help="comma-separated case names")
     p.add_argument("--aa", choices=("first", "all", "none"), default="first",
                    help="which configurations run twice for real (first)")  # fmt: skip
@@ -415,9 +441,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     load_before = os.getloadavg()
-    if args.cost_model is None:
-        args.cost_model = profile(args.out.parent, args.contention_seconds)
     requests = workload(args)
+    if args.cost_model is None:
+        longest = max(len(r.prompt) for r in requests)  # the profile spans the prompts run
+        args.cost_model = profile(args.out.parent, args.contention_seconds, max(512, longest))
     chosen = cases()
     if args.only:
         names = args.only.split(",")

@@ -18,6 +18,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
 from pdserve.router.loads import WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.worker_stats import WorkerStats
+from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import SimConfig, SimRequest
 from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
 from pdserve.workers.messages import KVEvents
@@ -32,6 +33,7 @@ class Loop(Protocol):
     link: Link
     now: float
     prefix: PrefixIndex  # the router's, fed with the workers' KVEvents
+    kvpool: SimKVPool | None  # shared by every worker, when the deployment has one
 
     def at(self, t: float, fn: Callable[[], None]) -> None: ...
     def run_step(
@@ -82,6 +84,8 @@ class SimWorker:
         self.steps = 0
         self.kv_seq = 0
         self.log: list[tuple[float, str, str]] = []  # (time, what, rid): scheduling decisions
+        self.pool_tokens: dict[str, int] = {}  # rid -> prompt tokens loaded from the KV pool
+        self._pool_probed: set[str] = set()
 
     # ---- what the router reads (router/decide.py `Candidate`) ----------------------------
     @property
@@ -173,7 +177,10 @@ class SimWorker:
             # memory copies: on a shared host, slowed as a decode step (the nearer kind)
             self.sim.run_step(self.wid, [], work, lambda: self._received(rid, t0), "decode")
             return
+        pinned, load_s = self._pool_load()
         out = self.sched.schedule()
+        for rid in pinned:  # the scheduler has found them: the requests' own blocks hold them
+            self.kv.unpin(rid)
         for _ in range(len(self.sched.running) + 1):
             # a step that only preempted (a request preempting itself) changed the queues:
             # the worker loop would schedule again at once
@@ -190,7 +197,34 @@ class SimWorker:
                 self.log.append((self.sim.now, "prefill", s.request_id))
         self.busy, t0 = True, self.sim.now
         self.steps += 1
-        self.sim.run_step(self.wid, rows, self.step.step_s(rows), lambda: self._step_done(out, t0))
+        work = self.step.step_s(rows) + load_s
+        self.sim.run_step(self.wid, rows, work, lambda: self._step_done(out, t0))
+
+    def _pool_load(self) -> tuple[list[str], float]:
+        """Load waiting requests' prefixes from the KV pool before a step (engine/pool_link.py
+        `prefetch`): those not looked up yet, with nothing computed, in queue order, up to a
+        step's token budget. Returns the requests holding loaded blocks and the load's time."""
+        pool = self.sim.kvpool
+        if pool is None:
+            return [], 0.0
+        pinned, load_s, tokens = [], 0.0, 0
+        for request in self.sched.waiting:
+            if tokens >= self.sched.policy.max_num_batched_tokens:
+                break
+            tokens += request.num_tokens - request.num_computed_tokens
+            rid = request.request_id
+            if rid in self._pool_probed or request.num_computed_tokens > 0:
+                continue
+            self._pool_probed.add(rid)
+            _, hashes = self.kv.pool_candidates(request)
+            n = pool.lookup(hashes) if hashes else 0
+            if n == 0:
+                continue
+            loaded = len(self.kv.import_blocks(request, hashes[:n])) * self.kv.block_size
+            pinned.append(rid)
+            self.pool_tokens[rid] = loaded
+            load_s += pool.load_s(loaded * self.step.kv_bytes_per_token)
+        return pinned, load_s
 
     def _received(self, rid: str, t0: float) -> None:
         self.busy = False
@@ -215,7 +249,7 @@ class SimWorker:
                 self._flush(o)
             else:
                 self.sim.on_token(self, rid, finished=rid in finished)
-        self._publish_kv_events()
+        self._kv_events()
         self._try_reserve()
         self.kick()
 
@@ -245,10 +279,17 @@ class SimWorker:
             at = max(o.sent_until, self.sim.now) + self.link.per_message_s
             self.sim.at(at, lambda: self.sim.on_kv_done(self, o))
 
-    def _publish_kv_events(self) -> None:
-        if not self.sim.config.prefix_routing or not self.kv.has_events:
+    def _kv_events(self) -> None:
+        """The blocks the step registered go into the KV pool, and (prefix routing) the
+        router's prefix index hears of them as of a real worker's KVEvents."""
+        routing, pool = self.sim.config.prefix_routing, self.sim.kvpool
+        if not (routing or pool is not None) or not self.kv.has_events:
             return
         stored, removed, cleared = self.kv.take_events()
+        if pool is not None:
+            pool.put(stored)
+        if not routing:
+            return
         seq, self.kv_seq = self.kv_seq, self.kv_seq + 1
         cleared = cleared or seq == 0
         if cleared and seq == 0 and not stored:

@@ -1,74 +1,78 @@
-"""KV transports, chosen from a registry by name.
+"""KV transports, chosen from a registry by name (`--transport`): transfer/api.py's `KVSender`
+and `KVReceiver` over ZeroMQ.
 
-Each transport is a pair of ZeroMQ sockets: the receiving worker (D) binds a ROUTER, every
-sender (P) connects a DEALER whose identity is its worker id. One connection carries both the
-KV frames (P -> D) and the small hand-off messages both ways (KVWant/KVReady/KVDone/KVAck/KVFail),
-so a failure on the link is seen by both ends. ZeroMQ keeps order per connection, which lets D
-require each layer's token ranges to arrive in order.
+Each link is a pair of ZeroMQ sockets: the receiving worker (D) binds a ROUTER, every sender (P)
+connects a DEALER whose identity is its worker id. One connection carries both the KV frames
+(P -> D) and the small hand-off messages both ways, so a failure on the link is seen by both
+ends. ZeroMQ keeps order per connection, which is the order api.py promises.
 
-Multipart layout: [b"M", msgpack message] or [b"F", frame header, frame payload parts...].
+Multipart layout: [b"M", message] or [b"F", frame header, frame payload parts...] or
+[b"S", frame header, shared-memory reference].
 
   * `tcp`    — any host; frames are sent zero-copy from the sender's buffers.
   * `inproc` — workers that are threads of one process (tests): no kernel, no copy.
   * `ipc`    — same host over a Unix socket.
   * `shm`    — same host: the payload is written once into a shared-memory ring owned by the
-               sender and read once by the receiver straight into its KV blocks; only the frame
-               header and the ring position travel over the (ipc) socket. A request's ring space
-               is released when its hand-off ends (ack, failure, abort). When the ring is full a
-               frame goes inline over the socket instead — counted (`shm_inline_frames`), never
-               silent.
+               sender and read once by the receiver straight into its KV blocks (transfer/shm.py);
+               only the frame header and the ring position travel over the (ipc) socket.
+
+Adding a transport (RDMA, a GPU copy engine): a class with api.py's `Transport` methods, whose
+`sender` and `receiver` keep api.py's contract, in its own module under transfer/ (its heavy
+imports inside those methods), and one entry in `TRANSPORTS`; then add its name to the contract
+test (tests/transfer/test_link_contract.py). `shm` is the model of a transport whose payload
+goes around the socket: the header travels in order with the messages, the bytes out of band.
 """
 
 from __future__ import annotations
 
-import collections
+import logging
 import os
-import struct
 import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import zmq
 
+from pdserve.transfer import wire
+from pdserve.transfer.api import KVLinkError, KVSender, KVSink, LinkSetup, Transport
+from pdserve.transfer.shm import ShmReader, ShmRing
+from pdserve.transfer.wire import Part
+
 MSG, FRAME, SHM_FRAME = b"M", b"F", b"S"
-_SHM_REF = struct.Struct("<QQ")  # offset, length; followed by the segment name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Transport:
+class ZmqTransport:
     name: str
+    socket: str  # what the receiver binds: tcp | ipc | inproc
+    shm: bool = False  # payloads through a shared-memory ring (ShmRing)
 
     def bind_endpoint(self, host: str, port: int, worker_id: str) -> str:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class TcpTransport(Transport):
-    def bind_endpoint(self, host: str, port: int, worker_id: str) -> str:
-        return f"tcp://{host}:{port or '*'}"
-
-
-@dataclass(frozen=True)
-class InprocTransport(Transport):
-    def bind_endpoint(self, host: str, port: int, worker_id: str) -> str:
-        return f"inproc://kv-{worker_id}-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass(frozen=True)
-class IpcTransport(Transport):
-    def bind_endpoint(self, host: str, port: int, worker_id: str) -> str:
+        if self.socket == "tcp":
+            return f"tcp://{host}:{port or '*'}"
+        if self.socket == "inproc":
+            return f"inproc://kv-{worker_id}-{uuid.uuid4().hex[:8]}"
         path = os.path.join(tempfile.gettempdir(), f"pdserve-kv-{worker_id}-{os.getpid()}")
         return f"ipc://{path}"
 
+    def receiver(self, setup: LinkSetup) -> ZmqReceiver:
+        return ZmqReceiver(self, setup)
 
-TRANSPORTS: dict[str, Transport] = {
-    "tcp": TcpTransport("tcp"),
-    "inproc": InprocTransport("inproc"),
-    "ipc": IpcTransport("ipc"),
-    "shm": IpcTransport("shm"),  # the socket is ipc; payloads go through ShmRing
+    def sender(self, setup: LinkSetup) -> KVSender:
+        return ZmqSender(self, setup)
+
+
+ZMQ_TRANSPORTS: dict[str, ZmqTransport] = {
+    "tcp": ZmqTransport("tcp", "tcp"),
+    "inproc": ZmqTransport("inproc", "inproc"),
+    "ipc": ZmqTransport("ipc", "ipc"),
+    "shm": ZmqTransport("shm", "ipc", shm=True),  # the socket is ipc; payloads go through ShmRing
 }
+TRANSPORTS: dict[str, Transport] = {**ZMQ_TRANSPORTS}
 
 
 def get_transport(name: str) -> Transport:
@@ -81,7 +85,7 @@ def get_transport(name: str) -> Transport:
 
 
 def bind_receiver(
-    ctx: zmq.Context, transport: Transport, host: str, port: int, worker_id: str
+    ctx: zmq.Context, transport: ZmqTransport, host: str, port: int, worker_id: str
 ) -> tuple[zmq.Socket, str]:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -98,90 +102,131 @@ def connect_sender(ctx: zmq.Context, endpoint: str, worker_id: str) -> zmq.Socke
     return sock
 
 
-class ShmRing:
-    """Sender side of `shm`: a ring of shared memory, space released per request."""
+class ZmqReceiver:
+    """D's end: a ROUTER; `shm` payloads are read in place from the senders' rings."""
 
-    def __init__(self, size: int) -> None:
-        # size 0: no segment at all, every frame goes inline (tests of the fallback use it).
-        self.shm = shared_memory.SharedMemory(create=True, size=size) if size > 0 else None
-        self.size = size
-        self.head = 0  # next write position
-        self.regions: collections.deque[tuple[int, int, str]] = collections.deque()
-        self.released: set[str] = set()
+    def __init__(self, transport: ZmqTransport, setup: LinkSetup) -> None:
+        ctx = setup.zmq_context or zmq.Context.instance()
+        self.sock, self._endpoint = bind_receiver(
+            ctx, transport, setup.host, setup.port, setup.worker_id
+        )
+        self.counters = setup.counters
+        self.shm = ShmReader()
+        if setup.poller is not None:
+            setup.poller.register(self.sock, zmq.POLLIN)
 
-    def put(self, rid: str, parts: Sequence[bytes | memoryview]) -> bytes | None:
-        """Copy `parts` into the ring; returns the reference to send, or None when full."""
-        n = sum(memoryview(p).nbytes for p in parts)
-        start = self._allocate(n)
-        if start is None:
-            return None
-        pos = start
-        assert self.shm is not None and self.shm.buf is not None
-        buf = self.shm.buf
-        for p in parts:
-            view = memoryview(p).cast("B")
-            buf[pos : pos + view.nbytes] = view
-            pos += view.nbytes
-        self.regions.append((start, start + n, rid))
-        return _SHM_REF.pack(start, n) + self.shm.name.encode()
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
 
-    def _allocate(self, n: int) -> int | None:
-        if n == 0 or n > self.size:
-            return None
-        if not self.regions:
-            self.head = 0
-            return self._claim(0, n)
-        tail = self.regions[0][0]
-        if self.head > tail:  # not wrapped: free space is [head, size) and [0, tail)
-            if self.size - self.head >= n:
-                return self._claim(self.head, n)
-            return self._claim(0, n) if tail >= n else None
-        return self._claim(self.head, n) if tail - self.head >= n else None
+    def poll(self, sink: KVSink) -> None:
+        while True:
+            try:
+                peer, *parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._deliver(peer.bytes, parts, sink)
 
-    def _claim(self, start: int, n: int) -> int:
-        self.head = start + n
-        return start
+    def _deliver(self, peer: bytes, parts: list[Any], sink: KVSink) -> None:
+        kind = parts[0].bytes if parts else b""
+        if kind == FRAME:
+            sink.on_frame(peer, [p.buffer for p in parts[1:]])
+        elif kind == SHM_FRAME:
+            self._shm_frame(peer, [p.buffer for p in parts[1:]], sink)
+        elif kind == MSG and len(parts) == 2:
+            sink.on_message(peer, parts[1].buffer)
+        else:
+            self.counters["bad_frames"] += 1
 
-    def release(self, rid: str) -> None:
-        self.released.add(rid)
-        while self.regions and self.regions[0][2] in self.released:
-            self.regions.popleft()
-        live = {r[2] for r in self.regions}
-        self.released &= live
+    def _shm_frame(self, peer: bytes, parts: list[memoryview], sink: KVSink) -> None:
+        """A frame whose payload sits in the sender's shared-memory ring: [header, ref]."""
+        try:
+            if len(parts) != 2:
+                raise ValueError("expected [header, ring reference]")
+            payload = self.shm.view(bytes(parts[1]), wire.DEFAULT_MAX_PAYLOAD)
+        except (ValueError, OSError) as e:
+            self.counters["bad_frames"] += 1
+            log.warning("dropping a bad shared-memory frame from %r: %s", peer, e)
+            return
+        try:
+            sink.on_frame(peer, [parts[0], payload])
+        finally:
+            payload.release()  # the segment stays mapped; a view left behind would pin it
 
-    def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
-            self.shm.unlink()
-
-
-class ShmReader:
-    """Receiver side of `shm`: maps senders' rings by name and hands out views of payloads."""
-
-    def __init__(self) -> None:
-        self.segments: dict[str, shared_memory.SharedMemory] = {}
-
-    def view(self, ref: bytes, max_len: int) -> memoryview:
-        if len(ref) <= _SHM_REF.size or len(ref) > _SHM_REF.size + 255:
-            raise ValueError("malformed shared-memory reference")
-        start, n = _SHM_REF.unpack_from(ref)
-        name = ref[_SHM_REF.size :].decode("ascii", errors="strict")
-        seg = self._segment(name)
-        if n > max_len or start + n > seg.size:
-            raise ValueError(f"shared-memory range {start}+{n} outside the segment or too large")
-        assert seg.buf is not None
-        return seg.buf[start : start + n]
-
-    def _segment(self, name: str) -> shared_memory.SharedMemory:
-        seg = self.segments.get(name)
-        if seg is None:
-            seg = shared_memory.SharedMemory(name=name)
-            # The sender owns and unlinks it; stop this process's tracker from doing so too.
-            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-            self.segments[name] = seg
-        return seg
+    def reply(self, peer: bytes, message: bytes) -> None:
+        try:
+            self.sock.send_multipart([peer, MSG, message])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: ROUTER_MANDATORY and the peer is gone
+            raise KVLinkError(f"cannot reach {peer!r}: {e}") from e
 
     def close(self) -> None:
-        for seg in self.segments.values():
-            seg.close()
-        self.segments.clear()
+        self.shm.close()
+        self.sock.close(0)
+
+
+class ZmqSender:
+    """P's end: a DEALER per D endpoint, connected on first use; `shm` writes payloads to a
+    ring (ShmRing) and sends their position, or the payload inline when the ring is full."""
+
+    def __init__(self, transport: ZmqTransport, setup: LinkSetup) -> None:
+        self.ctx = setup.zmq_context or zmq.Context.instance()
+        self.worker_id, self.poller, self.counters = setup.worker_id, setup.poller, setup.counters
+        self.socks: dict[str, zmq.Socket] = {}  # endpoint -> DEALER
+        self.ring = ShmRing(setup.shm_bytes) if transport.shm else None
+
+    def send_layer(self, dest: str, rid: str, frame: Sequence[Part]) -> None:
+        self._send(dest, self._pack(rid, frame))
+
+    def _pack(self, rid: str, frame: Sequence[Part]) -> list[Part]:
+        """Multipart for the link: payload inline, or written to the shared-memory ring."""
+        if self.ring is not None:
+            ref = self.ring.put(rid, frame[1:])
+            if ref is not None:
+                return [SHM_FRAME, frame[0], ref]
+            self.counters["shm_inline_frames"] += 1
+        return [FRAME, *frame]
+
+    def send(self, dest: str, message: bytes) -> None:
+        self._send(dest, [MSG, message])
+
+    def _send(self, dest: str, parts: list[Part]) -> None:
+        try:
+            # never block the main loop on a dead or wedged D: its queue (SNDHWM messages)
+            # fills and the frame is dropped; D's completeness check then fails the hand-off,
+            # and the router retries or recovers the request
+            self._sock(dest).send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.counters["kv_sends_dropped"] += 1
+
+    def _sock(self, dest: str) -> zmq.Socket:
+        sock = self.socks.get(dest)
+        if sock is None:
+            sock = connect_sender(self.ctx, dest, self.worker_id)
+            if self.poller is not None:
+                self.poller.register(sock, zmq.POLLIN)
+            self.socks[dest] = sock
+        return sock
+
+    def done(self, rid: str) -> None:
+        if self.ring is not None:
+            self.ring.release(rid)
+
+    def poll(self) -> list[bytes]:
+        out = []
+        for sock in self.socks.values():
+            while True:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(parts) != 2 or parts[0].bytes != MSG:
+                    self.counters["bad_frames"] += 1
+                    continue
+                out.append(parts[1].bytes)
+        return out
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close(0)
+        if self.ring is not None:
+            self.ring.close()

@@ -13,9 +13,15 @@ Why this shape:
     implies (`codec.encoded_size`) and against `max_payload` before any tensor is allocated, and
     a CRC-32 over the header and payload catches corruption (every single-bit flip, any burst up
     to 32 bits). CRC-32 is not a MAC: it guards against accidents, not against an attacker.
-  * `fingerprint` is 8 bytes of sha256 over the KV layout (layers, KV heads, head dim, dtype),
-    independent of the model's name, so P and D serving the same model agree and a frame for a
-    different layout is rejected. It cannot tell two fine-tunes of one architecture apart.
+  * `fingerprint` is 8 bytes of sha256 over the KV layout (layers, KV heads, head dim, dtype,
+    and a model's sliding windows: `kv_layout.KVLayout.fingerprint`), independent of the model's
+    name, so P and D serving the same model agree and a frame for a different layout is
+    rejected. It cannot tell two fine-tunes of one architecture apart (workers add the weights'
+    identity for that).
+  * Sliding windows: a sliding-window layer's frames cover only what D's first query there can
+    see, tokens [num_kv - window + 1, num_kv) (`ModelArch.kv_needed_from`, computed alike on
+    both sides from the arch), so the frame itself is unchanged and its version too; what
+    changed is which ranges a sender sends, which the layout fingerprint names instead.
 
 Header (little-endian, `HEADER_FIXED_SIZE` = 50 bytes, then the request id):
   magic b"PDKV" | version u16 | header_len u16 | codec u8 | dtype u8 | flags u16 (0 in v1) |
@@ -29,7 +35,6 @@ header with the checksum field zeroed, continued over the payload.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -38,7 +43,7 @@ from dataclasses import dataclass, replace
 import crc32c
 import torch
 
-from pdserve.engine.models.arch import ModelArch
+from pdserve.kv_layout import FINGERPRINT_BYTES
 from pdserve.transfer.codecs import (
     CODECS_BY_ID,
     WIRE_DTYPES,
@@ -52,7 +57,6 @@ VERSION = 2  # v2: CRC-32C (hardware, ~3x zlib's CRC-32 here); v1 frames (zlib C
 READABLE_VERSIONS = (1, 2)
 MAX_REQUEST_ID_BYTES = 256
 DEFAULT_MAX_PAYLOAD = 1 << 30
-FINGERPRINT_BYTES = 8
 
 _FIXED = struct.Struct("<4sHHBBHHHIIHH8sQIH")
 HEADER_FIXED_SIZE = _FIXED.size
@@ -168,23 +172,6 @@ class Frame:
             )
         except ValueError as e:
             raise WireError(f"bad payload: {e}") from e
-
-
-# --------------------------------------------------------------------------- fingerprint
-
-
-def layout_fingerprint(arch: ModelArch, dtype: torch.dtype, weights: str = "") -> bytes:
-    """8 bytes naming the KV layout (layers, KV heads, head dim, dtype) and, when given, the
-    weights the KV is computed from (`weights`, workers/pool.py `kv_weights`): a P and a D
-    whose fingerprints differ must not pair (D would continue from another model's KV)."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    text = (
-        f"pdkv-layout/1 layers={arch.num_layers} kv_heads={arch.num_kv_heads} "
-        f"head_dim={arch.head_dim} dtype={dtype_name}"
-    )
-    if weights:
-        text += f" weights={weights}"
-    return hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
 
 
 # --------------------------------------------------------------------------- encode

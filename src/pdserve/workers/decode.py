@@ -1,30 +1,42 @@
 """Decode side of the hand-off: reserve blocks, receive KV frames into them, admit, generate.
 
-Life cycle of a request here, by the names used below (`Incoming.stage`):
+Life cycle of a request here, by the names used below (`Incoming.stage`, a `ReceiveStage`):
   1. `reserving`  — ExpectKV arrived; blocks for the prompt's KV are reserved (retried each loop
                     while memory is short, until the deadline); the prompt's cached prefix here
                     is reused (`have_tokens`, whole blocks), so only the rest must arrive;
   2. `receiving`  — reserved and P's KVWant seen: KVReady(have_tokens) went to P; frames are
                     checked (checksum, layout fingerprint, ranges in order per layer, nothing
-                    before have_tokens) and written into the blocks;
+                    before have_tokens, a sliding layer's from its window's start, where P
+                    starts it) and written into the blocks;
   3. admitted     — KVDone arrived and every layer holds every token: the engine admits the
                     request with num_computed_tokens = KV tokens; KVAck releases P's blocks.
 Any bad frame, silence longer than the deadline, or KVFail from P cancels the reservation and tells
 both P and the requester. Nothing here waits without a deadline.
+
+Frames and messages arrive through this worker's `KVReceiver` (transfer/api.py), which hands them
+to this side (`poll`: `on_frame`, `on_message`); answers to P go back by `reply`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
-from pdserve.transfer.transports import MSG, ShmReader
+from pdserve.transfer.api import KVReceiver
+from pdserve.transfer.wire import Part
 from pdserve.workers import messages as m
-from pdserve.workers.side_host import SideHost
+from pdserve.workers.context import WorkerContext
+
+
+class ReceiveStage(StrEnum):
+    RESERVING = "reserving"
+    RECEIVING = "receiving"
 
 
 @dataclass
@@ -36,7 +48,7 @@ class Incoming:
     num_kv_tokens: int
     client: bytes
     last_activity: float
-    stage: str = "reserving"
+    stage: ReceiveStage = ReceiveStage.RESERVING
     peer: bytes | None = None  # P's identity on the KV socket, once KVWant arrived
     slots: torch.Tensor | None = None
     next_token: list[int] = field(default_factory=list)
@@ -48,11 +60,10 @@ class Incoming:
 
 
 class DecodeSide:
-    def __init__(self, worker: SideHost) -> None:
-        self.w = worker
+    def __init__(self, ctx: WorkerContext, link: KVReceiver) -> None:
+        self.ctx, self.link, self.settings = ctx, link, ctx.settings
         self.inc: dict[str, Incoming] = {}
         self.early_wants: dict[str, tuple[bytes, float]] = {}  # KVWant before ExpectKV
-        self.shm = ShmReader()
         self.drop_acks = 0  # fault injection: acknowledgements to swallow (-1: all)
 
     # ---- intake --------------------------------------------------------------------------
@@ -68,21 +79,21 @@ class DecodeSide:
             n_kv,
             client,
             now,
-            next_token=[0] * self.w.engine.arch.num_layers,
+            next_token=[0] * self.ctx.engine.arch.num_layers,
             started=now,
             times={"expect": now},
         )
-        if msg.rid in self.inc or msg.rid in self.w.engine._live:
+        if msg.rid in self.inc or msg.rid in self.ctx.engine._live:
             raise ValueError(f"request id {msg.rid!r} is already in use")
         self.inc[msg.rid] = inc
-        self.w.clients[msg.rid] = client
+        self.ctx.clients[msg.rid] = client
         early = self.early_wants.pop(msg.rid, None)
         if early is not None:
             inc.peer = early[0]
         self._try_reserve(inc)
 
     def _try_reserve(self, inc: Incoming) -> None:
-        eng = self.w.engine
+        eng = self.ctx.engine
         try:
             blocks = eng.reserve_kv(inc.prompt_ids, inc.params, inc.rid, inc.num_kv_tokens)
         except ValueError as e:
@@ -92,16 +103,33 @@ class DecodeSide:
             return  # memory short: retried each loop until the deadline
         inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
         inc.have_tokens = blocks.cached_tokens
-        inc.next_token = [blocks.cached_tokens] * len(inc.next_token)
-        inc.stage, inc.times["reserved"] = "receiving", time.monotonic()
+        # P sends a sliding layer only its window (ModelArch.kv_needed_from), as expected here
+        arch, n = eng.arch, inc.num_kv_tokens
+        inc.next_token = [
+            max(inc.have_tokens, arch.kv_needed_from(i, n)) for i in range(arch.num_layers)
+        ]
+        inc.stage, inc.times["reserved"] = ReceiveStage.RECEIVING, time.monotonic()
         self._maybe_ready(inc)
 
     def _maybe_ready(self, inc: Incoming) -> None:
-        if inc.stage == "receiving" and inc.peer is not None:
+        if inc.stage == ReceiveStage.RECEIVING and inc.peer is not None:
             self._send(inc.peer, m.KVReady(inc.rid, inc.have_tokens))
 
-    # ---- the KV socket -------------------------------------------------------------------
-    def on_message(self, peer: bytes, msg: object) -> None:
+    # ---- the KV link ---------------------------------------------------------------------
+    def poll(self) -> None:
+        """Each loop turn: take what P workers sent (frames, messages) from the link."""
+        self.link.poll(self)
+
+    def on_message(self, peer: bytes, data: Part) -> None:
+        try:
+            msg = m.decode(data)
+        except m.MessageError as e:
+            self.ctx.counters["bad_messages"] += 1
+            self.ctx.log.warning("dropping a bad message on the KV link: %s", e)
+            return
+        self._on_message(peer, msg)
+
+    def _on_message(self, peer: bytes, msg: object) -> None:
         if isinstance(msg, m.KVWant):
             inc = self.inc.get(msg.rid)
             if inc is None:
@@ -118,36 +146,21 @@ class DecodeSide:
             if inc is not None:
                 self.fail(inc, f"prefill worker {inc.src_worker}: {msg.reason}", tell_src=False)
 
-    def on_shm_frame(self, peer: bytes, parts: list) -> None:
-        """A frame whose payload sits in the sender's shared-memory ring: [header, ref]."""
-        try:
-            if len(parts) != 2:
-                raise ValueError("expected [header, ring reference]")
-            payload = self.shm.view(bytes(parts[1]), wire.DEFAULT_MAX_PAYLOAD)
-        except (ValueError, OSError) as e:
-            self.w.counters["bad_frames"] += 1
-            self.w.log.warning("dropping a bad shared-memory frame from %r: %s", peer, e)
-            return
-        try:
-            self.on_frame(peer, [parts[0], payload])
-        finally:
-            payload.release()
-
-    def on_frame(self, peer: bytes, parts: list) -> None:
+    def on_frame(self, peer: bytes, parts: Sequence[Part]) -> None:
         try:
             head = wire.peek_header(parts)
         except wire.WireError as e:
-            self.w.counters["bad_frames"] += 1
-            self.w.log.warning("dropping a malformed KV frame from %r: %s", peer, e)
+            self.ctx.counters["bad_frames"] += 1
+            self.ctx.log.warning("dropping a malformed KV frame from %r: %s", peer, e)
             return
         inc = self.inc.get(head.request_id)
-        if inc is None or inc.stage != "receiving" or inc.peer != peer:
-            self.w.counters["stray_frames"] += 1
+        if inc is None or inc.stage != ReceiveStage.RECEIVING or inc.peer != peer:
+            self.ctx.counters["stray_frames"] += 1
             return
         try:
-            self._store(inc, wire.decode_frame(parts, fingerprint=self.w.fingerprint))
+            self._store(inc, wire.decode_frame(parts, fingerprint=self.settings.fingerprint))
         except ValueError as e:
-            self.w.counters["bad_frames"] += 1
+            self.ctx.counters["bad_frames"] += 1
             self.fail(inc, f"bad KV frame: {e}")
 
     def _store(self, inc: Incoming, frame: wire.Frame) -> None:
@@ -167,7 +180,7 @@ class DecodeSide:
                 raise ValueError(
                     f"layer {layer}: tokens from {h.token_start}, expected {inc.next_token[layer]}"
                 )
-            self.w.engine.write_kv(inc.slots[h.token_start : h.token_end], layer, k, v)
+            self.ctx.engine.write_kv(inc.slots[h.token_start : h.token_end], layer, k, v)
             inc.next_token[layer] = h.token_end
         inc.frames += 1
         inc.nbytes += h.payload_len
@@ -177,7 +190,7 @@ class DecodeSide:
     def _on_done(self, inc: Incoming, msg: m.KVDone) -> None:
         complete = all(n == inc.num_kv_tokens for n in inc.next_token)
         if (
-            inc.stage != "receiving"
+            inc.stage != ReceiveStage.RECEIVING
             or msg.num_kv_tokens != inc.num_kv_tokens
             or not complete
             or msg.frames != inc.frames
@@ -190,25 +203,28 @@ class DecodeSide:
             return
         del self.inc[inc.rid]
         inc.times["done"] = time.monotonic()
+        eng = self.ctx.engine
         try:
-            self.w.engine.admit_prefilled(inc.rid, msg.output_ids, inc.num_kv_tokens, msg.fork_ids)
+            eng.admit_prefilled(inc.rid, msg.output_ids, inc.num_kv_tokens, msg.fork_ids)
         except ValueError as e:
-            self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, str(e), "admission"))
+            self.ctx.emit(
+                inc.rid, m.RequestFailed(inc.rid, self.ctx.worker_id, str(e), "admission")
+            )
             return
         assert inc.peer is not None
         self._send(inc.peer, m.KVAck(inc.rid))
-        self.w.counters["handoffs_received"] += 1
-        self.w.counters["kv_tokens_reused"] += inc.have_tokens
-        self.w.emit(
+        self.ctx.counters["handoffs_received"] += 1
+        self.ctx.counters["kv_tokens_reused"] += inc.have_tokens
+        self.ctx.emit(
             inc.rid,
             m.TransferReport(
                 inc.rid,
-                self.w.worker_id,
+                self.ctx.worker_id,
                 "recv",
                 inc.frames,
                 inc.nbytes,
                 time.monotonic() - inc.started,
-                self.w.kv_codec,
+                self.settings.kv_codec,
                 inc.times,
             ),
         )
@@ -216,14 +232,14 @@ class DecodeSide:
     # ---- deadlines and failures ----------------------------------------------------------
     def check_deadlines(self, now: float) -> None:
         for inc in list(self.inc.values()):
-            if inc.stage == "reserving":
+            if inc.stage == ReceiveStage.RESERVING:
                 self._try_reserve(inc)
             limit = self._limit(inc)
             if inc.rid in self.inc and now - inc.last_activity > limit:
-                what = "KV blocks" if inc.stage == "reserving" else "KV frames"
+                what = "KV blocks" if inc.stage == ReceiveStage.RESERVING else "KV frames"
                 self.fail(inc, f"no progress on {what} for {limit:g}s")
         for rid, (_, t) in list(self.early_wants.items()):
-            if now - t > self.w.deadline_s:
+            if now - t > self.settings.deadline_s:
                 del self.early_wants[rid]
 
     def _limit(self, inc: Incoming) -> float:
@@ -233,25 +249,25 @@ class DecodeSide:
         ~8 s). With `deadline_s` alone, KB-QA on 1P1D failed the second prompt of a burst at
         5 s, re-queued it on P and counted a retry. A P that dies or sticks is the router's to
         detect; it aborts the reservation here."""
-        if inc.stage == "receiving" and "first_frame" not in inc.times:
-            return self.w.kv_wait_s
-        return self.w.deadline_s
+        if inc.stage == ReceiveStage.RECEIVING and "first_frame" not in inc.times:
+            return self.settings.kv_wait_s
+        return self.settings.deadline_s
 
     def fail(
         self, inc: Incoming, reason: str, tell_src: bool = True, stage: str = "transfer"
     ) -> None:
         self.inc.pop(inc.rid, None)
-        self.w.engine.cancel_reserved(inc.rid)
-        self.w.counters["transfer_failures"] += 1
+        self.ctx.engine.cancel_reserved(inc.rid)
+        self.ctx.counters["transfer_failures"] += 1
         if tell_src and inc.peer is not None:
             self._send(inc.peer, m.KVFail(inc.rid, reason))
-        self.w.emit(inc.rid, m.RequestFailed(inc.rid, self.w.worker_id, reason, stage))
-        self.w.clients.pop(inc.rid, None)
+        self.ctx.emit(inc.rid, m.RequestFailed(inc.rid, self.ctx.worker_id, reason, stage))
+        self.ctx.clients.pop(inc.rid, None)
 
     def abort(self, rid: str) -> None:
         inc = self.inc.pop(rid, None)
         if inc is not None:
-            self.w.engine.cancel_reserved(rid)
+            self.ctx.engine.cancel_reserved(rid)
             if inc.peer is not None:
                 self._send(inc.peer, m.KVFail(rid, "aborted"))
         self.early_wants.pop(rid, None)
@@ -259,9 +275,12 @@ class DecodeSide:
     def _send(self, peer: bytes, msg: object) -> None:
         if isinstance(msg, m.KVAck) and self.drop_acks != 0:  # injected fault: a lost ack
             self.drop_acks -= 1
-            self.w.counters["faults_injected"] += 1
+            self.ctx.counters["faults_injected"] += 1
             return
         try:
-            self.w.kv_in.send_multipart([peer, MSG, m.encode(msg)])
-        except Exception as e:  # zmq.ZMQError: the peer is gone (ROUTER_MANDATORY)
-            self.w.log.warning("cannot reach %r: %s", peer, e)
+            self.link.reply(peer, m.encode(msg))
+        except Exception as e:  # KVLinkError: the peer is gone
+            self.ctx.log.warning("cannot reach %r: %s", peer, e)
+
+    def close(self) -> None:
+        self.link.close()

@@ -3,7 +3,7 @@ how it is built from the `--kv-pool-*` flags (the tiers live in kvpool/; engine/
 is how the engine uses the pool).
 
 The namespace: the model's fingerprint (weight files' sizes and first and last MiB, plus the
-weight quantization, which changes the KV), the KV dtype, `transfer.wire.layout_fingerprint`
+weight quantization, which changes the KV), the KV dtype, the cache's `KVLayout` fingerprint
 (layers, KV heads, head dim, dtype), the block size, the codec the values are stored with and
 the chunk size (blocks per stored value: the whole number nearest `--kv-pool-chunk-mb` of stored
 bytes, kvpool/api.py `chunk_blocks_for`).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.config import WorkerConfig
@@ -20,15 +21,7 @@ from pdserve.engine import quantize
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loader import ModelSource
 from pdserve.kvpool import build_pool
-from pdserve.kvpool.api import (
-    DEFAULT_CHUNK_MB,
-    KVPool,
-    KVPoolConfig,
-    PoolNamespace,
-    chunk_blocks_for,
-)
-from pdserve.kvpool.values import value_nbytes
-from pdserve.transfer import wire
+from pdserve.kvpool.api import DEFAULT_CHUNK_MB, KVPool, KVPoolConfig, PoolNamespace
 
 PoolFactory = Callable[[KVPoolConfig, PoolNamespace], "KVPool | None"]
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file
@@ -81,18 +74,18 @@ def kv_weights(source: ModelSource, quantization: str, architecture: str) -> tup
 
 
 def kv_fingerprint(engine: LLMEngine) -> tuple[bytes, str]:
-    """The KV hand-off's fingerprint of this engine (wire.layout_fingerprint over the layout
-    and `kv_weights`) and its description: which formats this engine runs, for the router's
+    """The KV hand-off's fingerprint of this engine (its `kv_layout`, the weights named by
+    `kv_weights`) and its description: which formats this engine runs, for the router's
     refusal to pair workers whose fingerprints differ."""
-    arch, dtype = engine.arch, str(engine.dtype).removeprefix("torch.")
-    weights, named = kv_weights(engine.source, engine.quantization, arch.architecture)
+    layout = engine.kv_layout
+    weights, named = kv_weights(engine.source, engine.quantization, engine.arch.architecture)
     prefill = engine.prefill_choice.format
     desc = (
         f"{named}, decode {engine.quantization}, prefill "
-        f"{prefill if prefill != 'none' else engine.quantization}, KV {dtype} "
-        f"{arch.num_layers} layers x {arch.num_kv_heads} heads x {arch.head_dim}"
+        f"{prefill if prefill != 'none' else engine.quantization}, KV {layout.dtype_name} "
+        f"{layout.num_layers} layers x {layout.num_kv_heads} heads x {layout.head_dim}"
     )
-    return wire.layout_fingerprint(arch, engine.dtype, weights), desc
+    return replace(layout, weights=weights).fingerprint(), desc
 
 
 def _file_sample(path: Path) -> bytes:
@@ -107,18 +100,9 @@ def _file_sample(path: Path) -> bytes:
 def namespace(
     engine: LLMEngine, codec: str = "none", chunk_mb: float = DEFAULT_CHUNK_MB
 ) -> PoolNamespace:
-    k = engine.cache.layers[0][0]  # [blocks, block_size, kv_heads, head_dim]
-    block = (len(engine.cache.layers), 2, k.shape[1], k.shape[2], k.shape[3])
-    kv_dtype = engine.cache.dtype  # blocks are stored as cached: --kv-cache-dtype
-    block_bytes = value_nbytes(48, block, kv_dtype, codec)  # 48: a pool key
-    return PoolNamespace(
-        model=model_fingerprint(engine.source, engine.quantization),
-        dtype=str(kv_dtype).removeprefix("torch."),
-        layout=wire.layout_fingerprint(engine.arch, kv_dtype).hex(),
-        block_size=engine.cache.block_size,
-        codec=codec,
-        chunk_blocks=chunk_blocks_for(chunk_mb, block_bytes),
-    )
+    layout = engine.cache.layout  # blocks are stored as cached: --kv-cache-dtype
+    model = model_fingerprint(engine.source, engine.quantization)
+    return PoolNamespace.of(model, layout, engine.cache.block_size, codec, chunk_mb)
 
 
 def default_factory(config: KVPoolConfig, ns: PoolNamespace) -> KVPool | None:

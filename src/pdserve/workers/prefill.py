@@ -1,43 +1,56 @@
 """Prefill side of the hand-off: compute the prompt, push its KV to D, keep it until D acknowledges.
 
-Life cycle of a request here, by the names used below (`Outgoing.stage`):
+Life cycle of a request here, by the names used below (`Outgoing.stage`, a `SendStage`):
   1. `waiting_ready`  — Prefill arrived; the engine computes at once; KVWant went to D. Frames are
                         not sent until D answers KVReady (its blocks are reserved).
   2. `streaming`      — D is ready: the backlog (layers already computed) is sent from the cache,
                         then every layer's KV is sent from the layer hook as soon as it exists.
-                        Tokens before KVReady.have_tokens (D's own cached prefix) are never sent.
+                        Tokens before KVReady.have_tokens (D's own cached prefix) are never sent,
+                        nor, on a sliding-window layer, those before D's first query's window
+                        (`ModelArch.kv_needed_from`; this worker still holds those).
   3. `done_sent`      — the hand-off tokens are sampled, all frames and KVDone are out; the blocks
                         stay held (lease) until KVAck, KVFail, or the lease runs out (reclaimed,
                         counted, reported).
 The first token goes to the requester as soon as it is sampled, before any of this completes.
 Every stage has a deadline; on any failure both D and the requester are told.
+
+Frames and messages go to D through this worker's `KVSender` (transfer/api.py); D's replies come
+back from its `poll`, each loop turn and, for KVReady, mid-step from the layer hook.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
-import zmq
 
 from pdserve.engine.model_runner import RowSpan
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer import wire
-from pdserve.transfer.transports import FRAME, MSG, SHM_FRAME, ShmRing, connect_sender
+from pdserve.transfer.api import KVSender
+from pdserve.transfer.wire import Part
 from pdserve.workers import messages as m
-from pdserve.workers.side_host import SideHost
+from pdserve.workers.context import WorkerContext
+
+
+class SendStage(StrEnum):
+    WAITING_READY = "waiting_ready"
+    STREAMING = "streaming"
+    DONE_SENT = "done_sent"
 
 
 @dataclass
 class Outgoing:
     rid: str
     dest_worker: str
-    sock: zmq.Socket
+    dest: str  # D's KV endpoint
     params: SamplingParams  # the client's parameters (P runs with max_tokens = hand-off tokens)
     started: float
-    stage: str = "waiting_ready"
+    stage: SendStage = SendStage.WAITING_READY
     next_token: list[int] = field(default_factory=list)  # per layer: first token not yet sent
     frames: int = 0
     nbytes: int = 0
@@ -63,45 +76,64 @@ class Fault:
 
 
 class PrefillSide:
-    def __init__(self, worker: SideHost) -> None:
-        self.w = worker
+    def __init__(self, ctx: WorkerContext, link: KVSender) -> None:
+        self.ctx, self.link, self.settings = ctx, link, ctx.settings
         self.out: dict[str, Outgoing] = {}
-        self.senders: dict[str, zmq.Socket] = {}  # endpoint -> DEALER
         self.fault = Fault()
-        self.delayed: list[tuple[float, zmq.Socket, list]] = []
-        self.ring = ShmRing(worker.shm_bytes) if worker.transport == "shm" else None
-        worker.engine.runner.layer_hook = self.on_layer
+        # (when, D's endpoint, the send) held back by a `delay` fault, in order per endpoint
+        self.delayed: list[tuple[float, str, Callable[[], None]]] = []
+        self.deferred: list[object] = []  # D's messages that arrived during a step
+        ctx.engine.runner.layer_hook = self.on_layer
 
     # ---- intake --------------------------------------------------------------------------
     def start(self, msg: m.Prefill, client: bytes) -> None:
         params = m.sampling_params(msg.params)
         handoff = max(1, msg.handoff_tokens)
         local = m.sampling_params({**msg.params, "max_tokens": min(handoff, params.max_tokens)})
-        self.w.engine.add_request(msg.prompt_ids, local, msg.rid, hold_kv=True)
-        sock = self._sender(msg.dest_endpoint)
-        layers = self.w.engine.arch.num_layers
+        self.ctx.engine.add_request(msg.prompt_ids, local, msg.rid, hold_kv=True)
+        arch = self.ctx.engine.arch
+        # D continues after the hand-off's KV tokens (D counts them the same way): a sliding
+        # layer gets only the last `window - 1` of them, all D's first query there can see.
+        num_kv = len(msg.prompt_ids) + handoff - 1
         now = time.monotonic()
         self.out[msg.rid] = Outgoing(
             msg.rid,
             msg.dest_worker,
-            sock,
+            msg.dest_endpoint,
             params,
             now,
-            next_token=[0] * layers,
+            next_token=[arch.kv_needed_from(i, num_kv) for i in range(arch.num_layers)],
             times={"received": now},
         )
-        self.w.clients[msg.rid] = client
-        self._send_msg(sock, m.KVWant(msg.rid, self.w.worker_id))
-
-    def _sender(self, endpoint: str) -> zmq.Socket:
-        sock = self.senders.get(endpoint)
-        if sock is None:
-            sock = connect_sender(self.w.ctx, endpoint, self.w.worker_id)
-            self.w.poller.register(sock, zmq.POLLIN)
-            self.senders[endpoint] = sock
-        return sock
+        self.ctx.clients[msg.rid] = client
+        self._send_msg(msg.dest_endpoint, m.KVWant(msg.rid, self.ctx.worker_id))
 
     # ---- messages from D -----------------------------------------------------------------
+    def poll(self) -> None:
+        """Each loop turn, between engine steps: act on what D workers sent back."""
+        for data in self.link.poll():
+            self.on_reply(data)
+
+    def run_deferred(self) -> None:
+        """After an engine step: act on what D sent during it (`on_reply` kept it for now)."""
+        deferred, self.deferred = self.deferred, []
+        for msg in deferred:
+            self.on_message(msg)
+
+    def on_reply(self, data: Part, mid_step: bool = False) -> None:
+        """A message from a decode worker we push to. During an engine step (from the layer
+        hook) only KVReady is acted on; the rest changes engine state and waits for the step."""
+        try:
+            msg = m.decode(data)
+        except m.MessageError as e:
+            self.ctx.counters["bad_messages"] += 1
+            self.ctx.log.warning("dropping a bad message on the KV link: %s", e)
+            return
+        if mid_step and not isinstance(msg, m.KVReady):
+            self.deferred.append(msg)
+        else:
+            self.on_message(msg)
+
     def on_message(self, msg: object) -> None:
         if isinstance(msg, m.KVReady):
             self._on_ready(msg.rid, msg.have_tokens)
@@ -114,13 +146,13 @@ class PrefillSide:
 
     def _on_ready(self, rid: str, have_tokens: int = 0) -> None:
         o = self.out.get(rid)
-        if o is None or o.stage != "waiting_ready":
+        if o is None or o.stage != SendStage.WAITING_READY:
             return
         self._skip_cached(o, have_tokens)
-        o.stage, o.times["ready"] = "streaming", time.monotonic()
+        o.stage, o.times["ready"] = SendStage.STREAMING, time.monotonic()
         if o.finished_local:
             self._send_done(o)
-        elif self.w.stream_kv:
+        elif self.settings.stream_kv:
             self._send_backlog(o)
 
     def _skip_cached(self, o: Outgoing, have_tokens: int) -> None:
@@ -129,15 +161,16 @@ class PrefillSide:
         D leaves at least the last prompt token to us; a larger claim is capped, so what we send
         then starts before D's claim and D's own checks fail the hand-off (never failed from
         here: this may run inside an engine step, from the layer hook)."""
-        request = self.w.engine.scheduler.requests.get(o.rid) or self.w.engine.held_request(o.rid)
+        eng = self.ctx.engine
+        request = eng.scheduler.requests.get(o.rid) or eng.held_request(o.rid)
         limit = request.num_prompt_tokens - 1 if request is not None else 0
         skip = max(0, min(have_tokens, limit))
         o.next_token = [max(n, skip) for n in o.next_token]
-        self.w.counters["kv_tokens_skipped"] += skip
+        self.ctx.counters["kv_tokens_skipped"] += skip
 
     def _send_backlog(self, o: Outgoing) -> None:
         """Send from the cache every layer's KV computed (in finished steps) before D was ready."""
-        eng = self.w.engine
+        eng = self.ctx.engine
         request = eng.scheduler.requests.get(o.rid) or eng.scheduler.held.get(o.rid)
         if request is None:
             return
@@ -149,20 +182,20 @@ class PrefillSide:
         o = self.out.pop(rid, None)
         if o is None:
             return
-        self.w.engine.release_kv(rid)
-        self._release_ring(rid)
-        self.w.counters["handoffs_acked"] += 1
+        self.ctx.engine.release_kv(rid)
+        self.link.done(rid)
+        self.ctx.counters["handoffs_acked"] += 1
         o.times["acked"] = time.monotonic()
-        self.w.emit(
+        self.ctx.emit(
             rid,
             m.TransferReport(
                 rid,
-                self.w.worker_id,
+                self.ctx.worker_id,
                 "send",
                 o.frames,
                 o.nbytes,
                 time.monotonic() - o.started,
-                self.w.kv_codec,
+                self.settings.kv_codec,
                 o.times,
             ),
         )
@@ -174,13 +207,13 @@ class PrefillSide:
         D's KVReady usually lands while a long prompt is computing, so the hook also polls for
         it; layers of this step computed before it came are caught up from the cache.
         """
-        if not self.w.stream_kv:
+        if not self.settings.stream_kv:
             return  # everything goes after the prefill (the baseline streaming is measured against)
-        if any(o.stage == "waiting_ready" for o in self.out.values()):
+        if any(o.stage == SendStage.WAITING_READY for o in self.out.values()):
             self.poll_ready()
         for span in spans:
             o = self.out.get(span.request_id)
-            if o is None or o.stage != "streaming":
+            if o is None or o.stage != SendStage.STREAMING:
                 continue
             end = span.start_pos + span.num_tokens
             for earlier in range(layer):
@@ -195,16 +228,11 @@ class PrefillSide:
 
     def poll_ready(self) -> None:
         """Mid-step: act on KVReady at once; anything else waits until the step is over."""
-        for sock in self.senders.values():
-            while True:
-                try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self.w.on_kv_reply(parts, mid_step=True)
+        for data in self.link.poll():
+            self.on_reply(data, mid_step=True)
 
     def _send_from_cache(self, o: Outgoing, layer: int, end: int) -> None:
-        eng = self.w.engine
+        eng = self.ctx.engine
         start = o.next_token[layer]
         slots = eng.kv_slots(eng.kv_manager.get_block_ids(o.rid), start, end)
         k, v = eng.read_kv(slots, layer)
@@ -214,49 +242,38 @@ class PrefillSide:
         self, o: Outgoing, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         parts = wire.encode_frame(
-            o.rid, layer, token_start, [k], [v], self.w.kv_codec, self.w.fingerprint
+            o.rid, layer, token_start, [k], [v], self.settings.kv_codec, self.settings.fingerprint
         )
         o.next_token[layer] = token_start + k.shape[0]
         o.frames += 1
         o.nbytes += wire.frame_nbytes(parts)
         fault = self.fault.take()
         if fault != "none":
-            self.w.counters["faults_injected"] += 1
+            self.ctx.counters["faults_injected"] += 1
         if fault == "drop":
             return
         if fault == "corrupt":
             payload = bytearray(b"".join(bytes(p) for p in parts[1:]))
             payload[random.randrange(len(payload))] ^= 0x10
             parts = [parts[0], bytes(payload)]
-        packed = self._pack(o.rid, parts)
+
+        def send() -> None:
+            self.link.send_layer(o.dest, o.rid, parts)
+
         if fault == "delay":
-            self.delayed.append((time.monotonic() + self.fault.delay_s, o.sock, packed))
+            self.delayed.append((time.monotonic() + self.fault.delay_s, o.dest, send))
             return
-        self._send_parts(o.sock, packed)
+        self._send(o.dest, send)
 
-    def _pack(self, rid: str, parts: list) -> list:
-        """Multipart for the link: payload inline, or written to the shared-memory ring."""
-        if self.ring is not None:
-            ref = self.ring.put(rid, parts[1:])
-            if ref is not None:
-                return [SHM_FRAME, parts[0], ref]
-            self.w.counters["shm_inline_frames"] += 1
-        return [FRAME, *parts]
-
-    def _send_parts(self, sock: zmq.Socket, parts: list) -> None:
-        if any(d[1] is sock for d in self.delayed):  # a slow link delays what follows, in order
-            self.delayed.append((0.0, sock, parts))
+    def _send(self, dest: str, send: Callable[[], None]) -> None:
+        if any(d[1] == dest for d in self.delayed):  # a slow link delays what follows, in order
+            self.delayed.append((0.0, dest, send))
             return
-        try:
-            # never block the main loop on a dead or wedged D: its queue (SNDHWM messages)
-            # fills and the frame is dropped; D's completeness check then fails the hand-off,
-            # and the router retries or recovers the request
-            sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self.w.counters["kv_sends_dropped"] += 1
+        send()
 
-    def _send_msg(self, sock: zmq.Socket, msg: object) -> None:
-        self._send_parts(sock, [MSG, m.encode(msg)])
+    def _send_msg(self, dest: str, msg: object) -> None:
+        data = m.encode(msg)
+        self._send(dest, lambda: self.link.send(dest, data))
 
     # ---- after each engine step ----------------------------------------------------------
     def on_finished(self, rid: str, handoff: bool, times: dict[str, float]) -> None:
@@ -267,16 +284,16 @@ class PrefillSide:
         o.times.update(times)
         if not handoff:
             self.out.pop(rid)
-            self.w.engine.release_kv(rid)
-            self._release_ring(rid)
-            self._send_msg(o.sock, m.KVFail(rid, "finished on the prefill worker"))
+            self.ctx.engine.release_kv(rid)
+            self.link.done(rid)
+            self._send_msg(o.dest, m.KVFail(rid, "finished on the prefill worker"))
             return
         o.finished_local = True
-        if o.stage == "streaming":
+        if o.stage == SendStage.STREAMING:
             self._send_done(o)
 
     def _send_done(self, o: Outgoing) -> None:
-        held = self.w.engine.held_request(o.rid)
+        held = self.ctx.engine.held_request(o.rid)
         if held is None:
             return
         self._send_backlog(o)  # tokens computed by decode steps on P (hand-off after k > 1)
@@ -287,66 +304,60 @@ class PrefillSide:
             o.frames,
             list(held.fork_tokens),
         )
-        self._send_msg(o.sock, done)
-        o.stage, o.done_at = "done_sent", time.monotonic()
+        self._send_msg(o.dest, done)
+        o.stage, o.done_at = SendStage.DONE_SENT, time.monotonic()
         o.times["done_sent"] = o.done_at
 
     def flush_delayed(self) -> None:
         """Send delayed parts whose time has come, keeping each link's order."""
         now, keep, blocked = time.monotonic(), [], set()
-        for due, sock, parts in self.delayed:
-            if id(sock) in blocked or due > now:
-                blocked.add(id(sock))
-                keep.append((due, sock, parts))
+        for due, dest, send in self.delayed:
+            if dest in blocked or due > now:
+                blocked.add(dest)
+                keep.append((due, dest, send))
             else:
-                sock.send_multipart(parts, copy=False)
+                send()
         self.delayed = keep
 
     def check_deadlines(self, now: float) -> None:
+        deadline_s, lease_s = self.settings.deadline_s, self.settings.lease_s
         for o in list(self.out.values()):
-            if o.stage == "waiting_ready" and now - o.started > self.w.deadline_s:
+            if o.stage == SendStage.WAITING_READY and now - o.started > deadline_s:
                 self.fail(
                     o,
                     f"decode worker {o.dest_worker} did not reserve KV blocks within "
-                    f"{self.w.deadline_s:g}s",
+                    f"{deadline_s:g}s",
                 )
-            elif o.stage == "done_sent" and now - o.done_at > self.w.lease_s:
+            elif o.stage == SendStage.DONE_SENT and now - o.done_at > lease_s:
                 # After KVDone, D owns the request: it may be decoding already and only the ack
                 # was lost. Reclaim our copy and tell D; D fails the request if it had not
                 # admitted it, so the requester hears from the one worker that knows.
-                self.w.counters["lease_reclaims"] += 1
+                self.ctx.counters["lease_reclaims"] += 1
                 reason = (
                     f"no acknowledgement from decode worker {o.dest_worker} within the "
-                    f"{self.w.lease_s:g}s lease; KV reclaimed"
+                    f"{lease_s:g}s lease; KV reclaimed"
                 )
-                self.w.log.warning("%s: %s", o.rid, reason)
+                self.ctx.log.warning("%s: %s", o.rid, reason)
                 self.fail(o, reason, tell_client=False)
 
     def fail(
         self, o: Outgoing, reason: str, tell_dest: bool = True, tell_client: bool = True
     ) -> None:
         self.out.pop(o.rid, None)
-        self.w.engine.abort_request(o.rid)
-        self._release_ring(o.rid)
-        self.w.counters["transfer_failures"] += 1
+        self.ctx.engine.abort_request(o.rid)
+        self.link.done(o.rid)
+        self.ctx.counters["transfer_failures"] += 1
         if tell_dest:
-            self._send_msg(o.sock, m.KVFail(o.rid, reason))
+            self._send_msg(o.dest, m.KVFail(o.rid, reason))
         if tell_client:
-            self.w.emit(o.rid, m.RequestFailed(o.rid, self.w.worker_id, reason, "transfer"))
-        self.w.clients.pop(o.rid, None)
+            self.ctx.emit(o.rid, m.RequestFailed(o.rid, self.ctx.worker_id, reason, "transfer"))
+        self.ctx.clients.pop(o.rid, None)
 
     def abort(self, rid: str) -> None:
         o = self.out.pop(rid, None)
         if o is not None:
-            self._release_ring(rid)
-            self._send_msg(o.sock, m.KVFail(rid, "aborted"))
-
-    def _release_ring(self, rid: str) -> None:
-        if self.ring is not None:
-            self.ring.release(rid)
+            self.link.done(rid)
+            self._send_msg(o.dest, m.KVFail(rid, "aborted"))
 
     def close(self) -> None:
-        for sock in self.senders.values():
-            sock.close(0)
-        if self.ring is not None:
-            self.ring.close()
+        self.link.close()

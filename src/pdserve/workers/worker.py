@@ -6,8 +6,10 @@ receive KV (`ExpectKV`, see decode.py). The loop never blocks: it polls the sock
 when idle, not at all when the engine has work), runs one engine step, sends the new tokens to
 whoever asked, and checks every deadline.
 
-Sockets: control = ROUTER (clients connect DEALERs, typed msgpack messages both ways);
-kv_in = ROUTER for frames pushed by prefill workers; one DEALER per decode worker we push to.
+Sockets: control = ROUTER (clients connect DEALERs, typed msgpack messages both ways). The KV
+link (transfer/api.py, over the `--transport` named) has two ends here: a receiver, where prefill
+workers push frames (decode.py), and a sender to the decode workers we push to (prefill.py); both
+wake the loop through its poller.
 
 Prefix-cache events: every client that says Hello subscribes. It gets WorkerInfo, then a
 snapshot (KVEvents with `cleared=True`: every block hash cached here), then after each loop turn
@@ -33,17 +35,13 @@ import zmq
 from pdserve.config import EngineConfig, WorkerConfig, add_config_args, config_from_args
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.transfer.api import LinkSetup
 from pdserve.transfer.codecs import get_codec
-from pdserve.transfer.transports import (
-    FRAME,
-    MSG,
-    SHM_FRAME,
-    bind_receiver,
-    get_transport,
-)
+from pdserve.transfer.transports import get_transport
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 from pdserve.workers import pool as kvpool
+from pdserve.workers.context import HandoffSettings, WorkerContext
 from pdserve.workers.decode import DecodeSide
 from pdserve.workers.gc_pauses import GcPauses
 from pdserve.workers.heartbeat import Heartbeat
@@ -72,18 +70,13 @@ class Worker:
         """`pool_factory`: builds the KV pool instead of the `--kv-pool-*` flags' tiers (tests
         share one in-process pool between inproc workers)."""
         self.config = cfg = config or WorkerConfig()
-        host, port, kv_port, transport = cfg.host, cfg.port, cfg.kv_port, cfg.transport
-        kv_codec, deadline_s, lease_s = cfg.kv_codec, cfg.deadline_s, cfg.lease_s
-        shm_mb, stream_kv = cfg.shm_mb, cfg.stream_kv
+        host, port, transport = cfg.host, cfg.port, cfg.transport
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        get_codec(kv_codec)
-        self.role, self.kv_codec, self.transport = role, kv_codec, transport
-        self.shm_bytes = shm_mb << 20
-        self.stream_kv = stream_kv  # send each layer's KV as it is computed (else after prefill)
+        get_codec(cfg.kv_codec)
+        link = get_transport(transport)
+        self.role = role
         self.worker_id = worker_id or f"{role[0].upper()}-{os.getpid()}"
-        self.deadline_s, self.lease_s = deadline_s, lease_s
-        self.kv_wait_s = max(deadline_s, cfg.kv_wait_s)
         self.log = logging.getLogger(f"pdserve.worker.{self.worker_id}")
         # A P worker holds the prefill format, a D worker the decode one (prefill_format.py).
         engine_config = EngineConfig.from_kwargs(**{"phases": ROLE_PHASES[role], **engine_args})
@@ -104,20 +97,25 @@ class Worker:
         )
         self.control.bind(ctl_endpoint)
         self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.kv_in, self.kv_endpoint = bind_receiver(
-            self.ctx, get_transport(transport), host, kv_port, self.worker_id
-        )
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
-        self.poller.register(self.kv_in, zmq.POLLIN)
         self.clients: dict[str, bytes] = {}  # request id -> identity of who asked
         self.subscribers: dict[bytes, int] = {}  # KVEvents subscriber -> next seq it gets
         self.counters: collections.Counter[str] = collections.Counter()
-        self.prefill = PrefillSide(self)
-        self.decode = DecodeSide(self)
+        setup = LinkSetup(
+            self.worker_id, host, cfg.kv_port, cfg.shm_mb << 20, self.counters, self.poller,
+            self.ctx,
+        )  # fmt: skip
+        kv_in = link.receiver(setup)
+        self.kv_endpoint = kv_in.endpoint
+        settings = HandoffSettings.of(cfg, self.fingerprint)
+        sides = WorkerContext(
+            self.worker_id, self.engine, settings, self.emit, self.clients, self.counters, self.log
+        )
+        self.prefill = PrefillSide(sides, link.sender(setup))
+        self.decode = DecodeSide(sides, kv_in)
         self.running = True
         self.parent_pid: int | None = None  # exit when this process is no longer our parent
-        self.deferred: list[object] = []  # KV-link messages that arrived during a step
         self.loop_at = time.monotonic()  # when the main loop last turned (heartbeats report it)
         self.slow_steps, self.slow_s = 0, 0.0  # fault injection: sleep before engine steps
         hb_endpoint = (
@@ -146,18 +144,17 @@ class Worker:
             self.running = False
             return
         busy = self.engine.has_unfinished_requests()
-        ready = dict(self.poller.poll(0 if busy else 5))
-        for sock in ready:
-            self._drain(sock)
+        if self.control in dict(self.poller.poll(0 if busy else 5)):
+            self._drain_control()
+        self.decode.poll()  # frames and messages from prefill workers
+        self.prefill.poll()  # replies from decode workers
         if self.engine.has_unfinished_requests():
             self._maybe_slow()
             ended = [out.request_id for out in self.engine.step() if self._on_output(out)]
             for rid in ended:  # after the whole step: n choices may end in the same one
                 if self.engine.is_done(rid):
                     self.clients.pop(rid, None)
-        deferred, self.deferred = self.deferred, []
-        for msg in deferred:
-            self.prefill.on_message(msg)
+        self.prefill.run_deferred()
         now = time.monotonic()
         self.prefill.flush_delayed()
         self.prefill.check_deadlines(now)
@@ -165,18 +162,13 @@ class Worker:
         if self.engine.has_kv_events:  # one attribute check per turn when nothing changed
             self.publish_kv_events()
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _drain_control(self) -> None:
         while True:
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if sock is self.control:
-                self._on_control(parts[0].bytes, parts[1:])
-            elif sock is self.kv_in:
-                self._on_kv_in(parts[0].bytes, parts[1:])
-            else:
-                self.on_kv_reply(parts)
+            self._on_control(parts[0].bytes, parts[1:])
 
     # ---- control socket ----------------------------------------------------------------------
     def _on_control(self, client: bytes, parts: list) -> None:
@@ -317,42 +309,6 @@ class Worker:
         self.engine.abort_request(rid)
         self.clients.pop(rid, None)
 
-    # ---- KV sockets --------------------------------------------------------------------------
-    def _on_kv_in(self, peer: bytes, parts: list) -> None:
-        kind = parts[0].bytes if parts else b""
-        if kind == FRAME:
-            self.decode.on_frame(peer, [p.buffer for p in parts[1:]])
-        elif kind == SHM_FRAME:
-            self.decode.on_shm_frame(peer, [p.buffer for p in parts[1:]])
-        elif kind == MSG and len(parts) == 2:
-            self._guarded(lambda: self.decode.on_message(peer, m.decode(parts[1].buffer)))
-        else:
-            self.counters["bad_frames"] += 1
-
-    def on_kv_reply(self, parts: list, mid_step: bool = False) -> None:
-        """A message from a decode worker we push to. During an engine step (from the layer
-        hook) only KVReady is acted on; the rest changes engine state and waits for the step."""
-        if len(parts) != 2 or parts[0].bytes != MSG:
-            self.counters["bad_frames"] += 1
-            return
-        try:
-            msg = m.decode(parts[1].buffer)
-        except m.MessageError as e:
-            self.counters["bad_messages"] += 1
-            self.log.warning("dropping a bad message on the KV link: %s", e)
-            return
-        if mid_step and not isinstance(msg, m.KVReady):
-            self.deferred.append(msg)
-        else:
-            self.prefill.on_message(msg)
-
-    def _guarded(self, fn: Any) -> None:
-        try:
-            fn()
-        except m.MessageError as e:
-            self.counters["bad_messages"] += 1
-            self.log.warning("dropping a bad message on the KV link: %s", e)
-
     # ---- outputs -----------------------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> bool:
         """Emit the output; True when this choice ended here for good (not a hand-off)."""
@@ -419,9 +375,8 @@ class Worker:
             self.kv_pool.close()
         self.heartbeat.close()
         self.prefill.close()
-        self.decode.shm.close()
+        self.decode.close()
         self.control.close(0)
-        self.kv_in.close(0)
 
 
 def _stage_times(out: RequestOutput) -> dict[str, float]:

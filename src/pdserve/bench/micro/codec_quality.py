@@ -121,33 +121,20 @@ class ProbeSampler:
             self.inner.forget(request_id)
 
 
-def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """Flat cache rows (block * block_size + offset) of tokens [0, num_tokens)."""
-    import torch
-
-    pos = torch.arange(num_tokens)
-    table = torch.tensor(block_ids, dtype=torch.long)
-    return table[pos // block_size] * block_size + pos % block_size
-
-
 def round_trip_prompt_kv(engine: LLMEngine, request_id: str, num_tokens: int, codec: str) -> int:
-    """Send the request's prompt KV through the wire format and back into the cache, as D would
-    receive it; returns the frame's size in bytes."""
-    from pdserve.transfer.wire import decode_frame, encode_frame, frame_nbytes, layout_fingerprint
+    """Send the request's prompt KV through the wire format and back into the cache, as P reads
+    it and D stores it (the engine's KV calls); returns the frame's size in bytes."""
+    from pdserve.transfer.wire import decode_frame, encode_frame, frame_nbytes
 
-    cache = engine.cache
-    slots = prompt_slots(engine.kv_manager.get_block_ids(request_id), cache.block_size, num_tokens)
-    slots = slots.to(engine.device)
-    flat = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in cache.layers]  # views of the cache
-    fingerprint = layout_fingerprint(engine.arch, engine.dtype)
+    slots = engine.kv_slots(engine.kv_manager.get_block_ids(request_id), 0, num_tokens)
+    kv = [engine.read_kv(slots, layer) for layer in range(engine.kv_layout.num_layers)]
+    fingerprint = engine.kv_layout.fingerprint()
     parts = encode_frame(
-        request_id, 0, 0, [k[slots] for k, _ in flat], [v[slots] for _, v in flat], codec,
-        fingerprint,
-    )  # fmt: skip
+        request_id, 0, 0, [k for k, _ in kv], [v for _, v in kv], codec, fingerprint
+    )
     frame = decode_frame(b"".join(parts), fingerprint=fingerprint)
     for layer, k, v in frame.layers():
-        flat[layer][0][slots] = k.to(engine.device, engine.dtype)
-        flat[layer][1][slots] = v.to(engine.device, engine.dtype)
+        engine.write_kv(slots, layer, k, v)
     return frame_nbytes(parts)
 
 

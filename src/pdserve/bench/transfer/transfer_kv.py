@@ -48,16 +48,10 @@ def random_kv(layout: Layout, n: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 def fingerprint(layout: Layout) -> bytes:
-    import hashlib
+    from pdserve.kv_layout import KVLayout
 
-    from pdserve.transfer.wire import FINGERPRINT_BYTES
-
-    # Same text as wire.layout_fingerprint, from the layout alone (no ModelArch needed).
-    text = (
-        f"pdkv-layout/1 layers={layout.layers} kv_heads={layout.kv_heads} "
-        f"head_dim={layout.head_dim} dtype={layout.dtype}"
-    )
-    return hashlib.sha256(text.encode()).digest()[:FINGERPRINT_BYTES]
+    dtype = _torch_dtype(layout.dtype)
+    return KVLayout(layout.layers, layout.kv_heads, layout.head_dim, dtype).fingerprint()
 
 
 def encode_layers(

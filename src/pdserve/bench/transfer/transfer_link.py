@@ -31,7 +31,8 @@ class ZmqLink:
     """Sender of the real transport: a DEALER from `connect_sender`, frames as `PrefillSide`."""
 
     def __init__(self, transport: str, endpoint: str, ctx: zmq.Context) -> None:
-        from pdserve.transfer.transports import ShmRing, connect_sender
+        from pdserve.transfer.shm import ShmRing
+        from pdserve.transfer.transports import connect_sender
 
         self.sock = connect_sender(ctx, endpoint, "bench-P")
         self.ring = ShmRing(SHM_MB << 20) if transport == "shm" else None

@@ -26,18 +26,12 @@ def serve_zmq(conn: Connection, transport: str, ctx: zmq.Context | None = None) 
     import zmq
 
     from pdserve.transfer import wire
-    from pdserve.transfer.transports import (
-        FRAME,
-        MSG,
-        SHM_FRAME,
-        ShmReader,
-        bind_receiver,
-        get_transport,
-    )
+    from pdserve.transfer.shm import ShmReader
+    from pdserve.transfer.transports import FRAME, MSG, SHM_FRAME, ZMQ_TRANSPORTS, bind_receiver
 
     own = ctx is None
     context = zmq.Context() if ctx is None else ctx
-    sock, endpoint = bind_receiver(context, get_transport(transport), "127.0.0.1", 0, "bench-D")
+    sock, endpoint = bind_receiver(context, ZMQ_TRANSPORTS[transport], "127.0.0.1", 0, "bench-D")
     conn.send(endpoint)
     store, reader = Store(), ShmReader()
     try:

@@ -9,6 +9,7 @@ of that kernel's calls (engine/kernels builds the kernels):
 - `gguf`: a GGUF file's own Q4_1 blocks (`gguf`, `gguf-a8`, `gguf-a16`), `gguf_a16` its other
   block formats (K-quants, Q4_0, Q5_*) under gguf-a16;
 - `float32`: float32 weights as they are, and the float32 tiles of `--decode-matmul tiles`;
-- `bf16`: the prefill format's bfloat16 and AMX (bf16x3) copies.
+- `bf16`: the prefill format's bfloat16 and AMX (bf16x3) copies; `phases` which rows of a step
+  run them (set by engine/prefill_format.py, read by the model).
 Which projection a model gets is decided above this package, in engine/quantize.py.
 """

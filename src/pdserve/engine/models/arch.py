@@ -13,6 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from pdserve.kv_layout import KVLayout
+
 
 @dataclass(frozen=True)
 class Family:
@@ -131,6 +135,40 @@ class ModelArch:
     def attention(self, layer: int) -> AttentionSpec:
         window = self.sliding_window if self.is_sliding(layer) else None
         return AttentionSpec(self.query_scale, window, self.attn_softcap)
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """The KV this model computes, held in `dtype`."""
+        kinds = "".join("s" if self.is_sliding(i) else "f" for i in range(self.num_layers))
+        if not (self.sliding_window and "s" in kinds):  # no window, or one no layer uses
+            return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+        return KVLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, dtype, self.sliding_window, kinds
+        )
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer is a sliding one (Mistral): the paged KV cache may then
+        free whole blocks that leave it (engine/kv_cache_manager.py). None when some layer sees
+        every key (Gemma's global layers keep the whole context, so the shared block table
+        does too)."""
+        if (
+            self.sliding_window
+            and self.layer_types
+            and all(t == "sliding" for t in self.layer_types)
+        ):
+            return self.sliding_window
+        return None
+
+    def kv_needed_from(self, layer: int, num_tokens: int) -> int:
+        """The first of `num_tokens` cached tokens whose KV this layer reads when the next token
+        is computed: the window's first key on a sliding layer, 0 on a full one. The P -> D
+        hand-off sends each layer its KV from here on (workers/prefill.py, decode.py)."""
+        window = self.attention(layer).window
+        return 0 if window is None else max(0, num_tokens - window + 1)
+
+    def kv_complete_from(self, num_tokens: int) -> int:
+        """The first token whose KV the hand-off sends for every layer."""
+        return max((self.kv_needed_from(i, num_tokens) for i in range(self.num_layers)), default=0)
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:

@@ -8,15 +8,13 @@ Llama names here (`split_fused`), so quantization and the GGUF side see one nami
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
+from torch import nn
 
 from pdserve.engine.models import moe
 from pdserve.engine.models.arch import ModelArch
-
-if TYPE_CHECKING:
-    from pdserve.engine.models.llama import LlamaLayer, LlamaModel
 
 
 def layer_norm_names(arch: ModelArch) -> dict[str, str]:
@@ -104,12 +102,12 @@ def check_fused_rows(name: str, rows: int, parts: list[tuple[str, int, int]]) ->
         )
 
 
-def fill(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
+def fill(model: nn.Module, arch: ModelArch, weights: dict[str, torch.Tensor]) -> None:
     """Copy HF-named tensors into the model's fused parameters; every parameter must be filled.
 
-    Gemma's norms scale by (1 + w): the offset is added here, once, so every norm (torch's or
-    the native one) runs the plain x * rsqrt(mean(x^2) + eps) * w."""
-    arch = model.arch
+    `model` is a models/llama.py `LlamaModel` of `arch`, typed as a module because that file
+    imports this one. Gemma's norms scale by (1 + w): the offset is added here, once, so every
+    norm (torch's or the native one) runs the plain x * rsqrt(mean(x^2) + eps) * w."""
     filled: set[str] = set()
     params = dict(model.named_parameters())
     offset = arch.family.norm_offset
@@ -143,7 +141,8 @@ def fill(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
             bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
             put(f"layers.{i}.qkv_bias", bias)
         put(f"layers.{i}.o", weights[a + "o_proj.weight"], transpose=True)
-        if (sparse := cast("LlamaLayer", model.layers[i]).moe) is not None:  # models/moe.py
+        layer = cast(nn.ModuleList, model.layers)[i]
+        if (sparse := cast("moe.SparseMoe | None", layer.moe)) is not None:  # models/moe.py
             for name, value in sparse.hf_weights(weights, p).items():
                 put(f"layers.{i}.moe.{name}", value)
             continue

@@ -28,7 +28,7 @@ from pdserve.engine.models.moe import SparseMoe
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
-    from pdserve.engine.prefill_format import PromptWeights, StepRows
+    from pdserve.engine.linear.phases import PromptWeights, StepRows
 
 # cos, sin of one RoPE table for this step's positions ([T, 1, D] each)
 CosSin = tuple[torch.Tensor, ...]
@@ -243,4 +243,4 @@ class LlamaModel(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled."""
-        checkpoint.fill(self, weights)
+        checkpoint.fill(self, self.arch, weights)
