@@ -1,5 +1,5 @@
 """Production traces (workloads/traces.py) and `pdserve bench replay`: each parser on a window of
-the real files (shared/traces/) and on small files made here, the scaling and windowing, the
+the real files (their first lines, tests/bench/traces/) and on small files made here, the scaling and windowing, the
 expected prefix reuse, block synthesis (same ids, same tokens; different ids, different ones),
 the replay against a fake server (payloads, timing, /metrics deltas) and, in the slow tier,
 against `pdserve serve` on the tiny model (its measured prefix hits beside the trace's)."""
@@ -24,10 +24,10 @@ from pdserve.bench.load import replay
 from pdserve.bench.load.trace_text import BlockText
 from pdserve.workloads import traces as tr
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
-AZURE = TRACES / "azure_llm_2023_code.csv"
-real_traces = pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared/traces/ not beside repo")
+# the real files' first lines, kept beside the tests (traces/README.md names the sources)
+TRACES = Path(__file__).resolve().parent / "traces"
+MOONCAKE = TRACES / "mooncake_conversation_head.jsonl"
+AZURE = TRACES / "azure_llm_2023_code_head.csv"
 
 
 def _mooncake(tmp_path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
@@ -43,7 +43,6 @@ def _mooncake(tmp_path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Pa
 # ---------------------------------------------------------------------------- parsers
 
 
-@real_traces
 def test_real_mooncake_window_scaled() -> None:
     got = tr.read_trace(MOONCAKE, tr.Scaling(limit=12, length_scale=0.125, time_scale=2))
     assert got.format == "mooncake" and len(got.requests) == 12
@@ -55,7 +54,6 @@ def test_real_mooncake_window_scaled() -> None:
     assert later.requests[0].arrival_s == 0.0 and later.requests[0].hash_ids[0] == 0
 
 
-@real_traces
 def test_real_azure_window() -> None:
     got = tr.read_trace(AZURE, tr.Scaling(limit=3))
     assert got.format == "azure"
