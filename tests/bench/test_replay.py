@@ -1,8 +1,9 @@
 """Production traces (workloads/traces.py) and `pdserve bench replay`: each parser on the real
 files' first lines (tests/bench/traces/) and on small files made here, the scaling and
 windowing, the expected prefix reuse, block synthesis (same ids, same tokens; different ids,
-different ones), the replay against a fake server (payloads, timing, /metrics deltas) and, in the slow tier,
-against `pdserve serve` on the tiny model (its measured prefix hits beside the trace's)."""
+different ones), the replay against a fake server (payloads, timing, /metrics deltas) and, in
+the slow tier, against `pdserve serve` on the tiny model (its measured prefix hits beside the
+trace's)."""
 
 from __future__ import annotations
 
