@@ -155,7 +155,7 @@ class LocalCluster:
         m.set_key(auth.load_secret())
         self._load()
         for spec in self.worker_specs():
-            self.workers.append(WorkerHandle(launch(spec, self.ctx)))
+            self.workers.append(self.spawn(spec))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for w in self.workers:
             await_ready(w.launched, deadline)
@@ -191,6 +191,11 @@ class LocalCluster:
             for s in plan.worker_specs(self.deployment, self.threads)
         ]
         return plan.with_stall_free(self.deployment, specs, self._cost, self.threads)
+
+    def spawn(self, spec: WorkerSpec) -> WorkerHandle:
+        """Start one worker process (a subclass may start it elsewhere: another network
+        namespace, a wrapper command; tests/workers/test_netns.py does)."""
+        return WorkerHandle(launch(spec, self.ctx))
 
     def _connect(self, w: WorkerHandle, deadline: float) -> None:
         sock = self.ctx.socket(zmq.DEALER)

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.bench.transfer import transfer_bench as tb
 from pdserve.bench.transfer import transfer_report as tr
+from pdserve.bench.transfer.transfer_results import BREAKDOWN
 
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K,V x 2 layers x 2 KV heads x head_dim 16 x fp32
 
@@ -133,7 +134,7 @@ def test_ttft_breakdown_fields(ttft_run: dict[str, Any]) -> None:
     ]
     for r in rows:
         assert r["errors"] == [] and len(r["samples"]) == 1
-        assert set(r["medians"]) == set(tr.BREAKDOWN)
+        assert set(r["medians"]) == set(BREAKDOWN)
         assert all(v >= 0 for v in r["medians"].values()), r["medians"]
         assert r["exposed_pct"] is not None and r["exposed_pct"] >= 0
         assert r["transfer_s"] is not None and r["kv_bytes"] > 32 * TINY_BYTES_PER_TOKEN

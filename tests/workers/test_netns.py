@@ -229,9 +229,10 @@ class NetnsCluster(LocalCluster):
         super().__init__(model, prefill=1, decode=1, transport="tcp", **kwargs)
         self.net = net
 
-    def _spawn(self, role: str, worker_id: str) -> WorkerHandle:
-        config = dataclasses.replace(self.worker_config, host=self.net.addr[role])
-        spec = WorkerSpec(role, worker_id, self._engine_args(role), config)
+    def spawn(self, spec: WorkerSpec) -> WorkerHandle:
+        role = spec.role
+        config = dataclasses.replace(spec.config, host=self.net.addr[role])
+        spec = dataclasses.replace(spec, config=config)
         cmd = ["ip", "netns", "exec", self.net.ns[role], *worker_command(spec)]
         # `ip netns exec` execs the worker, so this process stays its parent
         proc = subprocess.Popen(
