@@ -126,3 +126,26 @@ def test_a_kv_pool_finds_what_round_robin_sends_away(tmp_path, capsys) -> None: 
 def test_kv_pool_sizes_need_the_pool(capsys) -> None:  # type: ignore[no-untyped-def]
     code = cli.main(["sim", "--hardware", "h100", "--colocated", "1", "--kv-pool-gb", "1"])
     assert code == 2 and "need --kv-pool" in capsys.readouterr().err
+
+
+def test_a_prompt_past_the_models_context_is_refused_as_the_engine_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine refuses a prompt of max_model_len tokens or more before any work; the
+    simulator did not, and spent a long prefill on it while others queued behind."""
+    import shutil
+
+    from pdserve.sim.hardware import CONFIG_DIR
+
+    cfg = json.loads((CONFIG_DIR / "llama-3.1-8b.json").read_text())
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({**cfg, "max_position_embeddings": 1500}))
+    trace = _two_conversations(tmp_path)  # prompts of 924, 1436, 1948 and 2460 tokens
+    got = _run(capsys, "--trace", str(trace), "--colocated", "1", "--model", str(model))
+    assert got["rejected"] == 4 and got["served"] == 4
+    assert got["counters"]["rejected_invalid_request"] == 4
+    shutil.copy(CONFIG_DIR / "llama-3.1-8b.json", model)  # 131072 positions: all served
+    assert (
+        _run(capsys, "--trace", str(trace), "--colocated", "1", "--model", str(model))["rejected"]
+        == 0
+    )

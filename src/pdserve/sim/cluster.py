@@ -154,6 +154,15 @@ class Simulation:
     def _arrive(self, req: SimRequest) -> None:
         rec = self.records[req.rid]
         rec.arrival = self.now
+        limit = self.config.max_model_len
+        if limit is not None and len(req.prompt) >= limit:
+            # the engine refuses it before any work (LLMEngine: "the prompt has N tokens but
+            # the context holds M"), as a client's mistake
+            rec.rejected = "invalid_request"
+            self.count("rejected_invalid_request")
+            if req.conversation >= 0:
+                self._next_by_conv(req.conversation)
+            return
         pair, pred = self._route(req)
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"

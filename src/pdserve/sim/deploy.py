@@ -191,6 +191,7 @@ def build(d: Deployment) -> Built:
         autobalance=d.autobalance,
         expected_output=d.expected_output,
         message_s=d.message_s,
+        max_model_len=_max_model_len(d),
         **_pool_config(d, step),
     )
     planner_model = planner_cost_model(step, link=link) if d.planner else None
@@ -198,6 +199,18 @@ def build(d: Deployment) -> Built:
     if d.hardware == "cpu" and d.shared_host:
         contention = Contention.load(cost_model_path(d))
     return Built(config, step, pstep, link, planner_model, contention)
+
+
+def _max_model_len(d: Deployment) -> int:
+    """The context the served engine would hold: the model's positions (a GPU model's shape;
+    on cpu, the profiled model file's architecture)."""
+    if d.hardware != "cpu":
+        return model_shape(d.model).max_len
+    from pdserve.engine import loader
+
+    about = CostModel.load_about(Path(cost_model_path(d)))
+    model = str(about.get("model") or "") or None
+    return loader.load_arch(loader.resolve_model(model)).max_position_embeddings
 
 
 def _pool_config(d: Deployment, step: StepModel) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class SimConfig:
     expected_output: int = 256
     router_policy: str = "round_robin"
     message_s: float = 0.0  # one control message router <-> worker
+    max_model_len: int | None = None  # a longer prompt is refused, as the engine refuses it
     kv_pool: bool = False  # a KV pool shared by every worker (sim/pool.py)
     kv_pool_blocks: int | None = None  # its capacity (None: unbounded)
     kv_pool_bytes_s: float | None = None  # its link per worker (None: the P -> D link's)
