@@ -135,6 +135,10 @@ SLOW_MODULES = {
     "test_smollm2.py",  # the default model
     "test_ray_cluster.py",  # a multi-node Ray cluster with worker actors
     "test_ray_fractional.py",  # a local Ray with worker actors
+    # transformers' float32 references of many tiny models (about a minute between them): the
+    # GGUF architectures against their config.json twins, windowed KV against transformers
+    "test_gguf_architectures.py",
+    "test_window_kv.py",
 }
 # Slow tests whose pass depends on the wall clock, so `make test` runs them alone after the
 # rest (which run two at a time): the chaos run must fit its faults into 40 s, and beside
