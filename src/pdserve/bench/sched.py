@@ -206,18 +206,6 @@ def run_experiment(args: argparse.Namespace, exp: Experiment) -> dict[str, Any]:
     return out
 
 
-def _experiments(text: str) -> list[str]:
-    if text == "all":
-        return list(EXPERIMENTS)
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in EXPERIMENTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown experiments {unknown}; known: {', '.join(EXPERIMENTS)}, all"
-        )
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
     parser.add_argument(
