@@ -52,3 +52,15 @@ class WorkerContext:
     clients: dict[str, bytes] = field(default_factory=dict)  # request id -> who asked
     counters: collections.Counter[str] = field(default_factory=collections.Counter)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("pdserve.worker"))
+
+    def decode_link_message(self, data: bytes | memoryview) -> object | None:
+        """A message from the KV link, or None for one that does not decode (counted in
+        `bad_messages` and logged: a peer's bad bytes never stop the worker's loop)."""
+        from pdserve.workers import messages as m
+
+        try:
+            return m.decode(data)
+        except m.MessageError as e:
+            self.counters["bad_messages"] += 1
+            self.log.warning("dropping a bad message on the KV link: %s", e)
+            return None

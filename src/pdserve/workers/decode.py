@@ -121,13 +121,9 @@ class DecodeSide:
         self.link.poll(self)
 
     def on_message(self, peer: bytes, data: Part) -> None:
-        try:
-            msg = m.decode(data)
-        except m.MessageError as e:
-            self.ctx.counters["bad_messages"] += 1
-            self.ctx.log.warning("dropping a bad message on the KV link: %s", e)
-            return
-        self._on_message(peer, msg)
+        msg = self.ctx.decode_link_message(data)
+        if msg is not None:
+            self._on_message(peer, msg)
 
     def _on_message(self, peer: bytes, msg: object) -> None:
         if isinstance(msg, m.KVWant):

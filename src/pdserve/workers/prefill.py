@@ -123,11 +123,8 @@ class PrefillSide:
     def on_reply(self, data: Part, mid_step: bool = False) -> None:
         """A message from a decode worker we push to. During an engine step (from the layer
         hook) only KVReady is acted on; the rest changes engine state and waits for the step."""
-        try:
-            msg = m.decode(data)
-        except m.MessageError as e:
-            self.ctx.counters["bad_messages"] += 1
-            self.ctx.log.warning("dropping a bad message on the KV link: %s", e)
+        msg = self.ctx.decode_link_message(data)
+        if msg is None:
             return
         if mid_step and not isinstance(msg, m.KVReady):
             self.deferred.append(msg)
