@@ -139,6 +139,7 @@ SLOW_MODULES = {
     # GGUF architectures against their config.json twins, windowed KV against transformers
     "test_gguf_architectures.py",
     "test_window_kv.py",
+    "test_spec_engine.py",  # speculation against plain decoding, tiny model (~12 s)
 }
 # Slow tests whose pass depends on the wall clock, so `make test` runs them alone after the
 # rest (which run two at a time): the chaos run must fit its faults into 40 s, and beside

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from pdserve.spec_config import parse_speculative_config
+
 # Weight quantizations (engine/quantize.py picks them; named here so config needs no torch).
 QUANTIZATIONS = ("auto", "none", "int8", "w8g32", "w8a8", "gguf", "gguf-a8", "gguf-a16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -179,8 +181,17 @@ class SchedulerConfig:
     max_num_seqs: int = _f(64, "cap on running requests")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps")
     decode_first: bool = _f(True, "schedule running decodes before new prompts each step")
+    speculative_config: str | None = _f(
+        None,
+        "speculative decoding on decoding workers (never on P), vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1}\' (docs/speculation.md); a dict from Python',
+    )
 
     def __post_init__(self) -> None:
+        spec = parse_speculative_config(self.speculative_config)  # any error names its key
+        if spec is not None:  # one spelling, so it travels to worker processes as a flag
+            object.__setattr__(self, "speculative_config", spec.to_json())
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:

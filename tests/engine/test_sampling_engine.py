@@ -9,7 +9,7 @@ import torch
 
 from factories import assert_engine_idle
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampler import _filter
+from pdserve.engine.sampler import filter_logits
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +55,13 @@ def test_top_k_1_equals_greedy(llm) -> None:  # type: ignore[no-untyped-def]
 
 def test_filter_keeps_exactly_top_k_and_nucleus() -> None:
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
-    kept = torch.isfinite(_filter(logits, 2, 1.0)).nonzero().flatten().tolist()
+    kept = torch.isfinite(filter_logits(logits, 2, 1.0)).nonzero().flatten().tolist()
     assert kept == [1, 3]
     probs = torch.softmax(logits, -1)  # sorted: 1 (.64), 3 (.23), 2 (.09), ...
     assert probs[1] < 0.7
-    kept = torch.isfinite(_filter(logits, -1, 0.7)).nonzero().flatten().tolist()
+    kept = torch.isfinite(filter_logits(logits, -1, 0.7)).nonzero().flatten().tolist()
     assert kept == [1, 3]  # .64 < .7, so the second token is needed; .87 >= .7 stops there
-    kept = torch.isfinite(_filter(logits, -1, 0.5)).nonzero().flatten().tolist()
+    kept = torch.isfinite(filter_logits(logits, -1, 0.5)).nonzero().flatten().tolist()
     assert kept == [1]
 
 

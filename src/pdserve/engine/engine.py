@@ -27,9 +27,11 @@ from pdserve.engine.pool_link import PoolLink
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
-from pdserve.engine.step_budget import StallFreeBudget
-from pdserve.engine.tracked import ReservedKV, Sample, Tracked, choice_id
+from pdserve.engine.spec.decoder import SpecDecoder
+from pdserve.engine.step_budget import observe_step
+from pdserve.engine.tracked import ReservedKV, Sample, Samples, Tracked, choice_id
 from pdserve.kvpool.api import KVPool
+from pdserve.spec_config import parse_speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.pool_link: PoolLink | None = None  # attach_pool
         self.sampler = Sampler(mc.seed)
+        spec = parse_speculative_config(sc.speculative_config)  # P never speculates
+        self.spec = SpecDecoder(spec) if spec and mc.phases != "prefill" else None
         self.grammars = GrammarBackend(self.tokenizer, self.arch.vocab_size)
         self._live: dict[str, Tracked] = {}
         self._reserved: dict[str, Tracked] = {}  # decode side: KV on its way from P
@@ -296,6 +300,8 @@ class LLMEngine:
             )
             for rid, use in used.items():
                 self._live[rid].pool_use = use
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self._live)
         out = self.scheduler.schedule()
         if link is not None:
             link.release()
@@ -308,13 +314,13 @@ class LLMEngine:
             m.first_scheduled_time = m.first_scheduled_time or now
         t0 = time.perf_counter()
         sampled, firsts = self._run(out)
-        self._observe_step(out, time.perf_counter() - t0)
+        observe_step(self.scheduler.policy.prefill_budget, out, time.perf_counter() - t0)
         if link is not None:  # the KV is written; finishing requests still hold their blocks
             link.after_step(set(out.preempted))
         # Fork before the parent's update: a parent that stops on its first token frees its KV.
         for rid, tokens in firsts.items():
             self._fork_choices(rid, tokens, sampled)
-        self.scheduler.update_from_output(out, {k: v[0] for k, v in sampled.items()})
+        self.scheduler.update_from_output(out, {k: [t for t, _ in v] for k, v in sampled.items()})
         outputs = early + self._collect(out, sampled)
         self.step_log.add(step_log.record(out, began_at, time.perf_counter() - begin))
         return outputs
@@ -324,25 +330,15 @@ class LLMEngine:
         now = time.monotonic()
         return [self._emit(self._live[rid], now) for rid in pending if rid in self._live]
 
-    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Teach a stall-free budget how long a step with these decodes really took."""
-        budget = self.scheduler.policy.prefill_budget
-        if isinstance(budget, StallFreeBudget):
-            decodes = [s for s in out.scheduled if s.num_tokens == 1]
-            chunks = [s for s in out.scheduled if s.num_tokens > 1]
-            context = sum(s.start_pos + 1 for s in decodes)
-            prompt = sum(s.num_tokens for s in chunks)
-            # Several chunks are priced as one of their summed size at their token-weighted
-            # cached prefix (a slight over-estimate of the attention term).
-            cached = sum(s.num_tokens * s.start_pos for s in chunks) // max(1, prompt)
-            budget.observe(len(decodes), context, prompt, seconds, cached)
-
-    def _run(self, out: SchedulerOutput) -> tuple[dict[str, Sample], dict[str, list[Sample]]]:
-        """Sampled (token, logprobs) per request, and for n-choice requests sampling their first
-        token, the first (token, logprobs) of choices 1..n-1 from the same logits row."""
-        result = self.runner.execute(out)
+    def _run(self, out: SchedulerOutput) -> tuple[Samples, Samples]:
+        """Sampled (token, logprobs) per request (several after verified drafts), and for
+        n-choice requests sampling their first token, the first (token, logprobs) of choices
+        1..n-1 from the same logits row."""
+        result, verified = self.runner.execute(out), Samples()
+        if self.spec is not None:
+            result, verified = self.spec.verify(result, self._live, self.sampler)
         if not result.request_ids:
-            return {}, {}
+            return verified, {}
         tracked = [self._live[r] for r in result.request_ids]
         requests = [t.request for t in tracked]
         params = [r.sampling_params for r in requests]  # choice 0 samples with the seed
@@ -352,7 +348,7 @@ class LLMEngine:
             result.logits, result.request_ids, params, histories, masks=masks
         )
         sampled = {
-            r: (s.token_id, s.logprobs) for r, s in zip(result.request_ids, samples, strict=True)
+            r: [(s.token_id, s.logprobs)] for r, s in zip(result.request_ids, samples, strict=True)
         }
         for t, s in zip(tracked, samples, strict=True):
             if t.matcher is not None:
@@ -374,9 +370,9 @@ class LLMEngine:
                     masks=[masks[row]] * (n - 1),  # every choice starts the grammar afresh
                 )
                 firsts[r.request_id] = [(s.token_id, s.logprobs) for s in more]
-        return sampled, firsts
+        return sampled | verified, firsts
 
-    def _fork_choices(self, rid: str, firsts: list[Sample], sampled: dict[str, Sample]) -> None:
+    def _fork_choices(self, rid: str, firsts: list[Sample], sampled: Samples) -> None:
         """Start choices 1..n-1 of `rid` from its prompt's KV, each with its first token; on a
         prefill worker (held KV) only note the tokens: the decode worker forks them."""
         tracked = self._live[rid]
@@ -387,7 +383,7 @@ class LLMEngine:
             return
         for i, (token, logprobs) in enumerate(firsts, start=1):
             child = self._fork(tracked, i, token, request.num_tokens)
-            sampled[child.request.request_id] = (token, logprobs)  # _collect emits it
+            sampled[child.request.request_id] = [(token, logprobs)]  # _collect emits it
 
     def _fork(self, parent: Tracked, index: int, token: int, num_kv: int) -> Tracked:
         """Choice `index` of `parent`: its prompt's first `num_kv` tokens of KV shared."""
@@ -427,13 +423,13 @@ class LLMEngine:
             self.scheduler.finish_request(rid, status)
         return child
 
-    def _collect(self, out: SchedulerOutput, sampled: dict[str, Sample]) -> list[RequestOutput]:
+    def _collect(self, out: SchedulerOutput, sampled: Samples) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
-        for rid, (_, logprobs) in sampled.items():
+        for rid, samples in sampled.items():
             tracked = self._live[rid]
-            if tracked.logprobs is not None and logprobs is not None:
-                tracked.logprobs.append(logprobs)
+            if tracked.logprobs is not None:
+                tracked.logprobs.extend(lp for _, lp in samples if lp is not None)
             outputs.append(self._emit(tracked, now))
         return outputs
 
@@ -441,9 +437,8 @@ class LLMEngine:
         """The request's output for its tokens since the last one; stop strings end it."""
         request, rid = tracked.request, tracked.request.request_id
         tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
-        new_ids = request.output_token_ids[tracked.sent_tokens :]
+        new_ids, new_text = tracked.add_tokens(request.output_token_ids[tracked.sent_tokens :])
         tracked.sent_tokens = request.num_output_tokens
-        new_text = tracked.detok.add(new_ids)
         if tracked.detok.stop_hit is not None and not request.finished:
             request.stop_reason = tracked.detok.stop_hit
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
@@ -457,6 +452,8 @@ class LLMEngine:
 
     def _forget(self, rid: str) -> None:
         tracked = self._live.pop(rid, None)
+        if self.spec is not None:
+            self.spec.forget(rid)
         if self.pool_link is not None:
             self.pool_link.forget(rid)
         self.sampler.forget(rid)
@@ -492,6 +489,7 @@ class LLMEngine:
             self.counters,
             len(self._reserved),
             self.pool_link,
+            self.spec.counters.as_stats() if self.spec is not None else {},
         )
 
     def stats(self) -> dict[str, Any]:

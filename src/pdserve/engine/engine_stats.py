@@ -56,12 +56,13 @@ class EngineStats:
     held_for_transfer: int
     reserved_for_transfer: int
     pool: dict[str, Any]  # pool_stats: `kv_pool_*` (empty without a pool)
+    spec: dict[str, Any]  # speculation's counters: `spec_*` (empty without speculation)
 
     def as_dict(self) -> dict[str, Any]:
         """One flat dict, the record's fields in order (prefill, counters and pool spread)."""
         out: dict[str, Any] = {}
         for name, value in self.__dict__.items():
-            if name in ("prefill", "pool"):
+            if name in ("prefill", "pool", "spec"):
                 out.update(value)
             elif name == "counters":
                 out.update(asdict(value))
@@ -79,6 +80,7 @@ def record(
     counters: StepCounters,
     reserved: int,
     link: PoolLink | None,
+    spec: dict[str, Any],
 ) -> EngineStats:
     """The record of an engine with these parts; `settings`: its quantization, KV cache dtype
     and decode matmul; `reserved`: requests whose KV is on its way from P."""
@@ -98,6 +100,7 @@ def record(
         held_for_transfer=len(scheduler.held),
         reserved_for_transfer=reserved,
         pool=pool_stats(link),
+        spec=spec,
     )
 
 

@@ -403,6 +403,19 @@ class KVCacheManager:
     def pinned(self) -> list[str]:
         return list(self._pins)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past those holding its first `num_tokens` tokens (a
+        speculative step's rejected drafts). They were never registered: registration stops
+        at the request's real tokens (`_cache_full_blocks`)."""
+        blocks = self._blocks.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self._num_cached.get(request_id, 0) <= keep, "a trimmed block was registered"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(b for b in reversed(tail) if b is not None)
+
     def free(self, request_id: str) -> None:
         """Release every block of a request; tail blocks first so they are evicted first."""
         blocks = self._blocks.pop(request_id, None)

@@ -1,7 +1,9 @@
 """SchedulerOutput -> batch tensors -> model -> logits of the rows to sample.
 
 Row order in the flat batch: single-token decodes first (one batched attention call), then
-prompt chunks. Only requests whose step reaches their last known token are sampled.
+prompt chunks. Only requests whose step reaches their last known token are sampled. A decode
+with k draft tokens (speculation, engine/spec/) is a chunk of 1 + k tokens over its cached
+prefix, in the paged kernel like any short chunk, and returns the logits of all 1 + k rows.
 
 Attention backends (`--attention`):
   * `paged`: decodes and short prompt chunks over a cached prefix (<= PAGED_CHUNK_MAX tokens)
@@ -49,6 +51,8 @@ LayerHook = Callable[[int, torch.Tensor, torch.Tensor, list[RowSpan]], None]
 class StepResult:
     request_ids: list[str]  # requests sampled this step, in row order of `logits`
     logits: torch.Tensor  # [S, vocab] float32
+    # per request: its draft tokens (speculation), each with a logits row after its own row
+    num_drafts: list[int] | None = None
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
@@ -87,9 +91,10 @@ class ModelRunner:
         input_ids, meta = self._prepare(decodes, chunks)
         if self.layer_hook is not None:
             meta.layer_hook = self._bind_hook(self.layer_hook, ordered)
-        sampled = [s.request_id for s in ordered if s.sample]
+        sampled = [s for s in ordered if s.sample]
         logits = self.model(input_ids, meta, self.cache.layers)
-        return StepResult(sampled, logits)
+        drafts = [s.num_draft for s in sampled]
+        return StepResult([s.request_id for s in sampled], logits, drafts if any(drafts) else None)
 
     @staticmethod
     def _bind_hook(
@@ -115,8 +120,8 @@ class ModelRunner:
                 slots.append(table[pos // bs] * bs + pos % bs)
             positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
             tokens.extend(s.token_ids)
-            if s.sample:
-                sample_rows.append(len(tokens) - 1)
+            if s.sample:  # a verify chunk: its last real token's row and every draft's
+                sample_rows.extend(range(len(tokens) - 1 - s.num_draft, len(tokens)))
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

@@ -23,6 +23,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # speculation (engine/spec/): drafts verified, of which accepted, steps that verified
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
 
 
 @dataclass

@@ -182,6 +182,9 @@ class Request:
     # A held n-choice request (prefill side): the first token of choices 1..n-1, sampled from
     # the same logits as its own; the decode side forks the choices from them.
     fork_tokens: list[int] = field(default_factory=list)
+    # Draft tokens proposed for the next step (speculation, engine/spec/); verified with the
+    # last token in one chunk, then cleared. Never part of the sequence's tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

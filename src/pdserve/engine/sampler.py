@@ -71,14 +71,15 @@ class Sampler:
                 token = greedy[row]
             if not p.greedy:
                 token = self._sample_row(row_logits, rid, p, len(history[1]))
-            results.append(SampleResult(token, _logprobs(row_logits, token, p.logprobs)))
+            results.append(SampleResult(token, logprobs_of(row_logits, token, p.logprobs)))
         return results
 
     def _sample_row(self, logits: torch.Tensor, rid: str, p: SamplingParams, pos: int) -> int:
-        probs = torch.softmax(_filter(logits / p.temperature, p.top_k, p.top_p), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(rid, p, pos)).item())
+        probs = torch.softmax(filter_logits(logits / p.temperature, p.top_k, p.top_p), dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator(rid, p, pos)).item())
 
-    def _generator(self, rid: str, p: SamplingParams, pos: int) -> torch.Generator:
+    def generator(self, rid: str, p: SamplingParams, pos: int) -> torch.Generator:
+        """The generator of output token `pos`'s draw (keyed on (seed, pos) when seeded)."""
         if p.seed is not None:
             return torch.Generator().manual_seed(position_seed(p.seed, pos))
         gen = self._generators.get(rid)
@@ -126,7 +127,7 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: History) -
     return logits
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask everything outside the top-k and outside the smallest set with mass >= top_p."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -140,7 +141,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def _logprobs(logits: torch.Tensor, token: int, n: int | None) -> dict[int, float] | None:
+def logprobs_of(logits: torch.Tensor, token: int, n: int | None) -> dict[int, float] | None:
     if n is None:
         return None
     logp = torch.log_softmax(logits, dim=-1)

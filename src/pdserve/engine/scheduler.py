@@ -27,7 +27,7 @@ with the tokens it has generated, which are recomputed as part of its prompt lat
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
@@ -61,6 +61,7 @@ class ScheduledRequest:
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this step reaches the last known token: sample the next one
+    num_draft: int = 0  # of token_ids, the trailing draft tokens to verify (speculation)
 
     @property
     def num_tokens(self) -> int:
@@ -220,7 +221,8 @@ class Scheduler:
         if decodes:
             context = sum(s.start_pos + 1 for s in decodes)
             cached = self._next_prompt_cached()
-            budget = min(budget, max(0, prefill_budget(len(decodes), context, cached)))
+            drafts = sum(s.num_draft for s in decodes)  # verify rows cost as prompt tokens do
+            budget = min(budget, max(0, prefill_budget(len(decodes), context, cached) - drafts))
         left = self._schedule_running(out, budget, prefills_only=True)
         if not out.preempted:
             self._schedule_waiting(out, left)
@@ -324,6 +326,8 @@ class Scheduler:
 
     def _num_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
+        if remaining == 1:  # a decode verifies its drafts in the same step (as many as fit)
+            return min(1 + len(request.spec_token_ids), budget)
         if remaining > budget and not self._may_chunk(request):
             return 0
         return min(remaining, budget)
@@ -357,6 +361,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -365,31 +370,46 @@ class Scheduler:
     @staticmethod
     def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
+        real = min(num_new, request.num_tokens - start)
+        drafts = request.spec_token_ids[: num_new - real]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
+            token_ids=request.token_slice(start, start + real) + drafts,
             start_pos=start,
             block_ids=block_ids,
-            sample=start + num_new == request.num_tokens,
+            sample=start + real == request.num_tokens,
+            num_draft=len(drafts),
         )
 
     # ---- results -----------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, finish what stopped; returns finished ones."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[Request]:
+        """Advance progress, append sampled tokens, finish what stopped; returns finished ones.
+
+        A request that verified drafts gets a list: its accepted drafts and one more token.
+        Each accepted draft's KV stands; the KV written for rejected drafts is past the
+        computed tokens (rewritten later, never registered) and blocks holding only such
+        positions are freed. Tokens after a stop are dropped, as if never sampled."""
         finished = []
         for s in out.scheduled:
             request = self.requests.get(s.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            request.num_computed_tokens += s.num_tokens
-            token = sampled.get(s.request_id)
-            if token is None:
-                continue
-            request.append_token(token)
-            status = request.check_stop()
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
+            request.spec_token_ids = []
+            request.num_computed_tokens += s.num_tokens - s.num_draft
+            got = sampled.get(s.request_id)
+            tokens = [got] if isinstance(got, int) else list(got or ())
+            for i, token in enumerate(tokens):
+                request.num_computed_tokens += i > 0  # the draft equal to `token` was computed
+                request.append_token(token)
+                status = request.check_stop()
+                if status is not None:
+                    self._finish(request, status)
+                    finished.append(request)
+                    break
+            if s.num_draft and not request.finished:
+                self.kv.trim(request.request_id, request.num_computed_tokens)
         return finished
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -19,7 +19,11 @@ decodes leave).
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import SchedulerOutput
 
 MIN_PREFILL_TOKENS = 1
 
@@ -89,3 +93,23 @@ def tpot_prefill_budget(
     """(decodes, their context tokens, the next chunk's cached tokens) -> prompt tokens allowed
     with them this step."""
     return StallFreeBudget(cost, tpot_s, max_tokens, min_tokens, smoothing)
+
+
+def observe_step(
+    budget: Callable[[int, int, int], int] | None, out: SchedulerOutput, seconds: float
+) -> None:
+    """Teach a stall-free budget how long a step with these decodes really took. A decode's
+    draft tokens (speculation) are priced as prompt tokens over its context: the verify rows
+    cost what a short chunk there costs."""
+    if not isinstance(budget, StallFreeBudget):
+        return
+    decodes = [s for s in out.scheduled if s.num_tokens - s.num_draft == 1]
+    chunks = [s for s in out.scheduled if s.num_tokens - s.num_draft > 1]
+    context = sum(s.start_pos + 1 for s in decodes)
+    drafts = [(s.num_draft, s.start_pos + 1) for s in decodes if s.num_draft]
+    pieces = [(s.num_tokens, s.start_pos) for s in chunks] + drafts
+    prompt = sum(n for n, _ in pieces)
+    # Several chunks are priced as one of their summed size at their token-weighted cached
+    # prefix (a slight over-estimate of the attention term).
+    cached = sum(n * start for n, start in pieces) // max(1, prompt)
+    budget.observe(len(decodes), context, prompt, seconds, cached)

@@ -7,9 +7,10 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import Matcher
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.pool_link import PoolUse
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestStatus
 
 Sample = tuple[int, dict[int, float] | None]  # a sampled token and its logprobs
+Samples = dict[str, list[Sample]]  # a step's tokens per request (several after drafts)
 
 
 class Tracked:
@@ -37,6 +38,30 @@ class Tracked:
     @property
     def grammar_done(self) -> bool:
         return self.matcher is not None and self.matcher.done
+
+    def add_tokens(self, new_ids: list[int]) -> tuple[list[int], str]:
+        """Feed the detokenizer; returns the ids and text this output adds. Several tokens at
+        once (accepted drafts) go one by one when stop strings are set, and those after the
+        token that completes a stop string are dropped from the request, as if never sampled."""
+        if len(new_ids) <= 1 or not self.detok.stop:
+            return new_ids, self.detok.add(new_ids)
+        text = ""
+        for i, token in enumerate(new_ids):
+            text += self.detok.add([token])
+            if self.detok.stop_hit is not None:
+                self._drop(len(new_ids) - i - 1)
+                return new_ids[: i + 1], text
+        return new_ids, text
+
+    def _drop(self, n: int) -> None:
+        r = self.request
+        if n == 0:
+            return
+        del r.output_token_ids[-n:]
+        if self.logprobs is not None:
+            del self.logprobs[r.num_output_tokens :]
+        if r.finished:  # a token-level stop or the length cap came after the stop string
+            r.status, r.stop_reason = RequestStatus.FINISHED_STOPPED, self.detok.stop_hit
 
     def output(self, new_ids: list[int], new_text: str) -> RequestOutput:
         """The request as it stands, with `new_ids` / `new_text` as this output's delta."""
