@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,22 @@ def test_pdserve_sim_reads_the_deployment_file(yaml_file: Path, capsys) -> None:
     assert '"deployment": "2P(TP1) : 1D(TP1)"' in capsys.readouterr().out
     assert main([*argv, "--prefill", "1", "--decode", "1"]) == 2
     assert "set --decode, --prefill in the deployment file" in capsys.readouterr().err
+
+
+def test_speculative_config_reaches_every_worker_as_its_flag(tmp_path: Path) -> None:
+    """From a YAML mapping or the serve flag, every worker's command line carries the same
+    JSON, which its engine config reads back; a bad key fails at the deployment."""
+    from pdserve.config import EngineConfig
+    from pdserve.launcher import worker_command
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    d = Deployment(topology=Topology(prefill=1, decode=1), engine={"speculative_config": spec})
+    ns = build_parser().parse_args(["serve", "--speculative-config", json.dumps(spec)])
+    assert Deployment.from_args(ns).engine["speculative_config"] == json.dumps(spec)
+    for s in plan.worker_specs(d):
+        cmd = worker_command(s)
+        value = cmd[cmd.index("--speculative-config") + 1]
+        cfg = EngineConfig.from_kwargs(speculative_config=value).scheduler_config
+        assert json.loads(cfg.speculative_config or "{}")["num_speculative_tokens"] == 3
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        Deployment(engine={"speculative_config": {"method": "ngram", "prompt_lookup_min": 0}})

@@ -44,6 +44,7 @@ SERVE_ENGINE_ARGS = (
     "max_num_batched_tokens",
     "prefill_format",
     "quantization",
+    "speculative_config",
 )
 DISAGGREGATIONS = ("auto", "conditional", "always")
 

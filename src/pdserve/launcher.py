@@ -58,8 +58,8 @@ def worker_command(spec: WorkerSpec) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             cmd.append(flag if value else "--no-" + key.replace("_", "-"))
-        else:
-            cmd += [flag, str(value)]
+        else:  # a mapping (speculative_config from YAML) as the JSON its flag reads
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return cmd
 
 

@@ -188,6 +188,11 @@ class FakeCore:
                 "gc_pause_seconds": 0.25,
                 "gc_max_pause_seconds": 0.2,
                 "gc_frozen_objects": 800_000,
+                **(
+                    {"spec_draft_tokens": 40, "spec_accepted_tokens": 25, "spec_steps": 10}
+                    if row["role"] == "decode"
+                    else {}
+                ),
                 "worker_id": row["id"],
                 "role": row["role"],
             }

@@ -102,6 +102,22 @@ WORKER_COUNTERS = {
         "worker_prompt_rows_decode_format",
         "Prompt tokens left on the decode format (steps with too few prompt rows).",
     ),
+    # speculation on decoding workers (engine/spec/, docs/speculation.md)
+    "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens verified (speculative decoding)."),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted."),
+    "spec_steps": (
+        "spec_steps",
+        "Request-steps that verified drafts (accepted / steps = "
+        "accepted tokens per step beyond the one a step always yields).",
+    ),
+    "spec_disabled_steps": (
+        "spec_disabled_steps",
+        "Engine steps not drafted: the decode batch reached disable_by_batch_size.",
+    ),
+    "spec_grammar_skips": (
+        "spec_grammar_skips",
+        "Request-steps not drafted: the request has a grammar.",
+    ),
 }
 HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
 

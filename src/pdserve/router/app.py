@@ -202,6 +202,8 @@ def create_app(
         predicted = getattr(core, "prediction", None)
         body = {"id": rid, "object": "request.timeline", "events": events}
         body["prediction"] = predicted(rid) if predicted is not None else None
+        spec = getattr(core, "speculation", None)  # drafted / accepted tokens, steps
+        body["speculation"] = spec(rid) if spec is not None else None
         return JSONResponse(body)
 
     @app.post("/admin/workers/{worker_id}/role")

@@ -481,6 +481,9 @@ class RouterCore:
     def prediction(self, rid: str) -> dict[str, Any] | None:
         return self.timelines.predictions.get(rid)
 
+    def speculation(self, rid: str) -> dict[str, int] | None:
+        return self.timelines.spec.get(rid)
+
     def raw_timeline(self, rid: str) -> list[Event] | None:
         """(event, worker, time.monotonic()) with the workers' own stage names."""
         flight = self.flights.get(rid)

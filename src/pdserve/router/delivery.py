@@ -54,6 +54,8 @@ class Delivery:
         now = time.monotonic()
         if msg.pool is not None:
             self.pool_feedback.on_report(flight, msg.worker, msg.pool, now)
+        for key, n in (msg.spec or {}).items():  # the timeline's `speculation`
+            flight.spec[key] = flight.spec.get(key, 0) + n
         if msg.token_ids:
             flight.first_at = flight.first_at or now
             flight.last_at = now

@@ -92,6 +92,7 @@ class Flight:
     last_at: float | None = None
     choices_done: set[int] = field(default_factory=set)  # n > 1: the choices that ended
     sent_other: bool = False  # n > 1: tokens of choices other than 0 were streamed
+    spec: dict[str, int] = field(default_factory=dict)  # speculation, summed over choices
     pool_recovered: int = 0  # the attempt whose `recovered_from_pool` is in the timeline
     # (prefilling worker, tokens the pool index predicts it loads, the attempt's prompt length)
     pool_expected: tuple[str, int, int] | None = None

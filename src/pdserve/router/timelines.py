@@ -20,14 +20,18 @@ class Timelines:
         self.events = events
         self.raw: collections.OrderedDict[str, list[Event]] = collections.OrderedDict()
         self.predictions: dict[str, dict[str, Any]] = {}  # kept beside raw
+        self.spec: dict[str, dict[str, int]] = {}  # speculation per request, beside raw
         self._final_attempt: dict[str, str] = {}
 
     def keep(self, flight: Flight) -> None:
         self.raw[flight.rid] = sorted(flight.timeline, key=lambda e: e[2])
         self._final_attempt[flight.rid] = str(flight.attempt)
+        if flight.spec:
+            self.spec[flight.rid] = dict(flight.spec)
         while len(self.raw) > TIMELINE_KEEP:
             old, _ = self.raw.popitem(last=False)
             self._final_attempt.pop(old, None)
+            self.spec.pop(old, None)
             self.predictions.pop(old, None)
 
     def add_late(self, rid: str, attempt: str, stamps: list[Event]) -> bool:

@@ -37,6 +37,10 @@ class WorkerStats:
     decode_matmul: str | None = None
     prefill_format: str | None = None
     prefill_isa: str | None = None
+    # speculation (engine/spec/): drafts verified and accepted, request-steps that verified
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
     report: Mapping[str, Any] = field(default_factory=dict)  # everything it sent, read-only
 
     @classmethod

@@ -177,6 +177,9 @@ class Tokens:
     # With the request's first tokens from a worker with a KV pool: what the pool did for it
     # (lookup_at, hit_tokens, loaded_tokens, local_tokens, load_s; engine/pool_link.py)
     pool: dict[str, float] | None = None
+    # With a choice's last tokens from a speculating worker: draft_tokens, accepted_tokens,
+    # steps (engine/spec/: drafts verified, accepted, steps that verified drafts)
+    spec: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,7 @@ class Worker:
                 times=_stage_times(out) if out.finished else None,
                 index=c.index,
                 pool=out.kv_pool,
+                spec=_spec_fields(out) if out.finished else None,
             ),
         )
         if out.finished and c.index == 0:
@@ -377,6 +378,17 @@ class Worker:
         self.prefill.close()
         self.decode.close()
         self.control.close(0)
+
+
+def _spec_fields(out: RequestOutput) -> dict[str, int] | None:
+    m_ = out.metrics
+    if m_ is None or not m_.spec_steps:
+        return None
+    return {
+        "draft_tokens": m_.spec_draft_tokens,
+        "accepted_tokens": m_.spec_accepted_tokens,
+        "steps": m_.spec_steps,
+    }
 
 
 def _stage_times(out: RequestOutput) -> dict[str, float]:
