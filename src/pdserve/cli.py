@@ -176,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kvpool_serve.add_arguments(kvs)
+    from pdserve.bench import spec_crossover
+
+    spc = bench_sub.add_parser(
+        "spec-crossover",
+        help="decode step with and without k draft rows per request: the batch from which "
+        "speculation stops paying (disable_by_batch_size)",
+        description=spec_crossover.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    spec_crossover.add_arguments(spc)
     from pdserve.costmodel import plan, plan_cli
 
     plan_p = sub.add_parser(
@@ -304,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 profile,
                 quant_bench,
                 sched,
+                spec_crossover,
             )
             from pdserve.bench.load import serve_bench
             from pdserve.bench.micro import codec_bench, engine_bench
@@ -335,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "gguf-requant": gguf_files.run,
                 "attention": attention_bench.run,
                 "kvpool": kvpool_bench.run,
+                "spec-crossover": spec_crossover.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

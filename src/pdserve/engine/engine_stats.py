@@ -29,10 +29,12 @@ class StepCounters:
     grammar_errors: int = 0  # requests whose grammar hit a library limit (ended with EOS)
 
     def count_step(self, out: SchedulerOutput) -> None:
-        decode = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.sample)
+        # a decode verifying drafts counts once here (its drafts in the spec_* counters)
+        decode = sum(1 for s in out.scheduled if s.num_tokens - s.num_draft == 1 and s.sample)
+        drafts = sum(s.num_draft for s in out.scheduled)
         self.batch_requests, self.batch_tokens = len(out.scheduled), out.num_batched_tokens
         self.decode_tokens += decode
-        self.prefill_tokens += out.num_batched_tokens - decode
+        self.prefill_tokens += out.num_batched_tokens - decode - drafts
 
 
 @dataclass(frozen=True)

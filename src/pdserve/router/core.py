@@ -377,6 +377,7 @@ class RouterCore:
             return
         if isinstance(msg, m.Stats):
             w.stats = WorkerStats.from_report(msg.stats)
+            w.load.spec = w.stats.spec_per_step()
             if w.hb is None:  # with a heartbeat socket, health is the heartbeat's call
                 w.healthy = True
             self.events.worker_stats(w, msg.stats)

@@ -31,6 +31,8 @@ class WorkerLoad:
     worker_id: str
     jobs: dict[str, Job] = field(default_factory=dict)
     prefill_free_at: float = 0.0  # when the prefill head-of-line started (approximation)
+    # speculation here: (drafts verified, accepted) per decode request-step, from its stats
+    spec: tuple[float, float] = (0.0, 0.0)
 
     def _queue(self, now: float) -> tuple[list[Job], float]:
         """The prefills owed here in the order they run, and how long the head has run."""

@@ -259,6 +259,7 @@ class SloPlanner:
         starts = _decode_starts(dec, loads, now)
         overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
+        step_new = spec_step(self.model, step_new, dec.spec, batch + streams, per_stream)
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
         # it. Those queued now end before this request decodes if it prefills there (local,
         # colocated: its own prefill comes after them); on a remote route, only what is left
@@ -419,3 +420,17 @@ def _overlaps(
         shared = min(end, s_j + j.remaining * step) - max(start, s_j)
         overlap[j.rid] = min(float(out), max(0.0, shared / step))
     return overlap
+
+
+def spec_step(
+    model: CostModel, step_s: float, spec: tuple[float, float], streams: int, context: int
+) -> float:
+    """Seconds per token of a decode step on a speculating worker: the step also verifies
+    `spec[0]` draft rows per stream (priced as prompt tokens over the stream's context, as the
+    stall-free budget prices them) and yields 1 + `spec[1]` tokens per stream."""
+    drafts, accepted = spec
+    if not drafts:
+        return step_s
+    rows = max(1, round(drafts * streams))
+    verify = model.prefill_s(rows, context) - model.prefill_s(0, 0)
+    return (step_s + verify) / (1 + accepted)

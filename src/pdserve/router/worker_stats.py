@@ -56,6 +56,15 @@ class WorkerStats:
                 values[f.name] = value
         return cls(**values, report=MappingProxyType(dict(report)))
 
+    def spec_per_step(self) -> tuple[float, float]:
+        """(draft tokens verified, of which accepted) per decode request-step since the
+        worker started: what the planner's TPOT expects of speculation there (router/slo.py)."""
+        if not self.decode_tokens or not self.spec_steps:
+            return 0.0, 0.0
+        return self.spec_draft_tokens / self.decode_tokens, (
+            self.spec_accepted_tokens / self.decode_tokens
+        )
+
     def kv_pool_use(self) -> dict[str, Any]:
         """The engine's use of its KV pool (`kv_pool_*`, the prefix dropped)."""
         return {

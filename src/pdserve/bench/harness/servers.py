@@ -192,5 +192,7 @@ async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> int:
                     body = resp.json()
                     rec["timeline"] = body.get("events")
                     rec["prediction"] = body.get("prediction")
+                    if body.get("speculation"):  # drafted / accepted tokens, steps
+                        rec["speculation"] = body["speculation"]
                     n += 1
     return n

@@ -1,0 +1,106 @@
+"""`pdserve bench spec-crossover`: from which decode batch a speculative verify step stops
+paying, on this machine (the default of `disable_by_batch_size`, spec_config.py).
+
+Method. One engine (default model unless `--model`, `--threads`) holds B running requests of
+`--context` tokens each. Two steps are timed through its `ModelRunner` on the same KV, the
+median of `--repeats` after a warm-up, interleaved so load from other processes hits both:
+  * plain: B decode rows;
+  * verify: B chunks of 1 + k rows (the last token and k drafts), as speculation runs them.
+A verify step yields 1 + a tokens per request where a is the accepted drafts per step, so it
+pays while verify / plain < 1 + a. The crossover printed is the smallest B where the ratio
+reaches 1 + `--accepted` (a measured acceptance: `pdserve_spec_accepted_tokens_total` over
+`pdserve_spec_steps_total` on a running server; 1.0 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", default="1,2,4,8,16,32", help="decode batches to time")
+    p.add_argument("--context", type=int, default=1024, help="tokens per request")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k")
+    p.add_argument("--accepted", type=float, default=1.0, help="accepted drafts per step")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+
+
+def _engine(args: argparse.Namespace, batch: int) -> LLMEngine:
+    blocks = batch * (args.context + args.k + 32) // 16 + 16
+    cfg = EngineConfig.from_kwargs(
+        model=args.model,
+        threads=args.threads,
+        num_blocks=blocks,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * (1 + args.k)),
+    )
+    return LLMEngine(cfg)
+
+
+def _time(eng: LLMEngine, drafts: int, repeats: int) -> float:
+    """Median seconds of one forward step of the running requests with `drafts` each."""
+    rng = random.Random(0)
+    for r in eng.scheduler.running:
+        r.spec_token_ids = [rng.randrange(100, 10_000) for _ in range(drafts)]
+    out = eng.scheduler.schedule()  # allocates the draft rows' slots; nothing is appended
+    eng.runner.execute(out)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        eng.runner.execute(out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(args: argparse.Namespace, eng: LLMEngine, batch: int) -> dict[str, Any]:
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=args.k + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(100, 10_000) for _ in range(args.context)]
+        eng.add_request(prompt, params, f"r{i}")
+    while any(not r.output_token_ids for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # prefill every request: all decode from here
+    plain, verify = [], []
+    for _ in range(2):  # interleaved halves
+        plain.append(_time(eng, 0, args.repeats))
+        verify.append(_time(eng, args.k, args.repeats))
+    for i in range(batch):
+        eng.abort_request(f"r{i}")
+    eng.kv_manager.reset_prefix_cache()  # the next batch computes its own prompts
+    p, v = statistics.median(plain), statistics.median(verify)
+    return {"batch": batch, "plain_ms": p * 1e3, "verify_ms": v * 1e3, "ratio": v / p}
+
+
+def run(args: argparse.Namespace) -> int:
+    batches = [int(b) for b in args.batches.split(",")]
+    eng = _engine(args, max(batches))  # one model load; each batch's requests aborted after
+    rows = [measure(args, eng, b) for b in batches]
+    need = 1 + args.accepted
+    print(f"k={args.k} context={args.context} threads={args.threads}: verify pays while "
+          f"verify/plain < {need:.2f}")  # fmt: skip
+    print(f"{'batch':>6} {'plain ms':>9} {'verify ms':>10} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['plain_ms']:>9.2f} {r['verify_ms']:>10.2f} {r['ratio']:>6.2f}")
+    over = [r["batch"] for r in rows if r["ratio"] >= need]
+    crossover = over[0] if over else None
+    print(
+        f"crossover: disable_by_batch_size={crossover}"
+        if crossover
+        else f"no crossover up to batch {rows[-1]['batch']}: raise --batches"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "crossover": crossover}, f, indent=1)
+    return 0
