@@ -140,6 +140,7 @@ SLOW_MODULES = {
     "test_gguf_architectures.py",
     "test_window_kv.py",
     "test_spec_engine.py",  # speculation against plain decoding, tiny model (~12 s)
+    "test_core_spec.py",  # in-process 1P1D workers speculating on D (~4 s)
 }
 # Slow tests whose pass depends on the wall clock, so `make test` runs them alone after the
 # rest (which run two at a time): the chaos run must fit its faults into 40 s, and beside
