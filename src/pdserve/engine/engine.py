@@ -489,7 +489,7 @@ class LLMEngine:
             self.counters,
             len(self._reserved),
             self.pool_link,
-            self.spec.counters.as_stats() if self.spec is not None else {},
+            self.spec.stats(self.scheduler.num_draft_drops) if self.spec is not None else {},
         )
 
     def stats(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_fork_recomputes = 0
+        self.num_draft_drops = 0  # decodes whose drafts found no free blocks (not verified)
         # Finished requests whose blocks are kept (`Request.hold_kv`) until `release_held`.
         self.held: dict[str, Request] = {}
 
@@ -260,6 +261,9 @@ class Scheduler:
             num_new = self._num_to_schedule(request, budget)
             if num_new == 0:
                 continue
+            if num_new > 1 and is_decode and self.kv.allocate_slots(request, num_new) is None:
+                request.spec_token_ids, num_new = [], 1  # drafts never preempt anyone
+                self.num_draft_drops += 1
             block_ids = self._allocate_or_preempt(request, num_new, out)
             if block_ids is None:  # the request preempted itself
                 break

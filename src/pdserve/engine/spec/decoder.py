@@ -48,6 +48,11 @@ class SpecDecoder:
         self.counters = SpecCounters(accepted_at=[0] * config.num_speculative_tokens)
         self._states: dict[str, ngram.DraftState] = {}
 
+    def stats(self, memory_skips: int) -> dict[str, Any]:
+        """`spec_*` counters; `memory_skips`: decodes whose drafts found no free KV blocks
+        (the scheduler's count: drafts never preempt a request)."""
+        return {**self.counters.as_stats(), "spec_memory_skips": memory_skips}
+
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
