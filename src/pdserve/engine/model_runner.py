@@ -86,9 +86,12 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
-        chunks = [s for s in out.scheduled if s.num_tokens > 1]
+        verify = [s for s in out.scheduled if s.num_tokens > 1 and s.num_draft]
+        chunks = verify + [s for s in out.scheduled if s.num_tokens > 1 and not s.num_draft]
         ordered = decodes + chunks
         input_ids, meta = self._prepare(decodes, chunks)
+        if verify:  # decode rows too: the weight format of decodes (engine/linear/phases.py)
+            meta.decode_rows = len(decodes) + sum(s.num_tokens for s in verify)
         if self.layer_hook is not None:
             meta.layer_hook = self._bind_hook(self.layer_hook, ordered)
         sampled = [s for s in ordered if s.sample]

@@ -65,6 +65,9 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for each token
     num_decodes: int = 0  # rows [0, num_decodes) are single-token decodes
+    # rows [0, decode_rows) run on the decode weight format: the decodes and the verify chunks
+    # after them (speculation: their logits must be the decode format's); None: num_decodes
+    decode_rows: int | None = None
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] long, padded with 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSegment] = field(default_factory=list)

@@ -217,7 +217,9 @@ class LlamaModel(nn.Module):
         """Returns logits [S, vocab] for `meta.sample_rows` (float32)."""
         if not self.ropes:
             self.ropes = self._make_ropes()
-        if self.step_rows is not None and self.step_rows.set(len(input_ids), meta.num_decodes):
+        if self.step_rows is not None and self.step_rows.set(
+            len(input_ids), meta.num_decodes if meta.decode_rows is None else meta.decode_rows
+        ):
             meta.prompt_dtype = self.step_rows.prompt_dtype
             meta.prompt_attention = self.step_rows.prompt_attention
         x = F.embedding(input_ids, self.embed)
