@@ -189,7 +189,12 @@ class FakeCore:
                 "gc_max_pause_seconds": 0.2,
                 "gc_frozen_objects": 800_000,
                 **(
-                    {"spec_draft_tokens": 40, "spec_accepted_tokens": 25, "spec_steps": 10}
+                    {
+                        "spec_draft_tokens": 40,
+                        "spec_accepted_tokens": 25,
+                        "spec_steps": 10,
+                        "spec_accepted_at": [9, 7, 5, 4],
+                    }
                     if row["role"] == "decode"
                     else {}
                 ),

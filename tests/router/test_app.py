@@ -422,6 +422,8 @@ def test_metrics(client: TestClient, core: FakeCore, metrics: Metrics) -> None:
     assert s[("pdserve_spec_draft_tokens_total", d0)] == 40
     assert s[("pdserve_spec_accepted_tokens_total", d0)] == 25
     assert s[("pdserve_spec_steps_total", d0)] == 10
+    at2 = (("position", "2"), ("role", "decode"), ("worker", "D0"))
+    assert s[("pdserve_spec_accepted_at_position_total", at2)] == 7
     assert s[("pdserve_spec_disabled_steps_total", p0)] == 0
     assert ("pdserve_kv_transfer_failures_total", p0) in s
     assert all(name.startswith("pdserve_") for name, _ in s)

@@ -118,6 +118,10 @@ WORKER_COUNTERS = {
         "spec_grammar_skips",
         "Request-steps not drafted: the request has a grammar.",
     ),
+    "spec_memory_skips": (
+        "spec_memory_skips",
+        "Decodes whose drafts found no free KV blocks (not verified).",
+    ),
 }
 HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
 
@@ -190,6 +194,17 @@ class _WorkerCollector(Collector):
             if isinstance(s.get("prefill_format"), str):
                 f.add_metric([worker, role, s["prefill_format"], str(s.get("prefill_isa"))], 1.0)
         out.append(f)
+        a = CounterMetricFamily(
+            "pdserve_spec_accepted_at_position",
+            "Verify steps whose draft at this position (1 = the first) was accepted.",
+            labels=[*labels, "position"],
+        )
+        for (worker, role), s in self.stats.items():
+            at = s.get("spec_accepted_at")
+            for i, n in enumerate(at if isinstance(at, list) else ()):
+                if _number(n) is not None:
+                    a.add_metric([worker, role, str(i + 1)], _number(n))  # type: ignore[arg-type]
+        out.append(a)
         return out + self._kv_pool_families(labels)
 
     def _kv_pool_families(self, labels: list[str]) -> list[Metric]:
