@@ -102,6 +102,20 @@ def test_stop_strings_and_max_tokens_cut_as_without(pair) -> None:  # type: igno
     _idle(plain, spec)
 
 
+def test_a_stop_token_among_accepted_drafts_ends_there_with_its_logprobs(pair) -> None:  # type: ignore[no-untyped-def]
+    plain, spec = pair
+    base = SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)
+    tokens = plain.generate([REPEAT], base)[0].outputs[0].token_ids
+    params = SamplingParams(
+        max_tokens=28, temperature=0, ignore_eos=True, stop_token_ids=[tokens[12]], logprobs=0
+    )
+    a, b = plain.generate([REPEAT], params)[0].outputs[0], spec.generate([REPEAT], params)[0]
+    got = b.outputs[0]
+    assert got.token_ids == a.token_ids and got.finish_reason == a.finish_reason == "stop"
+    assert got.logprobs is not None and len(got.logprobs) == len(got.token_ids)
+    _idle(plain, spec)
+
+
 def test_n_choices_logprobs_and_seeds(pair) -> None:  # type: ignore[no-untyped-def]
     plain, spec = pair
     greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, n=2, logprobs=2)

@@ -112,10 +112,13 @@ class SpecDecoder:
             drafts = r.spec_token_ids[:k]
             history = (r.prompt_token_ids, r.output_token_ids)
             rows = result.logits[row : row + 1 + k]
-            verified[rid] = samples = rejection.verify(
-                sampler, rid, r.sampling_params, history, drafts, rows
-            )
-            self._count(tracked, k, len(samples) - 1)
+            p = r.sampling_params
+            stops = {*(p.stop_token_ids or ()), *(() if p.ignore_eos else r.eos_token_ids)}
+            samples = rejection.verify(sampler, rid, p, history, drafts, rows, stops)
+            verified[rid] = samples
+            # a correction never equals its draft: the accepted drafts are the matching prefix
+            accepted = sum(1 for (t, _), d in zip(samples, drafts, strict=False) if t == d)
+            self._count(tracked, k, accepted)
             row += 1 + k
         index = torch.tensor(keep_rows, dtype=torch.long, device=result.logits.device)
         return StepResult(keep_ids, result.logits.index_select(0, index)), verified

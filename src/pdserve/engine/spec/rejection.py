@@ -17,7 +17,7 @@ its output is reproducible (though not the output without speculation, which dra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -47,9 +47,11 @@ def verify(
     history: tuple[Sequence[int], Sequence[int]],
     drafts: Sequence[int],
     rows: torch.Tensor,  # [1 + len(drafts), vocab]
+    stops: Collection[int] = (),
 ) -> list[Sample]:
     """The tokens this step yields: the accepted drafts and one more (a correction or the
-    bonus token), each with its logprobs from the target row it was chosen from."""
+    bonus token), each with its logprobs from the target row it was chosen from; none after
+    a token of `stops` (EOS, stop_token_ids), which ends the request there."""
     prompt, output = history
     out: list[Sample] = []
     for j in range(len(drafts) + 1):
@@ -69,6 +71,6 @@ def verify(
             else:
                 token = int(torch.multinomial(probs, 1, generator=gen).item())
         out.append((token, logprobs_of(logits, token, params.logprobs)))
-        if j == len(drafts) or token != drafts[j]:
+        if j == len(drafts) or token != drafts[j] or token in stops:
             break
     return out
