@@ -60,6 +60,7 @@ WORKER_GAUGES = {
     "running": ("worker_running", "Requests the worker is running."),
     "batch_requests": ("worker_batch_requests", "Requests in the worker's last engine step."),
     "batch_tokens": ("worker_batch_tokens", "Tokens computed in the worker's last engine step."),
+    "threads": ("worker_threads", "Torch intra-op threads the worker runs its engine steps on."),
     "kv_blocks_used": ("worker_kv_blocks_used", "KV cache blocks in use on the worker."),
     "kv_blocks_total": ("worker_kv_blocks_total", "KV cache blocks the worker has."),
     "prefix_cache_hit_rate": (
@@ -315,6 +316,13 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        self.thread_moves = Counter(
+            "pdserve_thread_moves",
+            "Changes of the P/D thread split on this host (--adaptive), by which pool gained: "
+            "prefill, decode.",
+            ["to"],
+            registry=r,
+        )
         self.prediction_error = Histogram(
             "pdserve_prediction_error_ratio",
             "|predicted - actual| / actual of the planner's TTFT and TPOT, per finished request.",
@@ -387,6 +395,9 @@ class Metrics:
 
     def on_recompute(self) -> None:
         self.recomputes.inc()
+
+    def on_thread_move(self, to: str) -> None:
+        self.thread_moves.labels(to).inc()
 
     # ---- hooks the RouterCore calls ------------------------------------------------------------
     def on_request_end(self, flight: Any, outcome: str) -> None:

@@ -212,7 +212,8 @@ def create_app(
         return JSONResponse(row)
 
     dashboard.mount(app, board)  # GET /dashboard, GET /admin/dashboard.json
-    pools.mount(app, scaler)  # GET/POST /admin/pools
+    mover = getattr(getattr(core, "roles", None), "threads", None)  # --adaptive's split
+    pools.mount(app, scaler, None if mover is None else mover.status)  # GET/POST /admin/pools
     return app
 
 

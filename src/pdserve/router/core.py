@@ -49,6 +49,7 @@ from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback, kvpool_re
 from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
 from pdserve.router.silence import SilenceWatch
+from pdserve.router.threads import ThreadPolicy
 from pdserve.router.timeline import Ev, Event, labelled, render
 from pdserve.router.timelines import Timelines
 from pdserve.router.worker_stats import WorkerStats
@@ -71,6 +72,7 @@ class RouterCore:
         ctx: zmq.Context | None = None,
         planner: slo.SloPlanner | None = None,
         autobalancer: balancer.Autobalancer | None = None,
+        thread_policy: ThreadPolicy | None = None,
         **overrides: Any,
     ) -> None:
         """`config` (default: RouterConfig()) with `overrides` of its fields by name; with a
@@ -102,6 +104,7 @@ class RouterCore:
             self._busy,
             planner=planner,
             autobalancer=autobalancer,
+            thread_policy=thread_policy,
             interval_s=cfg.autobalance_interval_s,
             drain_timeout_s=cfg.request_timeout_s,
             switch_timeout_s=max(5.0, cfg.deadline_s),
@@ -139,8 +142,7 @@ class RouterCore:
         poll = self.links.poll_stats(self.config.stats_interval_s, self.config.deadline_s)
         self._tasks.append(asyncio.create_task(poll))
         self._tasks.append(asyncio.create_task(self.liveness.run()))
-        if self.roles.autobalancer is not None:
-            self._tasks.append(asyncio.create_task(self.roles.autobalance()))
+        self._tasks += [asyncio.create_task(job) for job in self.roles.loops()]
 
     def _watch(self, w: WorkerState) -> None:
         """Read the worker's events and ping its heartbeat socket."""

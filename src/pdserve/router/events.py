@@ -17,6 +17,7 @@ class MetricsHooks(Protocol):
     def on_prediction(self, kind: str, rel_error: float) -> None: ...
     def on_role_switch(self, by: str) -> None: ...
     def on_recompute(self) -> None: ...
+    def on_thread_move(self, to: str) -> None: ...
     def on_request_end(self, flight: Any, outcome: str) -> None: ...
     def on_worker_stats(self, worker: Any, stats: dict[str, Any]) -> None: ...
     def on_transfer(self, report: Any) -> None: ...
@@ -44,6 +45,9 @@ class NoMetrics:
         pass
 
     def on_recompute(self) -> None:
+        pass
+
+    def on_thread_move(self, to: str) -> None:
         pass
 
     def on_request_end(self, flight: Any, outcome: str) -> None:
@@ -126,6 +130,11 @@ class RouterEvents:
     def role_switch(self, by: str) -> None:
         self.counters[f"role_switches_{by}"] += 1
         self._hooks.on_role_switch(by)
+
+    def thread_move(self, to: str) -> None:
+        """The P/D thread split changed in favour of pool `to` (router/thread_moves.py)."""
+        self.counters[f"thread_moves_to_{to}"] += 1
+        self._hooks.on_thread_move(to)
 
     def prediction(self, kind: str, rel_error: float) -> None:
         self._hooks.on_prediction(kind, rel_error)

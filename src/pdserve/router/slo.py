@@ -21,7 +21,9 @@ end within its TPOT SLO must stay within it ("slo_tpot_running"). A local route 
 the stall of the requests expected to reach D while it prefills (`_future_stall`). A request
 whose every route misses an SLO is rejected before any prefill is spent (when admission is on);
 otherwise the feasible route with the least predicted latency (the new request's end-to-end plus
-the delay it adds to running ones) wins.
+the delay it adds to running ones) wins. Mode `overflow` (`--adaptive`) keeps prompts on P while
+a remote route meets the SLOs: D prefills only when P's queue would break the TTFT SLO and the
+local route still keeps D's TPOT (a burst), never on an idle P.
 Cached prefixes enter as fewer new tokens, so "longest cached prefix, weighed against load" falls
 out of the same sum.
 
@@ -43,7 +45,7 @@ from pdserve.router.pool_index import PoolBandwidth
 ROUTES = ("remote", "local", "colocated")
 ARRIVAL_WINDOW = 16  # first attempts the planner's arrival rate is measured over
 CALIBRATION_MIN_TOKENS = 16  # shorter requests' TPOT does not calibrate the model (`learn`)
-MODES = ("conditional", "always")
+MODES = ("conditional", "always", "overflow")
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ class SloPlanner:
     def routes(self, prefill: list[str], decode: list[str], colocated: list[str]) -> list[Route]:
         """Every candidate route over the healthy pools."""
         routes = [Route("remote", p, d) for p in prefill for d in decode]
-        if self.mode == "conditional" or not routes:
+        if self.mode != "always" or not routes:
             routes += [Route("local", d) for d in decode]
         routes += [Route("colocated", c) for c in colocated]
         if not routes:  # only prefill workers left: they run whole requests
@@ -210,6 +212,9 @@ class SloPlanner:
             for r in routes
         ]
         feasible = [p for p in preds if p.miss is None]
+        remote = [p for p in feasible if p.route.kind == "remote"]
+        if self.mode == "overflow" and remote:  # D prefills only what P would make late
+            return Decision(min(remote, key=lambda p: p.cost_s), considered=len(preds))
         if feasible:
             return Decision(min(feasible, key=lambda p: p.cost_s), considered=len(preds))
         # nothing meets every SLO: the route that breaks the fewest (a request that misses

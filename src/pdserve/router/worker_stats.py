@@ -37,6 +37,7 @@ class WorkerStats:
     decode_matmul: str | None = None
     prefill_format: str | None = None
     prefill_isa: str | None = None
+    threads: int | None = None  # torch intra-op threads now (the SetThreads acknowledgement)
     report: Mapping[str, Any] = field(default_factory=dict)  # everything it sent, read-only
 
     @classmethod

@@ -136,6 +136,15 @@ class SetRole:
     role: str
 
 
+@dataclass(frozen=True)
+class SetThreads:
+    """Run the engine on `threads` torch intra-op threads from the next engine step on (the
+    router's thread mover, router/threads.py); answered with Stats, whose `threads` is the
+    acknowledgement."""
+
+    threads: int
+
+
 # ---- worker -> router/client ------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -284,6 +293,7 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     SetFault,
     Shutdown,
     SetRole,
+    SetThreads,
     Ping,
     Pong,
     WorkerInfo,

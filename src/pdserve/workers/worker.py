@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 
 from pdserve.config import EngineConfig, WorkerConfig, add_config_args, config_from_args
@@ -53,6 +54,7 @@ ROLES = ("prefill", "decode", "colocated")
 ROLE_PHASES = {"prefill": "prefill", "decode": "decode", "colocated": "both"}
 READY_PREFIX = "PDSERVE_WORKER_READY "
 MAX_SUBSCRIBERS = 32  # clients getting KVEvents; the longest-subscribed is dropped past this
+MAX_THREADS = 1024  # a SetThreads beyond this is a bug or an attack, not a big host
 EVENT_CHUNK = 50_000  # block hashes per KVEvents (~1.7 MB), far below MAX_MESSAGE_BYTES
 
 
@@ -220,6 +222,9 @@ class Worker:
             self.role = msg.role
             self.counters["role_switches"] += 1
             self._send(client, self.info())
+        elif isinstance(msg, m.SetThreads):
+            self.set_threads(msg.threads)
+            self._send(client, m.Stats(self.stats()))
         elif isinstance(msg, m.Shutdown):
             self.running = False
         else:
@@ -229,6 +234,16 @@ class Worker:
         if self.slow_steps:
             self.slow_steps -= 1 if self.slow_steps > 0 else 0  # -1: every step
             time.sleep(self.slow_s)
+
+    def set_threads(self, n: int) -> None:
+        """Messages are handled between engine steps, so a step in progress (a prefill chunk
+        included) ends on the old count and the next runs on the new one. Our kernels split
+        work by at::parallel_for and read at::get_num_threads per call: nothing caches it."""
+        if not 1 <= n <= MAX_THREADS:
+            raise ValueError(f"threads must be in 1..{MAX_THREADS}, got {n}")
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            self.counters["thread_changes"] += 1
 
     def set_fault(self, msg: m.SetFault) -> None:
         """Frame faults (drop, delay, corrupt) on what this worker sends as P; lost acks as D;
@@ -367,6 +382,7 @@ class Worker:
             "transfers_out": len(self.prefill.out),
             "transfers_in": len(self.decode.inc),
             "kv_event_subscribers": len(self.subscribers),
+            "threads": torch.get_num_threads(),
         }
 
     def close(self) -> None:

@@ -1,0 +1,95 @@
+"""The router's side of moving cores between P and D (`pdserve serve --adaptive`): every
+`interval_s` it samples the pools, asks the pure `ThreadPolicy` (threads.py) for each worker's
+target and sends `SetThreads` in hand-over order (`threads.handover`). A worker applies it
+between engine steps and answers with its stats, whose `threads` the next sample reads as the
+acknowledgement. Each change of the split is counted (`thread_moves_to_{prefill,decode}`,
+`pdserve_thread_moves_total`); each worker's count is `pdserve_worker_threads`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pdserve.router import balancer, slo
+from pdserve.router.events import RouterEvents
+from pdserve.router.links import Links
+from pdserve.router.loads import WorkerLoad
+from pdserve.router.threads import ThreadPolicy, ThreadSample, handover
+from pdserve.workers import messages as m
+
+RESEND_S = 2.0  # a SetThreads not acknowledged by then is sent again (a dropped message)
+
+
+class ThreadMover:
+    def __init__(
+        self,
+        links: Links,
+        events: RouterEvents,
+        planner: slo.SloPlanner,
+        policy: ThreadPolicy,
+        interval_s: float = 0.25,
+    ) -> None:
+        self.links, self.events, self.planner, self.policy = links, events, planner, policy
+        self.interval_s = interval_s
+        self.targets: dict[str, int] = {}
+        self._sent: dict[str, tuple[int, float]] = {}  # worker -> (threads, when) last sent
+
+    def sample(self, now: float) -> ThreadSample:
+        pools = self.links.pools()
+        p, d = pools["prefill"], pools["decode"]
+        pressures = balancer.pressures(
+            [w.load for w in p], [w.load for w in d], self.planner, now, len(p), len(d)
+        )
+        return ThreadSample(
+            pressures,
+            [w.worker_id for w in p],
+            [w.worker_id for w in d],
+            prefill_idle=not any(_prompts(w.load) for w in p),
+            decode_idle=not any(w.load.jobs for w in d),
+        )
+
+    def tick(self, now: float) -> None:
+        s = self.sample(now)
+        if not s.prefill or not s.decode:
+            return  # a pool is empty (a worker down or switching): leave the counts alone
+        targets = self.policy.observe(now, s)
+        self._count(targets, s)
+        self.targets = targets
+        current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}
+        for worker_id, n in handover(current, targets).items():
+            sent = self._sent.get(worker_id)
+            if sent is not None and sent[0] == n and now - sent[1] < RESEND_S:
+                continue
+            w = self.links.find(worker_id)
+            if w is not None:
+                self.links.send(w, m.SetThreads(n))
+                self._sent[worker_id] = (n, now)
+
+    def _count(self, targets: dict[str, int], s: ThreadSample) -> None:
+        if not self.targets or set(targets) != set(self.targets):
+            return  # the first split, or the pools changed: not a move between them
+        before = sum(self.targets[w] for w in s.prefill)
+        after = sum(targets[w] for w in s.prefill)
+        if after != before:
+            self.events.thread_move("prefill" if after > before else "decode")
+
+    def status(self) -> dict[str, Any]:
+        """The split for GET /admin/pools: the policy's state, targets, what workers run."""
+        return {
+            "cores": self.policy.cores,
+            "state": self.policy.state,
+            "prefill_cores": self.policy.p_cores,
+            "targets": dict(self.targets),
+            "workers": {w.worker_id: w.stats.threads for w in self.links.workers},
+            "moves": {k: v for k, v in self.events.counters.items() if "thread_moves" in k},
+        }
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.tick(time.monotonic())
+
+
+def _prompts(load: WorkerLoad) -> bool:
+    return any(j.prefill_s > 0 for j in load.jobs.values())
