@@ -69,8 +69,8 @@ class ThreadMover:
     def _count(self, targets: dict[str, int], s: ThreadSample) -> None:
         if not self.targets or set(targets) != set(self.targets):
             return  # the first split, or the pools changed: not a move between them
-        before = sum(self.targets[w] for w in s.prefill)
-        after = sum(targets[w] for w in s.prefill)
+        # P's share of the threads: a parked P keeps its one thread while D's count changes
+        before, after = _prefill_share(self.targets, s), _prefill_share(targets, s)
         if after != before:
             self.events.thread_move("prefill" if after > before else "decode")
 
@@ -89,6 +89,10 @@ class ThreadMover:
         while True:
             await asyncio.sleep(self.interval_s)
             self.tick(time.monotonic())
+
+
+def _prefill_share(targets: dict[str, int], s: ThreadSample) -> float:
+    return sum(targets[w] for w in s.prefill) / sum(targets.values())
 
 
 def _prompts(load: WorkerLoad) -> bool:
