@@ -1,11 +1,21 @@
-"""The thread policy (router/threads.py): stats in, target threads per worker out."""
+"""The thread policy (router/threads.py): stats in, target threads per worker out; and the
+router's loop that sends them (router/thread_moves.py) over fake links."""
 
 from __future__ import annotations
 
+import collections
+from types import SimpleNamespace
+
 import pytest
 
+from pdserve.costmodel.model import CostModel
 from pdserve.router.balancer import PoolSample
+from pdserve.router.events import RouterEvents
+from pdserve.router.loads import Job, WorkerLoad
+from pdserve.router.slo import SloPlanner
+from pdserve.router.thread_moves import ThreadMover
 from pdserve.router.threads import ThreadPolicy, ThreadSample, handover, share
+from pdserve.router.worker_stats import WorkerStats
 
 P, D = ("P0",), ("D0",)
 
@@ -97,3 +107,66 @@ def test_handover_frees_cores_before_giving_them() -> None:
     assert handover({"P0": 1, "D0": 2}, targets) == {"D0": 3}
     assert handover({"P0": 1, "D0": 3}, targets) == {}
     assert handover({}, {"P0": 2}) == {"P0": 2}  # not reported yet: sent
+
+
+# ---- the router's loop (thread_moves.py) over fake links ------------------------------------
+class FakeLinks:
+    """What the mover reads and sends through: the pools, each worker's stats, sent messages."""
+
+    def __init__(self) -> None:
+        self.workers = [worker("P0", "prefill"), worker("D0", "decode")]
+        self.sent: list[tuple[str, object]] = []
+
+    def pools(self) -> dict[str, list]:  # type: ignore[type-arg]
+        return {r: [w for w in self.workers if w.role == r] for r in ("prefill", "decode")}
+
+    def find(self, worker_id: str):  # type: ignore[no-untyped-def]
+        return next(w for w in self.workers if w.worker_id == worker_id)
+
+    def send(self, w, msg) -> None:  # type: ignore[no-untyped-def]
+        self.sent.append((w.worker_id, msg))
+
+    def ack(self) -> None:
+        """The workers apply what was sent and report it (their Stats reply)."""
+        for worker_id, msg in self.sent:
+            self.find(worker_id).stats = WorkerStats(threads=msg.threads)  # type: ignore[attr-defined]
+        self.sent.clear()
+
+
+def worker(worker_id: str, role: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        worker_id=worker_id, role=role, load=WorkerLoad(worker_id), stats=WorkerStats(threads=2)
+    )
+
+
+def test_the_mover_lends_d_the_cores_in_handover_order_and_counts_the_moves() -> None:
+    links, events = FakeLinks(), RouterEvents()
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 1e-3, 0.0), (0.0, 1e9)))
+    policy = ThreadPolicy(cores=4, park_after_s=0.0)
+    mover = ThreadMover(links, events, planner, policy)  # type: ignore[arg-type]
+    links.find("D0").load.add(Job("r1", 0.0, 100, 50, True, 0.0, first_at=0.0))
+    mover.tick(0.0)  # P idle, D decoding: D gets every core
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 1)]  # P shrinks first
+    links.ack()
+    mover.tick(0.1)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 4)]
+    links.ack()
+    links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, 0.2))  # a prompt reaches P
+    mover.tick(0.3)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]
+    links.ack()
+    mover.tick(0.4)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 2)]
+    assert events.counters["thread_moves_to_decode"] == 1
+    assert events.counters["thread_moves_to_prefill"] == 1
+    status = mover.status()
+    assert status["state"] == "split" and status["targets"] == {"P0": 2, "D0": 2}
+
+
+def test_a_worker_refuses_a_thread_count_out_of_range() -> None:
+    from pdserve.workers.worker import Worker
+
+    fake = SimpleNamespace(counters=collections.Counter())
+    for bad in (0, -1, 10**6):
+        with pytest.raises(ValueError, match="threads must be in"):
+            Worker.set_threads(fake, bad)  # type: ignore[arg-type]

@@ -54,9 +54,9 @@ class ThreadMover:
         if not s.prefill or not s.decode:
             return  # a pool is empty (a worker down or switching): leave the counts alone
         targets = self.policy.observe(now, s)
-        self._count(targets, s)
-        self.targets = targets
         current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}
+        self._count(self.targets or current, targets, s)
+        self.targets = targets
         for worker_id, n in handover(current, targets).items():
             sent = self._sent.get(worker_id)
             if sent is not None and sent[0] == n and now - sent[1] < RESEND_S:
@@ -66,11 +66,12 @@ class ThreadMover:
                 self.links.send(w, m.SetThreads(n))
                 self._sent[worker_id] = (n, now)
 
-    def _count(self, targets: dict[str, int], s: ThreadSample) -> None:
-        if not self.targets or set(targets) != set(self.targets):
-            return  # the first split, or the pools changed: not a move between them
+    def _count(self, before_: dict[str, int], targets: dict[str, int], s: ThreadSample) -> None:
+        """`before_`: the last targets (or, at the first sample, what the workers run)."""
+        if not all(before_.get(w) for w in targets):
+            return  # a worker not reported yet, or the pools changed: not a move between them
         # P's share of the threads: a parked P keeps its one thread while D's count changes
-        before, after = _prefill_share(self.targets, s), _prefill_share(targets, s)
+        before, after = _prefill_share(before_, s), _prefill_share(targets, s)
         if after != before:
             self.events.thread_move("prefill" if after > before else "decode")
 
@@ -91,8 +92,9 @@ class ThreadMover:
             self.tick(time.monotonic())
 
 
-def _prefill_share(targets: dict[str, int], s: ThreadSample) -> float:
-    return sum(targets[w] for w in s.prefill) / sum(targets.values())
+def _prefill_share(threads: dict[str, int], s: ThreadSample) -> float:
+    p = sum(threads[w] for w in s.prefill)
+    return p / (p + sum(threads[w] for w in s.decode))
 
 
 def _prompts(load: WorkerLoad) -> bool:
