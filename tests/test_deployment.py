@@ -199,6 +199,8 @@ def test_adaptive_composes_1p1d_default_slos_overflow_and_the_thread_policy() ->
     assert (given.planner.slo_ttft_s, given.planner.slo_tpot_s) == (6.0, 0.025)
     policy = plan.thread_policy(d)
     assert policy.cores == 4 and policy.p_cores == 2
+    twin = sim_deploy.Deployment.of(d, hardware="cpu")  # the simulator moves them too
+    assert twin.cores == 4 and twin.disaggregation == "overflow" and twin.planner
     yaml = Deployment.from_dict({"planner": {"adaptive": True}, "topology": {"cores": 3}})
     assert yaml.planner.disaggregation == "overflow" and yaml.topology.host_cores() == 3
 

@@ -11,10 +11,9 @@ import asyncio
 import time
 from typing import Any
 
-from pdserve.router import balancer, slo
+from pdserve.router import slo, threads
 from pdserve.router.events import RouterEvents
 from pdserve.router.links import Links
-from pdserve.router.loads import WorkerLoad
 from pdserve.router.threads import ThreadPolicy, ThreadSample, handover
 from pdserve.workers import messages as m
 
@@ -37,17 +36,9 @@ class ThreadMover:
 
     def sample(self, now: float) -> ThreadSample:
         pools = self.links.pools()
-        p, d = pools["prefill"], pools["decode"]
-        pressures = balancer.pressures(
-            [w.load for w in p], [w.load for w in d], self.planner, now, len(p), len(d)
-        )
-        return ThreadSample(
-            pressures,
-            [w.worker_id for w in p],
-            [w.worker_id for w in d],
-            prefill_idle=not any(_prompts(w.load) for w in p),
-            decode_idle=not any(w.load.jobs for w in d),
-        )
+        p = {w.worker_id: w.load for w in pools["prefill"]}
+        d = {w.worker_id: w.load for w in pools["decode"]}
+        return threads.sample(p, d, self.planner, now)
 
     def tick(self, now: float) -> None:
         s = self.sample(now)
@@ -95,7 +86,3 @@ class ThreadMover:
 def _prefill_share(threads: dict[str, int], s: ThreadSample) -> float:
     p = sum(threads[w] for w in s.prefill)
     return p / (p + sum(threads[w] for w in s.decode))
-
-
-def _prompts(load: WorkerLoad) -> bool:
-    return any(j.prefill_s > 0 for j in load.jobs.values())

@@ -31,7 +31,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.router import balancer
 from pdserve.router.balancer import PoolSample
+from pdserve.router.loads import WorkerLoad
+from pdserve.router.slo import SloPlanner
 
 STATES = ("split", "lend_decode", "lend_prefill")
 
@@ -43,6 +46,24 @@ class ThreadSample:
     decode: Sequence[str]
     prefill_idle: bool  # no prompt queued or computing on any P
     decode_idle: bool  # no decode stream and no prompt on any D
+
+
+def sample(
+    prefill: Mapping[str, WorkerLoad],
+    decode: Mapping[str, WorkerLoad],
+    planner: SloPlanner,
+    now: float,
+) -> ThreadSample:
+    """The policy's input from the router's picture of each pool's workers (the real router's
+    ThreadMover and the simulator both build it here)."""
+    p, d = list(prefill.values()), list(decode.values())
+    return ThreadSample(
+        balancer.pressures(p, d, planner, now, len(p), len(d)),
+        list(prefill),
+        list(decode),
+        prefill_idle=not any(j.prefill_s > 0 for w in p for j in w.jobs.values()),
+        decode_idle=not any(w.jobs for w in d),
+    )
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware
 from pdserve.sim.deploy import Deployment, render, simulate
@@ -106,7 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--router", choices=("round_robin", "planner"), default=None,
       help="round_robin, or the SLO planner (default: planner when an SLO is given)")  # fmt: skip
     a("--admission", action="store_true", help="reject predicted SLO misses (needs SLOs)")
-    a("--disaggregation", choices=("always", "conditional"), default="always")
+    a("--disaggregation", choices=("always", "conditional", "overflow"), default="always")
+    a("--adaptive", action="store_true",
+      help="cpu: `pdserve serve --adaptive`: the planner with overflow, P's and D's threads "
+      "moved within --cores by the router's policy (router/threads.py)")  # fmt: skip
+    a("--cores", type=_pos_int, default=2, help="--adaptive: the cores P and D share")
     a("--prefix-routing", action="store_true")
     a("--kv-pool", action="store_true",
       help="a KV pool shared by every worker: blocks put as computed, prefixes loaded")  # fmt: skip
@@ -133,6 +138,13 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     prefill = args.prefill or (0 if colocated else 1)
     decode = args.decode or (0 if colocated else 1)
     model = args.model or ("default" if hw == "cpu" else "llama-3.1-8b")
+    adaptive = getattr(args, "adaptive", False)
+    if adaptive and (args.colocated or (args.prefill or 1) != 1 or (args.decode or 1) != 1):
+        raise ValueError("--adaptive simulates one prefill and one decode worker")
+    if adaptive:  # as the served deployment adapts its planner (deployment.adapted)
+        args.router, args.disaggregation = "planner", "overflow"
+        args.slo_ttft = args.slo_ttft or ADAPTIVE_SLO_TTFT_S
+        args.slo_tpot = args.slo_tpot or ADAPTIVE_SLO_TPOT_S
     planner = args.router or ("planner" if args.slo_ttft or args.slo_tpot else "round_robin")
     want_planner = planner == "planner"
     if (args.admission or args.prefix_routing or args.autobalance) and not want_planner:
@@ -168,6 +180,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         kv_pool=args.kv_pool,
         kv_pool_gb=args.kv_pool_gb,
         kv_pool_gbps=args.kv_pool_gbps,
+        cores=args.cores if adaptive else 0,
     )
 
 
@@ -176,6 +189,7 @@ FILE_OWNS = {
     "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
     "router": None, "admission": False, "disaggregation": "always", "prefix_routing": False,
     "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
+    "adaptive": False, "cores": 2,
 }  # fmt: skip
 
 

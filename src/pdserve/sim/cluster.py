@@ -35,17 +35,20 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from pdserve.costmodel.capacity import speedup
 from pdserve.costmodel.contention import Contention
-from pdserve.router import balancer, decide, slo
+from pdserve.router import balancer, decide, slo, threads
 from pdserve.router.decide import ROLES
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.threads import ThreadPolicy
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import Record, SimConfig, SimRequest
 from pdserve.sim.steptime import Link, Row, StepModel
 from pdserve.sim.worker import Outgoing, SimWorker
 
+MOVE_INTERVAL_S = 0.25  # as the router's ThreadMover samples
 # Record, SimConfig and SimRequest live in sim/records.py; sim/deploy.py still imports them here.
 __all__ = ["Record", "SimConfig", "SimRequest", "SimWorker", "Simulation"]
 
@@ -99,6 +102,10 @@ class Simulation:
                 self.planner.calibration = calibration
         self.policies = {r: make_policy(config.router_policy) for r in ROLES}
         self.autobalancer = balancer.Autobalancer() if config.autobalance else None
+        self.thread_policy = (
+            ThreadPolicy(cores=config.thread_cores) if config.thread_cores else None
+        )
+        self.threads: dict[str, int] = {}  # worker -> threads (the step model's: 1) when moved
         self.records: dict[str, Record] = {}
         self.routes: dict[str, tuple[SimWorker, SimWorker | None]] = {}
         self.counters: dict[str, int] = {}
@@ -127,6 +134,8 @@ class Simulation:
             self.at(req.arrival, lambda r=req: self._arrive(r))  # type: ignore[misc]
         if self.autobalancer is not None:
             self.at(1.0, self._balance)
+        if self.thread_policy is not None:
+            self.at(0.0, self._move_threads)
         while self._heap:
             t, _, fn = heapq.heappop(self._heap)
             if t > until:
@@ -281,6 +290,24 @@ class Simulation:
         self.at(max(self.now, nxt.arrival), lambda: self._arrive(nxt))
 
     # ---- autobalance ----------------------------------------------------------------------
+    def _move_threads(self) -> None:
+        """The router's ThreadMover (router/thread_moves.py) on simulated time: the same pure
+        policy every MOVE_INTERVAL_S; a worker's steps speed up by the cost model's thread
+        scaling (`capacity.speedup`, against the one-thread profile the step model is)."""
+        assert self.thread_policy is not None and self.planner is not None
+        if self._heap:
+            self.at(self.now + MOVE_INTERVAL_S, self._move_threads)
+        pools = self._pools()
+        p = {w.wid: w.load for w in pools["prefill"]}
+        d = {w.wid: w.load for w in pools["decode"]}
+        moves = self.thread_policy.moves
+        targets = self.thread_policy.observe(self.now, threads.sample(p, d, self.planner, self.now))
+        if self.thread_policy.moves != moves and self.threads:
+            self.count("thread_moves")
+        for wid, n in targets.items():
+            self.threads[wid] = n
+            self.byid[wid].speed = speedup(n) / speedup(1)
+
     def _balance(self) -> None:
         assert self.autobalancer is not None and self.planner is not None
         if self._heap:

@@ -65,6 +65,7 @@ class Deployment:
     kv_pool: bool = False  # a KV pool every worker puts into and loads from (sim/pool.py)
     kv_pool_gb: float | None = None  # its capacity (None: unbounded)
     kv_pool_gbps: float | None = None  # its link per worker, Gbit/s (None: the P -> D link's)
+    cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
 
     @classmethod
     def of(cls, d: served.Deployment, **sim: Any) -> Deployment:
@@ -85,7 +86,10 @@ class Deployment:
             # auto is conditional whenever the router has a cost model (serve/plan.py)
             "disaggregation": "always"
             if not planner or p.disaggregation == "always"
+            else "overflow"
+            if p.disaggregation == "overflow"
             else "conditional",
+            "cores": d.topology.host_cores() if p.adaptive else 0,
             "prefix_routing": planner and d.router.prefix_routing,
             "autobalance": planner and p.autobalance,
             "expected_output": p.expected_output,
@@ -159,6 +163,8 @@ def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
 
 
 def build(d: Deployment) -> Built:
+    if d.cores and d.hardware != "cpu":
+        raise ValueError("moving threads (adaptive) is for cpu hosts")
     if d.hardware == "cpu":
         if d.tp_prefill != 1 or d.tp_decode != 1:
             raise ValueError("tensor parallelism is for GPUs; on cpu use 1")
@@ -191,6 +197,7 @@ def build(d: Deployment) -> Built:
         autobalance=d.autobalance,
         expected_output=d.expected_output,
         message_s=d.message_s,
+        thread_cores=d.cores,
         max_model_len=_max_model_len(d),
         **_pool_config(d, step),
     )

@@ -86,6 +86,8 @@ class SimConfig:
     kv_pool: bool = False  # a KV pool shared by every worker (sim/pool.py)
     kv_pool_blocks: int | None = None  # its capacity (None: unbounded)
     kv_pool_bytes_s: float | None = None  # its link per worker (None: the P -> D link's)
+    # adaptive: the cores P and D share, their threads moved by router/threads.py (0: off)
+    thread_cores: int = 0
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -102,3 +104,5 @@ class SimConfig:
             raise ValueError("message_s must be >= 0")
         if (self.admission or self.prefix_routing or self.autobalance) and not self.planner:
             raise ValueError("admission, prefix routing and autobalance need the planner")
+        if self.thread_cores and (not self.planner or self.colocated or self.autobalance):
+            raise ValueError("moving threads needs the planner, P and D pools, no autobalance")

@@ -75,6 +75,7 @@ class SimWorker:
         self.outstanding = 0
         self.link = Link(sim.link.bytes_s * step.gpus, sim.link.per_message_s)
         self.busy = False
+        self.speed = 1.0  # step speed against the step model's (its threads: sim/cluster.py)
         self.draining = False
         self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
         self.reserved: dict[str, tuple[Request, float]] = {}
@@ -197,7 +198,7 @@ class SimWorker:
                 self.log.append((self.sim.now, "prefill", s.request_id))
         self.busy, t0 = True, self.sim.now
         self.steps += 1
-        work = self.step.step_s(rows) + load_s
+        work = self.step.step_s(rows) / self.speed + load_s
         self.sim.run_step(self.wid, rows, work, lambda: self._step_done(out, t0))
 
     def _pool_load(self) -> tuple[list[str], float]:
