@@ -146,6 +146,17 @@ def test_overflow_mode_prefills_on_d_only_when_p_would_break_ttft() -> None:
     assert burst.chosen is not None and burst.chosen.route.kind == "local"
 
 
+def test_a_worker_on_other_threads_than_the_profile_is_predicted_at_its_own_speed() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    decoding(ls["D0"], 4)
+    base = p.predict(500, 50, Route("local", "D0"), ls, {}, now=0.0)
+    ls["D0"].slowness = 0.5  # twice the profile's speed (more threads)
+    fast = p.predict(500, 50, Route("local", "D0"), ls, {}, now=0.0)
+    assert fast.ttft_s == pytest.approx(base.ttft_s / 2)
+    assert fast.tpot_s == pytest.approx(base.tpot_s / 2)
+
+
 def test_admission_rejects_predicted_ttft_misses_with_a_retry_after() -> None:
     p = planner(slo_ttft_s=1.0, slo_tpot_s=0.2)
     ls = loads("P0", "D0")

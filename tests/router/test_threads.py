@@ -151,6 +151,9 @@ def test_the_mover_lends_d_the_cores_in_handover_order_and_counts_the_moves() ->
     mover.tick(0.1)
     assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 4)]
     links.ack()
+    mover.tick(0.2)  # D's acknowledged 4 threads: the planner predicts D's steps faster
+    assert links.find("D0").load.slowness == pytest.approx(1 / (1 + 0.8 * 3))
+    assert links.find("P0").load.slowness == 1.0 and not links.sent
     links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, 0.2))  # a prompt reaches P
     mover.tick(0.3)
     assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]

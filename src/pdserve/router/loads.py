@@ -31,6 +31,9 @@ class WorkerLoad:
     worker_id: str
     jobs: dict[str, Job] = field(default_factory=dict)
     prefill_free_at: float = 0.0  # when the prefill head-of-line started (approximation)
+    # its step times against the cost model's: the thread mover (thread_moves.py) sets it when
+    # the worker runs another thread count than the model was profiled at
+    slowness: float = 1.0
 
     def _queue(self, now: float) -> tuple[list[Job], float]:
         """The prefills owed here in the order they run, and how long the head has run."""

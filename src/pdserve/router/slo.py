@@ -260,10 +260,11 @@ class SloPlanner:
         local = route.kind != "remote"
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
-        step_now = self.model.decode_step_s(max(1, batch), ctx)
+        step_now = self.model.decode_step_s(max(1, batch), ctx) * dec.slowness
         starts = _decode_starts(dec, loads, now)
         overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
+        step_new *= dec.slowness
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
         # it. Those queued now end before this request decodes if it prefills there (local,
         # colocated: its own prefill comes after them); on a remote route, only what is left
@@ -307,13 +308,12 @@ class SloPlanner:
         new = prompt_len - cached
         batch = w.decode_streams()
         if batch == 0:
-            return self.model.prefill_s(new, cached) + load
+            return self.model.prefill_s(new, cached) * w.slowness + load
         chunks = math.ceil(new / max(1, self.token_budget - batch))
-        return (
-            self.model.prefill_s(new, cached)
-            + load
-            + chunks * self.model.decode_step_s(batch, w.context_sum())
+        compute = self.model.prefill_s(new, cached) + chunks * self.model.decode_step_s(
+            batch, w.context_sum()
         )
+        return compute * w.slowness + load
 
     def _mean_step(
         self, jobs: list[Job], overlap: dict[str, float], streams: int, per_stream: int, out: int
@@ -348,10 +348,10 @@ class SloPlanner:
         steps, then one more in the batch for the steps they share with it (`overlap`)."""
         if batch == 0:
             return 0.0, 0.0, 0
-        k = self.calibration.tpot
+        k = self.calibration.tpot * dec.slowness  # `stall` is already dec's own time
         step_old = self.model.decode_step_s(batch, ctx) * k
         step_new = self.model.decode_step_s(batch + streams, ctx + streams * new_ctx) * k
-        stall *= k
+        stall *= self.calibration.tpot
         worst, added, pushed = 0.0, 0.0, 0
         for j in dec.decoding():
             tokens = j.generated + j.remaining

@@ -2,7 +2,8 @@
 `interval_s` it samples the pools, asks the pure `ThreadPolicy` (threads.py) for each worker's
 target and sends `SetThreads` in hand-over order (`threads.handover`). A worker applies it
 between engine steps and answers with its stats, whose `threads` the next sample reads as the
-acknowledgement. Each change of the split is counted (`thread_moves_to_{prefill,decode}`,
+acknowledgement (and the planner's predictions for that worker scale to it,
+`WorkerLoad.slowness`). Each change of the split is counted (`thread_moves_to_{prefill,decode}`,
 `pdserve_thread_moves_total`); each worker's count is `pdserve_worker_threads`."""
 
 from __future__ import annotations
@@ -46,15 +47,18 @@ class ThreadMover:
             return  # a pool is empty (a worker down or switching): leave the counts alone
         targets = self.policy.observe(now, s)
         current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}
+        for ws in self.links.workers:  # the planner predicts each at the threads it runs now
+            if ws.stats.threads:
+                ws.load.slowness = threads.slowness(ws.stats.threads, self.policy.profiled_threads)
         self._count(self.targets or current, targets, s)
         self.targets = targets
         for worker_id, n in handover(current, targets).items():
             sent = self._sent.get(worker_id)
             if sent is not None and sent[0] == n and now - sent[1] < RESEND_S:
                 continue
-            w = self.links.find(worker_id)
-            if w is not None:
-                self.links.send(w, m.SetThreads(n))
+            found = self.links.find(worker_id)
+            if found is not None:
+                self.links.send(found, m.SetThreads(n))
                 self._sent[worker_id] = (n, now)
 
     def _count(self, before_: dict[str, int], targets: dict[str, int], s: ThreadSample) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.costmodel.capacity import speedup
 from pdserve.router import balancer
 from pdserve.router.balancer import PoolSample
 from pdserve.router.loads import WorkerLoad
@@ -75,6 +76,8 @@ class ThreadPolicy:
     cooldown_s: float = 2.0
     park_after_s: float = 0.5
     p_cores: int | None = None  # P's share in `split`; None: half the cores (rounded down)
+    # the threads the planner's cost model was profiled at: predictions scale from it
+    profiled_threads: int = 1
     state: str = "split"
     moves: int = 0  # changes of the targets (state changes and one-core moves)
     _want: str | None = None  # the one-core move under way in `split`: to_prefill | to_decode
@@ -143,6 +146,12 @@ class ThreadPolicy:
         if pools.prefill_pressure > self.high and d_has_slack and self.p_cores < self.cores - n_d:
             return "to_prefill"
         return None
+
+
+def slowness(threads: int, profiled: int) -> float:
+    """Step time on `threads` threads against the profile's (`capacity.speedup`'s scaling): what
+    the planner multiplies its predictions for that worker by (`WorkerLoad.slowness`)."""
+    return speedup(profiled) / speedup(max(1, threads))
 
 
 def share(workers: Sequence[str], cores: int) -> dict[str, int]:

@@ -153,7 +153,7 @@ def thread_policy(d: Deployment) -> ThreadPolicy:
     """`--adaptive`'s thread policy over the host's cores, and the start-up line saying what
     the mode composed."""
     cores, p = d.topology.host_cores(), d.planner
-    policy = ThreadPolicy(cores=cores)
+    policy = ThreadPolicy(cores=cores, profiled_threads=d.topology.worker_threads())
     log.info(
         "adaptive: 1 prefill + 1 decode worker sharing %d cores (threads move between them, "
         "starting %d + %d); stall-free decode within TPOT %gs; D prefills when P would break "

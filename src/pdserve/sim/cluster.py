@@ -307,6 +307,7 @@ class Simulation:
         for wid, n in targets.items():
             self.threads[wid] = n
             self.byid[wid].speed = speedup(n) / speedup(1)
+            self.byid[wid].load.slowness = threads.slowness(n, 1)  # as the router's mover
 
     def _balance(self) -> None:
         assert self.autobalancer is not None and self.planner is not None
