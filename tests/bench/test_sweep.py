@@ -178,3 +178,33 @@ def test_sweep_needs_slos_and_distinct_rates() -> None:
                               "--slo-ttft", "1", "--slo-tpot", "1"])  # fmt: skip
     with pytest.raises(ValueError, match="twice"):
         sweep.check(args)
+
+
+def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+    from pdserve.costmodel.model import CostModel
+
+    path = tmp_path / "cm.json"
+    # 100 kB a token: 1 GiB of KV holds ~10k tokens, few blocks to build
+    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=100_000)
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args([
+        "--systems", "pdserve-colocated,pdserve-1p1d,pdserve-adaptive,vllm-cpu", "--rates",
+        "0.1,50", "--num-requests", "6", "--input-len", "300", "--output-len", "4",
+        "--slo-ttft", "1", "--slo-tpot", "1", "--cores", "2", "--cost-model", str(path),
+        "--output-dir", str(tmp_path),
+    ])  # fmt: skip
+    colocated = sweep_sim.predict("pdserve-colocated", args)
+    assert colocated["deployment"] == "1 colocated x TP1"
+    assert "--colocated 1 --threads 2" in colocated["command"]
+    disagg = sweep_sim.predict("pdserve-1p1d", args)
+    assert disagg["deployment"] == "1P(TP1) : 1D(TP1)"
+    for pred in (colocated, disagg):
+        slow, fast = pred["points"]
+        assert (slow["rate"], fast["rate"]) == (0.1, 50)
+        # alone a 300-token prompt takes ~0.6 s (58 cached); six at once queue past 1 s
+        assert slow["attainment"] == 1.0 and fast["attainment"] < 1.0
+        assert fast["ttft_ms"]["p90"] > 1000
+    assert "adaptive" in sweep_sim.predict("pdserve-adaptive", args)["skipped"]
+    assert "peer" in sweep_sim.predict("vllm-cpu", args)["skipped"]

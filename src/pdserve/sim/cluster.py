@@ -43,6 +43,7 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import Record, SimConfig, SimRequest
+from pdserve.sim.spec import SpecDraws
 from pdserve.sim.steptime import Link, Row, StepModel
 from pdserve.sim.worker import Outgoing, SimWorker
 
@@ -70,6 +71,7 @@ class Simulation:
         if config.kv_pool:
             self.kvpool = SimKVPool(config.kv_pool_blocks, config.kv_pool_bytes_s or link.bytes_s,
                                     link.per_message_s)  # fmt: skip
+        self.spec = SpecDraws(config.spec) if config.spec is not None else None
         self.workers: list[SimWorker] = []
         p_policy = config.prefill_policy or config.policy
         for role, n, model, pol in (
@@ -104,6 +106,7 @@ class Simulation:
         self.counters: dict[str, int] = {}
         self._next_turn: dict[int, deque[SimRequest]] = {}
         self._conv: dict[str, int] = {}
+        self._conv_worker: dict[int, SimWorker] = {}  # conversation -> who decoded its last turn
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
         self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
@@ -163,7 +166,8 @@ class Simulation:
             if req.conversation >= 0:
                 self._next_by_conv(req.conversation)
             return
-        pair, pred = self._route(req)
+        reuse = self._reuse(req)
+        pair, pred = ((reuse, None), None) if reuse is not None else self._route(req)
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"
             self.count(f"rejected_{rec.rejected}")
@@ -173,6 +177,7 @@ class Simulation:
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
         kind = decide.route_kind(first.role, second is not None, chosen, forced=False)
+        kind = "reuse" if reuse is not None else kind
         rec.route, rec.workers = kind, tuple(w.wid for w in pair if w is not None)
         if chosen is not None:
             rec.predicted_ttft, rec.predicted_tpot = chosen.ttft_s, chosen.tpot_s
@@ -206,6 +211,16 @@ class Simulation:
         return decide.plan(
             self.planner, pools, len(req.prompt), req.max_tokens, self.now, cached=cached
         )
+
+    def _reuse(self, req: SimRequest) -> SimWorker | None:
+        """A later turn's worker when it reuses the history: the one that decoded the previous
+        turn (its prefix cache holds prompt and answer), while it still decodes."""
+        if not self.config.multiturn_reuse or req.turn == 0 or req.conversation < 0:
+            return None
+        w = self._conv_worker.get(req.conversation)
+        if w is None or w.draining or w.role == "prefill":
+            return None
+        return w
 
     def _dispatch(self, req: SimRequest, first: SimWorker, second: SimWorker | None) -> None:
         if second is None:
@@ -257,6 +272,8 @@ class Simulation:
         if rec.finished_at is not None:
             return
         rec.finished_at = self.now
+        if self.spec is not None:
+            self.spec.forget(rid)
         raw = self._raw.pop(rid, None)
         if raw is not None and self.planner is not None:
             # the router's online calibration (timeline.score): actual vs predicted, per request
@@ -270,6 +287,7 @@ class Simulation:
             pair[1].cancel(rid)  # done on P: free D's reservation
         conv = self._conv.get(rid)
         if conv is not None:
+            self._conv_worker[conv] = w
             self._next_by_conv(conv)
 
     # ---- conversations -------------------------------------------------------------------
