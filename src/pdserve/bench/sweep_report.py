@@ -105,17 +105,22 @@ def _num(v: float | None, fmt: str = ".3f") -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def _point_row(name: str, p: dict[str, Any]) -> list[str]:
+def _point_row(name: str, p: dict[str, Any], sim: dict[float, float]) -> list[str]:
+    predicted = _pct(sim.get(p["rate"]))
     if not p.get("runs"):
-        return [name, f"{p['rate']:g}", "failed: " + str(p.get("failed", "")), *["—"] * 6]
+        return [name, f"{p['rate']:g}", "failed: " + str(p.get("failed", "")), "—", predicted,
+                *["—"] * 5]  # fmt: skip
     g, a = p["spread"]["goodput"], p["spread"]["attainment"]
-    last = p["runs"][-1]
     return [
         name, f"{p['rate']:g}", f"{_num(g['median'])} ({_num(g['min'])}-{_num(g['max'])})",
-        f"{_pct(a['median'])} ({_pct(a['min'])}-{_pct(a['max'])})",
-        _num(last["ttft_ms"]["p90"], ".0f"), _num(last["tpot_ms"]["p90"], ".1f"),
-        str(last["completed"]), str(last["failed"]), str(len(p["runs"])),
+        f"{_pct(a['median'])} ({_pct(a['min'])}-{_pct(a['max'])})", predicted,
+        _num(p["ttft_ms"]["p90"], ".0f"), _num(p["tpot_ms"]["p90"], ".1f"),
+        str(p["completed"]), str(p["failed"]), str(len(p["runs"])),
     ]  # fmt: skip
+
+
+def _sim_attainment(system: dict[str, Any]) -> dict[float, float]:
+    return {q["rate"]: q["attainment"] for q in (system.get("sim") or {}).get("points") or []}
 
 
 def _knee_lines(result: dict[str, Any]) -> list[str]:
@@ -150,13 +155,18 @@ def render(result: dict[str, Any]) -> str:
         "",
         *_knee_lines(result),
         "",
-        "## Points (median over repeats, min-max in brackets; latencies of the last repeat)",
+        "## Points (median over repeats, min-max in brackets; latencies and counts of the "
+        "median run; sim: the simulator's attainment)",
         "",
     ]
-    header = ("system", "rate", "goodput req/s", "attainment", "TTFT p90 ms", "TPOT p90 ms",
-              "completed", "failed", "runs")  # fmt: skip
-    rows = [_point_row(s["name"], p) for s in result["systems"] for p in s.get("points", [])]
-    lines += report.markdown_table(header, rows, "llrrrrrrr")
+    header = ("system", "rate", "goodput req/s", "attainment", "sim", "TTFT p90 ms",
+              "TPOT p90 ms", "completed", "failed", "runs")  # fmt: skip
+    rows = [
+        _point_row(s["name"], p, _sim_attainment(s))
+        for s in result["systems"]
+        for p in s.get("points", [])
+    ]
+    lines += report.markdown_table(header, rows, "llrrrrrrrr")
     return "\n".join(lines) + "\n"
 
 
