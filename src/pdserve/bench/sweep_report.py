@@ -108,7 +108,8 @@ def _num(v: float | None, fmt: str = ".3f") -> str:
 def _point_row(name: str, p: dict[str, Any], sim: dict[float, float]) -> list[str]:
     predicted = _pct(sim.get(p["rate"]))
     if not p.get("runs"):
-        return [name, f"{p['rate']:g}", "failed: " + str(p.get("failed", "")), "—", predicted,
+        why = (str(p.get("failed", "")).splitlines() or [""])[0]  # the log's tail: in the JSON
+        return [name, f"{p['rate']:g}", f"failed: {why}", "—", predicted,
                 *["—"] * 5]  # fmt: skip
     g, a = p["spread"]["goodput"], p["spread"]["attainment"]
     return [
