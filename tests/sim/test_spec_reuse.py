@@ -10,6 +10,7 @@ import pytest
 from test_sim import run
 
 from pdserve.sim import cli as sim_cli
+from pdserve.sim.deploy import summarize
 from pdserve.sim.records import SimConfig, SimRequest
 from pdserve.sim.spec import SpecDraws, SpecModel, expected_accepted
 from pdserve.sim.workload import requests_from_items
@@ -93,6 +94,8 @@ def test_a_later_turn_runs_on_the_d_that_holds_its_history() -> None:
     assert r1.cached_tokens == 48 and r1.kv_bytes == 0
     assert r1.ttft == pytest.approx(1 + 0.5 * 9)  # only the new message and the last token
     assert sim.counters["route_reuse"] == 1
+    later = summarize([r0, r1], None, None, 2)["ttft_later_turns_s"]
+    assert later["p50"] == pytest.approx(r1.ttft)  # turn 0 left out
 
 
 def test_without_reuse_p_prefills_the_turn_and_sends_what_d_lacks() -> None:

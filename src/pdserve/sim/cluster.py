@@ -120,7 +120,8 @@ class Simulation:
         for req in sorted(requests, key=lambda r: r.arrival):
             if req.rid in self.records:
                 raise ValueError(f"duplicate request id {req.rid!r}")
-            self.records[req.rid] = Record(req.rid, len(req.prompt), req.max_tokens, req.phase)
+            rec = Record(req.rid, len(req.prompt), req.max_tokens, req.phase, turn=req.turn)
+            self.records[req.rid] = rec
             if req.conversation >= 0:
                 self._conv[req.rid] = req.conversation
             if req.conversation >= 0 and req.conversation in seen:

@@ -353,6 +353,8 @@ def summarize(
         "duration_s": span,
         "gpus": gpus,
         "routes": routes,
+        # a conversation's later turns, whose history may be cached (multi-turn reuse)
+        "ttft_later_turns_s": summary(r.ttft for r in served if r.turn > 0 and r.ttft is not None),
     }
 
 
@@ -388,6 +390,10 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
         f"routes: {s['routes']}; utilization: {s['utilization']}; preemptions: {s['preemptions']}",
         f"prefix cache hits: {s['prefix_hit_ratio']:.1%} of served prompt tokens",
     ]
+    later = s.get("ttft_later_turns_s") or {}
+    if later.get("p50") is not None:
+        lines.append(f"TTFT of turns 2 and later: p50 {ms(later['p50'])} ms, "
+                     f"p90 {ms(later['p90'])} ms")  # fmt: skip
     if s.get("kv_pool"):
         lines.append(f"of which loaded from the KV pool: {s['kv_pool_hit_ratio']:.1%}; "
                      f"pool: {s['kv_pool']}")  # fmt: skip

@@ -42,6 +42,7 @@ class Record:
     prompt_len: int
     max_tokens: int
     phase: str | None
+    turn: int = 0  # of its conversation (0: the first, or no conversation)
     arrival: float = 0.0
     route: str | None = None
     workers: tuple[str, ...] = ()
