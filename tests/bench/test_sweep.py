@@ -208,3 +208,14 @@ def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
         assert fast["ttft_ms"]["p90"] > 1000
     assert "adaptive" in sweep_sim.predict("pdserve-adaptive", args)["skipped"]
     assert "peer" in sweep_sim.predict("vllm-cpu", args)["skipped"]
+
+
+def test_sim_of_a_command_line_serve_refuses_is_skipped(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args(["--rates", "1", "--num-requests", "2", "--slo-ttft", "1",
+                              "--slo-tpot", "1", "--output-dir", str(tmp_path),
+                              "--pdserve-args=--no-such-flag"])  # fmt: skip
+    assert "refuses" in sweep_sim.predict("pdserve-colocated", args)["skipped"]

@@ -79,6 +79,8 @@ def predict(name: str, args: argparse.Namespace) -> dict[str, Any]:
         built = build(d)
     except (ValueError, OSError) as e:  # no profile on this host: said, not fatal
         return {"skipped": f"cannot simulate: {e}"}
+    except SystemExit:  # serve's parser refused the command line (its error is on stderr)
+        return {"skipped": "cannot simulate: `pdserve serve` refuses this command line"}
     points = []
     for rate in args.rates:
         records: list[Record] = []
