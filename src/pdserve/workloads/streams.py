@@ -85,7 +85,9 @@ class SyntheticWorkload:
 
 class MultiTurnWorkload:
     """Conversations of `turns` turns (the last one may be shorter) adding up to `num_requests`;
-    with `turns_range` (LO, HI) each conversation's turns are drawn uniform in [LO, HI], seeded.
+    with `turns_range` (LO, HI) each conversation's turns are drawn uniform in [LO, HI], seeded;
+    with `first_len` a conversation's first question has that mean length (a RAG-sized context)
+    and later ones `input_len`.
     Items carry `phase` "turn 1" or "turns 2+" (reports split TTFT by them).
 
     Turn 0's prompt is a question; turn t's prompt is turn t-1's prompt + a placeholder for its
@@ -111,6 +113,7 @@ class MultiTurnWorkload:
         turns: int,
         answers: str = "placeholder",
         turns_range: tuple[int, int] | None = None,
+        first_len: int | None = None,
     ) -> None:
         if turns < 1:
             raise ValueError(f"turns must be >= 1, got {turns}")
@@ -123,6 +126,9 @@ class MultiTurnWorkload:
         self._items: list[RequestItem] = []
         prompt: list[int] = []
         plan = _turn_plan(num_requests, turns, turns_range, seed)
+        if first_len is not None:  # a long opening (RAG context), short follow-ups
+            firsts = sample_lengths(np.random.default_rng([seed, 48]), first_len, spread, len(plan))
+            q_lens = [f if t == 0 else q for f, q, (_, t) in zip(firsts, q_lens, plan, strict=True)]
         for i, (conv, turn) in enumerate(plan):
             # a new conversation, or the previous prompt + its answer's placeholder
             prompt = [] if turn == 0 else prompt + _random_ids(rng, self._items[-1].max_tokens)
@@ -302,6 +308,7 @@ def _multiturn(args: WorkloadSpec) -> Workload:
         args.turns,
         answers=getattr(args, "multiturn_answers", "actual"),
         turns_range=getattr(args, "turns_range", None),
+        first_len=getattr(args, "first_len", None),
     )
 
 
@@ -387,6 +394,13 @@ def _multiturn_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="LO,HI: each conversation's turns drawn uniform in [LO, HI] (seeded), instead of "
         "--turns",
+    )
+    group.add_argument(
+        "--first-len",
+        type=argtypes.positive_int,
+        default=None,
+        help="mean length of a conversation's first question (e.g. a RAG context); later "
+        "questions: --input-len",
     )
 
 
