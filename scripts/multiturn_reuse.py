@@ -58,6 +58,10 @@ def one_run(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         return run_load(spec)
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=12)
@@ -83,7 +87,7 @@ def main() -> int:
     print("| run | TTFT p50 turn 1 (ms) | TTFT p50 turns 2+ (ms) | completed | failed |")
     print("|---|---|---|---|---|")
     for name, first, later, done, failed in rows:
-        print(f"| {name} | {first} | {later} | {done} | {failed} |")
+        print(f"| {name} | {_ms(first)} | {_ms(later)} | {done} | {failed} |")
     reuse, on_p = rows[0][2], rows[1][2]
     if reuse and on_p:
         print(f"\nturns 2+ TTFT p50: {100 * (1 - reuse / on_p):.0f}% lower with reuse")
