@@ -4,7 +4,8 @@ item 4): the same seeded conversations against `pdserve serve` (1P1D, the defaul
     python scripts/multiturn_reuse.py [--conversations 12] [--json out.json]
 
 `reuse`: the defaults (a finished turn's KV kept on D for --conversation-ttl, a follow-up with
-at most --conversation-local-tokens new tokens prefilled on that D). `on-p`: --conversation-ttl 0
+at most --conversation-local-tokens new tokens prefilled on that D; no planner, or with
+--planner the SLO planner's choice). `on-p`: --conversation-ttl 0
 --conversation-local-tokens 0, so every turn is prefilled on P (P's and D's prefix caches work
 as they do for any request: P still finds earlier prompts, not the answers). Conversations of 3
 to 5 turns (seeded), a RAG-sized opening (--first-len tokens), short follow-ups, exponential
@@ -29,6 +30,10 @@ RUNS = {
     "reuse": [],
     "on-p": ["--conversation-ttl", "0", "--conversation-local-tokens", "0"],
 }
+# --planner: the SLO planner decides local vs P (this host's cost model, profiled when none is
+# saved); the on-p run then needs --disaggregation always to keep every turn on P
+PLANNER = {"reuse": ["--cost-model", "auto", "--disaggregation", "conditional"],
+           "on-p": ["--cost-model", "auto", "--disaggregation", "always"]}  # fmt: skip
 
 
 def serve_command(extra: list[str], threads: int) -> Server:
@@ -40,7 +45,8 @@ def serve_command(extra: list[str], threads: int) -> Server:
 
 
 def one_run(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    server = serve_command(RUNS[name], args.threads)
+    planner = PLANNER[name] if args.planner else ["--cost-model", "none"]
+    server = serve_command([*RUNS[name], *planner], args.threads)
     with running_server(server, args, logs / f"{name}.log") as url:
         spec = LoadSpec(
             url=url,
@@ -71,6 +77,7 @@ def main() -> int:
     ap.add_argument("--think-time", type=float, default=1.0, help="mean seconds (exponential)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--planner", action="store_true", help="route by the SLO planner")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
