@@ -62,6 +62,10 @@ WORKER_GAUGES = {
     "batch_tokens": ("worker_batch_tokens", "Tokens computed in the worker's last engine step."),
     "kv_blocks_used": ("worker_kv_blocks_used", "KV cache blocks in use on the worker."),
     "kv_blocks_total": ("worker_kv_blocks_total", "KV cache blocks the worker has."),
+    "kv_blocks_kept": (
+        "worker_kv_blocks_kept",
+        "KV blocks only kept conversation turns hold (released first when memory is needed).",
+    ),
     "prefix_cache_hit_rate": (
         "worker_prefix_cache_hit_rate",
         "Fraction of prompt tokens found in the worker's prefix cache.",
@@ -83,6 +87,22 @@ WORKER_COUNTERS = {
     "preemptions": ("worker_preemptions", "Requests the worker preempted."),
     "prefill_tokens": ("worker_prefill_tokens", "Prompt tokens computed (rate() = prefill tok/s)."),
     "decode_tokens": ("worker_decode_tokens", "Decode tokens computed (rate() = decode tok/s)."),
+    "conversation_turns_kept": (
+        "worker_conversation_turns_kept",
+        "Finished conversation turns whose KV the worker kept for the next turn.",
+    ),
+    "conversation_hits": (
+        "worker_conversation_hits",
+        "Follow-up turns that arrived while their conversation's last turn was kept here.",
+    ),
+    "conversation_released_ttl": (
+        "worker_conversation_released_ttl",
+        "Kept conversation turns released at their TTL (--conversation-ttl).",
+    ),
+    "conversation_released_pressure": (
+        "worker_conversation_released_pressure",
+        "Kept conversation turns released early because memory was needed.",
+    ),
     "lease_reclaims": ("worker_lease_reclaims", "KV holds a prefill worker reclaimed on expiry."),
     "transfer_failures": ("kv_transfer_failures", "KV hand-offs that failed on the worker."),
     "gc_collections": ("worker_gc_collections", "Python garbage collections in the worker."),
@@ -340,6 +360,15 @@ class Metrics:
             self.worker_down.labels(reason)
         for how in ("pair", "colocated", "local", "pool"):
             self.recoveries.labels(how)
+        self.conversations = Counter(
+            "pdserve_conversation_followups",
+            "Follow-up turns of conversations, by outcome: hit (the worker keeping the history "
+            "had all of it cached), miss (evicted: prefilled again), moved (routed elsewhere).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("hit", "miss", "moved"):
+            self.conversations.labels(outcome)
         self._workers = _WorkerCollector()
         r.register(self._workers)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
@@ -459,3 +488,6 @@ class Metrics:
 
     def on_recovery(self, how: str) -> None:
         self.recoveries.labels(how).inc()
+
+    def on_conversation(self, outcome: str) -> None:
+        self.conversations.labels(outcome).inc()
