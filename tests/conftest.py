@@ -128,6 +128,7 @@ SLOW_MODULES = {
     "test_prefix_transfer.py",  # real clusters
     "test_window_handoff.py",  # real clusters with sliding-window models
     "test_cluster_pool.py",  # real (inproc) clusters sharing a KV pool
+    "test_conversation_e2e.py",  # inproc 1P1D clusters: conversations kept on D
     "test_recovery.py",  # worker processes killed and stalled, liveness timeouts
     "test_scheduling_e2e.py",  # real clusters under the SLO planner
     "test_adaptive_e2e.py",  # real clusters: D prefilling under bursts, threads moving

@@ -48,6 +48,7 @@ def exposed() -> dict[str, set[str]]:
     mx.on_recompute()
     mx.on_worker_down(None, "stuck")
     mx.on_recovery("pair")
+    mx.on_conversation("miss")
     mx.on_delta("r2", 1, 0.0)
     mx.on_delta("r2", 1, 0.01)
     out: dict[str, set[str]] = {}

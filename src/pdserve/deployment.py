@@ -38,6 +38,7 @@ ROLES = ("prefill", "decode", "colocated")
 # name here.
 SERVE_ENGINE_ARGS = (
     "block_size",
+    "conversation_ttl",
     "decode_matmul",
     "kv_cache_memory_gb",
     "kv_cache_dtype",

@@ -166,9 +166,8 @@ def test_probes_teach_the_simulated_planner_before_the_run() -> None:
 
 def test_conditional_and_prefix_routing_follow_the_planner() -> None:
     model = CostModel((1.0, 0.5, 0.0), (1.0, 0.5, 0.0), (0.25, 1000.0))
-    cfg = SimConfig(
-        prefill=1, decode=2, planner=True, disaggregation="conditional", prefix_routing=True
-    )
+    cfg = SimConfig(prefill=1, decode=2, planner=True, disaggregation="conditional",
+                    prefix_routing=True, multiturn_reuse=False)  # fmt: skip
     shared = req("t0", 0.0, 40, 2, conv=0)
     turn2 = SimRequest("t1", 1.0, [*shared.prompt, 7, 7, 9, 9], 2, conversation=0, turn=1)
     _, (r0, r1) = run(cfg, [shared, turn2], planner_model=model)

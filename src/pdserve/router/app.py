@@ -139,7 +139,7 @@ def create_app(
         params = s.check_params(req.to_sampling_params(default, context, spec))
         top_n = req.top_logprobs or 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        g = Generation(s, request, rid, ids, params, top_n, req.user)
+        g = Generation(s, request, rid, ids, params, top_n, req.conversation())
         if req.stream:
             return await respond.stream(g, req.include_usage, ChatRender(g, s.model_name, plan))
         return await respond.collect(g, ChatRender(g, s.model_name, plan))

@@ -88,6 +88,7 @@ class RouterCore:
         self.routing = Routing(
             self.links, self.events, planner, policy=cfg.policy, prefix_routing=cfg.prefix_routing
         )
+        self.routing.local_tokens = cfg.conversation_local_tokens
         self.prefix, self.sessions = self.routing.prefix, self.routing.sessions
         self.pool_feedback = PoolFeedback(self.routing.pools, self.events, planner)
         self.liveness = Liveness(
@@ -278,12 +279,12 @@ class RouterCore:
             self._abort_workers(flight)
         self._release(flight)
         self.flights.pop(flight.rid, None)
+        if outcome == "ok":
+            self.routing.remember_session(flight)
         end = Ev.FINISH if outcome == "ok" else outcome
         flight.timeline.append((end, "router", time.monotonic()))
         self.timelines.keep(flight)
         self.timelines.score(flight, outcome, self.planner)
-        if outcome == "ok":
-            self.routing.remember_session(flight)
         self.events.request_end(flight, outcome)
 
     # ---- dispatch --------------------------------------------------------------------------
@@ -313,15 +314,16 @@ class RouterCore:
         first, second = flight.pair
         # n > 1: P samples every choice's first token, D forks the choices after one hand-off
         handoff = 1 if flight.params.n > 1 else self.config.handoff_tokens
+        conv = flight.session or ""  # D keeps the turn's KV for the conversation's next turn
         if second is None:
             if first.role != "colocated" and only is None and flight.route == "fallback":
                 # no healthy worker of the other role: this one runs the whole request
                 self.events.count("local_fallbacks")
                 flight.timeline.append((Ev.LOCAL_FALLBACK, first.worker_id, time.monotonic()))
-            self._send(first, m.Generate(flight.wire_rid, prompt, params))
+            self._send(first, m.Generate(flight.wire_rid, prompt, params, conv))
             return
         assert second.info is not None
-        expect = m.ExpectKV(flight.wire_rid, prompt, params, first.worker_id, handoff)
+        expect = m.ExpectKV(flight.wire_rid, prompt, params, first.worker_id, handoff, conv)
         self._send(second, expect)
         kv_at = second.info.kv_endpoint
         self._send(

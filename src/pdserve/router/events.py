@@ -24,6 +24,7 @@ class MetricsHooks(Protocol):
     def on_retry(self, failed: Any) -> None: ...
     def on_worker_down(self, worker: Any, reason: str) -> None: ...
     def on_recovery(self, how: str) -> None: ...
+    def on_conversation(self, outcome: str) -> None: ...
 
 
 class NoMetrics:
@@ -68,6 +69,9 @@ class NoMetrics:
     def on_recovery(self, how: str) -> None:
         pass
 
+    def on_conversation(self, outcome: str) -> None:
+        pass
+
 
 class RouterEvents:
     def __init__(self, metrics: MetricsHooks | None = None) -> None:
@@ -102,6 +106,12 @@ class RouterEvents:
     def request_end(self, flight: Any, outcome: str) -> None:
         self.counters[f"requests_{outcome}"] += 1
         self._hooks.on_request_end(flight, outcome)
+
+    def conversation(self, outcome: str) -> None:
+        """A conversation's follow-up ended: hit (its history was cached where it went), miss
+        (evicted: prefilled again) or moved (the planner sent it elsewhere)."""
+        self.counters[f"conversation_{outcome}"] += 1
+        self._hooks.on_conversation(outcome)
 
     def worker_stats(self, worker: Any, stats: dict[str, Any]) -> None:
         self._hooks.on_worker_stats(worker, stats)

@@ -19,7 +19,7 @@ from typing import Any
 from pdserve import argtypes
 from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
-from pdserve.sim import hardware
+from pdserve.sim import hardware, spec
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests, scaling_from_args, trace_requests
 from pdserve.workloads import streams as bw
@@ -87,6 +87,15 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
       help="cpu: workers as independent machines (ignore the profiled contention)")  # fmt: skip
     a("--slo-ttft", type=_pos_float, default=None, help="TTFT SLO, s")
     a("--slo-tpot", type=_pos_float, default=None, help="TPOT SLO, s")
+    a("--spec-tokens", type=_nonneg_int, default=0,
+      help="speculative decoding: draft tokens per decode step (0: off)")  # fmt: skip
+    a("--spec-acceptance", type=argtypes.fraction, default=None,
+      help="--spec-tokens: the probability that a draft token is accepted")  # fmt: skip
+    a("--spec-draw", choices=spec.DRAWS, default="sampled",
+      help="accepted drafts per step: sampled (seeded) or the expectation")  # fmt: skip
+    a("--multiturn-reuse", action=argparse.BooleanOptionalAction, default=True,
+      help="a later turn runs on the worker that decoded the previous one, its history "
+      "cached there (--no-multiturn-reuse: routed like any request)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +163,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     if args.admission and not (args.slo_ttft or args.slo_tpot):
         raise ValueError("--admission needs --slo-ttft and/or --slo-tpot")
     return Deployment(
+        spec=spec_from_args(args),
+        multiturn_reuse=args.multiturn_reuse,
         hardware=hw,
         model=model,
         prefill=prefill,
@@ -184,6 +195,18 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     )
 
 
+def spec_from_args(args: argparse.Namespace) -> spec.SpecModel | None:
+    """The speculation flags as a model (None: --spec-tokens 0); both or neither."""
+    tokens, acceptance = getattr(args, "spec_tokens", 0), getattr(args, "spec_acceptance", None)
+    if not tokens:
+        if acceptance is not None:
+            raise ValueError("--spec-acceptance needs --spec-tokens K (K >= 1)")
+        return None
+    if acceptance is None:
+        raise ValueError("--spec-tokens needs --spec-acceptance A (per draft token, 0..1)")
+    return spec.SpecModel(tokens, acceptance, getattr(args, "spec_draw", "sampled"), args.seed)
+
+
 # The flags a deployment file sets instead, with their defaults.
 FILE_OWNS = {
     "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
@@ -207,7 +230,8 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
                            "shared_host": not args.no_contention,
                            "message_s": args.message_ms / 1e3, "kv_pool": args.kv_pool,
                            "kv_pool_gb": args.kv_pool_gb,
-                           "kv_pool_gbps": args.kv_pool_gbps}  # fmt: skip
+                           "kv_pool_gbps": args.kv_pool_gbps, "spec": spec_from_args(args),
+                           "multiturn_reuse": args.multiturn_reuse}  # fmt: skip
     if args.cost_model is not None:
         sim["cost_model"] = args.cost_model
     return Deployment.of(served, **sim)

@@ -62,6 +62,7 @@ class Generate:
     rid: str
     prompt_ids: list[int]
     params: dict[str, Any]
+    conversation: str = ""  # a turn of this conversation: keep its KV for the next turn
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class ExpectKV:
     params: dict[str, Any]
     src_worker: str
     handoff_tokens: int = 1
+    conversation: str = ""  # a turn of this conversation: keep its KV for the next turn
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,9 @@ class Tokens:
     # With the request's first tokens from a worker with a KV pool: what the pool did for it
     # (lookup_at, hit_tokens, loaded_tokens, local_tokens, load_s; engine/pool_link.py)
     pool: dict[str, float] | None = None
+    # With this worker's last tokens of the request: prompt tokens it found cached (its prefix
+    # cache and KV pool) instead of computing them; -1: not reported
+    cached: int = -1
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,7 @@ class TransferReport:
     codec: str
     # time.monotonic() stamps of the hand-off's stages on this worker (one clock per host).
     times: dict[str, float] | None = None
+    cached: int = -1  # recv: leading tokens whose KV D held already (not sent); -1: not reported
 
 
 @dataclass(frozen=True)

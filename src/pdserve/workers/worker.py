@@ -161,6 +161,7 @@ class Worker:
         self.prefill.flush_delayed()
         self.prefill.check_deadlines(now)
         self.decode.check_deadlines(now)
+        self.engine.kv_manager.expire_kept()
         if self.engine.has_kv_events:  # one attribute check per turn when nothing changed
             self.publish_kv_events()
 
@@ -201,6 +202,8 @@ class Worker:
                 self.subscribe(client)
         elif isinstance(msg, m.Generate):
             self.engine.add_request(msg.prompt_ids, m.sampling_params(msg.params), msg.rid)
+            if msg.conversation:
+                self.engine.mark_turn(msg.rid, msg.conversation)
             self.clients[msg.rid] = client
         elif isinstance(msg, m.Prefill):
             self.prefill.start(msg, client)
@@ -345,6 +348,7 @@ class Worker:
                 times=_stage_times(out) if out.finished else None,
                 index=c.index,
                 pool=out.kv_pool,
+                cached=out.metrics.num_cached_tokens if out.finished and out.metrics else -1,
             ),
         )
         if out.finished and c.index == 0:
