@@ -219,3 +219,5 @@ def test_adaptive_composes_1p1d_default_slos_overflow_and_the_thread_policy() ->
 def test_adaptive_refuses_what_it_cannot_compose(topology, planner, ray, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
         adapted(planner, topology, ray)
+    with pytest.raises(ValueError, match="worker processes"):
+        Deployment(planner=PlannerConfig(adaptive=True), worker=WorkerConfig(transport="inproc"))

@@ -218,6 +218,9 @@ class Deployment:
 
     def __post_init__(self) -> None:
         if self.planner.adaptive:
+            if self.worker.transport == "inproc":  # torch's thread count is per process
+                raise ValueError("worker: adaptive moves threads between worker processes; "
+                                 "use transport tcp, ipc or shm")  # fmt: skip
             object.__setattr__(self, "planner", adapted(self.planner, self.topology, self.ray))
         for role, overrides in self.roles.items():
             if role not in ROLES:
