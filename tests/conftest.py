@@ -128,8 +128,10 @@ SLOW_MODULES = {
     "test_prefix_transfer.py",  # real clusters
     "test_window_handoff.py",  # real clusters with sliding-window models
     "test_cluster_pool.py",  # real (inproc) clusters sharing a KV pool
+    "test_conversation_e2e.py",  # inproc 1P1D clusters: conversations kept on D
     "test_recovery.py",  # worker processes killed and stalled, liveness timeouts
     "test_scheduling_e2e.py",  # real clusters under the SLO planner
+    "test_adaptive_e2e.py",  # real clusters: D prefilling under bursts, threads moving
     "test_serve.py",  # `pdserve serve` subprocesses
     "test_api_conformance.py",  # `pdserve serve` colocated and 1P1D, the openai client
     "test_smollm2.py",  # the default model

@@ -20,6 +20,7 @@ from pdserve.deployment import (
     PlannerConfig,
     RayConfig,
     Topology,
+    adapted,
     threads_for_cpus,
 )
 from pdserve.ray.pools import PoolSpec
@@ -205,3 +206,38 @@ def test_speculative_config_reaches_every_worker_as_its_flag(tmp_path: Path) -> 
         assert json.loads(cfg.speculative_config or "{}")["num_speculative_tokens"] == 3
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         Deployment(engine={"speculative_config": {"method": "ngram", "prompt_lookup_min": 0}})
+
+
+def test_adaptive_composes_1p1d_default_slos_overflow_and_the_thread_policy() -> None:
+    d = flags.deployment(serve_args("--adaptive", "--cores", "4"))
+    assert d.planner.adaptive and d.topology.counts() == {"prefill": 1, "decode": 1, "colocated": 0}
+    assert (d.planner.slo_ttft_s, d.planner.slo_tpot_s) == (2.0, 0.1)  # the defaults --help says
+    assert d.planner.disaggregation == "overflow" and d.planner.needs_cost_model()
+    assert d.topology.worker_threads() == 2  # 4 cores shared out; the policy moves them
+    assert Deployment.from_dict(d.to_dict()) == d
+    given = flags.deployment(serve_args("--adaptive", "--slo-ttft", "6", "--slo-tpot", "0.025"))
+    assert (given.planner.slo_ttft_s, given.planner.slo_tpot_s) == (6.0, 0.025)
+    policy = plan.thread_policy(d)
+    assert policy.cores == 4 and policy.p_cores == 2
+    twin = sim_deploy.Deployment.of(d, hardware="cpu")  # the simulator moves them too
+    assert twin.cores == 4 and twin.disaggregation == "overflow" and twin.planner
+    yaml = Deployment.from_dict({"planner": {"adaptive": True}, "topology": {"cores": 3}})
+    assert yaml.planner.disaggregation == "overflow" and yaml.topology.host_cores() == 3
+
+
+@pytest.mark.parametrize(
+    ("topology", "planner", "ray", "match"),
+    [
+        (Topology(prefill=2, decode=1), PlannerConfig(), None, "one prefill and one decode"),
+        (Topology(colocated=1), PlannerConfig(), None, "one prefill and one decode"),
+        (Topology(), PlannerConfig(autobalance=True), None, "autobalance"),
+        (Topology(), PlannerConfig(), RayConfig(), "--ray"),
+        (Topology(), PlannerConfig(cost_model="none"), None, "cost model"),
+        (Topology(), PlannerConfig(stall_free=False), None, "stall-free"),
+    ],
+)
+def test_adaptive_refuses_what_it_cannot_compose(topology, planner, ray, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        adapted(planner, topology, ray)
+    with pytest.raises(ValueError, match="worker processes"):
+        Deployment(planner=PlannerConfig(adaptive=True), worker=WorkerConfig(transport="inproc"))

@@ -30,6 +30,7 @@ def exposed() -> dict[str, set[str]]:
         **{k: 1 for k in ("kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_rate")},
         **{k: 1 for k in ("preemptions", "prefill_tokens", "decode_tokens", "lease_reclaims")},
         **{k: 1 for k in ("transfer_failures", "handoffs_acked", "handoffs_received")},
+        "threads": 2,
     }
     mx.on_worker_stats(SimpleNamespace(worker_id="P0", role="prefill"), stats)
     flight = SimpleNamespace(
@@ -42,10 +43,12 @@ def exposed() -> dict[str, set[str]]:
     mx.on_route("remote")
     mx.on_prediction("ttft", 0.1)
     mx.on_role_switch("admin")
+    mx.on_thread_move("decode")
     mx.on_retry(None)
     mx.on_recompute()
     mx.on_worker_down(None, "stuck")
     mx.on_recovery("pair")
+    mx.on_conversation("miss")
     mx.on_delta("r2", 1, 0.0)
     mx.on_delta("r2", 1, 0.01)
     out: dict[str, set[str]] = {}
@@ -128,3 +131,9 @@ def test_the_check_catches_a_wrong_name_or_label() -> None:
     assert problems("sum by (worker) (rate(pdserve_requests_total[1m]))", have) == ["worker"]
     assert problems('pdserve_requests_total{code="x"}', have) == ["code"]
     assert problems("vector(1)", have) == ["no pdserve_* metric"]
+
+
+def test_thread_moves_and_each_workers_threads_are_exposed() -> None:
+    have = exposed()
+    assert have["pdserve_thread_moves_total"] == {"to"}
+    assert have["pdserve_worker_threads"] == {"worker", "role"}

@@ -139,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     compare.add_arguments(cmp)
+    from pdserve.bench import sweep
+
+    swp = bench_sub.add_parser(
+        "sweep",
+        help="goodput and SLO attainment against request rate per system, each curve's knee",
+        description=sweep.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep.add_arguments(swp)
     from pdserve.bench import profile
 
     prof = bench_sub.add_parser(
@@ -322,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.bench_command == "compare":
                 return compare.run(args, argv if argv is not None else sys.argv[1:])
+            if args.bench_command == "sweep":
+                from pdserve.bench import sweep
+
+                return sweep.run(args, argv if argv is not None else sys.argv[1:])
             if args.bench_command == "sched":
                 return sched.run(args, argv if argv is not None else sys.argv[1:])
             if args.bench_command == "mlperf":

@@ -242,21 +242,24 @@ class LocalCluster:
         prompts: Sequence[str | list[int]] | str,
         params: SamplingParams | None = None,
         timeout_s: float | None = None,
+        user: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts concurrently through the router core; a failed request comes back with
-        finish_reason "error" and `error` set, never as an exception or a hang."""
-        return self.submit(prompts, params)[1].result(timeout=timeout_s)
+        finish_reason "error" and `error` set, never as an exception or a hang. `user`: the
+        conversation they belong to (the OpenAI `user` field)."""
+        return self.submit(prompts, params, user)[1].result(timeout=timeout_s)
 
     def submit(
         self,
         prompts: Sequence[str | list[int]] | str,
         params: SamplingParams | None = None,
+        user: str | None = None,
     ) -> tuple[list[str], concurrent.futures.Future[list[RequestOutput]]]:
         """`generate` without waiting: the request ids and a future of the outputs."""
         params = params or SamplingParams()
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         rids = [f"c{next(self._ids)}" for _ in batch]
-        jobs = [self._one(rid, p, params) for rid, p in zip(rids, batch, strict=True)]
+        jobs = [self._one(rid, p, params, user) for rid, p in zip(rids, batch, strict=True)]
         assert self._loop is not None
         return rids, asyncio.run_coroutine_threadsafe(_gather(jobs), self._loop)
 
@@ -270,7 +273,7 @@ class LocalCluster:
         return first.worker_id, second.worker_id if second is not None else None
 
     async def _one(
-        self, rid: str, prompt: str | list[int], params: SamplingParams
+        self, rid: str, prompt: str | list[int], params: SamplingParams, user: str | None
     ) -> RequestOutput:
         assert self.core is not None
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
@@ -278,7 +281,7 @@ class LocalCluster:
         choices = [CompletionOutput(i, "", []) for i in range(params.n)]
         error = None
         try:
-            async for d in self.core.generate(rid, ids, params):
+            async for d in self.core.generate(rid, ids, params, session=user):
                 c = choices[d.index]
                 c.token_ids += d.token_ids
                 c.text += d.text

@@ -146,6 +146,11 @@ class CacheConfig:
     num_blocks: int | None = _f(None, "KV blocks; default: derived from kv_cache_memory_gb")
     kv_cache_memory_gb: float = _f(1.0, "memory for the KV cache when num_blocks is not set")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
+    conversation_ttl: float = _f(
+        60.0,
+        "seconds a worker keeps a finished conversation turn's KV (prompt and answer) for the "
+        "next turn, released earlier when memory is needed; 0: not kept",
+    )
     kv_cache_dtype: str = _f(
         "auto",
         "element type of the KV cache: auto (the model's --dtype; float16 under --quantization "
@@ -173,6 +178,8 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
+        if not self.conversation_ttl >= 0:
+            raise ValueError("conversation_ttl must be >= 0 seconds (0: off)")
 
 
 @dataclass(frozen=True)
@@ -323,6 +330,12 @@ class RouterConfig:
         True, "route to workers holding the prompt's cached prefix (and keep conversations, "
         "by the OpenAI `user` field, where their KV is)",
     )  # fmt: skip
+    conversation_local_tokens: int = _f(
+        512,
+        "without a planner, a conversation's follow-up is prefilled on the decode worker "
+        "holding its history when at most this many of its tokens are not cached there (else "
+        "on P, its KV sent to that worker); 0: always on P",
+    )
     max_retries: int = _f(1, "retries of a failed hand-off before D recomputes", cli=False)
     stats_interval_s: float = _f(1.0, "seconds between stats polls of each worker", cli=False)
     heartbeat_interval_s: float = _f(0.5, "seconds between heartbeat pings", cli=False)
@@ -332,6 +345,8 @@ class RouterConfig:
         for name in ("deadline_s", "request_timeout_s", "liveness_timeout_s", "stuck_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds")
+        if self.conversation_local_tokens < 0:
+            raise ValueError("conversation_local_tokens must be >= 0 (0: follow-ups on P)")
         if self.max_inflight < 1 or self.handoff_tokens < 1:
             raise ValueError("max_inflight and handoff_tokens must be >= 1")
 

@@ -38,6 +38,7 @@ ROLES = ("prefill", "decode", "colocated")
 # name here.
 SERVE_ENGINE_ARGS = (
     "block_size",
+    "conversation_ttl",
     "decode_matmul",
     "kv_cache_memory_gb",
     "kv_cache_dtype",
@@ -46,7 +47,10 @@ SERVE_ENGINE_ARGS = (
     "quantization",
     "speculative_config",
 )
-DISAGGREGATIONS = ("auto", "conditional", "always")
+DISAGGREGATIONS = ("auto", "conditional", "always", "overflow")
+# `--adaptive` without SLOs: the tighter of the RAG-small SLO sets of issue 45 for TTFT, a reading
+# pace for TPOT (10 tokens/s)
+ADAPTIVE_SLO_TTFT_S, ADAPTIVE_SLO_TPOT_S = 2.0, 0.1
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Topology:
     decode: int | None = None
     colocated: int = 0
     threads: int | None = None  # None: this machine's cores / workers
+    cores: int | None = None  # the cores the workers share (adaptive moves threads within them)
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):  # resolved once, so every reader sees numbers
@@ -71,6 +76,8 @@ class Topology:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"topology: threads must be >= 1, got {self.threads}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"topology: cores must be >= 1, got {self.cores}")
 
     def counts(self) -> dict[str, int]:
         """Workers per role, roles without any included."""
@@ -88,7 +95,11 @@ class Topology:
         """Threads per worker: as given, else the machine's cores shared out (at least 1)."""
         if self.threads is not None:
             return self.threads
-        return max(1, (cores or os.cpu_count() or 1) // self.workers)
+        return max(1, (cores or self.host_cores()) // self.workers)
+
+    def host_cores(self) -> int:
+        """`cores` as given, else the cores this process may run on."""
+        return self.cores or len(os.sched_getaffinity(0)) or os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,8 @@ class PlannerConfig:
     expected_output: int = 256  # tokens assumed generated when max_tokens is larger
     kv_pool_gbps: float = 1.0  # first guess of a worker's KV pool load speed, GB/s
     stall_free: bool = True  # with slo_tpot_s: decode workers size prompt chunks to it
+    # 1P1D whose threads move between P and D, D prefilling under bursts (`Deployment.adapted`)
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATIONS:
@@ -125,7 +138,8 @@ class PlannerConfig:
     def needs_cost_model(self) -> bool:
         """Whether a feature asked for cannot work without one."""
         admits = self.has_slo and self.admission
-        return admits or self.autobalance or self.disaggregation == "conditional"
+        conditional = self.disaggregation in ("conditional", "overflow")
+        return admits or self.autobalance or conditional or self.adaptive
 
 
 @dataclass(frozen=True)
@@ -166,6 +180,24 @@ class RayConfig:
         return max(1, (cores or os.cpu_count() or 1) // workers) if self.local else 1
 
 
+def adapted(p: PlannerConfig, t: Topology, ray: RayConfig | None) -> PlannerConfig:
+    """`adaptive`'s planner: the SLOs given or ADAPTIVE_SLO_*, D prefilling only under bursts
+    (disaggregation `overflow`), stall-free D. Refuses what it cannot compose with."""
+    if t.colocated or t.prefill != 1 or t.decode != 1:
+        raise ValueError("planner: adaptive runs one prefill and one decode worker (drop "
+                         "--prefill/--decode/--colocated)")  # fmt: skip
+    if p.autobalance or ray is not None:
+        raise ValueError("planner: adaptive moves threads on one host; drop --autobalance/--ray")
+    if p.cost_model == "none" or not p.stall_free:
+        raise ValueError("planner: adaptive needs a cost model and stall-free batching")
+    return dataclasses.replace(
+        p,
+        slo_ttft_s=p.slo_ttft_s or ADAPTIVE_SLO_TTFT_S,
+        slo_tpot_s=p.slo_tpot_s or ADAPTIVE_SLO_TPOT_S,
+        disaggregation="overflow" if p.disaggregation == "auto" else p.disaggregation,
+    )
+
+
 def threads_for_cpus(cpus: float) -> int:
     """Torch threads of a worker holding `cpus` (Ray's logical CPUs): the whole CPUs, and one
     when it holds less than one (it then shares a core with another worker)."""
@@ -186,6 +218,11 @@ class Deployment:
     restart_workers: bool = True  # restart a worker process that exits (not under Ray)
 
     def __post_init__(self) -> None:
+        if self.planner.adaptive:
+            if self.worker.transport == "inproc":  # torch's thread count is per process
+                raise ValueError("worker: adaptive moves threads between worker processes; "
+                                 "use transport tcp, ipc or shm")  # fmt: skip
+            object.__setattr__(self, "planner", adapted(self.planner, self.topology, self.ray))
         for role, overrides in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"roles: {role!r} is not one of {', '.join(ROLES)}")
@@ -296,5 +333,5 @@ def _topology(given: Mapping[str, Any]) -> dict[str, Any]:
     colocated, prefill, decode = (given.get(k) for k in ("colocated", "prefill", "decode"))
     if colocated and (prefill or decode):
         raise ValueError("give either --colocated N or --prefill N --decode M, not both")
-    names = ("prefill", "decode", "colocated", "threads")
+    names = ("prefill", "decode", "colocated", "threads", "cores")
     return {k: given[k] for k in names if given.get(k) is not None}

@@ -140,6 +140,17 @@ def test_given_slos_win_and_missing_reference_is_an_error() -> None:
         compare.derive_slos(args, systems)
 
 
+def test_the_adaptive_system_shares_the_cores_and_schedules_for_the_given_slos() -> None:
+    args = argparse.Namespace(model=None, cores=4, slo_ttft=2.0, slo_tpot=0.025, pdserve_args="")
+    cmd = compare.SYSTEMS["pdserve-adaptive"].command(args, 8123)
+    assert cmd[1:5] == ["serve", "--adaptive", "--cores", "4"]
+    assert "--slo-ttft=2.0" in cmd and "--slo-tpot=0.025" in cmd
+    args.slo_ttft = args.slo_tpot = None  # derived SLOs: the server keeps its defaults
+    assert not any(
+        a.startswith("--slo") for a in compare.SYSTEMS["pdserve-adaptive"].command(args, 1)
+    )
+
+
 def test_flags_are_checked() -> None:
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)

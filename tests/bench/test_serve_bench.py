@@ -231,6 +231,29 @@ def test_multiturn_turns_are_sequential(server: tuple[str, list[dict[str, Any]]]
     assert len(seen) - before == 7
 
 
+def test_multiturn_turn_counts_in_a_range_think_time_and_ttft_by_turn(
+    server: tuple[str, list[dict[str, Any]]],
+) -> None:
+    url, _ = server
+    args = _args(url, "--workload", "multiturn", "--turns-range", "3,5", "--rate", "inf",
+                 "--num-requests", "12", "--multiturn-answers", "placeholder",
+                 "--think-time", "0.05", "--think-dist", "fixed")  # fmt: skip
+    res = asyncio.run(sb.run_benchmark(args))
+    _check_result(res, 12)
+    by_conv: dict[int, list[dict[str, Any]]] = {}
+    for r in res["requests"]:
+        by_conv.setdefault(r["conversation"], []).append(r)
+    *whole, last = [len(v) for _, v in sorted(by_conv.items())]
+    assert all(3 <= n <= 5 for n in whole) and 1 <= last <= 5
+    for turns in by_conv.values():
+        for prev, cur in itertools.pairwise(turns):  # the next turn waits out the think time
+            assert cur["send_s"] >= prev["send_s"] + prev["e2e_ms"] / 1e3 + 0.049
+    assert set(res["by_phase"]) == {"turn 1", "turns 2+"}
+    assert res["by_phase"]["turn 1"]["sent"] == len(by_conv)
+    assert res["by_phase"]["turns 2+"]["ttft_ms"]["p50"] is not None
+    assert list(res["config"]["turns_range"]) == [3, 5]
+
+
 def test_unreachable_server_is_an_error() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -642,3 +642,13 @@ def test_role_endpoint_switches_and_refuses_bad_input(client: TestClient, core: 
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
     missing = client.post("/admin/workers/nope/role", json={"role": "prefill"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_conversation_followups_are_counted_by_outcome_on_metrics() -> None:
+    mx = Metrics()
+    mx.on_conversation("hit")
+    mx.on_conversation("miss")
+    text = mx.render().decode()
+    assert 'pdserve_conversation_followups_total{outcome="miss"} 1.0' in text
+    assert 'pdserve_conversation_followups_total{outcome="hit"} 1.0' in text
+    assert 'pdserve_conversation_followups_total{outcome="moved"} 0.0' in text

@@ -45,7 +45,7 @@ def test_speculating_d_gives_the_plain_tokens_and_reports_them(tiny_llama_path) 
                 return table if table["D0"]["stats"].get("spec_steps") else None
 
             table = await eventually_async(reported, 10, "D's spec stats", interval_s=0.2)
-            return outs, [core.speculation(f"s{i}") for i in range(len(PROMPTS))], table
+            return outs, [core.timelines.spec.get(f"s{i}") for i in range(len(PROMPTS))], table
 
         async def with_core():  # type: ignore[no-untyped-def]
             core = RouterCore(

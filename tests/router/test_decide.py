@@ -78,3 +78,21 @@ def test_book_puts_prefill_on_p_and_the_decode_streams_on_d() -> None:
 def test_n_choices_that_end_on_p_run_whole_on_d() -> None:
     assert decide.whole_on_decode(2, 1, None) and decide.whole_on_decode(2, 9, 0)
     assert not decide.whole_on_decode(1, 1, 5) and not decide.whole_on_decode(2, 9, None)
+
+
+def test_history_tokens_are_the_whole_blocks_a_follow_up_shares_with_the_last_turn() -> None:
+    last = list(range(10))  # a turn's prompt and answer: 9 tokens computed
+    assert decide.history_tokens(last, [*last, 50, 51], 4) == 8
+    assert decide.history_tokens(last, [0, 1, 2, 3, 4, 99, 6, 7, 8, 9, 10], 4) == 4
+    assert decide.history_tokens(last, [7, *last], 4) == 0  # another conversation
+    assert decide.history_tokens(last, last[:6], 4) == 4  # at least the last token is computed
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "cached", "local_tokens", "local"),
+    [(120, 96, 32, True), (129, 96, 32, False), (120, 0, 512, False), (97, 96, 0, False)],
+)
+def test_a_follow_up_is_prefilled_on_its_d_when_few_tokens_are_new_there(
+    prompt_len: int, cached: int, local_tokens: int, local: bool
+) -> None:
+    assert decide.follow_up_local(prompt_len, cached, local_tokens) is local

@@ -5,6 +5,7 @@ scaler and without one."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -159,3 +160,16 @@ def test_admin_pools_without_a_scaler_says_how_to_get_one(default_tokenizer: Any
         assert r.status_code == 409
         assert "--ray" in r.json()["error"]["message"]
     assert c.post("/admin/pools", json={"decode": -1}).status_code == 400  # input first
+
+
+def test_admin_pools_shows_the_thread_split_of_adaptive_without_a_scaler(
+    default_tokenizer: Any,
+) -> None:
+    core = FakeCore()
+    split = {"cores": 2, "state": "lend_decode", "targets": {"P0": 1, "D0": 2}}
+    core.roles = SimpleNamespace(threads=SimpleNamespace(status=lambda: split))  # type: ignore[attr-defined]
+    c = TestClient(create_app(core, default_tokenizer, model_name="m"))
+    r = c.get("/admin/pools")
+    assert r.status_code == 200 and r.json() == {"resizable": False, "threads": split}
+    assert c.post("/admin/pools", json={"prefill": 2}).status_code == 409  # still no scaler
+    assert client(default_tokenizer, None).get("/admin/pools").status_code == 409

@@ -281,3 +281,16 @@ def test_penalties_and_bias_reach_the_sampling_params() -> None:
     sp = req.to_sampling_params()
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.3)
     assert sp.logit_bias == {17: -100, 3: 2.5} and len(sp.stop or ()) == 4
+
+
+def test_a_chat_conversation_is_its_user_else_the_hash_of_its_opening_messages() -> None:
+    def chat(*messages: tuple[str, str], user: str | None = None) -> p.ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+        return p.ChatCompletionRequest.model_validate({**body, **({"user": user} if user else {})})
+
+    turn1 = chat(("system", "be brief"), ("user", "hi"))
+    turn2 = chat(("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "more"))
+    assert turn1.conversation() == turn2.conversation()
+    assert turn1.conversation().startswith("messages-")
+    assert chat(("system", "be brief"), ("user", "bye")).conversation() != turn1.conversation()
+    assert chat(("user", "hi"), user="u1").conversation() == "u1"

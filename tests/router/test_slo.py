@@ -133,6 +133,30 @@ def test_always_mode_never_prefills_on_d_while_both_pools_exist() -> None:
         planner(mode="sometimes")
 
 
+def test_overflow_mode_prefills_on_d_only_when_p_would_break_ttft() -> None:
+    p = planner(mode="overflow", slo_ttft_s=1.0, slo_tpot_s=0.5, admission=False)
+    ls = loads("P0", "D0")
+    routes = p.routes(["P0"], ["D0"], [])
+    assert {r.kind for r in routes} == {"remote", "local"}
+    idle = p.decide(100, 50, routes, ls, {}, now=0.0)
+    assert idle.chosen is not None and idle.chosen.route.kind == "remote"  # local is cheaper
+    # 1.2 s of prompts queued on P: a remote route breaks TTFT, D has the slack to prefill
+    ls["P0"].add(Job("queued", 1.2, 0, 0, False, 0.0))
+    burst = p.decide(100, 50, routes, ls, {}, now=0.0)
+    assert burst.chosen is not None and burst.chosen.route.kind == "local"
+
+
+def test_a_worker_on_other_threads_than_the_profile_is_predicted_at_its_own_speed() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    decoding(ls["D0"], 4)
+    base = p.predict(500, 50, Route("local", "D0"), ls, {}, now=0.0)
+    ls["D0"].slowness = 0.5  # twice the profile's speed (more threads)
+    fast = p.predict(500, 50, Route("local", "D0"), ls, {}, now=0.0)
+    assert fast.ttft_s == pytest.approx(base.ttft_s / 2)
+    assert fast.tpot_s == pytest.approx(base.tpot_s / 2)
+
+
 def test_admission_rejects_predicted_ttft_misses_with_a_retry_after() -> None:
     p = planner(slo_ttft_s=1.0, slo_tpot_s=0.2)
     ls = loads("P0", "D0")

@@ -166,9 +166,8 @@ def test_probes_teach_the_simulated_planner_before_the_run() -> None:
 
 def test_conditional_and_prefix_routing_follow_the_planner() -> None:
     model = CostModel((1.0, 0.5, 0.0), (1.0, 0.5, 0.0), (0.25, 1000.0))
-    cfg = SimConfig(
-        prefill=1, decode=2, planner=True, disaggregation="conditional", prefix_routing=True
-    )
+    cfg = SimConfig(prefill=1, decode=2, planner=True, disaggregation="conditional",
+                    prefix_routing=True, multiturn_reuse=False)  # fmt: skip
     shared = req("t0", 0.0, 40, 2, conv=0)
     turn2 = SimRequest("t1", 1.0, [*shared.prompt, 7, 7, 9, 9], 2, conversation=0, turn=1)
     _, (r0, r1) = run(cfg, [shared, turn2], planner_model=model)
@@ -361,3 +360,27 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_the_chosen_ones(
     small = ModelShape.from_config("qwen3-moe", qwen)
     assert small.experts == 4 and small.intermediate == 32
     assert small.layer_params == one.layer_params - mlp + 4 * 3 * 64 * 32 + 64 * 4
+
+
+def test_adaptive_moves_threads_with_the_real_policy_and_decodes_faster_alone() -> None:
+    # one prompt, then a long answer: P idles while D decodes, so the policy (router/threads.py)
+    # lends D both cores and its steps speed up by the cost model's thread scaling
+    model = CostModel((0.01, 1e-4, 0.0), (0.01, 0.001, 0.0))
+    reqs = [req("a", 0.0, 8, 200)]
+    times = {}
+    for cores in (0, 2):
+        cfg = SimConfig(prefill=1, decode=1, planner=True, disaggregation="overflow",
+                        thread_cores=cores)  # fmt: skip
+        sim = Simulation(cfg, LinearStep(a=0.05, b=0.001), Link(1e9, 0.0), planner_model=model)
+        (rec,) = sim.run(reqs)
+        assert rec.tokens == 200 and rec.route == "remote"
+        assert rec.last_at is not None
+        times[cores] = rec.last_at
+        if cores:
+            # lent to D while it decoded, split again once both idle
+            assert sim.counters["thread_moves"] >= 2 and sim.threads == {"P0": 1, "D0": 1}
+        for w in sim.workers:
+            assert w.kv.num_free_blocks == w.kv.num_blocks and w.idle
+    assert times[2] < times[0]  # D decoded on two threads once P had parked
+    with pytest.raises(ValueError, match="moving threads"):
+        SimConfig(prefill=1, decode=1, thread_cores=2)

@@ -25,6 +25,7 @@ SAMPLES = [
     m.SetFault("slow", -1, 0.2),
     m.Shutdown(),
     m.SetRole("decode"),
+    m.SetThreads(3),
     m.Ping(7),
     m.Pong(7, "D0", 0.25),
     m.WorkerInfo("P0", "prefill", 1, "tcp://x", 16, 100, b"\x00" * 8, "m"),

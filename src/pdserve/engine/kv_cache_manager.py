@@ -21,9 +21,12 @@ free (`num_free_blocks == num_blocks`).
 
 from __future__ import annotations
 
+import collections
+import time
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import ROOT_HASH, Block, BlockHash, BlockPool, hash_full_blocks
+from pdserve.engine.kept_turns import KeptTurns
 from pdserve.engine.request import Request
 
 
@@ -58,8 +61,11 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         root_hash: BlockHash = ROOT_HASH,
         window: int | None = None,
+        conversation_ttl_s: float = 0.0,
     ) -> None:
-        """`window`: the sliding window of every layer (ModelArch.uniform_window), or None."""
+        """`window`: the sliding window of every layer (ModelArch.uniform_window), or None.
+        `conversation_ttl_s`: how long a finished turn's blocks are kept for its conversation's
+        next turn (`keep_turn`; 0: not kept)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if window is not None and (window < 1 or num_blocks < 2):
@@ -81,6 +87,8 @@ class KVCacheManager:
         self.track_registered = False
         self._registered: list[tuple[str, int, int, BlockHash]] = []
         self._pins: dict[str, list[Block]] = {}
+        # finished turns' blocks held for their conversations' next turns (kept_turns.py)
+        self.kept: KeptTurns[Block] = KeptTurns(conversation_ttl_s, time.monotonic)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -230,9 +238,7 @@ class KVCacheManager:
         hit = self._in_window(prefix.blocks, computed) if prefix else []
         have = max(len(held) + len(hit), self._out_of_window(computed))
         need = self.blocks_needed(computed + num_new_tokens) - have
-        # Hit blocks that are free count as free now but stop being free once touched.
-        reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reclaimable:
+        if self._short(need, hit):
             return None
         self.pool.touch(b for b in hit if b is not None)
         blocks = self._blocks.setdefault(request.request_id, held)
@@ -242,6 +248,19 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(need))
         self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return self.get_block_ids(request.request_id)
+
+    def _short(self, need: int, hit: list[Block | None]) -> bool:
+        """Whether `need` new blocks do not fit beside the hit's, after releasing kept turns
+        (oldest first) as far as that helps: a kept turn goes before a request waits or is
+        preempted. Hit blocks that are free count as free now but stop being free once touched."""
+        while True:
+            reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+            if need <= self.pool.num_free_blocks - reclaimable:
+                return False
+            kept = self.kept.pop_oldest()
+            if kept is None:
+                return True
+            self._drop(kept)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for KV that will arrive from elsewhere (a decode worker's pre-allocation).
@@ -286,9 +305,7 @@ class KVCacheManager:
         hit_blocks = self._in_window(hit.blocks, num_tokens - 1)
         have = max(len(hit_blocks), self._out_of_window(num_tokens - 1))
         need = self.blocks_needed(num_tokens) - have
-        # Hit blocks that are free count as free now but stop being free once touched.
-        reclaimable = sum(1 for b in hit_blocks if b is not None and b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reclaimable:
+        if self._short(need, hit_blocks):
             return None
         # taken before new blocks, so eviction cannot pick them
         self.pool.touch(b for b in hit_blocks if b is not None)
@@ -330,7 +347,7 @@ class KVCacheManager:
         num_full, partial = divmod(num_tokens, self.block_size)
         if len(parent) < num_full + (1 if partial else 0):
             raise ValueError(f"{parent_id!r} holds no KV for {num_tokens} tokens")
-        if partial and self.pool.num_free_blocks < 1:
+        if partial and self._short(1, []):
             raise MemoryError("no free block to copy the last partial block into")
         shared = parent[:num_full]
         self.pool.touch(b for b in shared if b is not None)
@@ -425,7 +442,43 @@ class KVCacheManager:
             self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def reset_prefix_cache(self) -> int:
+        self._drop(self.kept.clear())
         return self.pool.reset_prefix_cache()
+
+    # ---- conversations (kept_turns.py) -------------------------------------------------------
+    @property
+    def num_kept_blocks(self) -> int:
+        """Blocks only kept turns hold (no request uses them): free for the asking."""
+        refs = collections.Counter(b.block_id for b in self.kept.items())
+        return sum(1 for bid, n in refs.items() if self.pool.blocks[bid].ref_cnt == n)
+
+    def keep_turn(self, request_id: str, conversation: str) -> int:
+        """Hold the finished request's full registered blocks (prompt and answer) for its
+        conversation's next turn, replacing the conversation's previous turn; call before
+        `free`. Returns the blocks kept (0 when keeping is off)."""
+        blocks = [
+            b
+            for b in self._blocks.get(request_id, ())
+            if b is not None and b.block_hash is not None
+        ]
+        if not self.kept.enabled or not blocks:
+            return 0
+        self.pool.touch(blocks)
+        self._drop(self.kept.keep(conversation, blocks))
+        return len(blocks)
+
+    def mark_turn(self, request: Request, conversation: str) -> None:
+        """`request` is a turn of `conversation`: kept when it finishes (`keep_turn`, by the
+        scheduler); counts a follow-up arriving while the conversation's last turn is kept."""
+        request.conversation = conversation
+        self.kept.hit(conversation)
+
+    def expire_kept(self) -> None:
+        """Release the kept turns past their TTL (their blocks stay cached until evicted)."""
+        self._drop(self.kept.expired())
+
+    def _drop(self, blocks: list[Block]) -> None:
+        self.pool.free_blocks(reversed(blocks))  # the turn's tail is evicted first
 
     # ---- prefix-cache events (what a worker tells routers) --------------------------------
     @property

@@ -162,6 +162,20 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError, saying what to change, for a prompt the engine cannot run."""
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but the context holds {max_model_len}; "
+            "shorten the prompt (or raise max_model_len if the model allows)"
+        )
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -179,6 +193,9 @@ class Request:
     max_model_len: int = 1 << 62  # generation stops (length) when the context is full
     # Keep the KV blocks when finished (not aborted): a prefill worker's KV awaits transfer.
     hold_kv: bool = False
+    # The conversation this turn belongs to: its KV is kept for the next turn when it finishes
+    # (KVCacheManager.keep_turn; a decode worker's requests only).
+    conversation: str | None = None
     # A held n-choice request (prefill side): the first token of choices 1..n-1, sampled from
     # the same logits as its own; the decode side forks the choices from them.
     fork_tokens: list[int] = field(default_factory=list)

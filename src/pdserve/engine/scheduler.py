@@ -428,6 +428,8 @@ class Scheduler:
         if request.hold_kv and status != RequestStatus.FINISHED_ABORTED:
             self.held[request.request_id] = request  # a prefill worker's KV awaiting transfer
         else:
+            if request.conversation and status != RequestStatus.FINISHED_ABORTED:
+                self.kv.keep_turn(request.request_id, request.conversation)
             self.kv.free(request.request_id)
 
     def release_held(self, request_id: str) -> bool:

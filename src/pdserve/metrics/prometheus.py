@@ -11,7 +11,7 @@ Two sources feed them:
 Latencies use the router's own clock when the app reported deltas (workers on another host have
 another clock); the core's timeline stamps are the fallback. Worker gauges and the workers'
 cumulative counters (hand-offs, preemptions, lease reclaims, transfer failures) are mirrored from
-the last stats each worker sent, labelled by worker and role.
+the last stats each worker sent, labelled by worker and role (which ones: worker_series.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.metrics.worker_series import HANDOFF_STATS, WORKER_COUNTERS, WORKER_GAUGES
 from pdserve.router.timeline import Ev
 
 OUTCOMES = ("ok", "rejected", "error", "aborted")
@@ -53,77 +54,6 @@ TRANSFER_BUCKETS: tuple[float, ...] = (
 # fmt: on
 MAX_TRACKED = 10_000  # in-flight requests whose delta times are kept (a leak guard)
 RECENT_KEEP = 4096  # finished requests kept for the dashboard (router/dashboard.py)
-
-# Worker stats -> (metric suffix, help); gauges are the current value, counters cumulative.
-WORKER_GAUGES = {
-    "waiting": ("worker_queue_length", "Requests waiting in the worker's scheduler queue."),
-    "running": ("worker_running", "Requests the worker is running."),
-    "batch_requests": ("worker_batch_requests", "Requests in the worker's last engine step."),
-    "batch_tokens": ("worker_batch_tokens", "Tokens computed in the worker's last engine step."),
-    "kv_blocks_used": ("worker_kv_blocks_used", "KV cache blocks in use on the worker."),
-    "kv_blocks_total": ("worker_kv_blocks_total", "KV cache blocks the worker has."),
-    "prefix_cache_hit_rate": (
-        "worker_prefix_cache_hit_rate",
-        "Fraction of prompt tokens found in the worker's prefix cache.",
-    ),
-    "gc_max_pause_seconds": (
-        "worker_gc_max_pause_seconds",
-        "The longest garbage-collection pause the worker has had.",
-    ),
-    "gc_frozen_objects": (
-        "worker_gc_frozen_objects",
-        "Start-up objects the worker froze out of the garbage collector's reach.",
-    ),
-    "prefill_probe_speedup": (
-        "worker_prefill_probe_speedup",
-        "Start-up probe: the decode format's time over bf16's on a prompt-sized projection.",
-    ),
-}
-WORKER_COUNTERS = {
-    "preemptions": ("worker_preemptions", "Requests the worker preempted."),
-    "prefill_tokens": ("worker_prefill_tokens", "Prompt tokens computed (rate() = prefill tok/s)."),
-    "decode_tokens": ("worker_decode_tokens", "Decode tokens computed (rate() = decode tok/s)."),
-    "lease_reclaims": ("worker_lease_reclaims", "KV holds a prefill worker reclaimed on expiry."),
-    "transfer_failures": ("kv_transfer_failures", "KV hand-offs that failed on the worker."),
-    "gc_collections": ("worker_gc_collections", "Python garbage collections in the worker."),
-    "gc_full_collections": (
-        "worker_gc_full_collections",
-        "Full (generation 2) garbage collections in the worker: each stalls its main loop.",
-    ),
-    "gc_pause_seconds": (
-        "worker_gc_pause_seconds",
-        "Wall time the worker's main loop spent inside garbage collections.",
-    ),
-    "prompt_rows_prefill_format": (
-        "worker_prompt_rows_prefill_format",
-        "Prompt tokens whose projections ran on the prefill format (bf16).",
-    ),
-    "prompt_rows_decode_format": (
-        "worker_prompt_rows_decode_format",
-        "Prompt tokens left on the decode format (steps with too few prompt rows).",
-    ),
-    # speculation on decoding workers (engine/spec/, docs/speculation.md)
-    "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens verified (speculative decoding)."),
-    "spec_accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted."),
-    "spec_steps": (
-        "spec_steps",
-        "Request-steps that verified drafts (accepted / steps = "
-        "accepted tokens per step beyond the one a step always yields).",
-    ),
-    "spec_disabled_steps": (
-        "spec_disabled_steps",
-        "Engine steps not drafted: the decode batch reached disable_by_batch_size.",
-    ),
-    "spec_grammar_skips": (
-        "spec_grammar_skips",
-        "Request-steps not drafted: the request has a grammar.",
-    ),
-    "spec_memory_skips": (
-        "spec_memory_skips",
-        "Decodes whose drafts found no free KV blocks (not verified).",
-    ),
-}
-HANDOFF_STATS = {"handoffs_acked": "sent", "handoffs_received": "received"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +276,13 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        self.thread_moves = Counter(
+            "pdserve_thread_moves",
+            "Changes of the P/D thread split on this host (--adaptive), by which pool gained: "
+            "prefill, decode.",
+            ["to"],
+            registry=r,
+        )
         self.prediction_error = Histogram(
             "pdserve_prediction_error_ratio",
             "|predicted - actual| / actual of the planner's TTFT and TPOT, per finished request.",
@@ -371,6 +308,15 @@ class Metrics:
             self.worker_down.labels(reason)
         for how in ("pair", "colocated", "local", "pool"):
             self.recoveries.labels(how)
+        self.conversations = Counter(
+            "pdserve_conversation_followups",
+            "Follow-up turns of conversations, by outcome: hit (the worker keeping the history "
+            "had all of it cached), miss (evicted: prefilled again), moved (routed elsewhere).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("hit", "miss", "moved"):
+            self.conversations.labels(outcome)
         self._workers = _WorkerCollector()
         r.register(self._workers)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
@@ -418,6 +364,9 @@ class Metrics:
 
     def on_recompute(self) -> None:
         self.recomputes.inc()
+
+    def on_thread_move(self, to: str) -> None:
+        self.thread_moves.labels(to).inc()
 
     # ---- hooks the RouterCore calls ------------------------------------------------------------
     def on_request_end(self, flight: Any, outcome: str) -> None:
@@ -490,3 +439,6 @@ class Metrics:
 
     def on_recovery(self, how: str) -> None:
         self.recoveries.labels(how).inc()
+
+    def on_conversation(self, outcome: str) -> None:
+        self.conversations.labels(outcome).inc()

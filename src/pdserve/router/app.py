@@ -139,7 +139,7 @@ def create_app(
         params = s.check_params(req.to_sampling_params(default, context, spec))
         top_n = req.top_logprobs or 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        g = Generation(s, request, rid, ids, params, top_n, req.user)
+        g = Generation(s, request, rid, ids, params, top_n, req.conversation())
         if req.stream:
             return await respond.stream(g, req.include_usage, ChatRender(g, s.model_name, plan))
         return await respond.collect(g, ChatRender(g, s.model_name, plan))
@@ -202,8 +202,8 @@ def create_app(
         predicted = getattr(core, "prediction", None)
         body = {"id": rid, "object": "request.timeline", "events": events}
         body["prediction"] = predicted(rid) if predicted is not None else None
-        spec = getattr(core, "speculation", None)  # drafted / accepted tokens, steps
-        body["speculation"] = spec(rid) if spec is not None else None
+        spec = getattr(getattr(core, "timelines", None), "spec", None)  # router/timelines.py
+        body["speculation"] = spec.get(rid) if isinstance(spec, dict) else None
         return JSONResponse(body)
 
     @app.post("/admin/workers/{worker_id}/role")
@@ -214,7 +214,8 @@ def create_app(
         return JSONResponse(row)
 
     dashboard.mount(app, board)  # GET /dashboard, GET /admin/dashboard.json
-    pools.mount(app, scaler)  # GET/POST /admin/pools
+    mover = getattr(getattr(core, "roles", None), "threads", None)  # --adaptive's split
+    pools.mount(app, scaler, None if mover is None else mover.status)  # GET/POST /admin/pools
     return app
 
 

@@ -60,7 +60,7 @@ def sharing(w: WorkerLoad, planner: SloPlanner, tpot_ref: float) -> float:
     batch = w.decode_streams()
     if batch <= 1:
         return 0.0
-    k, ctx = planner.calibration.tpot, w.context_sum()
+    k, ctx = planner.calibration.tpot * w.slowness, w.context_sum()
     alone = planner.model.decode_step_s(1, ctx // batch) * k
     shared = planner.model.decode_step_s(batch, ctx) * k
     return (shared - alone) / max(tpot_ref - alone, 1e-3)

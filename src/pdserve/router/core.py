@@ -49,6 +49,7 @@ from pdserve.router.pool_feedback import RECOVERY_ROUTE, PoolFeedback, kvpool_re
 from pdserve.router.roles import Roles
 from pdserve.router.routing import Routing
 from pdserve.router.silence import SilenceWatch
+from pdserve.router.threads import ThreadPolicy
 from pdserve.router.timeline import Ev, Event, labelled, render
 from pdserve.router.timelines import Timelines
 from pdserve.router.worker_stats import WorkerStats
@@ -71,6 +72,7 @@ class RouterCore:
         ctx: zmq.Context | None = None,
         planner: slo.SloPlanner | None = None,
         autobalancer: balancer.Autobalancer | None = None,
+        thread_policy: ThreadPolicy | None = None,
         **overrides: Any,
     ) -> None:
         """`config` (default: RouterConfig()) with `overrides` of its fields by name; with a
@@ -86,6 +88,7 @@ class RouterCore:
         self.routing = Routing(
             self.links, self.events, planner, policy=cfg.policy, prefix_routing=cfg.prefix_routing
         )
+        self.routing.local_tokens = cfg.conversation_local_tokens
         self.prefix, self.sessions = self.routing.prefix, self.routing.sessions
         self.pool_feedback = PoolFeedback(self.routing.pools, self.events, planner)
         self.liveness = Liveness(
@@ -102,6 +105,7 @@ class RouterCore:
             self._busy,
             planner=planner,
             autobalancer=autobalancer,
+            thread_policy=thread_policy,
             interval_s=cfg.autobalance_interval_s,
             drain_timeout_s=cfg.request_timeout_s,
             switch_timeout_s=max(5.0, cfg.deadline_s),
@@ -139,8 +143,7 @@ class RouterCore:
         poll = self.links.poll_stats(self.config.stats_interval_s, self.config.deadline_s)
         self._tasks.append(asyncio.create_task(poll))
         self._tasks.append(asyncio.create_task(self.liveness.run()))
-        if self.roles.autobalancer is not None:
-            self._tasks.append(asyncio.create_task(self.roles.autobalance()))
+        self._tasks += [asyncio.create_task(job) for job in self.roles.loops()]
 
     def _watch(self, w: WorkerState) -> None:
         """Read the worker's events and ping its heartbeat socket."""
@@ -276,12 +279,12 @@ class RouterCore:
             self._abort_workers(flight)
         self._release(flight)
         self.flights.pop(flight.rid, None)
+        if outcome == "ok":
+            self.routing.remember_session(flight)
         end = Ev.FINISH if outcome == "ok" else outcome
         flight.timeline.append((end, "router", time.monotonic()))
         self.timelines.keep(flight)
         self.timelines.score(flight, outcome, self.planner)
-        if outcome == "ok":
-            self.routing.remember_session(flight)
         self.events.request_end(flight, outcome)
 
     # ---- dispatch --------------------------------------------------------------------------
@@ -311,15 +314,16 @@ class RouterCore:
         first, second = flight.pair
         # n > 1: P samples every choice's first token, D forks the choices after one hand-off
         handoff = 1 if flight.params.n > 1 else self.config.handoff_tokens
+        conv = flight.session or ""  # D keeps the turn's KV for the conversation's next turn
         if second is None:
             if first.role != "colocated" and only is None and flight.route == "fallback":
                 # no healthy worker of the other role: this one runs the whole request
                 self.events.count("local_fallbacks")
                 flight.timeline.append((Ev.LOCAL_FALLBACK, first.worker_id, time.monotonic()))
-            self._send(first, m.Generate(flight.wire_rid, prompt, params))
+            self._send(first, m.Generate(flight.wire_rid, prompt, params, conv))
             return
         assert second.info is not None
-        expect = m.ExpectKV(flight.wire_rid, prompt, params, first.worker_id, handoff)
+        expect = m.ExpectKV(flight.wire_rid, prompt, params, first.worker_id, handoff, conv)
         self._send(second, expect)
         kv_at = second.info.kv_endpoint
         self._send(
@@ -481,9 +485,6 @@ class RouterCore:
 
     def prediction(self, rid: str) -> dict[str, Any] | None:
         return self.timelines.predictions.get(rid)
-
-    def speculation(self, rid: str) -> dict[str, int] | None:
-        return self.timelines.spec.get(rid)
 
     def raw_timeline(self, rid: str) -> list[Event] | None:
         """(event, worker, time.monotonic()) with the workers' own stage names."""

@@ -63,6 +63,7 @@ class WorkerRow(BaseModel):
     state: State
     down_reason: str | None
     pid: int | None
+    threads: int | None  # torch threads it runs its steps on (moved under --adaptive)
     batch: int | None  # requests in its last engine step
     queue: int
     running: int
@@ -135,6 +136,7 @@ class Totals(BaseModel):
     retries: float
     recomputes: float
     role_switches: dict[str, float]  # by who asked
+    thread_moves: dict[str, float]  # changes of the P/D thread split, by the pool that gained
     worker_down: dict[str, float]  # by reason
     prompt_tokens: float
     generation_tokens: float

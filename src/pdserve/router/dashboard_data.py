@@ -124,6 +124,7 @@ def totals(samples: dict) -> dict[str, Any]:
         "retries": _one(samples, "pdserve_retries_total"),
         "recomputes": _one(samples, "pdserve_recomputes_total"),
         "role_switches": _by(samples, "pdserve_role_switches_total", "by"),
+        "thread_moves": _by(samples, "pdserve_thread_moves_total", "to"),
         "worker_down": _by(samples, "pdserve_worker_down_total", "reason"),
         "prompt_tokens": _one(samples, "pdserve_prompt_tokens_total"),
         "generation_tokens": _one(samples, "pdserve_generation_tokens_total"),
@@ -171,7 +172,7 @@ def worker_row(row: dict[str, Any], vitals: dict[str, Any]) -> dict[str, Any]:
         state = "degraded"
     else:
         state = "ready"
-    batch = stats.get("batch_requests")
+    batch, threads = stats.get("batch_requests"), row.get("threads")
     hit = stats.get("prefix_cache_hit_rate")
     return {
         "id": str(row["id"]),
@@ -179,6 +180,7 @@ def worker_row(row: dict[str, Any], vitals: dict[str, Any]) -> dict[str, Any]:
         "state": state,
         "down_reason": row.get("down_reason"),
         "pid": row.get("pid"),
+        "threads": int(threads) if isinstance(threads, int | float) else None,
         "batch": int(batch) if isinstance(batch, int | float) else None,
         "queue": int(row.get("queue") or 0),
         "running": int(row.get("running") or 0),

@@ -10,7 +10,9 @@ on their loads with `book`. Naming the route in timelines and counters stays wit
   * `plan`     with a planner: `SloPlanner.decide` over every route of the healthy pools;
   * `cached_tokens`  the prompt tokens each worker caches: the prefix index, plus the affinity
                of a conversation's last turn while the index has not heard from its worker;
-  * `book`     the attempt's predicted prefill and decode work, added to the workers' loads.
+  * `book`     the attempt's predicted prefill and decode work, added to the workers' loads;
+  * `history_tokens`, `follow_up_local`  a conversation's follow-up without a planner: what the
+               D keeping its last turn holds, and whether its new part is prefilled there.
 """
 
 from __future__ import annotations
@@ -124,6 +126,25 @@ def cached_tokens(
             common += 1
         cached[keeper] = max(cached.get(keeper, 0), common // block_size * block_size)
     return cached
+
+
+def history_tokens(last_turn: list[int], prompt: list[int], block_size: int) -> int:
+    """KV tokens of a conversation's last turn (`last_turn`: its prompt and answer, all but the
+    last token computed) that `prompt` continues, in whole blocks: what the worker keeping
+    that turn holds of this prompt."""
+    n = min(len(last_turn), len(prompt)) - 1
+    common = 0
+    while common < n and last_turn[common] == prompt[common]:
+        common += 1
+    return common // block_size * block_size
+
+
+def follow_up_local(prompt_len: int, cached: int, local_tokens: int) -> bool:
+    """Whether a follow-up is prefilled whole on the decode worker holding its history (the
+    local route) rather than on P: it holds some of it, and the tokens it does not hold are
+    at most `local_tokens` (0: never). Below that, prefilling them there costs less than P's
+    prefill of the whole prompt (its cache lacks the answers) plus the transfer."""
+    return cached > 0 and prompt_len - cached <= local_tokens
 
 
 def book(

@@ -18,7 +18,7 @@ from pdserve.router.events import RouterEvents
 from pdserve.router.flight import Delta, Flight
 from pdserve.router.links import Links
 from pdserve.router.pool_feedback import PoolFeedback
-from pdserve.router.timeline import Ev, Side, staged
+from pdserve.router.timeline import Ev, Side, labelled, staged
 from pdserve.router.timelines import Timelines
 from pdserve.workers import messages as m
 
@@ -56,6 +56,8 @@ class Delivery:
             self.pool_feedback.on_report(flight, msg.worker, msg.pool, now)
         for key, n in (msg.spec or {}).items():  # the timeline's `speculation`
             flight.spec[key] = flight.spec.get(key, 0) + n
+        if msg.cached >= 0:
+            self._cached(flight, msg.worker, msg.cached, now)
         if msg.token_ids:
             flight.first_at = flight.first_at or now
             flight.last_at = now
@@ -93,7 +95,18 @@ class Delivery:
             self.planner.observe_transfer(msg.nbytes, len(flight.prompt_ids) - cached)
         for stage, t in (msg.times or {}).items():
             flight.timeline.append((staged(msg.side, stage), msg.worker, t))
+        if msg.cached >= 0:
+            self._cached(flight, msg.worker, msg.cached, time.monotonic())
         self.events.transfer(msg)
+
+    @staticmethod
+    def _cached(flight: Flight, worker: str, tokens: int, now: float) -> None:
+        """The first report per worker counts: D's hand-off report (the KV it held) comes
+        before its own last tokens, which report the request's prompt as computed."""
+        if worker in flight.cached:
+            return
+        flight.cached[worker] = tokens
+        flight.timeline.append((labelled(Ev.CACHED, f"{tokens} tokens"), worker, now))
 
     def late_transfer(self, rid: str, attempt: str, msg: m.TransferReport) -> None:
         """P reports its side after D's ack, which can be after the request finished: still

@@ -17,12 +17,14 @@ class MetricsHooks(Protocol):
     def on_prediction(self, kind: str, rel_error: float) -> None: ...
     def on_role_switch(self, by: str) -> None: ...
     def on_recompute(self) -> None: ...
+    def on_thread_move(self, to: str) -> None: ...
     def on_request_end(self, flight: Any, outcome: str) -> None: ...
     def on_worker_stats(self, worker: Any, stats: dict[str, Any]) -> None: ...
     def on_transfer(self, report: Any) -> None: ...
     def on_retry(self, failed: Any) -> None: ...
     def on_worker_down(self, worker: Any, reason: str) -> None: ...
     def on_recovery(self, how: str) -> None: ...
+    def on_conversation(self, outcome: str) -> None: ...
 
 
 class NoMetrics:
@@ -46,6 +48,9 @@ class NoMetrics:
     def on_recompute(self) -> None:
         pass
 
+    def on_thread_move(self, to: str) -> None:
+        pass
+
     def on_request_end(self, flight: Any, outcome: str) -> None:
         pass
 
@@ -62,6 +67,9 @@ class NoMetrics:
         pass
 
     def on_recovery(self, how: str) -> None:
+        pass
+
+    def on_conversation(self, outcome: str) -> None:
         pass
 
 
@@ -99,6 +107,12 @@ class RouterEvents:
         self.counters[f"requests_{outcome}"] += 1
         self._hooks.on_request_end(flight, outcome)
 
+    def conversation(self, outcome: str) -> None:
+        """A conversation's follow-up ended: hit (its history was cached where it went), miss
+        (evicted: prefilled again) or moved (the planner sent it elsewhere)."""
+        self.counters[f"conversation_{outcome}"] += 1
+        self._hooks.on_conversation(outcome)
+
     def worker_stats(self, worker: Any, stats: dict[str, Any]) -> None:
         self._hooks.on_worker_stats(worker, stats)
 
@@ -126,6 +140,11 @@ class RouterEvents:
     def role_switch(self, by: str) -> None:
         self.counters[f"role_switches_{by}"] += 1
         self._hooks.on_role_switch(by)
+
+    def thread_move(self, to: str) -> None:
+        """The P/D thread split changed in favour of pool `to` (router/thread_moves.py)."""
+        self.counters[f"thread_moves_to_{to}"] += 1
+        self._hooks.on_thread_move(to)
 
     def prediction(self, kind: str, rel_error: float) -> None:
         self._hooks.on_prediction(kind, rel_error)

@@ -96,6 +96,9 @@ class Flight:
     pool_recovered: int = 0  # the attempt whose `recovered_from_pool` is in the timeline
     # (prefilling worker, tokens the pool index predicts it loads, the attempt's prompt length)
     pool_expected: tuple[str, int, int] | None = None
+    cached: dict[str, int] = field(default_factory=dict)  # worker -> prompt tokens it had cached
+    # a follow-up: (the worker holding the conversation's history, its KV tokens there)
+    history: tuple[str, int] | None = None
 
     @property
     def wire_rid(self) -> str:

@@ -33,6 +33,9 @@ class WorkerLoad:
     prefill_free_at: float = 0.0  # when the prefill head-of-line started (approximation)
     # speculation here: (drafts verified, accepted) per decode request-step, from its stats
     spec: tuple[float, float] = (0.0, 0.0)
+    # its step times against the cost model's: the thread mover (thread_moves.py) sets it when
+    # the worker runs another thread count than the model was profiled at
+    slowness: float = 1.0
 
     def _queue(self, now: float) -> tuple[list[Job], float]:
         """The prefills owed here in the order they run, and how long the head has run."""

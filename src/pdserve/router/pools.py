@@ -3,11 +3,14 @@
 The router does not start processes (that is the composition roots' work): a deployment that can
 add and stop workers hands the app a `Scaler` — today `pdserve.ray.pools.RayPools`, under
 `pdserve serve --ray`. Without one both routes answer 409 with an OpenAI error envelope saying so;
-role switches (POST /admin/workers/{id}/role) still move workers between the pools.
+role switches (POST /admin/workers/{id}/role) still move workers between the pools. When the
+router moves threads between P and D (`--adaptive`), GET shows the split under `threads` (and
+answers 200 without a scaler: `resizable` false).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -44,12 +47,19 @@ NO_SCALER = (
 )
 
 
-def mount(app: FastAPI, scaler: Scaler | None) -> None:
+def mount(
+    app: FastAPI, scaler: Scaler | None, threads: Callable[[], dict[str, Any]] | None = None
+) -> None:
+    """`threads`: the thread mover's status (router/thread_moves.py), when there is one."""
+
     @app.get("/admin/pools")
     async def pools() -> JSONResponse:
+        split = {"threads": threads()} if threads is not None else {}
         if scaler is None:
+            if split:
+                return JSONResponse({"resizable": False, **split})
             return error_response(409, NO_SCALER, code="no_scaler")
-        return JSONResponse(scaler.status())
+        return JSONResponse({**scaler.status(), **split})
 
     @app.post("/admin/pools")
     async def resize(request: Request) -> JSONResponse:

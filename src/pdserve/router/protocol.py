@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -395,6 +396,17 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None  # router/tools.py checks them
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+    def conversation(self) -> str:
+        """The conversation this request is a turn of: `user` when given, else a hash of the
+        messages up to the first user message, which every turn of a conversation starts with
+        (two conversations opening alike share it: affinity only, the KV is matched by hash)."""
+        if self.user:
+            return self.user
+        end = next((i for i, msg in enumerate(self.messages) if msg.role == "user"), 0)
+        opening = [msg.model_dump(exclude_none=True) for msg in self.messages[: end + 1]]
+        digest = hashlib.sha256(json.dumps(opening, sort_keys=True).encode()).hexdigest()
+        return f"messages-{digest[:32]}"
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them (text; 'developer' is 'system'; tool calls

@@ -1,19 +1,23 @@
 """Role switching: drain a worker, switch its role, let it rejoin routing — asked for by an
 admin (POST /admin/workers/{id}/role) or by the autobalancer, which watches the pools'
-pressures (`balancer.pressures`) and moves one worker P<->D with hysteresis."""
+pressures (`balancer.pressures`) and moves one worker P<->D with hysteresis. The finer grain,
+threads moving between P and D workers on one host, is `thread_moves.ThreadMover`, run here
+beside it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pdserve.router import balancer, slo
 from pdserve.router.events import RouterEvents
 from pdserve.router.flight import RequestError, WorkerState
 from pdserve.router.links import ROLES, Links
+from pdserve.router.thread_moves import ThreadMover
+from pdserve.router.threads import ThreadPolicy
 from pdserve.workers import messages as m
 
 
@@ -29,12 +33,23 @@ class Roles:
         interval_s: float,
         drain_timeout_s: float,
         switch_timeout_s: float,
+        thread_policy: ThreadPolicy | None = None,
     ) -> None:
         if autobalancer is not None and planner is None:
             raise ValueError("autobalance needs a cost model (a planner)")
         self.links, self.events, self.busy = links, events, busy
         self.planner, self.autobalancer, self.interval_s = planner, autobalancer, interval_s
         self.drain_timeout_s, self.switch_timeout_s = drain_timeout_s, switch_timeout_s
+        self.threads: ThreadMover | None = None
+        if thread_policy is not None:
+            if planner is None:
+                raise ValueError("moving threads needs a cost model (a planner)")
+            self.threads = ThreadMover(links, events, planner, thread_policy)
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        """The background loops the core runs: the autobalancer's, the thread mover's."""
+        jobs = [self.autobalance()] if self.autobalancer is not None else []
+        return jobs + ([self.threads.run()] if self.threads is not None else [])
 
     async def set_role(
         self, worker_id: str, role: str, by: str = "admin", timeout_s: float | None = None

@@ -35,11 +35,15 @@ class Routing:
         *,
         policy: str,
         prefix_routing: bool,
+        local_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`local_tokens`: without a planner, a follow-up whose tokens not cached on the D
+        holding its conversation are at most this many is prefilled there (0: on P)."""
         self.links, self.events, self.planner = links, events, planner
         self.clock = clock  # the decisions' time (a test's own clock replays a sequence)
         self.prefix_routing = prefix_routing
+        self.local_tokens = local_tokens
         self.prefix = PrefixIndex()
         self.pools = PoolIndex()  # what the workers' KV pools hold (their stored hashes)
         # conversation (OpenAI `user`) -> (worker that served its last turn, its tokens)
@@ -64,6 +68,8 @@ class Routing:
             flight.pair = (only, None)
         elif self.planner is not None:
             flight.pair, planned = self.plan(flight, prompt, admit)
+        elif (followed := self.follow(flight, prompt)) is not None:
+            flight.pair, kind = followed
         else:
             flight.pair = self.pick()
         p = flight.params
@@ -87,6 +93,7 @@ class Routing:
         for w in byid.values():
             w.load.worker_id = w.worker_id
         cached = self.cached(prompt, flight.session, byid) if self.prefix_routing else {}
+        self._history(flight, prompt, byid)
         pooled = self.pooled(prompt, byid) if self.prefix_routing else {}
         pair, decision = decide.plan(
             self.planner,
@@ -136,15 +143,60 @@ class Routing:
         workers = {wid: w.info.kv_pools for wid, w in byid.items() if w.info and w.info.kv_pools}
         return self.pools.match(prompt, workers) if workers else {}
 
+    def follow(self, flight: Flight, prompt: list[int]) -> tuple[Pair, str] | None:
+        """A conversation's follow-up without a planner: to the D that kept its last turn,
+        prefilled there (local) when few of its tokens are not cached there, else on a P whose
+        KV goes to that D (which skips the history it holds). None: not a follow-up of a
+        healthy D's conversation."""
+        if not self.prefix_routing or not flight.session:
+            return None
+        pools = self.links.pools()
+        decoders = {w.worker_id: w for w in pools["decode"]}
+        last = self.sessions.get(flight.session)
+        if last is None or last[0] not in decoders:
+            return None
+        keeper = decoders[last[0]]
+        self._history(flight, prompt, decoders)
+        cached = self.cached(prompt, flight.session, decoders).get(keeper.worker_id, 0)
+        if decide.follow_up_local(len(prompt), cached, self.local_tokens) or not pools["prefill"]:
+            return (keeper, None), "local"
+        return (decide.choose(self.policies["prefill"], pools["prefill"]), keeper), "remote"
+
+    def _history(self, flight: Flight, prompt: list[int], byid: dict[str, WorkerState]) -> None:
+        """Note what the worker keeping this conversation's last turn should hold of `prompt`
+        (checked when the request ends: `remember_session`)."""
+        last = self.sessions.get(flight.session) if flight.session else None
+        keeper = byid.get(last[0]) if last is not None else None
+        if last is None or keeper is None or keeper.info is None:
+            return
+        held = decide.history_tokens(last[1], prompt, keeper.info.block_size)
+        flight.history = (keeper.worker_id, held) if held > 0 else None
+
     def remember_session(self, flight: Flight) -> None:
-        """A finished turn of a conversation: its next turn prefers the worker holding its KV."""
+        """A finished turn of a conversation: its next turn prefers the worker holding its KV.
+        A follow-up served by that worker is a hit when the worker had its whole history
+        cached, else a miss (evicted: prefilled again), both counted and in the timeline."""
         if not flight.session or flight.pair is None:
             return
+        self._score_history(flight)
         keeper = flight.pair[1] or flight.pair[0]
         self.sessions[flight.session] = (keeper.worker_id, flight.prompt_ids + flight.sent)
         self.sessions.move_to_end(flight.session)
         while len(self.sessions) > TIMELINE_KEEP:
             self.sessions.popitem(last=False)
+
+    def _score_history(self, flight: Flight) -> None:
+        if flight.history is None or flight.pair is None:
+            return
+        keeper, want = flight.history
+        if keeper not in {w.worker_id for w in flight.pair if w is not None}:
+            self.events.conversation("moved")  # the planner chose other workers
+            return
+        got = flight.cached.get(keeper, 0)
+        hit = got >= want
+        self.events.conversation("hit" if hit else "miss")
+        what = f"hit {want} tokens" if hit else f"miss {got} of {want} tokens"
+        flight.timeline.append((labelled(Ev.CONVERSATION, what), keeper, self.clock()))
 
     def _note_route(
         self,

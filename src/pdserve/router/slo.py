@@ -21,7 +21,9 @@ end within its TPOT SLO must stay within it ("slo_tpot_running"). A local route 
 the stall of the requests expected to reach D while it prefills (`_future_stall`). A request
 whose every route misses an SLO is rejected before any prefill is spent (when admission is on);
 otherwise the feasible route with the least predicted latency (the new request's end-to-end plus
-the delay it adds to running ones) wins.
+the delay it adds to running ones) wins. Mode `overflow` (`--adaptive`) keeps prompts on P while
+a remote route meets the SLOs: D prefills only when P's queue would break the TTFT SLO and the
+local route still keeps D's TPOT (a burst), never on an idle P.
 Cached prefixes enter as fewer new tokens, so "longest cached prefix, weighed against load" falls
 out of the same sum.
 
@@ -43,7 +45,7 @@ from pdserve.router.pool_index import PoolBandwidth
 ROUTES = ("remote", "local", "colocated")
 ARRIVAL_WINDOW = 16  # first attempts the planner's arrival rate is measured over
 CALIBRATION_MIN_TOKENS = 16  # shorter requests' TPOT does not calibrate the model (`learn`)
-MODES = ("conditional", "always")
+MODES = ("conditional", "always", "overflow")
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ class SloPlanner:
     def routes(self, prefill: list[str], decode: list[str], colocated: list[str]) -> list[Route]:
         """Every candidate route over the healthy pools."""
         routes = [Route("remote", p, d) for p in prefill for d in decode]
-        if self.mode == "conditional" or not routes:
+        if self.mode != "always" or not routes:
             routes += [Route("local", d) for d in decode]
         routes += [Route("colocated", c) for c in colocated]
         if not routes:  # only prefill workers left: they run whole requests
@@ -210,6 +212,9 @@ class SloPlanner:
             for r in routes
         ]
         feasible = [p for p in preds if p.miss is None]
+        remote = [p for p in feasible if p.route.kind == "remote"]
+        if self.mode == "overflow" and remote:  # D prefills only what P would make late
+            return Decision(min(remote, key=lambda p: p.cost_s), considered=len(preds))
         if feasible:
             return Decision(min(feasible, key=lambda p: p.cost_s), considered=len(preds))
         # nothing meets every SLO: the route that breaks the fewest (a request that misses
@@ -255,11 +260,12 @@ class SloPlanner:
         local = route.kind != "remote"
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
-        step_now = self.model.decode_step_s(max(1, batch), ctx)
+        step_now = self.model.decode_step_s(max(1, batch), ctx) * dec.slowness
         starts = _decode_starts(dec, loads, now)
         overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
         step_new = spec_step(self.model, step_new, dec.spec, batch + streams, per_stream)
+        step_new *= dec.slowness
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
         # it. Those queued now end before this request decodes if it prefills there (local,
         # colocated: its own prefill comes after them); on a remote route, only what is left
@@ -303,13 +309,12 @@ class SloPlanner:
         new = prompt_len - cached
         batch = w.decode_streams()
         if batch == 0:
-            return self.model.prefill_s(new, cached) + load
+            return self.model.prefill_s(new, cached) * w.slowness + load
         chunks = math.ceil(new / max(1, self.token_budget - batch))
-        return (
-            self.model.prefill_s(new, cached)
-            + load
-            + chunks * self.model.decode_step_s(batch, w.context_sum())
+        compute = self.model.prefill_s(new, cached) + chunks * self.model.decode_step_s(
+            batch, w.context_sum()
         )
+        return compute * w.slowness + load
 
     def _mean_step(
         self, jobs: list[Job], overlap: dict[str, float], streams: int, per_stream: int, out: int
@@ -344,10 +349,10 @@ class SloPlanner:
         steps, then one more in the batch for the steps they share with it (`overlap`)."""
         if batch == 0:
             return 0.0, 0.0, 0
-        k = self.calibration.tpot
+        k = self.calibration.tpot * dec.slowness  # `stall` is already dec's own time
         step_old = self.model.decode_step_s(batch, ctx) * k
         step_new = self.model.decode_step_s(batch + streams, ctx + streams * new_ctx) * k
-        stall *= k
+        stall *= self.calibration.tpot
         worst, added, pushed = 0.0, 0.0, 0
         for j in dec.decoding():
             tokens = j.generated + j.remaining

@@ -36,6 +36,12 @@ class Ev(StrEnum):
     POOL_LOOKUP = "pool_lookup"  # tokens the pool held after the worker's own prefix cache
     POOL_LOAD = "pool_load"  # tokens loaded of those (the rest were recomputed)
     RECOVERED_FROM_POOL = "recovered_from_pool"  # a recovery: tokens loaded vs recomputed
+    # prompt tokens a worker found cached (the prefilling worker's prefix cache and pool; D's
+    # KV held already in a hand-off): labelled "N tokens"
+    CACHED = "cached"
+    # a conversation's follow-up: "hit N tokens" when the worker holding its history had all of
+    # it, "miss N of M tokens" when it was evicted (prefilled again)
+    CONVERSATION = "conversation"
     # how the request ended (the outcome)
     FINISH = "finish"
     ABORTED = "aborted"

@@ -41,6 +41,7 @@ class WorkerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
+    threads: int | None = None  # torch intra-op threads now (the SetThreads acknowledgement)
     report: Mapping[str, Any] = field(default_factory=dict)  # everything it sent, read-only
 
     @classmethod

@@ -71,11 +71,12 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--disaggregation",
-        choices=("auto", "conditional", "always"),
+        choices=("auto", "conditional", "always", "overflow"),
         default="auto",
         help="conditional: per request, prefill on P or locally on D, whichever the cost model "
-        "predicts better; always: every request through P; auto: conditional with a cost "
-        "model",
+        "predicts better; always: every request through P; overflow: through P unless P's "
+        "queue would break the TTFT SLO and D has TPOT slack (a burst); auto: conditional with "
+        "a cost model (overflow with --adaptive)",
     )
     a(
         "--autobalance",
@@ -124,6 +125,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="torch threads per worker; default: cores / workers",
+    )
+    a(
+        "--cores",
+        type=int,
+        default=None,
+        help="cores the workers share (with --adaptive: the threads moved between P and D); "
+        "default: the cores this process may run on",
+    )
+    a(
+        "--adaptive",
+        action="store_true",
+        help="one prefill and one decode worker on this host's cores, whose threads move to "
+        "the side the load needs (router/threads.py), stall-free batching on D, and D "
+        "prefilling prompts only when P's queue would break the TTFT SLO; SLOs not given "
+        "default to --slo-ttft 2 --slo-tpot 0.1",
     )
     add_engine_overrides(parser, SERVE_ENGINE_ARGS)
     # --kv-pool-*: WorkerConfig's pool fields, handed to every worker

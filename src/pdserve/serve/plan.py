@@ -23,6 +23,7 @@ from pdserve.deployment import Deployment
 from pdserve.launcher import WorkerSpec
 from pdserve.router.core import RouterCore
 from pdserve.router.slo import SloPlanner
+from pdserve.router.threads import ThreadPolicy
 from pdserve.workers import auth
 from pdserve.workers import messages as m
 
@@ -122,7 +123,7 @@ def planner(d: Deployment, cost: CostModel | None) -> SloPlanner | None:
         slo_ttft_s=p.slo_ttft_s,
         slo_tpot_s=p.slo_tpot_s,
         admission=p.admission,
-        mode="always" if p.disaggregation == "always" else "conditional",
+        mode=p.disaggregation if p.disaggregation in ("always", "overflow") else "conditional",
         token_budget=d.setting("max_num_batched_tokens", 2048),
         expected_output=p.expected_output,
         pool_bytes_per_s=p.kv_pool_gbps * 1e9,
@@ -143,7 +144,24 @@ def router_core(
     core_args.setdefault("planner", planner(d, cost))
     if d.planner.autobalance:
         core_args.setdefault("autobalancer", Autobalancer())
+    if d.planner.adaptive:
+        core_args.setdefault("thread_policy", thread_policy(d))
     return RouterCore(endpoints, d.router, ctx=ctx, **core_args)
+
+
+def thread_policy(d: Deployment) -> ThreadPolicy:
+    """`--adaptive`'s thread policy over the host's cores, and the start-up line saying what
+    the mode composed."""
+    cores, p = d.topology.host_cores(), d.planner
+    policy = ThreadPolicy(cores=cores, profiled_threads=d.topology.worker_threads())
+    log.info(
+        "adaptive: 1 prefill + 1 decode worker sharing %d cores (threads move between them, "
+        "starting %d + %d); stall-free decode within TPOT %gs; D prefills when P would break "
+        "TTFT %gs (disaggregation %s)",
+        cores, policy.p_cores, cores - (policy.p_cores or 0), p.slo_tpot_s, p.slo_ttft_s,
+        p.disaggregation,
+    )  # fmt: skip
+    return policy
 
 
 def use_secret(d: Deployment, endpoints: list[str]) -> bytes | None:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
-from pdserve.sim import hardware
+from pdserve.sim import hardware, spec
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests, scaling_from_args, trace_requests
 from pdserve.workloads import streams as bw
@@ -86,6 +87,15 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
       help="cpu: workers as independent machines (ignore the profiled contention)")  # fmt: skip
     a("--slo-ttft", type=_pos_float, default=None, help="TTFT SLO, s")
     a("--slo-tpot", type=_pos_float, default=None, help="TPOT SLO, s")
+    a("--spec-tokens", type=_nonneg_int, default=0,
+      help="speculative decoding: draft tokens per decode step (0: off)")  # fmt: skip
+    a("--spec-acceptance", type=argtypes.fraction, default=None,
+      help="--spec-tokens: the probability that a draft token is accepted")  # fmt: skip
+    a("--spec-draw", choices=spec.DRAWS, default="sampled",
+      help="accepted drafts per step: sampled (seeded) or the expectation")  # fmt: skip
+    a("--multiturn-reuse", action=argparse.BooleanOptionalAction, default=True,
+      help="a later turn runs on the worker that decoded the previous one, its history "
+      "cached there (--no-multiturn-reuse: routed like any request)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--router", choices=("round_robin", "planner"), default=None,
       help="round_robin, or the SLO planner (default: planner when an SLO is given)")  # fmt: skip
     a("--admission", action="store_true", help="reject predicted SLO misses (needs SLOs)")
-    a("--disaggregation", choices=("always", "conditional"), default="always")
+    a("--disaggregation", choices=("always", "conditional", "overflow"), default="always")
+    a("--adaptive", action="store_true",
+      help="cpu: `pdserve serve --adaptive`: the planner with overflow, P's and D's threads "
+      "moved within --cores by the router's policy (router/threads.py)")  # fmt: skip
+    a("--cores", type=_pos_int, default=2, help="--adaptive: the cores P and D share")
     a("--prefix-routing", action="store_true")
     a("--kv-pool", action="store_true",
       help="a KV pool shared by every worker: blocks put as computed, prefixes loaded")  # fmt: skip
@@ -133,6 +147,13 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     prefill = args.prefill or (0 if colocated else 1)
     decode = args.decode or (0 if colocated else 1)
     model = args.model or ("default" if hw == "cpu" else "llama-3.1-8b")
+    adaptive = getattr(args, "adaptive", False)
+    if adaptive and (args.colocated or (args.prefill or 1) != 1 or (args.decode or 1) != 1):
+        raise ValueError("--adaptive simulates one prefill and one decode worker")
+    if adaptive:  # as the served deployment adapts its planner (deployment.adapted)
+        args.router, args.disaggregation = "planner", "overflow"
+        args.slo_ttft = args.slo_ttft or ADAPTIVE_SLO_TTFT_S
+        args.slo_tpot = args.slo_tpot or ADAPTIVE_SLO_TPOT_S
     planner = args.router or ("planner" if args.slo_ttft or args.slo_tpot else "round_robin")
     want_planner = planner == "planner"
     if (args.admission or args.prefix_routing or args.autobalance) and not want_planner:
@@ -142,6 +163,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     if args.admission and not (args.slo_ttft or args.slo_tpot):
         raise ValueError("--admission needs --slo-ttft and/or --slo-tpot")
     return Deployment(
+        spec=spec_from_args(args),
+        multiturn_reuse=args.multiturn_reuse,
         hardware=hw,
         model=model,
         prefill=prefill,
@@ -168,7 +191,20 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         kv_pool=args.kv_pool,
         kv_pool_gb=args.kv_pool_gb,
         kv_pool_gbps=args.kv_pool_gbps,
+        cores=args.cores if adaptive else 0,
     )
+
+
+def spec_from_args(args: argparse.Namespace) -> spec.SpecModel | None:
+    """The speculation flags as a model (None: --spec-tokens 0); both or neither."""
+    tokens, acceptance = getattr(args, "spec_tokens", 0), getattr(args, "spec_acceptance", None)
+    if not tokens:
+        if acceptance is not None:
+            raise ValueError("--spec-acceptance needs --spec-tokens K (K >= 1)")
+        return None
+    if acceptance is None:
+        raise ValueError("--spec-tokens needs --spec-acceptance A (per draft token, 0..1)")
+    return spec.SpecModel(tokens, acceptance, getattr(args, "spec_draw", "sampled"), args.seed)
 
 
 # The flags a deployment file sets instead, with their defaults.
@@ -176,6 +212,7 @@ FILE_OWNS = {
     "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
     "router": None, "admission": False, "disaggregation": "always", "prefix_routing": False,
     "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
+    "adaptive": False, "cores": 2,
 }  # fmt: skip
 
 
@@ -193,7 +230,8 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
                            "shared_host": not args.no_contention,
                            "message_s": args.message_ms / 1e3, "kv_pool": args.kv_pool,
                            "kv_pool_gb": args.kv_pool_gb,
-                           "kv_pool_gbps": args.kv_pool_gbps}  # fmt: skip
+                           "kv_pool_gbps": args.kv_pool_gbps, "spec": spec_from_args(args),
+                           "multiturn_reuse": args.multiturn_reuse}  # fmt: skip
     if args.cost_model is not None:
         sim["cost_model"] = args.cost_model
     return Deployment.of(served, **sim)

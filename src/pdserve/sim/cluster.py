@@ -35,17 +35,21 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from pdserve.costmodel.capacity import speedup
 from pdserve.costmodel.contention import Contention
-from pdserve.router import balancer, decide, slo
+from pdserve.router import balancer, decide, slo, threads
 from pdserve.router.decide import ROLES
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.threads import ThreadPolicy
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import Record, SimConfig, SimRequest
+from pdserve.sim.spec import SpecDraws
 from pdserve.sim.steptime import Link, Row, StepModel
 from pdserve.sim.worker import Outgoing, SimWorker
 
+MOVE_INTERVAL_S = 0.25  # as the router's ThreadMover samples
 # Record, SimConfig and SimRequest live in sim/records.py; sim/deploy.py still imports them here.
 __all__ = ["Record", "SimConfig", "SimRequest", "SimWorker", "Simulation"]
 
@@ -70,6 +74,7 @@ class Simulation:
         if config.kv_pool:
             self.kvpool = SimKVPool(config.kv_pool_blocks, config.kv_pool_bytes_s or link.bytes_s,
                                     link.per_message_s)  # fmt: skip
+        self.spec = SpecDraws(config.spec) if config.spec is not None else None
         self.workers: list[SimWorker] = []
         p_policy = config.prefill_policy or config.policy
         for role, n, model, pol in (
@@ -99,11 +104,16 @@ class Simulation:
                 self.planner.calibration = calibration
         self.policies = {r: make_policy(config.router_policy) for r in ROLES}
         self.autobalancer = balancer.Autobalancer() if config.autobalance else None
+        self.thread_policy = (
+            ThreadPolicy(cores=config.thread_cores) if config.thread_cores else None
+        )
+        self.threads: dict[str, int] = {}  # worker -> threads (the step model's: 1) when moved
         self.records: dict[str, Record] = {}
         self.routes: dict[str, tuple[SimWorker, SimWorker | None]] = {}
         self.counters: dict[str, int] = {}
         self._next_turn: dict[int, deque[SimRequest]] = {}
         self._conv: dict[str, int] = {}
+        self._conv_worker: dict[int, SimWorker] = {}  # conversation -> who decoded its last turn
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
         self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
@@ -117,7 +127,8 @@ class Simulation:
         for req in sorted(requests, key=lambda r: r.arrival):
             if req.rid in self.records:
                 raise ValueError(f"duplicate request id {req.rid!r}")
-            self.records[req.rid] = Record(req.rid, len(req.prompt), req.max_tokens, req.phase)
+            rec = Record(req.rid, len(req.prompt), req.max_tokens, req.phase, turn=req.turn)
+            self.records[req.rid] = rec
             if req.conversation >= 0:
                 self._conv[req.rid] = req.conversation
             if req.conversation >= 0 and req.conversation in seen:
@@ -127,6 +138,8 @@ class Simulation:
             self.at(req.arrival, lambda r=req: self._arrive(r))  # type: ignore[misc]
         if self.autobalancer is not None:
             self.at(1.0, self._balance)
+        if self.thread_policy is not None:
+            self.at(0.0, self._move_threads)
         while self._heap:
             t, _, fn = heapq.heappop(self._heap)
             if t > until:
@@ -163,7 +176,8 @@ class Simulation:
             if req.conversation >= 0:
                 self._next_by_conv(req.conversation)
             return
-        pair, pred = self._route(req)
+        reuse = self._reuse(req)
+        pair, pred = ((reuse, None), None) if reuse is not None else self._route(req)
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"
             self.count(f"rejected_{rec.rejected}")
@@ -173,6 +187,7 @@ class Simulation:
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
         kind = decide.route_kind(first.role, second is not None, chosen, forced=False)
+        kind = "reuse" if reuse is not None else kind
         rec.route, rec.workers = kind, tuple(w.wid for w in pair if w is not None)
         if chosen is not None:
             rec.predicted_ttft, rec.predicted_tpot = chosen.ttft_s, chosen.tpot_s
@@ -206,6 +221,16 @@ class Simulation:
         return decide.plan(
             self.planner, pools, len(req.prompt), req.max_tokens, self.now, cached=cached
         )
+
+    def _reuse(self, req: SimRequest) -> SimWorker | None:
+        """A later turn's worker when it reuses the history: the one that decoded the previous
+        turn (its prefix cache holds prompt and answer), while it still decodes."""
+        if not self.config.multiturn_reuse or req.turn == 0 or req.conversation < 0:
+            return None
+        w = self._conv_worker.get(req.conversation)
+        if w is None or w.draining or w.role == "prefill":
+            return None
+        return w
 
     def _dispatch(self, req: SimRequest, first: SimWorker, second: SimWorker | None) -> None:
         if second is None:
@@ -257,6 +282,8 @@ class Simulation:
         if rec.finished_at is not None:
             return
         rec.finished_at = self.now
+        if self.spec is not None:
+            self.spec.forget(rid)
         raw = self._raw.pop(rid, None)
         if raw is not None and self.planner is not None:
             # the router's online calibration (timeline.score): actual vs predicted, per request
@@ -270,6 +297,7 @@ class Simulation:
             pair[1].cancel(rid)  # done on P: free D's reservation
         conv = self._conv.get(rid)
         if conv is not None:
+            self._conv_worker[conv] = w
             self._next_by_conv(conv)
 
     # ---- conversations -------------------------------------------------------------------
@@ -281,6 +309,27 @@ class Simulation:
         self.at(max(self.now, nxt.arrival), lambda: self._arrive(nxt))
 
     # ---- autobalance ----------------------------------------------------------------------
+    def _move_threads(self) -> None:
+        """The router's ThreadMover (router/thread_moves.py) on simulated time: the same pure
+        policy every MOVE_INTERVAL_S; a worker's steps speed up by the cost model's thread
+        scaling (`capacity.speedup`, against the starting split's, whose profile the step model
+        is: cores / 2 threads a worker, as `pdserve serve --adaptive` loads)."""
+        assert self.thread_policy is not None and self.planner is not None
+        if self._heap:
+            self.at(self.now + MOVE_INTERVAL_S, self._move_threads)
+        pools = self._pools()
+        p = {w.wid: w.load for w in pools["prefill"]}
+        d = {w.wid: w.load for w in pools["decode"]}
+        moves = self.thread_policy.moves
+        targets = self.thread_policy.observe(self.now, threads.sample(p, d, self.planner, self.now))
+        if self.thread_policy.moves != moves and self.threads:
+            self.count("thread_moves")
+        for wid, n in targets.items():
+            self.threads[wid] = n
+            base = max(1, self.config.thread_cores // 2)  # the profile's: the starting split's
+            self.byid[wid].speed = speedup(n) / speedup(base)
+            self.byid[wid].load.slowness = threads.slowness(n, base)  # as the router's mover
+
     def _balance(self) -> None:
         assert self.autobalancer is not None and self.planner is not None
         if self._heap:

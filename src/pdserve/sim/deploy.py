@@ -24,6 +24,7 @@ from pdserve.percentiles import summary
 from pdserve.router import slo
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import gpu, model_shape
+from pdserve.sim.spec import SpecModel, expected_accepted
 from pdserve.sim.steptime import (
     CostModelStep,
     Link,
@@ -65,6 +66,9 @@ class Deployment:
     kv_pool: bool = False  # a KV pool every worker puts into and loads from (sim/pool.py)
     kv_pool_gb: float | None = None  # its capacity (None: unbounded)
     kv_pool_gbps: float | None = None  # its link per worker, Gbit/s (None: the P -> D link's)
+    spec: SpecModel | None = None  # speculative decoding (sim/spec.py), None: off
+    multiturn_reuse: bool = True  # a later turn runs on the worker holding its history
+    cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
 
     @classmethod
     def of(cls, d: served.Deployment, **sim: Any) -> Deployment:
@@ -85,7 +89,10 @@ class Deployment:
             # auto is conditional whenever the router has a cost model (serve/plan.py)
             "disaggregation": "always"
             if not planner or p.disaggregation == "always"
+            else "overflow"
+            if p.disaggregation == "overflow"
             else "conditional",
+            "cores": d.topology.host_cores() if p.adaptive else 0,
             "prefix_routing": planner and d.router.prefix_routing,
             "autobalance": planner and p.autobalance,
             "expected_output": p.expected_output,
@@ -137,7 +144,8 @@ def cost_model_path(d: Deployment) -> Path:
         return Path(d.cost_model)
     from pdserve.costmodel.profile import profile_path
 
-    return profile_path(None if d.model == "default" else d.model, 1)
+    # adaptive: the starting split's profile (cores / 2 a worker), the file `pdserve serve` loads
+    return profile_path(None if d.model == "default" else d.model, max(1, d.cores // 2))
 
 
 def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
@@ -159,6 +167,8 @@ def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
 
 
 def build(d: Deployment) -> Built:
+    if d.cores and d.hardware != "cpu":
+        raise ValueError("moving threads (adaptive) is for cpu hosts")
     if d.hardware == "cpu":
         if d.tp_prefill != 1 or d.tp_decode != 1:
             raise ValueError("tensor parallelism is for GPUs; on cpu use 1")
@@ -191,7 +201,10 @@ def build(d: Deployment) -> Built:
         autobalance=d.autobalance,
         expected_output=d.expected_output,
         message_s=d.message_s,
+        thread_cores=d.cores,
         max_model_len=_max_model_len(d),
+        spec=d.spec,
+        multiturn_reuse=d.multiturn_reuse,
         **_pool_config(d, step),
     )
     planner_model = planner_cost_model(step, link=link) if d.planner else None
@@ -254,7 +267,26 @@ def simulate(
         out["contention"] = b.contention.note
     if sim.kvpool is not None:
         out["kv_pool"] = sim.kvpool.stats(b.config.block_size)
+    if d.spec is not None:
+        out["speculation"] = speculation(sim, d.spec)
     return out
+
+
+def speculation(sim: Simulation, spec: SpecModel) -> dict[str, Any]:
+    """Drafted and accepted tokens over the run, accepted per speculating step (and its
+    expectation at full draft length: shorter near an answer's end)."""
+    steps = sum(w.spec_steps for w in sim.workers)
+    accepted = sum(w.spec_accepted for w in sim.workers)
+    return {
+        "tokens": spec.tokens,
+        "acceptance": spec.acceptance,
+        "draw": spec.draw,
+        "steps": steps,
+        "drafted": sum(w.spec_drafted for w in sim.workers),
+        "accepted": accepted,
+        "accepted_per_step": accepted / steps if steps else 0.0,
+        "expected_per_step": expected_accepted(spec.tokens, spec.acceptance),
+    }
 
 
 def probe_calibration(b: Built, probes: Sequence[SimRequest]) -> slo.Calibration | None:
@@ -329,6 +361,8 @@ def summarize(
         "duration_s": span,
         "gpus": gpus,
         "routes": routes,
+        # a conversation's later turns, whose history may be cached (multi-turn reuse)
+        "ttft_later_turns_s": summary(r.ttft for r in served if r.turn > 0 and r.ttft is not None),
     }
 
 
@@ -364,9 +398,19 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
         f"routes: {s['routes']}; utilization: {s['utilization']}; preemptions: {s['preemptions']}",
         f"prefix cache hits: {s['prefix_hit_ratio']:.1%} of served prompt tokens",
     ]
+    later = s.get("ttft_later_turns_s") or {}
+    if later.get("p50") is not None:
+        lines.append(f"TTFT of turns 2 and later: p50 {ms(later['p50'])} ms, "
+                     f"p90 {ms(later['p90'])} ms")  # fmt: skip
     if s.get("kv_pool"):
         lines.append(f"of which loaded from the KV pool: {s['kv_pool_hit_ratio']:.1%}; "
                      f"pool: {s['kv_pool']}")  # fmt: skip
+    if s.get("speculation"):
+        sp = s["speculation"]
+        lines.append(f"speculation: {sp['tokens']} drafts per step at acceptance "
+                     f"{sp['acceptance']:g} ({sp['draw']}): {sp['accepted']} of {sp['drafted']} "
+                     f"drafted tokens accepted, {sp['accepted_per_step']:.2f} per step "
+                     f"(expected {sp['expected_per_step']:.2f} at full length)")  # fmt: skip
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
     if s.get("contention"):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.router import slo
+from pdserve.sim.spec import SpecModel
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class SimRequest:
     conversation: int = -1  # turns of one conversation wait for the previous turn to end
     turn: int = 0
     phase: str | None = None
+    # the answer's tokens where a later turn's prompt carries them (multiturn): the workers
+    # sample these, so the KV a worker caches for the answer is the next prompt's history
+    answer: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -38,6 +42,7 @@ class Record:
     prompt_len: int
     max_tokens: int
     phase: str | None
+    turn: int = 0  # of its conversation (0: the first, or no conversation)
     arrival: float = 0.0
     route: str | None = None
     workers: tuple[str, ...] = ()
@@ -86,6 +91,12 @@ class SimConfig:
     kv_pool: bool = False  # a KV pool shared by every worker (sim/pool.py)
     kv_pool_blocks: int | None = None  # its capacity (None: unbounded)
     kv_pool_bytes_s: float | None = None  # its link per worker (None: the P -> D link's)
+    spec: SpecModel | None = None  # speculative decoding on D and colocated workers (sim/spec.py)
+    # a later turn of a conversation runs on the worker that decoded the previous turn, its
+    # history found in that worker's prefix cache (else the router routes it like any request)
+    multiturn_reuse: bool = True
+    # adaptive: the cores P and D share, their threads moved by router/threads.py (0: off)
+    thread_cores: int = 0
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -102,3 +113,5 @@ class SimConfig:
             raise ValueError("message_s must be >= 0")
         if (self.admission or self.prefix_routing or self.autobalance) and not self.planner:
             raise ValueError("admission, prefix routing and autobalance need the planner")
+        if self.thread_cores and (not self.planner or self.colocated or self.autobalance):
+            raise ValueError("moving threads needs the planner, P and D pools, no autobalance")

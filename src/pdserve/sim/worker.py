@@ -20,6 +20,7 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.worker_stats import WorkerStats
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import SimConfig, SimRequest
+from pdserve.sim.spec import SpecDraws
 from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
 from pdserve.workers.messages import KVEvents
 
@@ -34,6 +35,7 @@ class Loop(Protocol):
     now: float
     prefix: PrefixIndex  # the router's, fed with the workers' KVEvents
     kvpool: SimKVPool | None  # shared by every worker, when the deployment has one
+    spec: SpecDraws | None  # speculative decoding's accepted drafts, when configured
 
     def at(self, t: float, fn: Callable[[], None]) -> None: ...
     def run_step(
@@ -43,6 +45,7 @@ class Loop(Protocol):
     def on_token(self, w: SimWorker, rid: str, finished: bool) -> None: ...
     def on_kv_done(self, p: SimWorker, o: Outgoing) -> None: ...
     def on_finished(self, w: SimWorker, rid: str) -> None: ...
+    def count(self, key: str) -> None: ...
 
 
 @dataclass
@@ -75,6 +78,7 @@ class SimWorker:
         self.outstanding = 0
         self.link = Link(sim.link.bytes_s * step.gpus, sim.link.per_message_s)
         self.busy = False
+        self.speed = 1.0  # step speed against the step model's (its threads: sim/cluster.py)
         self.draining = False
         self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
         self.reserved: dict[str, tuple[Request, float]] = {}
@@ -86,6 +90,8 @@ class SimWorker:
         self.log: list[tuple[float, str, str]] = []  # (time, what, rid): scheduling decisions
         self.pool_tokens: dict[str, int] = {}  # rid -> prompt tokens loaded from the KV pool
         self._pool_probed: set[str] = set()
+        self.answers: dict[str, tuple[int, ...]] = {}  # rid -> the tokens its answer streams
+        self.spec_steps = self.spec_drafted = self.spec_accepted = 0
 
     # ---- what the router reads (router/decide.py `Candidate`) ----------------------------
     @property
@@ -118,7 +124,15 @@ class SimWorker:
 
     def _request(self, req: SimRequest, max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if req.answer:
+            self.answers[req.rid] = req.answer
         return Request(req.rid, list(req.prompt), params, arrival_time=req.arrival)
+
+    def _token(self, request: Request) -> int:
+        """The request's next sampled token: its answer's, else `TOKEN`."""
+        answer = self.answers.get(request.request_id, ())
+        i = len(request.output_token_ids)
+        return answer[i] if i < len(answer) else TOKEN
 
     def _try_reserve(self) -> None:
         while self.reserving:
@@ -145,7 +159,7 @@ class SimWorker:
     def admit(self, rid: str) -> None:
         """KVDone: every KV byte is here; the request decodes (`add_prefilled`)."""
         request, _ = self.reserved.pop(rid)
-        request.output_token_ids = [TOKEN]
+        request.output_token_ids = [self._token(request)]
         request.num_computed_tokens = request.num_prompt_tokens
         if request.num_tokens >= request.num_prompt_tokens + request.sampling_params.max_tokens:
             self.kv.free(rid)  # the first token was the last: nothing to decode
@@ -197,8 +211,12 @@ class SimWorker:
                 self.log.append((self.sim.now, "prefill", s.request_id))
         self.busy, t0 = True, self.sim.now
         self.steps += 1
-        work = self.step.step_s(rows) + load_s
-        self.sim.run_step(self.wid, rows, work, lambda: self._step_done(out, t0))
+        drafts = self._drafts(out)
+        # a speculating sequence's drafts are more decode rows, each over its context
+        priced = rows + [(1, s.start_pos + j) for s in out.scheduled
+                         for j in range(1, drafts.get(s.request_id, 0) + 1)]  # fmt: skip
+        work = self.step.step_s(priced) / self.speed + load_s
+        self.sim.run_step(self.wid, rows, work, lambda: self._step_done(out, t0, drafts))
 
     def _pool_load(self) -> tuple[list[str], float]:
         """Load waiting requests' prefixes from the KV pool before a step (engine/pool_link.py
@@ -232,23 +250,73 @@ class SimWorker:
         self.admit(rid)  # kicks the next step (or the next receive)
         self.kick()
 
-    def _step_done(self, out: SchedulerOutput, t0: float) -> None:
+    def _drafts(self, out: SchedulerOutput) -> dict[str, int]:
+        """Draft tokens per decode row this step (sim/spec.py), none on a prefill worker."""
+        if self.sim.spec is None or self.role == "prefill":
+            return {}
+        drafts = {}
+        for s in out.scheduled:
+            request = self.sched.requests.get(s.request_id)
+            if s.num_tokens != 1 or not s.sample or request is None:
+                continue
+            if not request.num_output_tokens:
+                continue  # a prompt's last token is no decode
+            left = request.sampling_params.max_tokens - request.num_output_tokens
+            n = self.sim.spec.model.drafts(left)
+            if n:
+                drafts[s.request_id] = n
+        return drafts
+
+    def _accept(self, drafts: dict[str, int], finished: set[str]) -> dict[str, int]:
+        """Append each speculating request's accepted drafts (their KV was computed in the
+        verifying step); returns the tokens added per request, `finished` extended."""
+        spec, extra = self.sim.spec, {}
+        for rid, n in drafts.items():
+            request = self.sched.requests.get(rid)
+            if spec is None or request is None or rid in finished:
+                continue
+            self.spec_steps, self.spec_drafted = self.spec_steps + 1, self.spec_drafted + n
+            k = spec.accepted(rid, n)
+            for _ in range(k):
+                request.append_token(self._token(request))
+            if k and self.kv.allocate_slots(request, k) is None:
+                del request.output_token_ids[-k:]  # no block for them: verified, not kept
+                self.sim.count("spec_dropped_no_memory")
+                continue
+            request.num_computed_tokens += k
+            self.spec_accepted += k
+            extra[rid] = k
+            status = request.check_stop()
+            if status is not None:
+                self.sched.finish_request(rid, status)
+                finished.add(rid)
+        return extra
+
+    def _step_done(self, out: SchedulerOutput, t0: float, drafts: dict[str, int]) -> None:
         self.busy, dur = False, self.sim.now - t0  # longer than step_s when the host is shared
         self.busy_s += dur
         for s in out.scheduled:
             o = self.outgoing.get(s.request_id)
             if o is not None:
                 o.chunks.append((s.start_pos, s.num_tokens, t0, dur))
-        sampled = {s.request_id: TOKEN for s in out.scheduled if s.sample}
+        requests = self.sched.requests
+        sampled = {
+            s.request_id: self._token(requests[s.request_id]) if s.request_id in requests else TOKEN
+            for s in out.scheduled
+            if s.sample
+        }
         finished = {r.request_id for r in self.sched.update_from_output(out, sampled)}
+        extra = self._accept(drafts, finished)
         for rid in sampled:
             o = self.outgoing.get(rid)
             if o is not None:
                 o.prefill_done = True
                 self.sim.on_token(self, rid, finished=False)
                 self._flush(o)
-            else:
-                self.sim.on_token(self, rid, finished=rid in finished)
+                continue
+            for _ in range(extra.get(rid, 0)):  # accepted drafts: streamed with this step's
+                self.sim.on_token(self, rid, finished=False)
+            self.sim.on_token(self, rid, finished=rid in finished)
         self._kv_events()
         self._try_reserve()
         self.kick()

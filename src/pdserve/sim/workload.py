@@ -11,7 +11,9 @@ question + passages of random ids, lengths around `input_len`, answers around `o
 Arrivals: Poisson (exponential gaps, mean 1 / rate) or gamma with a coefficient of variation
 `cv` (cv = 1 is Poisson; > 1 burstier), as DistServe's simulator offers. The turns of a
 multiturn conversation share their first turn's arrival process; later turns are sent when the
-previous one ends (the simulator holds them), as the load generator does.
+previous one ends (the simulator holds them), as the load generator does. A turn's answer is the
+placeholder its next turn's prompt carries (`answers_in_next_turns`): the workers sample those
+tokens, so the worker that decoded a turn holds the next turn's history in its prefix cache.
 
 A trace (`--trace`: Mooncake jsonl, Azure csv, or a CSV with `arrival_s`, `input_tokens`,
 `output_tokens`: workloads/traces.py) gives the arrivals and lengths, windowed and scaled as
@@ -96,6 +98,7 @@ def make_items(args: argparse.Namespace) -> list[bw.RequestItem]:
 def requests_from_items(items: list[bw.RequestItem], times: list[float]) -> list[SimRequest]:
     """Attach arrival times; every turn of a conversation after the first waits for it."""
     multi = any(it.turn > 0 for it in items)
+    answers = answers_in_next_turns(items) if multi else {}
     return [
         SimRequest(
             f"r{i}",
@@ -105,9 +108,24 @@ def requests_from_items(items: list[bw.RequestItem], times: list[float]) -> list
             conversation=it.conversation if multi else -1,
             turn=it.turn,
             phase=it.phase,
+            answer=answers.get(i, ()),
         )
         for i, (it, t) in enumerate(zip(items, times, strict=False))
     ]
+
+
+def answers_in_next_turns(items: list[bw.RequestItem]) -> dict[int, tuple[int, ...]]:
+    """Item index -> the answer tokens the conversation's next turn carries in its prompt
+    (the workload's placeholder answers): what that turn's workers sample, so a worker's
+    cached KV of turn t is the history of turn t + 1, as in a real conversation."""
+    turns = {(it.conversation, it.turn): it for it in items}
+    out = {}
+    for i, it in enumerate(items):
+        nxt = turns.get((it.conversation, it.turn + 1))
+        n = len(it.prompt)
+        if nxt is not None and nxt.prompt[:n] == it.prompt:
+            out[i] = tuple(nxt.prompt[n : n + it.max_tokens])
+    return out
 
 
 def make_requests(args: argparse.Namespace) -> list[SimRequest]:

@@ -57,6 +57,7 @@ class Incoming:
     nbytes: int = 0
     started: float = 0.0
     times: dict[str, float] = field(default_factory=dict)
+    conversation: str | None = None  # keep the KV for the conversation's next turn
 
 
 class DecodeSide:
@@ -82,6 +83,7 @@ class DecodeSide:
             next_token=[0] * self.ctx.engine.arch.num_layers,
             started=now,
             times={"expect": now},
+            conversation=msg.conversation or None,
         )
         if msg.rid in self.inc or msg.rid in self.ctx.engine._live:
             raise ValueError(f"request id {msg.rid!r} is already in use")
@@ -101,6 +103,8 @@ class DecodeSide:
             return
         if blocks is None:
             return  # memory short: retried each loop until the deadline
+        if inc.conversation:
+            eng.mark_turn(inc.rid, inc.conversation)
         inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
         inc.have_tokens = blocks.cached_tokens
         # P sends a sliding layer only its window (ModelArch.kv_needed_from), as expected here
@@ -222,6 +226,7 @@ class DecodeSide:
                 time.monotonic() - inc.started,
                 self.settings.kv_codec,
                 inc.times,
+                cached=inc.have_tokens,
             ),
         )
 

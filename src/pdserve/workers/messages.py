@@ -62,6 +62,7 @@ class Generate:
     rid: str
     prompt_ids: list[int]
     params: dict[str, Any]
+    conversation: str = ""  # a turn of this conversation: keep its KV for the next turn
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class ExpectKV:
     params: dict[str, Any]
     src_worker: str
     handoff_tokens: int = 1
+    conversation: str = ""  # a turn of this conversation: keep its KV for the next turn
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,15 @@ class SetRole:
     role: str
 
 
+@dataclass(frozen=True)
+class SetThreads:
+    """Run the engine on `threads` torch intra-op threads from the next engine step on (the
+    router's thread mover, router/threads.py); answered with Stats, whose `threads` is the
+    acknowledgement."""
+
+    threads: int
+
+
 # ---- worker -> router/client ------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -180,6 +191,9 @@ class Tokens:
     # With a choice's last tokens from a speculating worker: draft_tokens, accepted_tokens,
     # steps (engine/spec/: drafts verified, accepted, steps that verified drafts)
     spec: dict[str, int] | None = None
+    # With this worker's last tokens of the request: prompt tokens it found cached (its prefix
+    # cache and KV pool) instead of computing them; -1: not reported
+    cached: int = -1
 
 
 @dataclass(frozen=True)
@@ -195,6 +209,7 @@ class TransferReport:
     codec: str
     # time.monotonic() stamps of the hand-off's stages on this worker (one clock per host).
     times: dict[str, float] | None = None
+    cached: int = -1  # recv: leading tokens whose KV D held already (not sent); -1: not reported
 
 
 @dataclass(frozen=True)
@@ -287,6 +302,7 @@ Message = Union[  # noqa: UP007 (a runtime union for the registry)
     SetFault,
     Shutdown,
     SetRole,
+    SetThreads,
     Ping,
     Pong,
     WorkerInfo,

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 
 from pdserve.config import EngineConfig, WorkerConfig, add_config_args, config_from_args
@@ -53,6 +54,7 @@ ROLES = ("prefill", "decode", "colocated")
 ROLE_PHASES = {"prefill": "prefill", "decode": "decode", "colocated": "both"}
 READY_PREFIX = "PDSERVE_WORKER_READY "
 MAX_SUBSCRIBERS = 32  # clients getting KVEvents; the longest-subscribed is dropped past this
+MAX_THREADS = 1024  # a SetThreads beyond this is a bug or an attack, not a big host
 EVENT_CHUNK = 50_000  # block hashes per KVEvents (~1.7 MB), far below MAX_MESSAGE_BYTES
 
 
@@ -159,6 +161,7 @@ class Worker:
         self.prefill.flush_delayed()
         self.prefill.check_deadlines(now)
         self.decode.check_deadlines(now)
+        self.engine.kv_manager.expire_kept()
         if self.engine.has_kv_events:  # one attribute check per turn when nothing changed
             self.publish_kv_events()
 
@@ -199,6 +202,8 @@ class Worker:
                 self.subscribe(client)
         elif isinstance(msg, m.Generate):
             self.engine.add_request(msg.prompt_ids, m.sampling_params(msg.params), msg.rid)
+            if msg.conversation:
+                self.engine.mark_turn(msg.rid, msg.conversation)
             self.clients[msg.rid] = client
         elif isinstance(msg, m.Prefill):
             self.prefill.start(msg, client)
@@ -220,6 +225,9 @@ class Worker:
             self.role = msg.role
             self.counters["role_switches"] += 1
             self._send(client, self.info())
+        elif isinstance(msg, m.SetThreads):
+            self.set_threads(msg.threads)
+            self._send(client, m.Stats(self.stats()))
         elif isinstance(msg, m.Shutdown):
             self.running = False
         else:
@@ -229,6 +237,16 @@ class Worker:
         if self.slow_steps:
             self.slow_steps -= 1 if self.slow_steps > 0 else 0  # -1: every step
             time.sleep(self.slow_s)
+
+    def set_threads(self, n: int) -> None:
+        """Messages are handled between engine steps, so a step in progress (a prefill chunk
+        included) ends on the old count and the next runs on the new one. Our kernels split
+        work by at::parallel_for and read at::get_num_threads per call: nothing caches it."""
+        if not 1 <= n <= MAX_THREADS:
+            raise ValueError(f"threads must be in 1..{MAX_THREADS}, got {n}")
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            self.counters["thread_changes"] += 1
 
     def set_fault(self, msg: m.SetFault) -> None:
         """Frame faults (drop, delay, corrupt) on what this worker sends as P; lost acks as D;
@@ -331,6 +349,7 @@ class Worker:
                 index=c.index,
                 pool=out.kv_pool,
                 spec=_spec_fields(out) if out.finished else None,
+                cached=out.metrics.num_cached_tokens if out.finished and out.metrics else -1,
             ),
         )
         if out.finished and c.index == 0:
@@ -368,6 +387,7 @@ class Worker:
             "transfers_out": len(self.prefill.out),
             "transfers_in": len(self.decode.inc),
             "kv_event_subscribers": len(self.subscribers),
+            "threads": torch.get_num_threads(),
         }
 
     def close(self) -> None:

@@ -15,6 +15,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+THINK_DISTS = ("exponential", "fixed")
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -40,11 +42,15 @@ class LoadSpec:
     timeout: float = 600.0  # per request, seconds
     no_progress: bool = False
     send_user: bool = True  # the conversation as the OpenAI `user` field
+    think_time: float = 0.0  # seconds between a turn's answer and the next turn (mean)
+    think_dist: str = "exponential"  # exponential | fixed
     workload_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
             raise ValueError("give exactly one of rate and concurrency")
+        if self.think_time < 0 or self.think_dist not in THINK_DISTS:
+            raise ValueError(f"think time must be >= 0 and its distribution one of {THINK_DISTS}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         unknown = set(self.workload_args) - set(workload_defaults())

@@ -84,7 +84,11 @@ class SyntheticWorkload:
 
 
 class MultiTurnWorkload:
-    """Conversations of `turns` turns (the last one may be shorter) adding up to `num_requests`.
+    """Conversations of `turns` turns (the last one may be shorter) adding up to `num_requests`;
+    with `turns_range` (LO, HI) each conversation's turns are drawn uniform in [LO, HI], seeded;
+    with `first_len` a conversation's first question has that mean length (a RAG-sized context)
+    and later ones `input_len`.
+    Items carry `phase` "turn 1" or "turns 2+" (reports split TTFT by them).
 
     Turn 0's prompt is a question; turn t's prompt is turn t-1's prompt + a placeholder for its
     answer (`max_tokens` random ids, as the real answer isn't known in advance) + a new question.
@@ -108,6 +112,8 @@ class MultiTurnWorkload:
         seed: int,
         turns: int,
         answers: str = "placeholder",
+        turns_range: tuple[int, int] | None = None,
+        first_len: int | None = None,
     ) -> None:
         if turns < 1:
             raise ValueError(f"turns must be >= 1, got {turns}")
@@ -119,8 +125,11 @@ class MultiTurnWorkload:
         a_lens = sample_lengths(rng, output_len, spread, num_requests)
         self._items: list[RequestItem] = []
         prompt: list[int] = []
-        for i in range(num_requests):
-            conv, turn = divmod(i, turns)
+        plan = _turn_plan(num_requests, turns, turns_range, seed)
+        if first_len is not None:  # a long opening (RAG context), short follow-ups
+            firsts = sample_lengths(np.random.default_rng([seed, 48]), first_len, spread, len(plan))
+            q_lens = [f if t == 0 else q for f, q, (_, t) in zip(firsts, q_lens, plan, strict=True)]
+        for i, (conv, turn) in enumerate(plan):
             # a new conversation, or the previous prompt + its answer's placeholder
             prompt = [] if turn == 0 else prompt + _random_ids(rng, self._items[-1].max_tokens)
             question = _random_ids(rng, q_lens[i])
@@ -132,6 +141,7 @@ class MultiTurnWorkload:
                     conversation=conv,
                     turn=turn,
                     question=question if answers == "actual" else None,
+                    phase="turn 1" if turn == 0 else "turns 2+",
                 )
             )
 
@@ -141,6 +151,21 @@ class MultiTurnWorkload:
 
 
 MULTITURN_ANSWERS = ("actual", "placeholder")
+
+
+def _turn_plan(
+    n: int, turns: int, turns_range: tuple[int, int] | None, seed: int
+) -> list[tuple[int, int]]:
+    """(conversation, turn) of each of `n` items: `turns` per conversation, or a count drawn
+    per conversation from `turns_range` (its own generator: the prompts' draws stay the same)."""
+    if turns_range is None:
+        return [divmod(i, turns) for i in range(n)]
+    rng = np.random.default_rng([seed, 47])
+    plan: list[tuple[int, int]] = []
+    while len(plan) < n:
+        conv = plan[-1][0] + 1 if plan else 0
+        plan += [(conv, t) for t in range(sample_range(rng, turns_range, 1)[0])]
+    return plan[:n]
 
 
 def sample_range(rng: np.random.Generator, lo_hi: tuple[int, int], n: int) -> list[int]:
@@ -282,6 +307,8 @@ def _multiturn(args: WorkloadSpec) -> Workload:
         args.seed,
         args.turns,
         answers=getattr(args, "multiturn_answers", "actual"),
+        turns_range=getattr(args, "turns_range", None),
+        first_len=getattr(args, "first_len", None),
     )
 
 
@@ -360,6 +387,20 @@ def _multiturn_arguments(parser: argparse.ArgumentParser) -> None:
         default="actual",
         help="what a turn's prompt carries of the previous answer: the text the server returned "
         "(ids prompts: re-tokenized with --tokenizer) or max_tokens random ids fixed in advance",
+    )
+    group.add_argument(
+        "--turns-range",
+        type=length_range,
+        default=None,
+        help="LO,HI: each conversation's turns drawn uniform in [LO, HI] (seeded), instead of "
+        "--turns",
+    )
+    group.add_argument(
+        "--first-len",
+        type=argtypes.positive_int,
+        default=None,
+        help="mean length of a conversation's first question (e.g. a RAG context); later "
+        "questions: --input-len",
     )
 
 

@@ -45,7 +45,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -126,6 +126,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="turns per conversation (multiturn)",
     )
     parser.add_argument(
+        "--think-time",
+        type=float,
+        default=default("think_time"),
+        help="seconds a conversation waits between an answer and its next turn (the mean; "
+        "multiturn)",
+    )
+    parser.add_argument(
+        "--think-dist",
+        choices=("exponential", "fixed"),
+        default=default("think_dist"),
+        help="think times: exponential (seeded, mean --think-time) or fixed",
+    )
+    parser.add_argument(
         "--slo-ttft", type=argtypes.positive_float, default=default("slo_ttft"), help="TTFT SLO, s"
     )
     parser.add_argument(
@@ -192,7 +205,8 @@ class _Ready:
     released (to the back of the queue) when its previous turn finishes, so conversations
     interleave."""
 
-    def __init__(self, items: list[RequestItem]) -> None:
+    def __init__(self, items: list[RequestItem], think: Callable[[], float] | None = None) -> None:
+        self.think = think  # seconds before a conversation's next turn is released
         self._pending: dict[int, deque[RequestItem]] = {}
         for it in items:
             self._pending.setdefault(it.conversation, deque()).append(it)
@@ -205,8 +219,23 @@ class _Ready:
 
     def done(self, item: RequestItem) -> None:
         q = self._pending[item.conversation]
-        if q:
+        if not q:
+            return
+        delay = self.think() if self.think is not None else 0.0
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self._queue.put_nowait, q.popleft())
+        else:
             self._queue.put_nowait(q.popleft())
+
+
+def think_times(mean: float, dist: str, seed: int) -> Callable[[], float] | None:
+    """Think time between turns: exponential with this mean (seeded) or fixed; None for 0."""
+    if mean <= 0:
+        return None
+    if dist == "fixed":
+        return lambda: mean
+    rng = np.random.default_rng([seed, 7])
+    return lambda: float(rng.exponential(mean))
 
 
 def arrival_gaps(rate: float, burstiness: float, n: int, seed: int) -> list[float]:
@@ -289,7 +318,7 @@ async def run_benchmark(
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
         model = args.model or await fetch_model(client, base, headers)
         url = f"{base}/v1/completions"
-        ready = _Ready(items)
+        ready = _Ready(items, think_times(args.think_time, args.think_dist, args.seed))
         records: list[RequestRecord] = []
         sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         gaps = arrival_gaps(args.rate, args.burstiness, len(items), args.seed) if args.rate else []

@@ -124,7 +124,16 @@ def by_phase(
     for r in sorted(requests, key=lambda r: float(r.get("send_s") or 0.0)):
         if r.get("phase") is not None:
             groups.setdefault(str(r["phase"]), []).append(r)
-    return {name: outcome_summary(rs, slo_ttft, slo_tpot) for name, rs in groups.items()}
+    return {
+        name: {**outcome_summary(rs, slo_ttft, slo_tpot), "ttft_ms": _ttft(rs)}
+        for name, rs in groups.items()
+    }
+
+
+def _ttft(requests: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """TTFT percentiles of the records that completed (a phase's, e.g. turns 2+)."""
+    ok = [r for r in requests if not r.get("rejected") and r.get("error") is None]
+    return percentiles.summary([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None])
 
 
 def summarize(
@@ -163,6 +172,9 @@ def summarize(
             "multiturn_answers": (
                 getattr(args, "multiturn_answers", None) if workload == "multiturn" else None
             ),
+            "turns_range": getattr(args, "turns_range", None) if workload == "multiturn" else None,
+            "think_time_s": getattr(args, "think_time", 0.0),
+            "think_dist": getattr(args, "think_dist", "exponential"),
             "seed": args.seed,
             "slo_ttft_s": args.slo_ttft,
             "slo_tpot_s": args.slo_tpot,
@@ -229,6 +241,7 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(
             f"phase {phase}: sent {ph['sent']}  rejected {ph['rejected']}  good {ph['good']}  "
             f"goodput {ph['goodput']:.2f} req/s  attainment {'-' if att is None else f'{att:.3f}'}"
+            f"  TTFT p50 {fmt(ph.get('ttft_ms', {}).get('p50'))} ms"
         )
     lines.append(f"{'ms':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):

@@ -1,0 +1,92 @@
+"""The router's side of moving cores between P and D (`pdserve serve --adaptive`): every
+`interval_s` it samples the pools, asks the pure `ThreadPolicy` (threads.py) for each worker's
+target and sends `SetThreads` in hand-over order (`threads.handover`). A worker applies it
+between engine steps and answers with its stats, whose `threads` the next sample reads as the
+acknowledgement (and the planner's predictions for that worker scale to it,
+`WorkerLoad.slowness`). Each change of the split is counted (`thread_moves_to_{prefill,decode}`,
+`pdserve_thread_moves_total`); each worker's count is `pdserve_worker_threads`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pdserve.router import slo, threads
+from pdserve.router.events import RouterEvents
+from pdserve.router.links import Links
+from pdserve.router.threads import ThreadPolicy, ThreadSample, handover
+from pdserve.workers import messages as m
+
+RESEND_S = 2.0  # a SetThreads not acknowledged by then is sent again (a dropped message)
+
+
+class ThreadMover:
+    def __init__(
+        self,
+        links: Links,
+        events: RouterEvents,
+        planner: slo.SloPlanner,
+        policy: ThreadPolicy,
+        interval_s: float = 0.25,
+    ) -> None:
+        self.links, self.events, self.planner, self.policy = links, events, planner, policy
+        self.interval_s = interval_s
+        self.targets: dict[str, int] = {}
+        self._sent: dict[str, tuple[int, float]] = {}  # worker -> (threads, when) last sent
+
+    def sample(self, now: float) -> ThreadSample:
+        pools = self.links.pools()
+        p = {w.worker_id: w.load for w in pools["prefill"]}
+        d = {w.worker_id: w.load for w in pools["decode"]}
+        return threads.sample(p, d, self.planner, now)
+
+    def tick(self, now: float) -> None:
+        s = self.sample(now)
+        if not s.prefill or not s.decode:
+            return  # a pool is empty (a worker down or switching): leave the counts alone
+        targets = self.policy.observe(now, s)
+        current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}
+        for ws in self.links.workers:  # the planner predicts each at the threads it runs now
+            if ws.stats.threads:
+                ws.load.slowness = threads.slowness(ws.stats.threads, self.policy.profiled_threads)
+        self._count(self.targets or current, targets, s)
+        self.targets = targets
+        for worker_id, n in handover(current, targets).items():
+            sent = self._sent.get(worker_id)
+            if sent is not None and sent[0] == n and now - sent[1] < RESEND_S:
+                continue
+            found = self.links.find(worker_id)
+            if found is not None:
+                self.links.send(found, m.SetThreads(n))
+                self._sent[worker_id] = (n, now)
+
+    def _count(self, before_: dict[str, int], targets: dict[str, int], s: ThreadSample) -> None:
+        """`before_`: the last targets (or, at the first sample, what the workers run)."""
+        if not all(before_.get(w) for w in targets):
+            return  # a worker not reported yet, or the pools changed: not a move between them
+        # P's share of the threads: a parked P keeps its one thread while D's count changes
+        before, after = _prefill_share(before_, s), _prefill_share(targets, s)
+        if after != before:
+            self.events.thread_move("prefill" if after > before else "decode")
+
+    def status(self) -> dict[str, Any]:
+        """The split for GET /admin/pools: the policy's state, targets, what workers run."""
+        return {
+            "cores": self.policy.cores,
+            "state": self.policy.state,
+            "prefill_cores": self.policy.p_cores,
+            "targets": dict(self.targets),
+            "workers": {w.worker_id: w.stats.threads for w in self.links.workers},
+            "moves": {k: v for k, v in self.events.counters.items() if "thread_moves" in k},
+        }
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.tick(time.monotonic())
+
+
+def _prefill_share(threads: dict[str, int], s: ThreadSample) -> float:
+    p = sum(threads[w] for w in s.prefill)
+    return p / (p + sum(threads[w] for w in s.decode))

@@ -1,0 +1,173 @@
+"""Cores that move between P and D on one host: how many torch threads each worker runs.
+
+Pure policy: `ThreadPolicy.observe(now, sample)` turns the pools' pressures (the autobalancer's
+`PoolSample`, balancer.py) and whether each pool has any work into a target thread count per
+worker; `handover` says which of those targets to send now. The router's `ThreadMover`
+(thread_moves.py) samples every `interval_s`, sends `SetThreads` and counts each move; the
+simulator runs the same policy.
+
+The host's `cores` are split between the prefill pool and the decode pool (each worker at least
+one thread), in one of three states:
+
+    split        both pools have work: P gets `p_cores`, D the rest
+    lend_decode  P has had nothing to do for `park_after_s`: P parks at one thread each, D gets
+                 every core (a parked worker's thread sleeps in its poll: it uses no core)
+    lend_prefill the same the other way round
+
+A parked pool that gets work returns to `split` at the next sample (no sustain): the host runs
+one thread more than it has cores for at most one sample interval plus one engine step, the
+bounded hand-over. In `split`, `p_cores` moves one core at a time, with hysteresis so it does
+not flap: a core moves to P when P's queue is over `high` of the TTFT SLO while D's TPOT headroom
+use is under `low` (D has slack), and back to D as soon as D's is over `high` (decode first:
+the tokens of running requests are late at once, a queued prompt still has its TTFT budget);
+either must hold for `sustain_s`, and after a move nothing moves for `cooldown_s`.
+
+`handover`: shrinking workers are told first; a growing worker gets its new count only once no
+worker is above its target any more, so in `split` the host never runs more threads than cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.costmodel.capacity import speedup
+from pdserve.router import balancer
+from pdserve.router.balancer import PoolSample
+from pdserve.router.loads import WorkerLoad
+from pdserve.router.slo import SloPlanner
+
+STATES = ("split", "lend_decode", "lend_prefill")
+
+
+@dataclass(frozen=True)
+class ThreadSample:
+    pools: PoolSample  # pressures: P's queue over the TTFT SLO, D's share of its TPOT headroom
+    prefill: Sequence[str]  # worker ids of the prefill pool
+    decode: Sequence[str]
+    prefill_idle: bool  # no prompt queued or computing on any P
+    decode_idle: bool  # no decode stream and no prompt on any D
+
+
+def sample(
+    prefill: Mapping[str, WorkerLoad],
+    decode: Mapping[str, WorkerLoad],
+    planner: SloPlanner,
+    now: float,
+) -> ThreadSample:
+    """The policy's input from the router's picture of each pool's workers (the real router's
+    ThreadMover and the simulator both build it here)."""
+    p, d = list(prefill.values()), list(decode.values())
+    return ThreadSample(
+        balancer.pressures(p, d, planner, now, len(p), len(d)),
+        list(prefill),
+        list(decode),
+        prefill_idle=not any(j.prefill_s > 0 for w in p for j in w.jobs.values()),
+        decode_idle=not any(w.jobs for w in d),
+    )
+
+
+@dataclass
+class ThreadPolicy:
+    cores: int
+    high: float = 0.7
+    low: float = 0.3
+    sustain_s: float = 1.0
+    cooldown_s: float = 2.0
+    park_after_s: float = 0.5
+    p_cores: int | None = None  # P's share in `split`; None: half the cores (rounded down)
+    # the threads the planner's cost model was profiled at: predictions scale from it
+    profiled_threads: int = 1
+    state: str = "split"
+    moves: int = 0  # changes of the targets (state changes and one-core moves)
+    _want: str | None = None  # the one-core move under way in `split`: to_prefill | to_decode
+    _want_since: float = 0.0
+    _idle_since: dict[str, float] = field(default_factory=dict)  # pool -> when it went idle
+    _last_move: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        if self.cores < 2:
+            raise ValueError(f"moving threads needs at least 2 cores, got {self.cores}")
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"need 0 <= low < high, got low={self.low}, high={self.high}")
+        if min(self.sustain_s, self.cooldown_s, self.park_after_s) < 0:
+            raise ValueError("sustain_s, cooldown_s and park_after_s must be >= 0")
+        if self.p_cores is None:
+            self.p_cores = self.cores // 2
+
+    def observe(self, now: float, s: ThreadSample) -> dict[str, int]:
+        """Target threads of every worker in `s`'s pools."""
+        n_p, n_d = len(s.prefill), len(s.decode)
+        if n_p + n_d > self.cores:
+            raise ValueError(f"{n_p + n_d} workers need at least as many cores, have {self.cores}")
+        assert self.p_cores is not None
+        self.p_cores = min(max(self.p_cores, n_p), self.cores - n_d)
+        state = self._state(now, s)
+        if state != self.state:
+            self.state, self.moves, self._want = state, self.moves + 1, None
+        if state == "split":
+            self._split_move(now, s, n_p, n_d)
+        p = {"split": self.p_cores, "lend_decode": n_p, "lend_prefill": self.cores}[state]
+        d = {"split": self.cores - self.p_cores, "lend_decode": self.cores, "lend_prefill": n_d}
+        return {**share(s.prefill, p), **share(s.decode, d[state])}
+
+    def _state(self, now: float, s: ThreadSample) -> str:
+        p_idle = self._idle_for(now, "prefill", s.prefill_idle and bool(s.decode))
+        d_idle = self._idle_for(now, "decode", s.decode_idle and bool(s.prefill))
+        if p_idle >= self.park_after_s and not s.decode_idle:
+            return "lend_decode"
+        if d_idle >= self.park_after_s and not s.prefill_idle:
+            return "lend_prefill"
+        return "split"
+
+    def _idle_for(self, now: float, pool: str, idle: bool) -> float:
+        if not idle:
+            self._idle_since.pop(pool, None)
+            return -1.0
+        return now - self._idle_since.setdefault(pool, now)
+
+    def _split_move(self, now: float, s: ThreadSample, n_p: int, n_d: int) -> None:
+        assert self.p_cores is not None
+        want = self._direction(s.pools, n_p, n_d)
+        if want != self._want:
+            self._want, self._want_since = want, now
+        if want is None or now - self._last_move < self.cooldown_s:
+            return
+        if now - self._want_since < self.sustain_s:
+            return
+        self.p_cores += 1 if want == "to_prefill" else -1
+        self._last_move, self._want_since, self.moves = now, now, self.moves + 1
+
+    def _direction(self, pools: PoolSample, n_p: int, n_d: int) -> str | None:
+        assert self.p_cores is not None
+        if pools.decode_pressure > self.high and self.p_cores > n_p:
+            return "to_decode"
+        d_has_slack = pools.decode_pressure < self.low
+        if pools.prefill_pressure > self.high and d_has_slack and self.p_cores < self.cores - n_d:
+            return "to_prefill"
+        return None
+
+
+def slowness(threads: int, profiled: int) -> float:
+    """Step time on `threads` threads against the profile's (`capacity.speedup`'s scaling): what
+    the planner multiplies its predictions for that worker by (`WorkerLoad.slowness`)."""
+    return speedup(profiled) / speedup(max(1, threads))
+
+
+def share(workers: Sequence[str], cores: int) -> dict[str, int]:
+    """`cores` shared out over `workers`, the first ones getting the remainder, each at least 1."""
+    n = len(workers)
+    if n == 0:
+        return {}
+    base, extra = divmod(max(cores, n), n)
+    return {w: base + (1 if i < extra else 0) for i, w in enumerate(workers)}
+
+
+def handover(current: Mapping[str, int], targets: Mapping[str, int]) -> dict[str, int]:
+    """The `SetThreads` to send now: every shrink; the grows once no worker is above its
+    target (the shrinks have been applied), so the cores are freed before they are taken."""
+    changes = {w: n for w, n in targets.items() if current.get(w) != n}
+    shrinking = any(current.get(w, 0) > n for w, n in targets.items())
+    if shrinking:
+        return {w: n for w, n in changes.items() if current.get(w, 0) > n}
+    return changes

@@ -1,0 +1,222 @@
+"""`pdserve bench sweep`: the knee on known curves, the point order, the report from a hand-made
+result, and a whole sweep against a fake OpenAI server (no model) with a system skipped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from factories import serving
+from pdserve.bench import compare, sweep, sweep_report
+from pdserve.bench.sweep_report import Knee, knee
+
+
+def test_knee_interpolates_between_the_bracketing_points() -> None:
+    # 0.9 lies 1/3 of the way from 0.95 (rate 0.4) down to 0.8 (rate 0.6)... in reverse order
+    curve = [(0.6, 0.8), (0.2, 1.0), (0.4, 0.95), (0.8, 0.1)]
+    k = knee(curve, 0.9)
+    assert k.kind == "interpolated" and k.rate == pytest.approx(0.4 + 0.2 * (0.05 / 0.15))
+
+
+def test_knee_takes_the_first_fall_and_a_point_exactly_at_the_threshold_meets_it() -> None:
+    assert knee([(1, 1.0), (2, 0.9), (3, 0.5), (4, 0.95)], 0.9) == Knee(
+        pytest.approx(2 + 0.0 / 0.4), "interpolated", 0.9
+    )
+
+
+def test_knee_when_no_point_or_every_point_meets_the_threshold() -> None:
+    assert knee([(0.1, 0.5), (0.2, 0.2)], 0.9) == Knee(None, "below_all", 0.9)
+    assert knee([(0.1, 1.0), (0.3, 0.92)], 0.9) == Knee(0.3, "at_least", 0.9)
+    with pytest.raises(ValueError):
+        knee([], 0.9)
+    with pytest.raises(ValueError):
+        knee([(1, 1.0)], 0.0)
+
+
+def test_knee_error_only_between_located_knees() -> None:
+    assert sweep_report.knee_error(Knee(1.1, "interpolated", 0.9), Knee(1.0, "interpolated", 0.9)
+                                   ) == pytest.approx(0.1)  # fmt: skip
+    assert sweep_report.knee_error(Knee(1.0, "at_least", 0.9), Knee(1, "interpolated", 0.9)) is None
+
+
+def test_interleaved_order_rotates_systems_and_random_is_a_seeded_permutation() -> None:
+    order = sweep.plan(["a", "b", "c"], [0.1, 0.2], 2, "interleaved", seed=0)
+    firsts = [order[i][2] for i in range(0, len(order), 3)]
+    assert firsts == ["a", "b", "c", "a"]  # per (repeat, rate): a different system first
+    assert order[:3] == [(0, 0.1, "a"), (0, 0.1, "b"), (0, 0.1, "c")]
+    shuffled = sweep.plan(["a", "b", "c"], [0.1, 0.2], 2, "random", seed=3)
+    assert sorted(shuffled) == sorted(order) and shuffled != order
+    assert shuffled == sweep.plan(["a", "b", "c"], [0.1, 0.2], 2, "random", seed=3)
+
+
+def _run(att: float, good: float, rep: int = 0) -> dict[str, Any]:
+    lat = {"p50": 10.0, "p90": 20.0, "p99": 30.0}
+    return {"rate": 0.0, "repeat": rep, "completed": 4, "failed": 0, "good": 4,
+            "goodput": good, "duration_s": 10.0, "attainment": att,
+            "ttft_ms": lat, "tpot_ms": lat}  # fmt: skip
+
+
+def test_report_spread_knees_and_plot(tmp_path: Path) -> None:
+    def point(rate: float, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return sweep.point_json("pdserve-colocated", rate, ["pdserve", "serve"], runs, "cmd")
+
+    measured = [point(0.2, [_run(1.0, 0.2), _run(0.9, 0.18, 1), _run(1.0, 0.2, 2)]),
+                point(0.4, [_run(0.5, 0.2), _run(0.7, 0.3, 1), _run(0.6, 0.25, 2)])]  # fmt: skip
+    assert measured[1]["spread"]["attainment"] == {"median": 0.6, "min": 0.5, "max": 0.7}
+    assert measured[1]["attainment"] == 0.6  # the median run's numbers on top
+    sim = {"points": [{"rate": 0.2, "attainment": 1.0, "goodput": 0.2},
+                      {"rate": 0.4, "attainment": 0.8, "goodput": 0.3}]}  # fmt: skip
+    result = {
+        "command": "pdserve bench sweep", "started": "now", "order": "interleaved",
+        "repeats": 3, "knee_attainment": 0.9, "workload": {"workload": "rag"},
+        "machine": {"cpu": "test", "cores": 2, "load_average": [1.0, 1.0, 1.0]},
+        "slo": {"ttft_s": 6.0, "tpot_s": 0.1},
+        "systems": [{"name": "pdserve-colocated", "points": measured, "sim": sim},
+                    {"name": "vllm-cpu", "skipped": "absent"}],
+    }  # fmt: skip
+    text = sweep_report.write(result, tmp_path)
+    k = result["summary"]["pdserve-colocated"]
+    # measured: 1.0 at 0.2 -> 0.6 at 0.4: 0.2 + 0.2 x 0.1/0.4; simulated: 0.2 + 0.2 x 0.1/0.2
+    assert k["knee"]["rate"] == pytest.approx(0.25)
+    assert k["sim_knee"]["rate"] == pytest.approx(0.3)
+    assert k["sim_knee_error"] == pytest.approx(0.2)
+    assert "| pdserve-colocated | 0.25 req/s | 0.3 req/s | +20% |" in text
+    assert "| vllm-cpu | skipped: absent |" in text
+    assert "60% (50%-70%)" in text
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    assert json.loads((tmp_path / "summary.json").read_text())["summary"] == result["summary"]
+
+
+# ---------------------------------------------------------------------------- a whole sweep
+
+
+def _fake_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        n = int((await request.json())["max_tokens"])
+
+        async def stream() -> AsyncIterator[str]:
+            for i in range(n):
+                await asyncio.sleep(0.001)
+                choice = {"index": 0, "text": f" t{i}", "finish_reason": None}
+                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+            usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    with serving(_fake_app()) as url:
+        yield url
+
+
+def test_sweep_against_a_fake_server(
+    fake_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_server(system: Any, args: Any, log: Path) -> Iterator[str]:
+        started.append(system.name)
+        yield fake_url
+
+    monkeypatch.setattr(compare, "running_server", fake_server)
+    from pdserve.cli import main
+
+    out = tmp_path / "sweep"
+    argv = [
+        "bench", "sweep", "--systems", "pdserve-colocated,pdserve-1p1d,vllm-cpu",
+        "--vllm-python", str(tmp_path / "absent"), "--workload", "synthetic",
+        "--input-len", "8", "--output-len", "3", "--rates", "40,80", "--num-requests", "3",
+        "--slo-ttft", "30", "--slo-tpot", "5", "--output-dir", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    # a fresh server per point, interleaved: 2 systems x 2 rates, the second rate 1p1d first
+    assert started == ["pdserve-colocated", "pdserve-1p1d", "pdserve-1p1d", "pdserve-colocated"]
+    point = json.loads((out / "pdserve-1p1d" / "rate-80.json").read_text())
+    assert point["rate"] == 80 and point["completed"] == 3 and point["failed"] == 0
+    assert point["attainment"] == 1.0 and point["goodput"] > 0  # loose SLOs: every one good
+    assert set(point["ttft_ms"]) == set(point["tpot_ms"]) == {"p50", "p90", "p99"}
+    assert "--prefill 1 --decode 1" in point["command"]
+    assert point["sweep_command"].startswith("pdserve bench sweep")
+    assert [r["repeat"] for r in point["runs"]] == [0]
+    requests = out / "pdserve-1p1d" / "requests" / "rate-80-run1.json"
+    assert len(json.loads(requests.read_text())) == 3
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    assert summary["vllm-cpu"]["skipped"].endswith("(run `make bench-peers`)")
+    every_point_met = {"rate": 80, "kind": "at_least", "threshold": 0.9}
+    assert summary["pdserve-colocated"]["knee"] == every_point_met
+    assert (out / "sweep.png").is_file() and "## Knees" in (out / "report.md").read_text()
+
+
+def test_sweep_needs_slos_and_distinct_rates() -> None:
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rates", "1", "--num-requests", "2", "--output-dir", "x"])
+    args = parser.parse_args(["--rates", "1,1", "--num-requests", "2", "--output-dir", "x",
+                              "--slo-ttft", "1", "--slo-tpot", "1"])  # fmt: skip
+    with pytest.raises(ValueError, match="twice"):
+        sweep.check(args)
+
+
+def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+    from pdserve.costmodel.model import CostModel
+
+    path = tmp_path / "cm.json"
+    # 100 kB a token: 1 GiB of KV holds ~10k tokens, few blocks to build
+    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=100_000)
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args([
+        "--systems", "pdserve-colocated,pdserve-1p1d,pdserve-adaptive,vllm-cpu", "--rates",
+        "0.1,50", "--num-requests", "6", "--input-len", "300", "--output-len", "4",
+        "--slo-ttft", "1", "--slo-tpot", "1", "--cores", "2", "--cost-model", str(path),
+        "--output-dir", str(tmp_path),
+    ])  # fmt: skip
+    colocated = sweep_sim.predict("pdserve-colocated", args)
+    assert colocated["deployment"] == "1 colocated x TP1"
+    assert "--colocated 1 --threads 2" in colocated["command"]
+    disagg = sweep_sim.predict("pdserve-1p1d", args)
+    assert disagg["deployment"] == "1P(TP1) : 1D(TP1)"
+    for pred in (colocated, disagg):
+        slow, fast = pred["points"]
+        assert (slow["rate"], fast["rate"]) == (0.1, 50)
+        # alone a 300-token prompt takes ~0.6 s (58 cached); six at once queue past 1 s
+        assert slow["attainment"] == 1.0 and fast["attainment"] < 1.0
+        assert fast["ttft_ms"]["p90"] > 1000
+    adaptive = sweep_sim.predict("pdserve-adaptive", args)
+    assert adaptive["deployment"] == "1P(TP1) : 1D(TP1)" and len(adaptive["points"]) == 2
+    assert "peer" in sweep_sim.predict("vllm-cpu", args)["skipped"]
+
+
+def test_sim_of_a_command_line_serve_refuses_is_skipped(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args(["--rates", "1", "--num-requests", "2", "--slo-ttft", "1",
+                              "--slo-tpot", "1", "--output-dir", str(tmp_path),
+                              "--pdserve-args=--no-such-flag"])  # fmt: skip
+    assert "refuses" in sweep_sim.predict("pdserve-colocated", args)["skipped"]

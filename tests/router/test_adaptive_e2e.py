@@ -1,0 +1,89 @@
+"""Adaptive PD end to end (issue 45): real workers (child processes, tcp) on the tiny model,
+driven through LocalCluster. D prefills under a burst and not when idle (the planner's
+`overflow` mode); threads move between P and D under load without losing a request or changing
+a greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+from factories import assert_cluster_idle, eventually
+from pdserve import LLM, SamplingParams
+from pdserve.cluster import LocalCluster
+from pdserve.costmodel.model import CostModel
+from pdserve.router.slo import SloPlanner
+from pdserve.router.threads import ThreadPolicy
+
+ENGINE = {"block_size": 16}
+# roughly the tiny model's decode, and a prefill made slow (10 ms a token) so a 64-token prompt
+# fills most of the TTFT SLO on paper: two queued on P break it
+DECODE = (0.002, 1e-4, 0.0)
+SLOW_PREFILL = CostModel((0.0, 0.01, 0.0), DECODE, (0.0005, 1e9))
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    return [[(seed * 131 + i * 17 + j) % 900 + 50 for j in range(length)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_path):  # type: ignore[no-untyped-def]
+    return LLM(str(tiny_llama_path), **ENGINE)
+
+
+def reference(llm: LLM, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def cluster(path, **core_args) -> LocalCluster:  # type: ignore[no-untyped-def]
+    return LocalCluster(str(path), threads=1, engine_args=ENGINE, core_args=core_args)
+
+
+def test_d_prefills_under_a_burst_and_not_when_idle(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
+    planner = SloPlanner(
+        SLOW_PREFILL, slo_ttft_s=0.9, slo_tpot_s=5.0, admission=False, mode="overflow"
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone, burst = prompts(1, 64, seed=1), prompts(4, 64, seed=2)
+    with cluster(tiny_llama_path, planner=planner) as c:
+        assert c.core is not None
+        idle = c.generate(alone, params, timeout_s=60)
+        assert c.stats["route_remote"] == 1 and c.stats["route_local"] == 0
+        c.set_fault("P0", "slow", count=2, delay_s=0.5)  # the burst's first tokens come late
+        outs = c.generate(burst, params, timeout_s=60)
+        assert [o.outputs[0].token_ids for o in idle + outs] == reference(
+            llm, alone + burst, params
+        )
+        assert c.stats["route_local"] >= 1 and c.stats["route_remote"] >= 2
+        # which side prefilled each request: the route (and its workers) per request
+        first = c.core.prediction(idle[0].request_id)
+        assert first is not None and first["route"] == "remote"
+        assert first["workers"] == ["P0", "D0"]
+        routes = [c.core.prediction(o.request_id) for o in outs]
+        local = [r for r in routes if r is not None and r["route"] == "local"]
+        assert local and all(r["workers"] == ["D0"] for r in local)
+        assert_cluster_idle(c)
+
+
+def test_threads_move_under_load_and_lose_nothing(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
+    planner = SloPlanner(SLOW_PREFILL, slo_ttft_s=5.0, admission=False, mode="overflow")
+    policy = ThreadPolicy(cores=2, sustain_s=0.0, cooldown_s=0.0, park_after_s=0.0)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first, second = prompts(3, 48, seed=3), prompts(3, 48, seed=4)
+    with cluster(tiny_llama_path, planner=planner, thread_policy=policy) as c:
+        assert c.core is not None
+        threads = lambda: {w.worker_id: w.stats.threads for w in c.core.workers}  # type: ignore[union-attr]  # noqa: E731
+        c.set_fault("D0", "slow", count=-1, delay_s=0.08)  # decoding outlasts the prompts
+        _, pending = c.submit(first, params)
+        # P has nothing left to do while D decodes: D gets both cores, P parks at one
+        eventually(lambda: threads() == {"P0": 1, "D0": 2}, 30, "D to get every core")
+        # new prompts reach P (made slow, so they stay queued a while): the split comes back
+        c.set_fault("P0", "slow", count=2, delay_s=0.5)
+        _, later = c.submit(second, params)
+        eventually(lambda: c.stats["thread_moves_to_prefill"] >= 1, 30, "a move back to P")
+        c.set_fault("D0", "none")
+        outs = pending.result(timeout=120) + later.result(timeout=120)
+        assert all(o.error is None for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == reference(llm, first + second, params)
+        assert c.stats["thread_moves_to_decode"] >= 1
+        assert c.worker_stats()["D0"]["thread_changes"] >= 1
+        assert_cluster_idle(c)

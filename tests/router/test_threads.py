@@ -1,0 +1,175 @@
+"""The thread policy (router/threads.py): stats in, target threads per worker out; and the
+router's loop that sends them (router/thread_moves.py) over fake links."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.costmodel.model import CostModel
+from pdserve.router.balancer import PoolSample
+from pdserve.router.events import RouterEvents
+from pdserve.router.loads import Job, WorkerLoad
+from pdserve.router.slo import SloPlanner
+from pdserve.router.thread_moves import ThreadMover
+from pdserve.router.threads import ThreadPolicy, ThreadSample, handover, share
+from pdserve.router.worker_stats import WorkerStats
+
+P, D = ("P0",), ("D0",)
+
+
+def sample(p: float = 0.0, d: float = 0.0, *, p_idle: bool = False, d_idle: bool = False):  # type: ignore[no-untyped-def]
+    return ThreadSample(PoolSample(p, d, len(P), len(D)), P, D, p_idle, d_idle)
+
+
+def run(policy: ThreadPolicy, s: ThreadSample, t0: float, t1: float, dt: float = 0.1):  # type: ignore[no-untyped-def]
+    """Observe `s` every `dt` from t0 to t1; the last targets."""
+    out: dict[str, int] = {}
+    t = t0
+    while t <= t1 + 1e-9:
+        out = policy.observe(t, s)
+        t += dt
+    return out
+
+
+def test_both_busy_starts_from_an_even_split_and_never_exceeds_the_cores() -> None:
+    policy = ThreadPolicy(cores=8)
+    targets = policy.observe(0.0, sample(0.5, 0.5))
+    assert targets == {"P0": 4, "D0": 4} and policy.state == "split"
+
+
+def test_p_idle_lends_every_core_to_d_and_work_on_p_takes_them_back_at_once() -> None:
+    policy = ThreadPolicy(cores=4, park_after_s=0.5)
+    assert policy.observe(0.0, sample(p_idle=True)) == {"P0": 2, "D0": 2}  # not idle long yet
+    assert run(policy, sample(p_idle=True), 0.1, 0.6) == {"P0": 1, "D0": 4}
+    assert policy.state == "lend_decode"
+    assert policy.observe(0.7, sample(0.2, 0.1)) == {"P0": 2, "D0": 2}  # a prompt arrived
+    assert policy.state == "split" and policy.moves == 2
+
+
+def test_d_idle_lends_to_p_and_both_idle_stays_split() -> None:
+    policy = ThreadPolicy(cores=4, park_after_s=0.0)
+    assert policy.observe(0.0, sample(0.5, d_idle=True)) == {"P0": 4, "D0": 1}
+    fresh = ThreadPolicy(cores=4, park_after_s=0.0)
+    assert fresh.observe(0.0, sample(p_idle=True, d_idle=True)) == {"P0": 2, "D0": 2}
+
+
+def test_p_over_its_ttft_budget_gets_a_core_when_d_has_slack_after_sustain() -> None:
+    policy = ThreadPolicy(cores=4, sustain_s=1.0, cooldown_s=2.0)
+    assert run(policy, sample(p=0.9, d=0.1), 0.0, 0.9) == {"P0": 2, "D0": 2}
+    assert run(policy, sample(p=0.9, d=0.1), 1.0, 1.0) == {"P0": 3, "D0": 1}
+    # D keeps at least one thread, however long P stays over
+    assert run(policy, sample(p=0.9, d=0.1), 1.1, 30.0) == {"P0": 3, "D0": 1}
+
+
+def test_p_over_but_d_without_slack_moves_nothing() -> None:
+    policy = ThreadPolicy(cores=4, sustain_s=0.0, cooldown_s=0.0)
+    assert run(policy, sample(p=2.0, d=0.5), 0.0, 10.0) == {"P0": 2, "D0": 2}
+    assert policy.moves == 0
+
+
+def test_d_losing_its_tpot_slack_gets_cores_back_even_with_p_over() -> None:
+    policy = ThreadPolicy(cores=6, sustain_s=0.0, cooldown_s=1.0, p_cores=5)
+    targets = run(policy, sample(p=0.9, d=0.9), 0.0, 0.05)
+    assert targets == {"P0": 4, "D0": 2}
+    assert run(policy, sample(p=0.9, d=0.9), 0.1, 0.9) == {"P0": 4, "D0": 2}  # cooldown
+    assert run(policy, sample(p=0.9, d=0.9), 1.0, 1.0) == {"P0": 3, "D0": 3}
+
+
+def test_pressures_inside_the_band_do_not_flap() -> None:
+    policy = ThreadPolicy(cores=4, sustain_s=1.0, cooldown_s=0.0)
+    for i in range(100):  # P over, D alternating above low and below: never sustained
+        d = 0.1 if i % 2 else 0.5
+        policy.observe(i * 0.3, sample(p=0.9, d=d))
+    assert policy.moves == 0
+
+
+def test_several_workers_per_pool_share_the_pool_and_bad_settings_raise() -> None:
+    assert share(["a", "b", "c"], 7) == {"a": 3, "b": 2, "c": 2}
+    assert share(["a", "b"], 1) == {"a": 1, "b": 1}
+    policy = ThreadPolicy(cores=8)
+    s = ThreadSample(PoolSample(0.5, 0.5, 2, 2), ("P0", "P1"), ("D0", "D1"), False, False)
+    assert policy.observe(0.0, s) == {"P0": 2, "P1": 2, "D0": 2, "D1": 2}
+    with pytest.raises(ValueError, match="at least 2 cores"):
+        ThreadPolicy(cores=1)
+    with pytest.raises(ValueError, match="low < high"):
+        ThreadPolicy(cores=2, low=0.8, high=0.7)
+    with pytest.raises(ValueError, match="as many cores"):
+        ThreadPolicy(cores=2).observe(0.0, s)
+
+
+def test_handover_frees_cores_before_giving_them() -> None:
+    current = {"P0": 2, "D0": 2}
+    targets = {"P0": 1, "D0": 3}
+    assert handover(current, targets) == {"P0": 1}  # D waits for P's shrink
+    assert handover({"P0": 1, "D0": 2}, targets) == {"D0": 3}
+    assert handover({"P0": 1, "D0": 3}, targets) == {}
+    assert handover({}, {"P0": 2}) == {"P0": 2}  # not reported yet: sent
+
+
+# ---- the router's loop (thread_moves.py) over fake links ------------------------------------
+class FakeLinks:
+    """What the mover reads and sends through: the pools, each worker's stats, sent messages."""
+
+    def __init__(self) -> None:
+        self.workers = [worker("P0", "prefill"), worker("D0", "decode")]
+        self.sent: list[tuple[str, object]] = []
+
+    def pools(self) -> dict[str, list]:  # type: ignore[type-arg]
+        return {r: [w for w in self.workers if w.role == r] for r in ("prefill", "decode")}
+
+    def find(self, worker_id: str):  # type: ignore[no-untyped-def]
+        return next(w for w in self.workers if w.worker_id == worker_id)
+
+    def send(self, w, msg) -> None:  # type: ignore[no-untyped-def]
+        self.sent.append((w.worker_id, msg))
+
+    def ack(self) -> None:
+        """The workers apply what was sent and report it (their Stats reply)."""
+        for worker_id, msg in self.sent:
+            self.find(worker_id).stats = WorkerStats(threads=msg.threads)  # type: ignore[attr-defined]
+        self.sent.clear()
+
+
+def worker(worker_id: str, role: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        worker_id=worker_id, role=role, load=WorkerLoad(worker_id), stats=WorkerStats(threads=2)
+    )
+
+
+def test_the_mover_lends_d_the_cores_in_handover_order_and_counts_the_moves() -> None:
+    links, events = FakeLinks(), RouterEvents()
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 1e-3, 0.0), (0.0, 1e9)))
+    policy = ThreadPolicy(cores=4, park_after_s=0.0)
+    mover = ThreadMover(links, events, planner, policy)  # type: ignore[arg-type]
+    links.find("D0").load.add(Job("r1", 0.0, 100, 50, True, 0.0, first_at=0.0))
+    mover.tick(0.0)  # P idle, D decoding: D gets every core
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 1)]  # P shrinks first
+    links.ack()
+    mover.tick(0.1)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 4)]
+    links.ack()
+    mover.tick(0.2)  # D's acknowledged 4 threads: the planner predicts D's steps faster
+    assert links.find("D0").load.slowness == pytest.approx(1 / (1 + 0.8 * 3))
+    assert links.find("P0").load.slowness == 1.0 and not links.sent
+    links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, 0.2))  # a prompt reaches P
+    mover.tick(0.3)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]
+    links.ack()
+    mover.tick(0.4)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 2)]
+    assert events.counters["thread_moves_to_decode"] == 1
+    assert events.counters["thread_moves_to_prefill"] == 1
+    status = mover.status()
+    assert status["state"] == "split" and status["targets"] == {"P0": 2, "D0": 2}
+
+
+def test_a_worker_refuses_a_thread_count_out_of_range() -> None:
+    from pdserve.workers.worker import Worker
+
+    fake = SimpleNamespace(counters=collections.Counter())
+    for bad in (0, -1, 10**6):
+        with pytest.raises(ValueError, match="threads must be in"):
+            Worker.set_threads(fake, bad)  # type: ignore[arg-type]
