@@ -13,7 +13,8 @@ from typing import Any
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 15  # a verify chunk of 1 + k rows stays within one kernel tile (16)
 # The decode batch from which drafting stops paying: a (1 + k)-row verify step costs more than
-# its accepted tokens save. Measured with `pdserve bench spec-crossover` (docs/speculation.md).
+# its accepted tokens save. `pdserve bench spec-crossover` measures it; 8 stands until that run
+# on a quiet reference machine (docs/speculation.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
