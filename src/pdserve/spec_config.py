@@ -12,10 +12,12 @@ from typing import Any
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 15  # a verify chunk of 1 + k rows stays within one kernel tile (16)
-# The decode batch from which drafting stops paying: a (1 + k)-row verify step costs more than
-# its accepted tokens save. `pdserve bench spec-crossover` measures it; 8 stands until that run
-# on a quiet reference machine (docs/speculation.md).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# The decode batch from which no step drafts (a hard bound; below it engine/spec/pacing.py caps
+# each step's drafts from measured step times). `pdserve bench spec-crossover --threads 2` on
+# the Xeon (AMX) host, SmolLM2-135M, 1024-token contexts, k = 4: a verify step costs 1.98x a
+# plain one at batch 1, 3.67x at 16, 5.06x at 32, while the measured acceptance on RAG answers
+# is about 0.9 drafts per step (docs/benchmarks/spec/): from 16 it would need 2.7 accepted.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 
 @dataclass(frozen=True)

@@ -309,7 +309,10 @@ class LLMEngine:
             m.first_scheduled_time = m.first_scheduled_time or now
         t0 = time.perf_counter()
         sampled, firsts = self._run(out)
-        observe_step(self.scheduler.policy.prefill_budget, out, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        observe_step(self.scheduler.policy.prefill_budget, out, elapsed)
+        if self.spec is not None:
+            self.spec.observe_step(out, elapsed)
         if link is not None:  # the KV is written; finishing requests still hold their blocks
             link.after_step(set(out.preempted))
         # Fork before the parent's update: a parent that stops on its first token frees its KV.

@@ -85,6 +85,11 @@ WORKER_COUNTERS = {
         "spec_disabled_steps",
         "Engine steps not drafted: the decode batch reached disable_by_batch_size.",
     ),
+    "spec_paced_steps": (
+        "spec_paced_steps",
+        "Engine steps whose drafts per request were capped below num_speculative_tokens by "
+        "the measured cost of verify rows and the acceptance rate (engine/spec/pacing.py).",
+    ),
     "spec_grammar_skips": (
         "spec_grammar_skips",
         "Request-steps not drafted: the request has a grammar.",

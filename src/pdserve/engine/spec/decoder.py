@@ -10,6 +10,9 @@ appends those tokens and rolls the rejected drafts' KV back (scheduler.update_fr
 Not drafted, each counted: every decode of a step whose decode batch reaches
 `disable_by_batch_size` (`disabled_steps`: verify rows no longer pay there) and requests with
 a grammar (`grammar_skips`, per step: the grammar would have to be advanced per draft).
+Below that batch, a step's drafts per request are capped by `DraftPacer` (pacing.py) at the k
+that yields the most tokens per second of step, from the measured step time per row count and
+the acceptance rate (`paced_steps`: steps capped below num_speculative_tokens).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 from pdserve.engine.model_runner import StepResult
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.spec import ngram, rejection
+from pdserve.engine.spec.pacing import DraftPacer
 from pdserve.engine.tracked import Sample, Tracked
 from pdserve.spec_config import SpeculativeConfig
 
@@ -47,11 +52,21 @@ class SpecDecoder:
         self.config = config
         self.counters = SpecCounters(accepted_at=[0] * config.num_speculative_tokens)
         self._states: dict[str, ngram.DraftState] = {}
+        self.pacer = DraftPacer(config.num_speculative_tokens)
 
     def stats(self, memory_skips: int) -> dict[str, Any]:
         """`spec_*` counters; `memory_skips`: decodes whose drafts found no free KV blocks
         (the scheduler's count: drafts never preempt a request)."""
-        return {**self.counters.as_stats(), "spec_memory_skips": memory_skips}
+        return {
+            **self.counters.as_stats(),
+            "spec_memory_skips": memory_skips,
+            "spec_paced_steps": self.pacer.capped_steps,
+        }
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's measured time, for the pacer's price of verify rows."""
+        pure = all(s.num_tokens == 1 + s.num_draft for s in out.scheduled)
+        self.pacer.observe_step(out.num_batched_tokens, seconds, pure)
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -67,6 +82,7 @@ class SpecDecoder:
             for r in decodes:
                 r.spec_token_ids = []
             return
+        cap = self.pacer.cap(len(decodes)) if decodes else 0
         for r in decodes:
             r.spec_token_ids = []
             tracked = live.get(r.request_id)
@@ -82,9 +98,10 @@ class SpecDecoder:
             room = min(
                 r.sampling_params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens
             )
-            k = min(state.k, room - 1)
+            k = min(state.k, room - 1, cap)
             if k < 1:
-                state.observe(0, 0)
+                if cap > 0:  # the request's own acceptance said no: let it recover
+                    state.observe(0, 0)
                 continue
             tokens = state.sync(r.prompt_token_ids, r.output_token_ids)
             drafts = ngram.propose(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
@@ -128,6 +145,7 @@ class SpecDecoder:
         c.draft_tokens += drafted
         c.accepted_tokens += accepted
         c.steps += 1
+        self.pacer.observe_verify(drafted, accepted)
         for i in range(accepted):
             c.accepted_at[i] += 1
         m = tracked.metrics
