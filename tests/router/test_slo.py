@@ -399,3 +399,23 @@ def test_tpot_counts_accepted_tokens_per_step_and_the_verify_rows() -> None:
     spec = p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s
     verify = MODEL.prefill_s(2, 1050) - MODEL.prefill_s(0, 0)
     assert spec == pytest.approx((plain + verify) / 2.5)
+
+
+def test_an_uncalibrated_planner_admits_one_probe_at_a_time_before_refusing() -> None:
+    """With calibration_probes (--adaptive), a request predicted to miss is admitted while the
+    planner has learned from too few finished requests, one at a time, and marked as a probe;
+    once it has learned enough it refuses again."""
+    p = planner(slo_ttft_s=1.0, slo_tpot_s=0.2)
+    p.calibration_probes = 2
+    ls = loads("P0", "D0")
+    ls["P0"].add(Job("a", 3.0, 0, 0, False, queued_at=0.0))
+    ls["D0"].add(Job("b", 3.0, 600, 50, True, queued_at=0.0))
+    routes = p.routes(["P0"], ["D0"], [])
+    first = p.decide(500, 50, routes, ls, {}, now=0.0)
+    assert first.chosen is not None and first.probe
+    second = p.decide(500, 50, routes, ls, {}, now=0.0)  # the probe is still in flight
+    assert second.chosen is None and second.reject == "slo_ttft" and not second.probe
+    p.learn(p.uncalibrated(first.chosen), ttft=first.chosen.ttft_s, tpot=0.01, tokens=50)
+    assert p.decide(500, 50, routes, ls, {}, now=0.0).probe  # learned from 1 of 2
+    p.learn(p.uncalibrated(first.chosen), ttft=first.chosen.ttft_s, tpot=0.01, tokens=50)
+    assert p.decide(500, 50, routes, ls, {}, now=0.0).chosen is None  # calibrated: refuses

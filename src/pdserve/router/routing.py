@@ -108,6 +108,9 @@ class Routing:
         )
         if pair is None or decision.chosen is None:
             raise self._reject(flight, decision)
+        if decision.probe:  # predicted to miss, admitted so the planner learns (slo.decide)
+            self.events.count("admission_probes")
+            flight.timeline.append((Ev.ADMITTED_TO_CALIBRATE, "router", self.clock()))
         return pair, decision.chosen
 
     def _reject(self, flight: Flight, decision: slo.Decision) -> RequestError:

@@ -30,6 +30,8 @@ class Ev(StrEnum):
     LOCAL_FALLBACK = "local_fallback"
     RECOMPUTE = "recompute"
     REJECTED = "rejected"  # labelled with the reason
+    # admitted although predicted to miss an SLO, for the planner to learn (slo.decide)
+    ADMITTED_TO_CALIBRATE = "admitted_to_calibrate"
     FAILED = "failed"  # labelled with the worker's reason
     WORKER_DOWN = "worker_down"  # labelled with no_heartbeat | stuck
     # the KV pool (issue 15), from the prefilling worker's report: labelled with token counts

@@ -22,7 +22,7 @@ from pdserve.costmodel.model import CostModel
 from pdserve.deployment import Deployment
 from pdserve.launcher import WorkerSpec
 from pdserve.router.core import RouterCore
-from pdserve.router.slo import SloPlanner
+from pdserve.router.slo import CALIBRATION_PROBES, SloPlanner
 from pdserve.router.threads import ThreadPolicy
 from pdserve.workers import auth
 from pdserve.workers import messages as m
@@ -127,6 +127,7 @@ def planner(d: Deployment, cost: CostModel | None) -> SloPlanner | None:
         token_budget=d.setting("max_num_batched_tokens", 2048),
         expected_output=p.expected_output,
         pool_bytes_per_s=p.kv_pool_gbps * 1e9,
+        calibration_probes=CALIBRATION_PROBES if p.adaptive else 0,
     )
 
 
