@@ -168,6 +168,9 @@ SLOW_TESTS = {
     "test_compare.py::test_compare_end_to_end_on_tiny_model",  # servers in subprocesses
     "test_auth.py::test_cluster_with_a_shared_secret_serves_and_rejects_untagged",
     "test_auth.py::test_worker_refuses_a_network_address_without_a_secret",
+    # a whole sweep through the CLI (a fake server, 4 phases, the plot): 8 s alone, 30 s in the
+    # fast tier beside the other process
+    "test_sweep.py::test_sweep_against_a_fake_server",
 }
 
 

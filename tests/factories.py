@@ -361,3 +361,33 @@ def die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+def handoff(  # type: ignore[no-untyped-def]
+    p, d, prompt: list[int], params: SamplingParams, k: int = 1, rid: str = "r"
+) -> list[int]:
+    """Prefill (and k-1 decode steps) on LLM p, copy the KV to LLM d, finish on d: the engine half
+    of disaggregation without workers or a transport; returns all tokens."""
+    pe, de = p.engine, d.engine
+    p_params = SamplingParams(**{**params.__dict__, "max_tokens": k})
+    rid = pe.add_request(prompt, p_params, rid, hold_kv=True)
+    while pe.has_unfinished_requests():
+        pe.step()
+    held = pe.held_request(rid)
+    assert held is not None
+    n_kv = held.num_computed_tokens
+    assert n_kv == len(prompt) + k - 1
+    blocks = de.reserve_kv(prompt, params, rid, n_kv)
+    assert blocks is not None
+    src = pe.kv_slots(pe.kv_manager.get_block_ids(rid), 0, n_kv)
+    dst = de.kv_slots(blocks, 0, n_kv)
+    for layer in range(pe.arch.num_layers):
+        de.write_kv(dst, layer, *pe.read_kv(src, layer))
+    assert pe.release_kv(rid)
+    de.admit_prefilled(rid, held.output_token_ids, n_kv)
+    out = None
+    while de.has_unfinished_requests():
+        for o in de.step():
+            out = o
+    assert out is not None and out.finished
+    return out.outputs[0].token_ids

@@ -6,35 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import assert_engine_idle
+from factories import assert_engine_idle, handoff
 from pdserve import LLM, SamplingParams
-
-
-def _handoff(p: LLM, d: LLM, prompt: list[int], params: SamplingParams, k: int = 1) -> list[int]:
-    """Prefill (and k-1 decode steps) on p, copy the KV to d, finish on d; returns all tokens."""
-    pe, de = p.engine, d.engine
-    p_params = SamplingParams(**{**params.__dict__, "max_tokens": k})
-    rid = pe.add_request(prompt, p_params, "r", hold_kv=True)
-    while pe.has_unfinished_requests():
-        pe.step()
-    held = pe.held_request(rid)
-    assert held is not None
-    n_kv = held.num_computed_tokens
-    assert n_kv == len(prompt) + k - 1
-    blocks = de.reserve_kv(prompt, params, rid, n_kv)
-    assert blocks is not None
-    src = pe.kv_slots(pe.kv_manager.get_block_ids(rid), 0, n_kv)
-    dst = de.kv_slots(blocks, 0, n_kv)
-    for layer in range(pe.arch.num_layers):
-        de.write_kv(dst, layer, *pe.read_kv(src, layer))
-    assert pe.release_kv(rid)
-    de.admit_prefilled(rid, held.output_token_ids, n_kv)
-    out = None
-    while de.has_unfinished_requests():
-        for o in de.step():
-            out = o
-    assert out is not None and out.finished
-    return out.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(("p_block", "d_block", "k"), [(4, 4, 1), (4, 16, 1), (16, 4, 3)])
@@ -48,7 +21,7 @@ def test_handoff_equals_single_engine(tiny_llama_path, p_block, d_block, k) -> N
     for n in (3, 17, 50):
         prompt = torch.randint(3, 49000, (n,), generator=g).tolist()
         want = ref.generate([prompt], params)[0].outputs[0].token_ids
-        assert _handoff(p, d, prompt, params, k) == want
+        assert handoff(p, d, prompt, params, k) == want
     for llm in (ref, p, d):
         assert_engine_idle(llm)
         assert not llm.engine.scheduler.held and not llm.engine._reserved
@@ -65,7 +38,7 @@ def test_reserve_refuses_and_cancel_frees(tiny_llama_path) -> None:  # type: ign
     assert_engine_idle(d)
 
 
-def test_seed_penalties_and_bias_give_the_colocated_output_across_the_handoff(
+def test_seed_penalties_and_bias_give_the_colocated_output_across_thehandoff(
     tiny_llama_path,  # type: ignore[no-untyped-def]
 ) -> None:
     """P samples the first token(s), D the rest: a seeded, penalized, biased request gives the
@@ -93,7 +66,7 @@ def test_seed_penalties_and_bias_give_the_colocated_output_across_the_handoff(
     for params in cases:
         want = ref.generate([prompt], params)[0].outputs[0].token_ids
         for k in (1, 3):
-            assert _handoff(p, d, prompt, params, k) == want
+            assert handoff(p, d, prompt, params, k) == want
     for llm in (ref, p, d):
         assert_engine_idle(llm)
 

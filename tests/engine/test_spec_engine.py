@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import assert_engine_idle, assert_no_leaks
+from factories import assert_engine_idle, assert_no_leaks, handoff
 from pdserve import LLM, SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -164,29 +164,10 @@ def test_handoff_to_a_speculating_decoder(tiny_llama_path, pair) -> None:  # typ
     p = LLM(str(tiny_llama_path), speculative_config=SPEC, **args)
     assert p.engine.spec is None
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    pe, de = p.engine, d.engine
+    de = d.engine
     accepted = de.stats()["spec_accepted_tokens"]
     for i, prompt in enumerate(PROMPTS):
         want = plain.generate([prompt], params)[0].outputs[0].token_ids
-        rid = f"h{i}"
-        pe.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), rid, hold_kv=True)
-        while pe.has_unfinished_requests():
-            pe.step()
-        held = pe.held_request(rid)
-        assert held is not None
-        n_kv = held.num_computed_tokens
-        blocks = de.reserve_kv(prompt, params, rid, n_kv)
-        assert blocks is not None
-        src = pe.kv_slots(pe.kv_manager.get_block_ids(rid), 0, n_kv)
-        dst = de.kv_slots(blocks, 0, n_kv)
-        for layer in range(pe.arch.num_layers):
-            de.write_kv(dst, layer, *pe.read_kv(src, layer))
-        assert pe.release_kv(rid)
-        de.admit_prefilled(rid, held.output_token_ids, n_kv)
-        out = None
-        while de.has_unfinished_requests():
-            for o in de.step():
-                out = o
-        assert out is not None and out.outputs[0].token_ids == want
+        assert handoff(p, d, prompt, params, rid=f"h{i}") == want
     assert de.stats()["spec_accepted_tokens"] > accepted
     _idle(plain, p, d)
