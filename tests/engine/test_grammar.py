@@ -10,9 +10,8 @@ import json
 import jsonschema_rs
 import pytest
 import torch
-from test_engine_handoff import _handoff
 
-from factories import assert_engine_idle
+from factories import assert_engine_idle, handoff
 from pdserve import LLM, SamplingParams
 from pdserve.engine.grammar import check_spec
 from pdserve.engine.sampler import Sampler
@@ -154,7 +153,7 @@ def test_handoff_replays_the_grammar_state(tiny_llama_path, k) -> None:  # type:
             max_tokens=80, temperature=temperature, seed=3, structured_outputs={"json": SCHEMA}
         )
         want = ref.generate([prompt], params)[0].outputs[0].token_ids
-        assert _handoff(p, d, prompt, params, k) == want
+        assert handoff(p, d, prompt, params, k) == want
     for llm in (ref, p, d):
         assert_engine_idle(llm)
 

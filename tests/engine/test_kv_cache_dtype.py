@@ -73,7 +73,7 @@ def test_handoff_from_a_float16_cache(tiny_llama_path) -> None:  # type: ignore[
     """P and D with float16 caches hand over exactly what one float16 engine computes (the wire
     carries float32: read_kv widens, write_kv rounds back to the same values); P float16 to a
     float32 D completes too, leaking nothing."""
-    from test_engine_handoff import _handoff
+    from factories import handoff
 
     path = str(tiny_llama_path)
     kw = {"block_size": 8, "num_blocks": 128, "kv_cache_dtype": "float16"}
@@ -81,8 +81,8 @@ def test_handoff_from_a_float16_cache(tiny_llama_path) -> None:  # type: ignore[
     d32 = LLM(path, block_size=8, num_blocks=128)
     for prompt in _prompts(3):
         want = ref.generate([prompt], PARAMS)[0].outputs[0].token_ids
-        assert _handoff(p, d, prompt, PARAMS, 2) == want
-        assert len(_handoff(p, d32, prompt, PARAMS, 1)) == PARAMS.max_tokens
+        assert handoff(p, d, prompt, PARAMS, 2) == want
+        assert len(handoff(p, d32, prompt, PARAMS, 1)) == PARAMS.max_tokens
     for llm in (ref, p, d, d32):
         assert_engine_idle(llm)
 
