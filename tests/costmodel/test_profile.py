@@ -128,3 +128,20 @@ def test_decode_points_pool_their_steps_over_rounds(monkeypatch: pytest.MonkeyPa
     assert len(calls) == 3 * 4  # rounds x fitting points, in grid order each round
     assert calls[:4] == [(1, 16), (2, 16), (1, 64), (2, 64)] == calls[4:8]
     assert sorted(samples) == [(1, 16, 0.011), (1, 64, 0.011), (2, 32, 0.022), (2, 128, 0.022)]
+
+
+def test_prefill_points_are_timed_in_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fresh prompt length is timed once per pass, the lengths in order each pass, and
+    its sample is the median over the passes: a slow spell in one pass moves no point."""
+    calls: list[int] = []
+
+    def fake_prefill(engine: Any, ids: Any, n: int) -> float:
+        rnd = calls.count(n)
+        calls.append(n)
+        return n * (0.005 if rnd == 1 else 0.001)  # the second pass is 5x slower
+
+    monkeypatch.setattr(measure, "_fresh_prefill", fake_prefill)
+    grid = measure.Grid((16, 64), (), (), (1,), (16,), 3, (), prefill_rounds=3)
+    samples = measure.measure_prefill(None, None, grid, max_prompt=128)  # type: ignore[arg-type]
+    assert calls == [16, 64, 128] * 3
+    assert samples == [(16, 0, 0.016), (64, 0, 0.064), (128, 0, 0.128)]

@@ -41,6 +41,11 @@ class Grid:
     # slow or fast spell of a shared host (decode steps here drift 35-50 ms over seconds) is
     # not one point's whole sample
     decode_rounds: int = 1
+    # the same for the fresh prefill points: each pass times every length once (rounds >=
+    # repeats) or repeats / rounds times, so a slow spell lands on all lengths alike rather than
+    # bending the fitted curve (one length at a time measured 128 tokens slower per token than
+    # 256, and the fit dropped its attention term)
+    prefill_rounds: int = 1
 
 
 # Sized to take about a minute for SmolLM2-135M on one thread of this 2-core VM (two minutes
@@ -57,6 +62,7 @@ FULL = Grid(
     decode_steps=4,
     transfer_tokens=(16, 256, 1024, 2048),
     decode_rounds=3,
+    prefill_rounds=3,
 )
 QUICK = Grid(
     prefill_new=(8, 32, 64, 128),
@@ -176,19 +182,23 @@ def measure_prefill(
     engine: LLMEngine, ids: Ids, grid: Grid, max_prompt: int
 ) -> list[PrefillSample]:
     samples: list[PrefillSample] = []
-    for n in prefill_points(grid, max_prompt):
-        log(f"prefill {n} new tokens")
-        s = _median_of(functools.partial(_fresh_prefill, engine, ids, n), grid.repeats)
-        samples.append((n, 0, s))
-    points = cached_points(grid, max_prompt)
-    if points:
-        prefix = ids(max(c for c, _ in points))
+    points = prefill_points(grid, max_prompt)
+    times: dict[int, list[float]] = {n: [] for n in points}
+    rounds = max(1, grid.prefill_rounds)
+    per_round = max(1, -(-grid.repeats // rounds))
+    for r in range(rounds):
+        log(f"prefill {', '.join(map(str, points))} new tokens (pass {r + 1} of {rounds})")
+        for n in points:
+            times[n] += [_fresh_prefill(engine, ids, n) for _ in range(per_round)]
+    samples += [(n, 0, statistics.median(times[n])) for n in points]
+    cached = cached_points(grid, max_prompt)
+    if cached:
+        prefix = ids(max(c for c, _ in cached))
         _prime(engine, prefix)
-        for cached, new in points:
-            log(f"prefill {new} new tokens after {cached} cached")
-            step = functools.partial(_cached_step, engine, ids, prefix, cached, new)
-            s = _median_of(step, grid.repeats)
-            samples.append((new, cached, s))
+        for cached_n, new in cached:
+            log(f"prefill {new} new tokens after {cached_n} cached")
+            step = functools.partial(_cached_step, engine, ids, prefix, cached_n, new)
+            samples.append((new, cached_n, _median_of(step, grid.repeats)))
     return samples
 
 
