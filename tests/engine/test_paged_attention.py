@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pdserve.engine import model_runner
 from pdserve.engine.model_runner import PAGED_CHUNK_MAX, ModelRunner, resolve_attention
 from pdserve.engine.models.llama import paged_attention
 from pdserve.engine.scheduler import ScheduledRequest
@@ -15,6 +16,9 @@ from pdserve.engine.scheduler import ScheduledRequest
 pytestmark = pytest.mark.skipif(
     resolve_attention("auto", torch.device("cpu")) != "paged", reason="needs AVX2"
 )
+# The runner sends the kernel chunks of one tile at most (PAGED_CHUNK_MAX); the kernel itself
+# takes any number of tiles, so tests of its multi-tile paths raise the bound to this.
+MULTI_TILE = 64
 
 
 def _runner(attention: str, block_size: int) -> ModelRunner:
@@ -86,20 +90,40 @@ def test_long_context_splits_merge(threads: int) -> None:
     _close(got, ref)
 
 
-def test_mixed_decode_and_prefill_batch_with_cached_prefixes() -> None:
-    """Decodes, short chunks over a cached prefix (kernel, incl. > one 16-row tile), a long one
-    over a prefix (gather) and fresh prompts (SDPA) in one step."""
-    spec = [(9, 1), (40, 1), (30, 7), (5, 33), (12, PAGED_CHUNK_MAX + 5), (0, 20), (0, 3)]
+@pytest.mark.parametrize("chunk_max", [PAGED_CHUNK_MAX, MULTI_TILE])
+def test_mixed_decode_and_prefill_batch_with_cached_prefixes(
+    chunk_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decodes, short chunks over a cached prefix (kernel; with MULTI_TILE incl. > one 16-row
+    tile), longer ones over a prefix (gather) and fresh prompts (SDPA) in one step."""
+    monkeypatch.setattr(model_runner, "PAGED_CHUNK_MAX", chunk_max)
+    spec = [(9, 1), (40, 1), (30, 7), (5, 33), (12, MULTI_TILE + 5), (0, 20), (0, 3)]
     ref, got = _compare(spec, seed=2)
     _close(got, ref)
 
 
+def test_only_chunks_of_one_tile_over_a_prefix_take_the_kernel() -> None:
+    """Past one tile the kernel is compute-bound and slower than SDPA's GEMMs (model_runner's
+    measurements): a chunk of 16 tokens over a prefix (a verify chunk of 1 + 15 drafts too)
+    runs in the kernel, one of 17 or a follow-up's 60 gathers its prefix for SDPA, and a fresh
+    chunk never reads the cache."""
+    spec = [(40, 1), (30, 16), (30, 17), (1800, 60), (0, 8)]
+    sched = _scheduled(random.Random(0), spec, 16, 200)
+    sched[1].num_draft = 15
+    _, meta = _runner("paged", 16)._prepare(sched[:1], sched[1:])
+    assert [seg.paged for seg in meta.prefills] == [True, False, False, False]
+    assert meta.paged is not None and meta.paged.tiles.tolist() == [[0, 0, 1], [1, 1, 16]]
+
+
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_prompt_rows_whose_keys_end_before_a_span(head_dim: int) -> None:
+def test_prompt_rows_whose_keys_end_before_a_span(
+    head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A softmax pass covers a span of 4 blocks: prompt rows whose visible keys end before a
     span starts (limits 13..16 against the span from key 16, block size 4) take nothing from it
     while the tile's later rows do; a span cut short by the item's end; 4 rows per GQA group of
     3 (groups of 3, 1)."""
+    monkeypatch.setattr(model_runner, "PAGED_CHUNK_MAX", MULTI_TILE)  # (3, 30): two tiles
     spec = [(12, 9), (15, 2), (47, 14), (3, 30)]
     ref, got = _compare(spec, heads=9, kv_heads=3, head_dim=head_dim, bs=4, seed=11)
     _close(got, ref)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdserve.engine.model_runner import PAGED_CHUNK_MAX, ModelRunner, resolve_attention
+from pdserve.engine import model_runner
+from pdserve.engine.model_runner import ModelRunner, resolve_attention
 from pdserve.engine.models.arch import AttentionSpec
 from pdserve.engine.models.attention import PrefillSegment, _prefill_attention, paged_attention
 from pdserve.engine.scheduler import ScheduledRequest
@@ -86,16 +87,19 @@ def _run(backend, sched, tensors, spec, bs):  # type: ignore[no-untyped-def]
     return out, want
 
 
-MIXED = [(0, 1), (3, 1), (40, 1), (700, 1), (30, 7), (5, 33), (12, PAGED_CHUNK_MAX + 5), (0, 20)]
+# (5, 33): two kernel tiles with the runner's bound raised to MULTI_TILE (by default one tile)
+MULTI_TILE = 64
+MIXED = [(0, 1), (3, 1), (40, 1), (700, 1), (30, 7), (5, 33), (12, MULTI_TILE + 5), (0, 20)]
 
 
 @pytest.mark.parametrize("backend", [pytest.param("paged", marks=needs_kernel), "gather"])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("head_dim", [16, 24])
-def test_every_path_applies_window_and_softcap(backend, spec, head_dim) -> None:  # type: ignore[no-untyped-def]
-    """Decodes, kernel chunks over a prefix, a long chunk over a prefix and a fresh prompt
-    longer than the window, in one step: head_dim 16 the kernel's vectorised path, 24 its
-    generic one."""
+def test_every_path_applies_window_and_softcap(backend, spec, head_dim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Decodes, kernel chunks over a prefix (one of several tiles), a long chunk over a prefix
+    and a fresh prompt longer than the window, in one step: head_dim 16 the kernel's
+    vectorised path, 24 its generic one."""
+    monkeypatch.setattr(model_runner, "PAGED_CHUNK_MAX", MULTI_TILE)
     sched, tensors = _layout(MIXED, 4, 3, 6, 2, head_dim)
     got, want = _run(backend, sched, tensors, spec, 4)
     assert (got.double() - want).abs().max().item() <= 3e-5
