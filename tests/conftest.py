@@ -13,13 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import TINY_VOCAB, assert_engine_idle
+from factories import TINY_VOCAB, assert_engine_idle, share_model_conversions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests never see this host's saved cost models (one turns on SLO routing for a server started
 # without flags, so a request may run whole on D) nor leave theirs behind for later runs.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
+
+
+share_model_conversions(Path(os.environ["PDSERVE_CACHE_DIR"]))
 
 
 def _save_tiny(folder: Path, kind: str, tokenizer) -> Path:  # type: ignore[no-untyped-def]
@@ -171,6 +174,13 @@ SLOW_TESTS = {
     # a whole sweep through the CLI (a fake server, 4 phases, the plot): 8 s alone, 30 s in the
     # fast tier beside the other process
     "test_sweep.py::test_sweep_against_a_fake_server",
+    # LocalCluster with tcp worker processes (~10 s of start-up): the in-process checks of the
+    # same freezing and pause accounting stay in the fast tier (the rest of test_gc_pauses.py)
+    "test_gc_pauses.py::test_worker_processes_report_their_frozen_heap_and_pauses",
+    # the TTFT part of `pdserve bench transfer`: two tcp 1P1D LocalClusters (worker processes,
+    # ~14 s); its timeline arithmetic stays fast (test_breakdown_arithmetic_and_clamp), and so
+    # does the throughput part of the same CLI
+    "test_transfer_bench.py::test_ttft_breakdown_fields",
 }
 
 

@@ -10,14 +10,17 @@ import asyncio
 import contextlib
 import ctypes
 import itertools
+import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.engine.block_pool import BlockPool
@@ -391,3 +394,21 @@ def handoff(  # type: ignore[no-untyped-def]
             out = o
     assert out is not None and out.finished
     return out.outputs[0].token_ids
+
+
+def share_model_conversions(cache: Path) -> None:
+    """The default model's converted tokenizer and GGUF index are kept across test runs (and
+    shared by the xdist workers and the pytest runs of `make test`) in a folder of their own:
+    converting them took each pytest process ~5-15 s of its first test (GGUF header parsing).
+    Their entries are keyed by the file's path, size and mtime and the converting library's
+    version, so a stale one is never read; the cost models stay per run (fresh folder above).
+    Tests of the cache itself point PDSERVE_CACHE_DIR at their own tmp_path; a test that only
+    wants its own cost models there calls this on it too."""
+    shared = Path(tempfile.gettempdir()) / f"pdserve-tests-model-cache-{os.getuid()}"
+    for kind in ("tokenizers", "gguf-index"):
+        try:
+            (shared / kind).mkdir(parents=True, exist_ok=True)
+            if not (cache / kind).exists():
+                (cache / kind).symlink_to(shared / kind, target_is_directory=True)
+        except OSError:
+            pass  # a read-only tmp: each process converts its own, as before

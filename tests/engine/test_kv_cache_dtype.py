@@ -146,9 +146,12 @@ def test_quantized_engine_allocates_a_float16_cache_by_default(tiny_llama_path) 
 def test_serve_names_the_cost_model_after_the_allocated_cache(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`pdserve serve --quantization w8g32` (auto KV) loads the file that `bench profile
     --quantization w8g32 --kv-cache-dtype float16` writes: one measurement, one name."""
+    from factories import share_model_conversions
     from pdserve.deployment import Deployment
     from pdserve.serve import plan
 
+    # its own cost models; the default model's GGUF index as converted once (~4-9 s to parse)
+    share_model_conversions(tmp_path)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
 
     def name(**kw: str) -> str:
