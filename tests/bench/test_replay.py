@@ -271,3 +271,18 @@ def test_replay_against_pdserve_measures_the_trace_reuse(tmp_path, tiny_llama_pa
     assert [r["prompt_tokens"] for r in res["requests"]] == [16 * (i + 1) + 13 for i in range(4)]
     assert res["prefix_hit_ratio"] == pytest.approx(96 / 212)  # 16 x (0 + 1 + 2 + 3) hit
     assert res["server_prefix_hit_ratio"] == pytest.approx(res["prefix_hit_ratio"], abs=0.01)
+
+
+def test_server_reuse_counts_only_admitted_prompts() -> None:
+    """A refused request's prompt tokens reach the router's counter but no worker computes
+    them: counted as sent they would read as prefix hits."""
+    before = {"prompt_tokens": 100.0, "prefill_tokens": 50.0,
+              "kv_pool_hit_blocks": 0.0, "kv_pool_lookup_blocks": 0.0}  # fmt: skip
+    after = {"prompt_tokens": 1100.0, "prefill_tokens": 650.0,
+             "kv_pool_hit_blocks": 0.0, "kv_pool_lookup_blocks": 0.0}  # fmt: skip
+    # 1000 tokens sent, 400 of them refused: 600 admitted, all computed
+    got = replay.server_reuse(before, after, refused_tokens=400)
+    assert got["prefix_hit_ratio"] == 0.0
+    assert got["prompt_tokens"] == 600 and got["refused_prompt_tokens"] == 400
+    assert replay.server_reuse(before, after)["prefix_hit_ratio"] == pytest.approx(0.4)
+    assert replay.server_reuse(None, after)["prefix_hit_ratio"] is None

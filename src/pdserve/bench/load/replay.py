@@ -112,15 +112,20 @@ async def scrape(client: httpx.AsyncClient, base: str) -> dict[str, float] | Non
     return sums
 
 
-def server_reuse(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
-    """Prefix and KV-pool hits the server measured over the run (None without /metrics)."""
+def server_reuse(
+    before: dict[str, float] | None, after: dict[str, float] | None, refused_tokens: int = 0
+) -> dict:
+    """Prefix and KV-pool hits the server measured over the run (None without /metrics), over
+    the prompts it admitted: the router counts a refused request's prompt tokens too, and no
+    worker computes them (`refused_tokens`), which would read as hits."""
     if before is None or after is None:
         return {"prefix_hit_ratio": None, "kv_pool_hit_ratio": None}
     d = {k: after[k] - before[k] for k in after}
-    sent, computed = d["prompt_tokens"], d["prefill_tokens"]
+    sent, computed = d["prompt_tokens"] - refused_tokens, d["prefill_tokens"]
     hits, asked = d["kv_pool_hit_blocks"], d["kv_pool_lookup_blocks"]
     return {
-        "prompt_tokens": sent,
+        "prompt_tokens": sent,  # admitted
+        "refused_prompt_tokens": refused_tokens,
         "computed_prompt_tokens": computed,
         "prefix_hit_ratio": max(0.0, 1.0 - computed / sent) if sent > 0 else None,
         "kv_pool_hit_blocks": hits,
@@ -232,8 +237,9 @@ async def run_replay(
             await asyncio.sleep(SETTLE_S)
         after = await scrape(client, base)
     trace = traces.Trace(trace.path, trace.format, scaling, reqs)
-    return _result(args, trace, model, max_len, records, duration, server_reuse(before, after),
-                   counted)  # fmt: skip
+    refused = sum(r.prompt_len for r in records if r.rejected)
+    server = server_reuse(before, after, refused)
+    return _result(args, trace, model, max_len, records, duration, server, counted)
 
 
 def _result(
