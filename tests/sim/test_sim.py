@@ -384,3 +384,21 @@ def test_adaptive_moves_threads_with_the_real_policy_and_decodes_faster_alone() 
     assert times[2] < times[0]  # D decoded on two threads once P had parked
     with pytest.raises(ValueError, match="moving threads"):
         SimConfig(prefill=1, decode=1, thread_cores=2)
+
+
+def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:
+    """`pdserve serve --adaptive` refuses predicted SLO misses by default; the simulated one
+    does too unless told --no-admission, and admission stays opt-in elsewhere."""
+    import argparse
+
+    from pdserve.sim import cli
+
+    def deployment(*argv: str):  # type: ignore[no-untyped-def]
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return cli.deployment_from_args(p.parse_args(["--hardware", "cpu", *argv]))
+
+    assert deployment("--adaptive").admission
+    assert not deployment("--adaptive", "--no-admission").admission
+    assert not deployment("--prefill", "1", "--decode", "1", "--slo-ttft", "2").admission
+    assert deployment("--prefill", "1", "--decode", "1", "--slo-ttft", "2", "--admission").admission

@@ -115,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-requests", type=_pos_int, default=200)
     a("--router", choices=("round_robin", "planner"), default=None,
       help="round_robin, or the SLO planner (default: planner when an SLO is given)")  # fmt: skip
-    a("--admission", action="store_true", help="reject predicted SLO misses (needs SLOs)")
+    a("--admission", action=argparse.BooleanOptionalAction, default=None,
+      help="reject predicted SLO misses (needs SLOs); on by default with --adaptive, as "
+      "`pdserve serve --adaptive` has it")  # fmt: skip
     a("--disaggregation", choices=("always", "conditional", "overflow"), default="always")
     a("--adaptive", action="store_true",
       help="cpu: `pdserve serve --adaptive`: the planner with overflow, P's and D's threads "
@@ -154,6 +156,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         args.router, args.disaggregation = "planner", "overflow"
         args.slo_ttft = args.slo_ttft or ADAPTIVE_SLO_TTFT_S
         args.slo_tpot = args.slo_tpot or ADAPTIVE_SLO_TPOT_S
+        args.admission = True if args.admission is None else args.admission
+    args.admission = bool(args.admission)
     planner = args.router or ("planner" if args.slo_ttft or args.slo_tpot else "round_robin")
     want_planner = planner == "planner"
     if (args.admission or args.prefix_routing or args.autobalance) and not want_planner:
