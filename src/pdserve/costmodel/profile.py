@@ -18,7 +18,8 @@ Everything is measured on the real engine in this process, with `threads` torch 
   * transfer (bytes, s) and receive (tokens, s): one request's KV over a loopback ZeroMQ pair,
     the wire and D's own receive apart (costmodel/profile_transfer.py).
 
-Every point is the median of `repeats` (>= 3) timings, after one warm-up prefill and decode.
+Every point is the median of `repeats` (>= 3) timings, after one warm-up prefill and decode;
+the fresh prompt lengths and the decode points are timed in interleaved passes (`Grid`).
 The model is fitted with `CostModel.fit_relative`: samples span 50 ms to seconds, and a plain
 least-squares fit would serve the long ones and miss the short ones by 2x.
 `quick=True` uses a few small points (seconds, for tests on tiny models).
