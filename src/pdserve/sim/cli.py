@@ -214,7 +214,7 @@ def spec_from_args(args: argparse.Namespace) -> spec.SpecModel | None:
 # The flags a deployment file sets instead, with their defaults.
 FILE_OWNS = {
     "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
-    "router": None, "admission": False, "disaggregation": "always", "prefix_routing": False,
+    "router": None, "admission": None, "disaggregation": "always", "prefix_routing": False,
     "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
     "adaptive": False, "cores": 2,
 }  # fmt: skip
