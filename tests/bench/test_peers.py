@@ -113,3 +113,14 @@ def test_decode_format_forms_add_prefill_format_none() -> None:
         cmd = compare.SYSTEMS[name].command(args, 8000)
         base = compare.SYSTEMS[name.removesuffix("-pf-none")].command(args, 8000)
         assert cmd == [*base, "--prefill-format", "none"]
+
+
+def test_warm_up_refused_by_admission_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def refused(spec: Any, workload: Any = None) -> dict[str, Any]:
+        return {"completed": 0, "rejected": 1, "rejected_by_code": {"503": 1}, "errors": []}
+
+    monkeypatch.setattr(compare.serve_bench, "run_benchmark", refused)
+    with pytest.raises(RuntimeError, match=r"warm-up request refused \({'503': 1}\).*--slo-ttft"):
+        compare.warm_up(compare.SYSTEMS["pdserve-colocated"], _args(tmp_path), "http://x")

@@ -1,4 +1,5 @@
-"""vLLM CPU prefill tokens/s on an HF folder: unique random-token prompts, max_tokens=1, medians."""
+"""vLLM CPU prefill tokens/s on an HF folder: unique random-token prompts, max_tokens=1, medians.
+Usage: vllm_prefill.py HF_FOLDER [OUT.json] (vLLM logs to stdout too: the file holds only the result)."""
 import os, sys, time, random, statistics, json
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -20,6 +21,9 @@ def main():
             t = time.perf_counter(); llm.generate([p], sp, use_tqdm=False); ts.append(time.perf_counter() - t)
         out[n] = {"median_s": statistics.median(ts), "tok_s": n / statistics.median(ts), "runs_s": ts}
     print(json.dumps(out))
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

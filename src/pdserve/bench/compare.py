@@ -191,6 +191,11 @@ def warm_up(system: System, args: argparse.Namespace, url: str) -> None:
         workload="synthetic",
     )  # fmt: skip
     res = run_load(ns)
+    if res.get("rejected"):  # the server's SLO admission refused it: say so, not "failed: []"
+        raise RuntimeError(
+            f"{system.name}: warm-up request refused ({res.get('rejected_by_code')}): the server's "
+            "admission predicts its SLOs cannot be met here; loosen --slo-ttft / --slo-tpot"
+        )
     if not res["completed"]:
         raise RuntimeError(f"{system.name}: warm-up request failed: {res['errors']}")
 
