@@ -103,7 +103,8 @@ def _result() -> dict[str, Any]:
 def test_derived_slos_and_report(tmp_path: Path) -> None:
     result = _result()
     args = argparse.Namespace(slo_ttft=None, slo_tpot=None, slo_reference="pdserve-colocated",
-                              slo_ttft_factor=3.0, slo_tpot_factor=1.5)  # fmt: skip
+                              slo_ttft_factor=3.0, slo_tpot_factor=1.5,
+                              systems=[s["name"] for s in result["systems"]])  # fmt: skip
     ttft, tpot, how = compare.derive_slos(args, result["systems"])
     assert ttft == pytest.approx(0.36) and tpot == pytest.approx(0.0165)  # 3 x 120, 1.5 x 11
     assert "pdserve-colocated" in how
@@ -133,7 +134,8 @@ def test_derived_slos_and_report(tmp_path: Path) -> None:
 def test_given_slos_win_and_missing_reference_is_an_error() -> None:
     systems = copy.deepcopy(_result()["systems"])
     args = argparse.Namespace(slo_ttft=2.0, slo_tpot=0.1, slo_reference="nope",
-                              slo_ttft_factor=3.0, slo_tpot_factor=1.5)  # fmt: skip
+                              slo_ttft_factor=3.0, slo_tpot_factor=1.5,
+                              systems=[s["name"] for s in systems])  # fmt: skip
     assert compare.derive_slos(args, systems)[:2] == (2.0, 0.1)
     args.slo_tpot = None
     with pytest.raises(ValueError, match="nope"):

@@ -124,3 +124,20 @@ def test_warm_up_refused_by_admission_says_so(
     monkeypatch.setattr(compare.serve_bench, "run_benchmark", refused)
     with pytest.raises(RuntimeError, match=r"warm-up request refused \({'503': 1}\).*--slo-ttft"):
         compare.warm_up(compare.SYSTEMS["pdserve-colocated"], _args(tmp_path), "http://x")
+
+
+def test_slo_reference_defaults_to_the_pdserve_forms_run_and_refuses_absent_names(
+    tmp_path: Path,
+) -> None:
+    def ref(*extra: str) -> list[str]:
+        return compare.slo_reference(_args(tmp_path, *extra))
+
+    assert ref("--systems", "pdserve-colocated,llama-cpp") == ["pdserve-colocated"]
+    assert ref("--systems", "pdserve-1p1d,pdserve-colocated") == [
+        "pdserve-1p1d",
+        "pdserve-colocated",
+    ]
+    assert ref("--systems", "pdserve-adaptive,vllm-cpu") == ["pdserve-adaptive"]
+    assert ref("--systems", "llama-cpp") == ["llama-cpp"]
+    with pytest.raises(ValueError, match=r"\['pdserve-1p1d'\] not among --systems"):
+        ref("--systems", "pdserve-colocated", "--slo-reference", "pdserve-colocated,pdserve-1p1d")

@@ -25,7 +25,7 @@ pdserve's per-request timelines (GET /v1/requests/{id}/timeline) are fetched aft
 for the queue/prefill/transfer/decode breakdown.
 
 SLOs are `--slo-ttft`/`--slo-tpot` when given; otherwise derived after all phases from the
-unloaded phases of `--slo-reference` (default: both pdserve forms): TTFT SLO =
+unloaded phases of `--slo-reference` (default: the pdserve forms run): TTFT SLO =
 `--slo-ttft-factor` (3) x the slower median unloaded TTFT, TPOT SLO = `--slo-tpot-factor` (1.5)
 x the slower median unloaded TPOT. So every reference system meets the SLOs when idle, and
 what they measure is how each system holds up under load. Goodput is then recomputed for every
@@ -276,7 +276,7 @@ def derive_slos(
     measure is how a system holds up under load, not which one is fastest alone."""
     if args.slo_ttft is not None and args.slo_tpot is not None:
         return args.slo_ttft, args.slo_tpot, "given on the command line"
-    names = [n.strip() for n in args.slo_reference.split(",") if n.strip()]
+    names = slo_reference(args)
     medians = {s["name"]: _unloaded_medians(s) for s in systems if s["name"] in names}
     missing = [n for n in names if medians.get(n) is None]
     if missing or not names:
@@ -329,8 +329,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot", type=pos_float, default=None, help="s; default: derived")
     parser.add_argument(
         "--slo-reference",
-        default="pdserve-colocated,pdserve-1p1d",
-        help="systems whose unloaded latencies set derived SLOs (the slower, per metric)",
+        default=None,
+        help="systems whose unloaded latencies set derived SLOs (the slower, per metric); "
+        "default: pdserve-colocated and pdserve-1p1d where run, else the pdserve systems run",
     )
     parser.add_argument("--slo-ttft-factor", type=pos_float, default=3.0)
     parser.add_argument("--slo-tpot-factor", type=pos_float, default=1.5)
@@ -369,6 +370,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", type=Path, required=True)
 
 
+def slo_reference(args: argparse.Namespace) -> list[str]:
+    """The systems whose unloaded runs set derived SLOs: `--slo-reference`, or by default the
+    pdserve forms among `--systems` (colocated and 1P1D where run; any pdserve system else;
+    every system when none is pdserve). Checked before any phase runs: a name not run would
+    otherwise fail only after every measurement."""
+    if args.slo_reference is not None:
+        names = [n.strip() for n in args.slo_reference.split(",") if n.strip()]
+        absent = [n for n in names if n not in args.systems]
+        if absent or not names:
+            raise ValueError(f"--slo-reference {absent or names} not among --systems")
+        return names
+    forms = [n for n in args.systems if n in ("pdserve-colocated", "pdserve-1p1d")]
+    return forms or [n for n in args.systems if n.startswith("pdserve")] or list(args.systems)
+
+
 def check_prompts(args: argparse.Namespace) -> None:
     """A rag phase of more requests than there are questions would send a prompt twice, and a
     prefix-caching server would answer the repeat from its cache: refused."""
@@ -390,6 +406,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     if args.tokenizer is None and args.model is not None:
         args.tokenizer = str(args.model)
     check_prompts(args)
+    if args.slo_ttft is None or args.slo_tpot is None:
+        slo_reference(args)  # a bad name stops here, before the phases
     if any(SYSTEMS[name].hf_folder for name in args.systems):
         args.hf_model = peers.export_hf_folder(args.hf_model, args.model)
     args.output_dir.mkdir(parents=True, exist_ok=True)
