@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import engine_stats, loader, model_build, step_log
+from pdserve.engine import engine_stats, hybrid_kv, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend
+from pdserve.engine.hybrid_kv import HybridKVCacheManager, KVManager
 from pdserve.engine.kv_cache import PagedKVCache, log_window_layout, num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
@@ -62,14 +63,11 @@ class LLMEngine:
         self.model, self.prefill_choice = model_build.build_model(
             self.source, self.arch, mc, self.quantization, self.decode_matmul
         )
-        num_blocks = cc.num_blocks or num_blocks_for_memory(
+        self._cache_layout = cache_layout
+        self._num_blocks = cc.num_blocks or num_blocks_for_memory(
             cache_layout, cc.block_size, cc.kv_cache_memory_gb
         )
-        self.cache = PagedKVCache(cache_layout, num_blocks, cc.block_size, self.device)
-        self.kv_manager = KVCacheManager(
-            num_blocks, cc.block_size, cc.enable_prefix_caching, window=self.arch.uniform_window
-        )
-        log_window_layout(self.arch)
+        self._build_kv(groups=True)
         sc = config.scheduler_config
         self.scheduler = Scheduler(
             SchedulerPolicy(
@@ -81,7 +79,6 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
-        self.kv_manager.kept.ttl_s = cc.conversation_ttl  # conversation turns kept (KeptTurns)
         self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.pool_link: PoolLink | None = None  # attach_pool
         self.sampler = Sampler(mc.seed)
@@ -98,11 +95,56 @@ class LLMEngine:
         # first tokens (sampled on P, never emitted there) and choices that ended at once.
         self._pending: list[str] = []
 
+    def _build_kv(self, groups: bool) -> None:
+        """The paged cache and its manager for `_num_blocks` blocks of every layer's memory: a
+        model mixing sliding and global layers gets one KV group each when `groups`
+        (engine/hybrid_kv.py `split_blocks`), any other one group."""
+        arch, cc = self.arch, self.config.cache_config
+        layout, bs, n = self._cache_layout, cc.block_size, self._num_blocks
+        sc = self.config.scheduler_config
+        window = arch.sliding_window
+        if not groups or window is None or layout.window is None or arch.uniform_window:
+            self.cache = PagedKVCache(layout, n, bs, self.device)
+            self.kv_manager: KVManager = KVCacheManager(
+                n, bs, cc.enable_prefix_caching, window=arch.uniform_window,
+                conversation_ttl_s=cc.conversation_ttl,
+            )  # fmt: skip
+            log_window_layout(arch)
+            return
+        num_sliding = layout.layer_kinds.count("s")
+        size = hybrid_kv.split_blocks(
+            n, arch.num_layers, num_sliding, window, bs, sc.max_num_seqs, sc.max_num_batched_tokens
+        )
+        self.cache = PagedKVCache(layout, size.full, bs, self.device, size.sliding)
+        self.kv_manager = HybridKVCacheManager(
+            size.full, size.sliding, bs, window, cc.enable_prefix_caching,
+            conversation_ttl_s=cc.conversation_ttl,
+        )  # fmt: skip
+        log_window_layout(
+            arch,
+            f"{size.full} blocks of the global layers and {size.sliding} of the sliding ones "
+            f"(the budget of {n} blocks of every layer; running requests hold at most "
+            f"{size.steady} sliding blocks: max_num_seqs x (cdiv(window - 1, block) + 2) + "
+            "cdiv(max_num_batched_tokens, block), a quarter more for the prefix cache)",
+        )
+
     def attach_pool(self, pool: KVPool) -> None:
         """Load prompt prefixes from this KV pool and put every full block computed or received
-        here into it (engine/pool_link.py). Its namespace must describe this engine's KV."""
+        here into it (engine/pool_link.py). Its namespace must describe this engine's KV.
+
+        A pool block holds every layer's KV of its tokens, which a sliding layer's own KV group
+        drops as the window moves: a model mixing sliding and global layers goes back to one
+        block table for every layer (window layers keep full KV), so every block it puts or
+        loads is whole. Only before any request (the worker attaches at start-up)."""
         if self.pool_link is not None:
             raise ValueError("a KV pool is attached already")
+        if isinstance(self.kv_manager, HybridKVCacheManager):
+            if self.scheduler.requests or self._reserved or self.scheduler.held:
+                raise ValueError("attach a KV pool before any request")
+            self._build_kv(groups=False)
+            self.scheduler.kv = self.kv_manager
+            self.runner.cache = self.cache
+        assert isinstance(self.kv_manager, KVCacheManager)
         self.pool_link = PoolLink(pool, self.cache, self.kv_manager)
 
     # ---- intake -----------------------------------------------------------------------------
@@ -257,6 +299,17 @@ class LLMEngine:
         """Flat slot index of each token in [token_start, token_end) of a block table."""
         return self.cache.slots(block_ids, token_start, token_end).to(self.device)
 
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table of each KV group (kv_cache.py `layer_group`)."""
+        sliding = self.kv_manager.sliding_block_ids(request_id)
+        full = self.kv_manager.get_block_ids(request_id)
+        return [full] if sliding is None else [full, sliding]
+
+    def layer_slots(self, request_id: str, layer: int, start: int, end: int) -> torch.Tensor:
+        """`kv_slots` of the request's tokens [start, end) on `layer` (its group's table)."""
+        table = self.block_tables(request_id)[self.cache.layer_group[layer]]
+        return self.kv_slots(table, start, end)
+
     def write_kv(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store received K/V [n, KVH, D] into reserved slots. Touches only those slots, so a
         receiver thread may call it while the engine steps on other requests."""
@@ -410,9 +463,8 @@ class LLMEngine:
             child.matcher.replay([token])
         self._live[rid] = child
         self._children.setdefault(p.request_id, []).append(rid)
-        copy = self.scheduler.fork(p, request)
-        if copy is not None:
-            self.cache.copy_block(*copy)
+        for group, src, dst in self.scheduler.fork(p, request):
+            self.cache.copy_block(src, dst, group)
         self.counters.forked_choices += 1
         status = request.check_stop()
         if status is None and child.grammar_done:
