@@ -125,7 +125,7 @@ def test_n_choices_and_speculation_on_both_groups(gemma) -> None:  # type: ignor
     """n=3 choices forked from one prefill (the partial block copied in each group) equal
     separate requests; ngram speculation (rejected drafts trimmed in both groups) equals plain
     greedy decoding."""
-    folder, prompts, want = gemma
+    folder, prompts, _ = gemma
     llm = LLM(str(folder), block_size=BS, num_blocks=64)
     base = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
     (out,) = llm.generate([prompts[1]], SamplingParams(n=3, seed=5, **base))  # type: ignore[arg-type]
