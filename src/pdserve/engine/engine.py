@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import engine_stats, hybrid_kv, loader, model_build, step_log
+from pdserve.engine import engine_stats, kv_build, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend
-from pdserve.engine.hybrid_kv import HybridKVCacheManager, KVManager
-from pdserve.engine.kv_cache import PagedKVCache, log_window_layout, num_blocks_for_memory
+from pdserve.engine.hybrid_kv import HybridKVCacheManager
+from pdserve.engine.kv_access import KVAccess
+from pdserve.engine.kv_cache import num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-class LLMEngine:
+class LLMEngine(KVAccess):
     def __init__(
         self, config: EngineConfig, prefill_budget: Callable[[int, int, int], int] | None = None
     ) -> None:
@@ -96,36 +97,8 @@ class LLMEngine:
         self._pending: list[str] = []
 
     def _build_kv(self, groups: bool) -> None:
-        """The paged cache and its manager for `_num_blocks` blocks of every layer's memory: a
-        model mixing sliding and global layers gets one KV group each when `groups`
-        (engine/hybrid_kv.py `split_blocks`), any other one group."""
-        arch, cc = self.arch, self.config.cache_config
-        layout, bs, n = self._cache_layout, cc.block_size, self._num_blocks
-        sc = self.config.scheduler_config
-        window = arch.sliding_window
-        if not groups or window is None or layout.window is None or arch.uniform_window:
-            self.cache = PagedKVCache(layout, n, bs, self.device)
-            self.kv_manager: KVManager = KVCacheManager(
-                n, bs, cc.enable_prefix_caching, window=arch.uniform_window,
-                conversation_ttl_s=cc.conversation_ttl,
-            )  # fmt: skip
-            log_window_layout(arch)
-            return
-        num_sliding = layout.layer_kinds.count("s")
-        size = hybrid_kv.split_blocks(
-            n, arch.num_layers, num_sliding, window, bs, sc.max_num_seqs, sc.max_num_batched_tokens
-        )
-        self.cache = PagedKVCache(layout, size.full, bs, self.device, size.sliding)
-        self.kv_manager = HybridKVCacheManager(
-            size.full, size.sliding, bs, window, cc.enable_prefix_caching,
-            conversation_ttl_s=cc.conversation_ttl,
-        )  # fmt: skip
-        log_window_layout(
-            arch,
-            f"{size.full} blocks of the global layers and {size.sliding} of the sliding ones "
-            f"(the budget of {n} blocks of every layer; running requests hold at most "
-            f"{size.steady} sliding blocks: max_num_seqs x (cdiv(window - 1, block) + 2) + "
-            "cdiv(max_num_batched_tokens, block), a quarter more for the prefix cache)",
+        self.cache, self.kv_manager = kv_build.build_kv(
+            self.arch, self._cache_layout, self._num_blocks, self.config, self.device, groups
         )
 
     def attach_pool(self, pool: KVPool) -> None:
@@ -294,32 +267,6 @@ class LLMEngine:
 
     def held_request(self, request_id: str) -> Request | None:
         return self.scheduler.held.get(request_id)
-
-    def kv_slots(self, block_ids: list[int], token_start: int, token_end: int) -> torch.Tensor:
-        """Flat slot index of each token in [token_start, token_end) of a block table."""
-        return self.cache.slots(block_ids, token_start, token_end).to(self.device)
-
-    def block_tables(self, request_id: str) -> list[list[int]]:
-        """The request's block table of each KV group (kv_cache.py `layer_group`)."""
-        sliding = self.kv_manager.sliding_block_ids(request_id)
-        full = self.kv_manager.get_block_ids(request_id)
-        return [full] if sliding is None else [full, sliding]
-
-    def layer_slots(self, request_id: str, layer: int, start: int, end: int) -> torch.Tensor:
-        """`kv_slots` of the request's tokens [start, end) on `layer` (its group's table)."""
-        table = self.block_tables(request_id)[self.cache.layer_group[layer]]
-        return self.kv_slots(table, start, end)
-
-    def write_kv(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store received K/V [n, KVH, D] into reserved slots. Touches only those slots, so a
-        receiver thread may call it while the engine steps on other requests."""
-        self.cache.write(slots, layer, k, v)
-
-    def read_kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [n, KVH, D] of those slots in the model's dtype (what the wire carries, whatever
-        either side's --kv-cache-dtype: the layer-streamed KV is the model's activations)."""
-        k, v = self.cache.read(slots, layer)
-        return k.to(self.dtype), v.to(self.dtype)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (queued, running, reserved or held); frees its KV."""
@@ -512,19 +459,6 @@ class LLMEngine:
         done = parent not in self._live and not any(c in self._live for c in choices or ())
         if choices is not None and done:
             del self._children[parent]  # the whole n-choice request is done
-
-    # ---- prefix-cache events (pushed to routers by the worker) -------------------------------
-    @property
-    def has_kv_events(self) -> bool:
-        return self.kv_manager.has_events
-
-    def take_kv_events(self) -> tuple[list[bytes], list[bytes], bool]:
-        """(stored, removed, cleared) block hashes since the last call; `cleared`: `stored` is
-        the whole current set (the pending buffer overflowed)."""
-        return self.kv_manager.take_events()
-
-    def cached_block_hashes(self) -> list[bytes]:
-        return self.kv_manager.cached_hashes()
 
     # ---- introspection ----------------------------------------------------------------------
     def stats_record(self) -> engine_stats.EngineStats:
