@@ -159,3 +159,25 @@ def test_kept_turns_and_the_reset_act_on_both_groups() -> None:
     assert kv.reset_prefix_cache() == 4  # the kept turns go first, then every cached hash
     assert kv.num_kept_blocks == 0 and kv.sliding.num_cached_blocks == 0
     assert_no_leaks(kv)
+
+
+def test_memory_pressure_releases_a_kept_turn_in_both_groups() -> None:
+    """The sliding group short: the oldest kept conversation goes from both groups at once
+    (its global blocks alone would make no hit)."""
+    kv = make_hybrid_kv(num_blocks=64, sliding_blocks=5)  # 4 usable sliding blocks
+    for g in kv.groups:
+        g.kept.ttl_s = 60.0
+    req = make_request("t", 16)
+    kv.mark_turn(req, "conv")
+    for start in range(0, 16, 4):
+        assert kv.allocate_slots(req, 4) is not None
+        req.num_computed_tokens = start + 4
+    kv.keep_turn("t", "conv")
+    kv.free("t")
+    assert (kv.full.num_kept_blocks, kv.sliding.num_kept_blocks) == (4, 3)
+    other = make_request("o", 12)
+    assert kv.allocate_slots(other, 12) is not None  # 3 sliding blocks: the turn must go
+    assert len(kv.full.kept) == len(kv.sliding.kept) == 0
+    assert kv.kept.stats.released["pressure"] == 1
+    kv.free("o")
+    assert_no_leaks(kv)

@@ -172,7 +172,17 @@ class HybridKVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------------
     def _short(self, plans: list[SlotPlan]) -> bool:
-        return any(g._short(p.need, p.hit) for g, p in zip(self.groups, plans, strict=True))
+        """Whether the plans do not fit both groups, after releasing kept turns as far as that
+        helps (KVCacheManager._short): the oldest conversation's blocks in both groups at once,
+        since either half alone makes no hit."""
+        pairs = list(zip(self.groups, plans, strict=True))
+        while not all(g.fits_now(p.need, p.hit) for g, p in pairs):
+            key = self.full.kept.oldest() or self.sliding.kept.oldest()
+            if key is None:
+                return True
+            for g in self.groups:
+                g._drop(g.kept.release(key, "pressure"))
+        return False
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
@@ -225,7 +235,8 @@ class HybridKVCacheManager:
     ) -> list[tuple[int, int, int]]:
         """KVCacheManager.fork in both groups (group 0 global, 1 sliding), or MemoryError with
         nothing changed: a partial last block needs a free block in each group."""
-        if num_tokens % self.block_size and any(g._short(1, []) for g in self.groups):
+        copy = SlotPlan([], 1, [])  # a block for the copy in each group
+        if num_tokens % self.block_size and self._short([copy, copy]):
             raise MemoryError("no free block to copy the last partial block into")
         return [
             (i, *copy)

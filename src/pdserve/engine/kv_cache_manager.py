@@ -242,15 +242,19 @@ class KVCacheManager(PoolBlocks):
     def _short(self, need: int, hit: list[Block | None]) -> bool:
         """Whether `need` new blocks do not fit beside the hit's, after releasing kept turns
         (oldest first) as far as that helps: a kept turn goes before a request waits or is
-        preempted. Hit blocks that are free count as free now but stop being free once touched."""
-        while True:
-            reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
-            if need <= self.pool.num_free_blocks - reclaimable:
-                return False
+        preempted."""
+        while not self.fits_now(need, hit):
             kept = self.kept.pop_oldest()
             if kept is None:
                 return True
             self._drop(kept)
+        return False
+
+    def fits_now(self, need: int, hit: list[Block | None]) -> bool:
+        """Whether `need` new blocks fit beside the hit's now. Hit blocks that are free count
+        as free now but stop being free once touched."""
+        reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+        return need <= self.pool.num_free_blocks - reclaimable
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for KV that will arrive from elsewhere (a decode worker's pre-allocation).
