@@ -235,8 +235,8 @@ class HybridKVCacheManager:
     ) -> list[tuple[int, int, int]]:
         """KVCacheManager.fork in both groups (group 0 global, 1 sliding), or MemoryError with
         nothing changed: a partial last block needs a free block in each group."""
-        copy = SlotPlan([], 1, [])  # a block for the copy in each group
-        if num_tokens % self.block_size and self._short([copy, copy]):
+        one = SlotPlan([], 1, [])  # a block for the copy in each group
+        if num_tokens % self.block_size and self._short([one, one]):
             raise MemoryError("no free block to copy the last partial block into")
         return [
             (i, *copy)
