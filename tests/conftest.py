@@ -229,11 +229,14 @@ def _assert_no_leaks_in(value: object) -> None:
 
 def _idle(obj: object) -> bool:
     """Nothing alive in a scheduler or KV manager: then nothing may hold memory either."""
+    from pdserve.engine.hybrid_kv import HybridKVCacheManager
     from pdserve.engine.kv_cache_manager import KVCacheManager
     from pdserve.engine.scheduler import Scheduler
 
     if isinstance(obj, Scheduler):
         return not obj.requests and not obj.held
+    if isinstance(obj, HybridKVCacheManager):
+        return all(_idle(g) for g in obj.groups)
     return isinstance(obj, KVCacheManager) and not obj._blocks
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.hybrid_kv import HybridKVCacheManager
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
@@ -60,10 +61,10 @@ def make_request(
 
 # Every scheduler and KV manager the factories made since the last `take_made()` (held until
 # then: a test's locals are gone by teardown, when conftest.py's leak check looks at them).
-_made: list[Scheduler | KVCacheManager] = []
+_made: list[Scheduler | KVCacheManager | HybridKVCacheManager] = []
 
 
-def take_made() -> list[Scheduler | KVCacheManager]:
+def take_made() -> list[Scheduler | KVCacheManager | HybridKVCacheManager]:
     """The schedulers and KV managers made since the last call."""
     made = list(_made)
     _made.clear()
@@ -74,6 +75,19 @@ def make_kv(
     num_blocks: int = 64, block_size: int = 4, caching: bool = True, window: int | None = None
 ) -> KVCacheManager:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, window=window)
+    _made.append(kv)
+    return kv
+
+
+def make_hybrid_kv(
+    num_blocks: int = 64,
+    sliding_blocks: int = 16,
+    block_size: int = 4,
+    window: int = 8,
+    caching: bool = True,
+) -> HybridKVCacheManager:
+    """A KV manager with a global group and a sliding one (engine/hybrid_kv.py)."""
+    kv = HybridKVCacheManager(num_blocks, sliding_blocks, block_size, window, caching)
     _made.append(kv)
     return kv
 
@@ -240,7 +254,7 @@ def run_to_completion(
     return RunResult(outputs, steps, seen)
 
 
-def assert_no_leaks(obj: Scheduler | KVCacheManager | BlockPool) -> None:
+def assert_no_leaks(obj: Scheduler | KVCacheManager | HybridKVCacheManager | BlockPool) -> None:
     """Nothing alive holds memory: all blocks free, no request held, refcounts all 0."""
     if isinstance(obj, Scheduler):
         assert not obj.requests, f"requests still held: {list(obj.requests)}"
@@ -248,6 +262,11 @@ def assert_no_leaks(obj: Scheduler | KVCacheManager | BlockPool) -> None:
         assert not obj.running
         assert not obj.held, f"KV still held for transfer: {list(obj.held)}"
         obj = obj.kv
+    if isinstance(obj, HybridKVCacheManager):
+        for group in obj.groups:
+            assert_no_leaks(group)
+        assert obj.usage == 0.0
+        return
     null = None  # a windowed manager's null block: held for good, by no request
     if isinstance(obj, KVCacheManager):
         assert not obj._blocks, f"block tables still held: {list(obj._blocks)}"

@@ -143,7 +143,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _f(16, "tokens per KV block")
-    num_blocks: int | None = _f(None, "KV blocks; default: derived from kv_cache_memory_gb")
+    num_blocks: int | None = _f(
+        None,
+        "KV blocks; default: derived from kv_cache_memory_gb (a model mixing sliding and global "
+        "layers splits the memory of this many blocks between its two KV groups)",
+    )
     kv_cache_memory_gb: float = _f(1.0, "memory for the KV cache when num_blocks is not set")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
     conversation_ttl: float = _f(

@@ -262,6 +262,18 @@ def test_history_as_the_openai_client_sends_it_back() -> None:
     assert out[2] == {"role": "tool", "content": "42", "tool_call_id": "c"}
 
 
+@pytest.mark.parametrize("function", ["f", [1], 0])
+def test_a_tool_call_whose_function_is_no_object_is_a_400(function: object) -> None:
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": function}]},
+    ]
+    req = parse(p.ChatCompletionRequest, model="m", messages=msgs)
+    with pytest.raises(InvalidRequest, match="function must be an object") as e:
+        req.template_messages()
+    assert (e.value.status, e.value.param) == (400, "messages")
+
+
 def test_tools_stay_refused_on_completions() -> None:
     e = refused(p.CompletionRequest, model="m", prompt="x", tools=[{"type": "function"}])
     assert (e.param, e.code) == ("tools", "unsupported_parameter")

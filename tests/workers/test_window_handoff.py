@@ -72,13 +72,12 @@ def test_handoff_sends_each_layer_its_window(tmp_path, default_tokenizer, name) 
         got, _, _ = _sent(c, turn)
         assert got == second
         reused = c.worker_stats()["D0"]["kv_tokens_reused"]
-        if name == "mistral-window":
-            # D registered the first turn's full blocks from its window on (the blocks before
-            # never came), decoded ones included: the last two (the window of the hit's end)
-            # make a hit of every full block of that turn's KV, found from the right
-            assert reused == (len(long) + GREEDY.max_tokens - 1) // 8 * 8
-        else:
-            assert reused == 0  # global layers need every block; D's first ones were partial
+        # D registered the first turn's full blocks from its window on (the blocks before
+        # never came), decoded ones included: the last two (the window of the hit's end)
+        # make a hit of every full block of that turn's KV, found from the right. Gemma 3's
+        # global layers have their own KV group (engine/hybrid_kv.py), whose blocks all came
+        # whole: the same hit.
+        assert reused == (len(long) + GREEDY.max_tokens - 1) // 8 * 8
         assert_cluster_idle(c)
 
 
@@ -107,4 +106,30 @@ def test_handoff_after_decode_steps_on_p_without_streaming(tmp_path, default_tok
         assert starts == [num_kv - WINDOW + 1] * arch.num_layers
         payload = _payload(arch, num_kv, starts)
         assert payload <= nbytes <= payload + frames * (HEADER_FIXED_SIZE + MAX_REQUEST_ID_BYTES)
+        assert_cluster_idle(c)
+
+
+@pytest.mark.parametrize("stream_kv", [True, False])
+def test_mixed_model_handoff_from_small_kv_groups(tmp_path, default_tokenizer, stream_kv) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 3 with a KV group per kind of layer on both sides (engine/hybrid_kv.py): P computes
+    the prompt in chunks of 32 and decodes 2 tokens with 5 usable sliding blocks (freed and
+    taken again as the window moves), reads each sliding layer's window from its own group's
+    blocks, D writes it into its own sliding group: D's tokens equal the colocated engine's."""
+    tiny_arch.save(tmp_path, "gemma3", default_tokenizer, sliding_window=WINDOW)
+    (long,) = tiny_arch.prompts((120,), seed=3)
+    colocated = LLM(str(tmp_path), block_size=8)
+    want = colocated.generate([long], GREEDY)[0].outputs[0].token_ids
+    small = {"max_num_seqs": 1, "max_num_batched_tokens": 32}
+    with LocalCluster(
+        str(tmp_path),
+        transport="inproc",
+        handoff_tokens=3,
+        stream_kv=stream_kv,
+        prefill_args={"block_size": 16, "num_blocks": 12, **small},
+        decode_args={"block_size": 8, "num_blocks": 40, **small},
+    ) as c:
+        sizes = {w: (s["kv_blocks_total"]) for w, s in c.worker_stats().items()}
+        assert sizes == {"P0": 18 + 5, "D0": 65 + 14}, sizes  # global + sliding (null block out)
+        got, _, _ = _sent(c, long)
+        assert got == want
         assert_cluster_idle(c)

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import engine_stats, loader, model_build, step_log
+from pdserve.engine import engine_stats, kv_build, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend
-from pdserve.engine.kv_cache import PagedKVCache, log_window_layout, num_blocks_for_memory
+from pdserve.engine.hybrid_kv import HybridKVCacheManager
+from pdserve.engine.kv_access import KVAccess
+from pdserve.engine.kv_cache import num_blocks_for_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-class LLMEngine:
+class LLMEngine(KVAccess):
     def __init__(
         self, config: EngineConfig, prefill_budget: Callable[[int, int, int], int] | None = None
     ) -> None:
@@ -62,14 +64,11 @@ class LLMEngine:
         self.model, self.prefill_choice = model_build.build_model(
             self.source, self.arch, mc, self.quantization, self.decode_matmul
         )
-        num_blocks = cc.num_blocks or num_blocks_for_memory(
+        self._cache_layout = cache_layout
+        self._num_blocks = cc.num_blocks or num_blocks_for_memory(
             cache_layout, cc.block_size, cc.kv_cache_memory_gb
         )
-        self.cache = PagedKVCache(cache_layout, num_blocks, cc.block_size, self.device)
-        self.kv_manager = KVCacheManager(
-            num_blocks, cc.block_size, cc.enable_prefix_caching, window=self.arch.uniform_window
-        )
-        log_window_layout(self.arch)
+        self._build_kv(groups=True)
         sc = config.scheduler_config
         self.scheduler = Scheduler(
             SchedulerPolicy(
@@ -81,7 +80,6 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
-        self.kv_manager.kept.ttl_s = cc.conversation_ttl  # conversation turns kept (KeptTurns)
         self.runner = ModelRunner(self.model, self.cache, self.device, cc.attention)
         self.pool_link: PoolLink | None = None  # attach_pool
         self.sampler = Sampler(mc.seed)
@@ -98,11 +96,28 @@ class LLMEngine:
         # first tokens (sampled on P, never emitted there) and choices that ended at once.
         self._pending: list[str] = []
 
+    def _build_kv(self, groups: bool) -> None:
+        self.cache, self.kv_manager = kv_build.build_kv(
+            self.arch, self._cache_layout, self._num_blocks, self.config, self.device, groups
+        )
+
     def attach_pool(self, pool: KVPool) -> None:
         """Load prompt prefixes from this KV pool and put every full block computed or received
-        here into it (engine/pool_link.py). Its namespace must describe this engine's KV."""
+        here into it (engine/pool_link.py). Its namespace must describe this engine's KV.
+
+        A pool block holds every layer's KV of its tokens, which a sliding layer's own KV group
+        drops as the window moves: a model mixing sliding and global layers goes back to one
+        block table for every layer (window layers keep full KV), so every block it puts or
+        loads is whole. Only before any request (the worker attaches at start-up)."""
         if self.pool_link is not None:
             raise ValueError("a KV pool is attached already")
+        if isinstance(self.kv_manager, HybridKVCacheManager):
+            if self.scheduler.requests or self._reserved or self.scheduler.held:
+                raise ValueError("attach a KV pool before any request")
+            self._build_kv(groups=False)
+            self.scheduler.kv = self.kv_manager
+            self.runner.cache = self.cache
+        assert isinstance(self.kv_manager, KVCacheManager)
         self.pool_link = PoolLink(pool, self.cache, self.kv_manager)
 
     # ---- intake -----------------------------------------------------------------------------
@@ -253,21 +268,6 @@ class LLMEngine:
     def held_request(self, request_id: str) -> Request | None:
         return self.scheduler.held.get(request_id)
 
-    def kv_slots(self, block_ids: list[int], token_start: int, token_end: int) -> torch.Tensor:
-        """Flat slot index of each token in [token_start, token_end) of a block table."""
-        return self.cache.slots(block_ids, token_start, token_end).to(self.device)
-
-    def write_kv(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store received K/V [n, KVH, D] into reserved slots. Touches only those slots, so a
-        receiver thread may call it while the engine steps on other requests."""
-        self.cache.write(slots, layer, k, v)
-
-    def read_kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [n, KVH, D] of those slots in the model's dtype (what the wire carries, whatever
-        either side's --kv-cache-dtype: the layer-streamed KV is the model's activations)."""
-        k, v = self.cache.read(slots, layer)
-        return k.to(self.dtype), v.to(self.dtype)
-
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (queued, running, reserved or held); frees its KV."""
         for child in self._children.pop(request_id, ()):
@@ -410,9 +410,8 @@ class LLMEngine:
             child.matcher.replay([token])
         self._live[rid] = child
         self._children.setdefault(p.request_id, []).append(rid)
-        copy = self.scheduler.fork(p, request)
-        if copy is not None:
-            self.cache.copy_block(*copy)
+        for group, src, dst in self.scheduler.fork(p, request):
+            self.cache.copy_block(src, dst, group)
         self.counters.forked_choices += 1
         status = request.check_stop()
         if status is None and child.grammar_done:
@@ -460,19 +459,6 @@ class LLMEngine:
         done = parent not in self._live and not any(c in self._live for c in choices or ())
         if choices is not None and done:
             del self._children[parent]  # the whole n-choice request is done
-
-    # ---- prefix-cache events (pushed to routers by the worker) -------------------------------
-    @property
-    def has_kv_events(self) -> bool:
-        return self.kv_manager.has_events
-
-    def take_kv_events(self) -> tuple[list[bytes], list[bytes], bool]:
-        """(stored, removed, cleared) block hashes since the last call; `cleared`: `stored` is
-        the whole current set (the pending buffer overflowed)."""
-        return self.kv_manager.take_events()
-
-    def cached_block_hashes(self) -> list[bytes]:
-        return self.kv_manager.cached_hashes()
 
     # ---- introspection ----------------------------------------------------------------------
     def stats_record(self) -> engine_stats.EngineStats:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine import prefill_format
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.hybrid_kv import KVManager
     from pdserve.engine.linear.phases import StepRows
     from pdserve.engine.pool_link import PoolLink
     from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -79,7 +79,7 @@ def record(
     prefill: prefill_format.PrefillChoice,
     step_rows: StepRows | None,
     scheduler: Scheduler,
-    kv: KVCacheManager,
+    kv: KVManager,
     counters: StepCounters,
     reserved: int,
     link: PoolLink | None,
@@ -96,7 +96,7 @@ def record(
         kv_blocks_used=kv.num_blocks - kv.num_free_blocks - kv.num_kept_blocks,
         prefix_cache_hit_rate=kv.stats.hit_rate,
         prefix_cache_hit_tokens=kv.stats.hits,
-        prefix_cached_blocks=kv.pool.num_cached_blocks,
+        prefix_cached_blocks=kv.num_cached_blocks,
         preemptions=scheduler.num_preemptions,
         counters=replace(counters),
         fork_recomputes=scheduler.num_fork_recomputes,
@@ -108,7 +108,7 @@ def record(
     )
 
 
-def conversation_stats(kv: KVCacheManager) -> dict[str, int]:
+def conversation_stats(kv: KVManager) -> dict[str, int]:
     """Finished conversation turns kept for their next turn (engine/kept_turns.py)."""
     s = kv.kept.stats
     released = {f"conversation_released_{k}": v for k, v in s.released.items()}

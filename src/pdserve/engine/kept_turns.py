@@ -98,6 +98,18 @@ class KeptTurns(Generic[T]):
         self.stats.released["pressure"] += 1
         return entry.items
 
+    def oldest(self) -> str | None:
+        """The key of the entry `pop_oldest` would take."""
+        return next(iter(self._entries), None)
+
+    def release(self, key: str, reason: str) -> list[T]:
+        """The items of `key`'s entry (none if not kept), removed for `reason` (counted)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return []
+        self.stats.released[reason] += 1
+        return entry.items
+
     def items(self) -> list[T]:
         """Every kept item, once per entry that holds it."""
         return [item for e in self._entries.values() for item in e.items]

@@ -1,9 +1,14 @@
 """The paged KV tensors: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
 
 Block ids handed out by `KVCacheManager` index the first axis. Token t of a request lives at
-block_table[t // block_size], offset t % block_size — the same on every layer. Under a window
-on every layer, entries of blocks that left the window hold the null block's id (nothing reads
-them: every attention path starts at the window's first block).
+block_table[t // block_size], offset t % block_size. Under a window on every layer, entries of
+blocks that left the window hold the null block's id (nothing reads them: every attention path
+starts at the window's first block).
+
+KV groups (engine/hybrid_kv.py): a model mixing sliding-window and global layers may hold its
+sliding layers in their own blocks (`sliding_blocks` of them, group 1) with their own block
+table, the global layers in the `num_blocks` of group 0 (`layer_group`). Otherwise every layer
+is in group 0 and one table serves them all.
 """
 
 from __future__ import annotations
@@ -41,39 +46,58 @@ def num_blocks_for_memory(layout: KVLayout, block_size: int, memory_gb: float) -
     return max(1, int(memory_gb * 1024**3) // layout.block_nbytes(block_size))
 
 
-def log_window_layout(arch: ModelArch) -> None:
-    """Say at start-up what the paged KV cache does with the model's sliding windows."""
+def log_window_layout(arch: ModelArch, groups: str = "") -> None:
+    """Say at start-up what the paged KV cache does with the model's sliding windows
+    (`groups`: how the blocks were split between KV groups, for a mixed model)."""
     sliding = sum(arch.is_sliding(i) for i in range(arch.num_layers))
     if sliding and arch.sliding_window:
-        log.info("%s", _window_layout(arch, sliding))
+        log.info("%s", _window_layout(arch, sliding, groups))
 
 
-def _window_layout(arch: ModelArch, sliding: int) -> str:
+def _window_layout(arch: ModelArch, sliding: int, groups: str) -> str:
     if arch.uniform_window is not None:
         return (
             f"sliding window {arch.sliding_window} on every layer: KV blocks that leave the "
             "window are freed; the hand-off sends each layer its window"
         )
+    if not groups:  # the KV pool (engine.attach_pool) keeps one table
+        return (
+            f"sliding window {arch.sliding_window} on {sliding} of {arch.num_layers} layers: "
+            "window layers keep full KV (one block table for all layers, as the KV pool's "
+            "blocks hold every layer); the hand-off sends window layers only their window"
+        )
     return (
-        f"sliding window {arch.sliding_window} on {sliding} of {arch.num_layers} layers: window "
-        "layers keep full KV (one block table for all layers; global layers need every block); "
-        "the hand-off sends window layers only their window"
+        f"sliding window {arch.sliding_window} on {sliding} of {arch.num_layers} layers: two KV "
+        f"groups, {groups}; blocks that leave the window are freed in the sliding group; the "
+        "hand-off sends window layers only their window"
     )
 
 
 class PagedKVCache:
     def __init__(
-        self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        sliding_blocks: int | None = None,
     ) -> None:
+        """`sliding_blocks`: the sliding layers' own blocks (group 1; layout.layer_kinds says
+        which layers slide); None: one group."""
         self.layout = layout  # its dtype is the cache's (--kv-cache-dtype)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, layout.dtype
-        dtype = layout.dtype
-        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        kinds = layout.layer_kinds if sliding_blocks is not None else ""
+        self.layer_group = [int(kinds[i] == "s") if kinds else 0 for i in range(layout.num_layers)]
+        self.group_blocks = [num_blocks] if not kinds else [num_blocks, sliding_blocks or 0]
         # Zero-filled so padded (masked) slots never hold NaN/Inf that could leak through 0 * x.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (zeros(shape, dtype, device), zeros(shape, dtype, device))
-            for _ in range(layout.num_layers)
+            (self._zeros(group, device), self._zeros(group, device)) for group in self.layer_group
         ]
+
+    def _zeros(self, group: int, device: torch.device) -> torch.Tensor:
+        layout = self.layout
+        shape = (self.group_blocks[group], self.block_size, layout.num_kv_heads, layout.head_dim)
+        return zeros(shape, layout.dtype, device)
 
     @property
     def nbytes(self) -> int:
@@ -99,11 +123,12 @@ class PagedKVCache:
         kvh, d = k_cache.shape[2], k_cache.shape[3]
         return k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Block `dst` of every layer becomes a copy of block `src`."""
-        for k_cache, v_cache in self.layers:
-            k_cache[dst].copy_(k_cache[src])
-            v_cache[dst].copy_(v_cache[src])
+    def copy_block(self, src: int, dst: int, group: int = 0) -> None:
+        """Block `dst` of every layer of KV group `group` becomes a copy of block `src`."""
+        for (k_cache, v_cache), g in zip(self.layers, self.layer_group, strict=True):
+            if g == group:
+                k_cache[dst].copy_(k_cache[src])
+                v_cache[dst].copy_(v_cache[src])
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ until evicted, as any freed block). The block table keeps its positions: a freed
 here and the null block's id in `get_block_ids` (a block no request owns, taken out of the pool
 at start), so token t still lives at table[t // block_size] and the kernels, which start at the
 window's first block, index it unchanged. A prefix hit then needs only the blocks before its
-end that the window covers (`_window_lookup`, found from the right as vLLM's
+end that the window covers (`kv_window.window_lookup`, found from the right as vLLM's
 SlidingWindowManager does), and requests hold at most cdiv(window - 1 + chunk, block_size) + 1
 blocks (`peak_blocks`), which is what admission counts.
 
@@ -25,35 +25,31 @@ import collections
 import time
 from dataclasses import dataclass
 
+from pdserve.engine import kv_window
 from pdserve.engine.block_pool import ROOT_HASH, Block, BlockHash, BlockPool, hash_full_blocks
 from pdserve.engine.kept_turns import KeptTurns
+from pdserve.engine.kv_pool_blocks import PoolBlocks
+from pdserve.engine.kv_window import PrefixCacheStats, PrefixHit, cdiv
 from pdserve.engine.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "SlotPlan", "cdiv"]
 
 
 @dataclass
-class PrefixHit:
-    """Result of a prefix-cache lookup: opaque to callers except for the token count. Under a
-    window, leading entries the hit does not need are None."""
+class SlotPlan:
+    """What `allocate_slots` or `reserve` will do, worked out before anything is taken, so a
+    caller holding several managers (engine/hybrid_kv.py) can check that all of them fit first.
+    `blocks`: the entries to put after the request's held ones (the hit's, None for positions
+    out of the window); `need`: new blocks to take after them; `hit`: the cached blocks
+    among `blocks`, which `_short` counts."""
 
     blocks: list[Block | None]
-    num_tokens: int
+    need: int
+    hit: list[Block | None]
+    end: int = 0  # tokens with KV after the step (allocate_slots registers the full blocks)
 
 
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which found in the cache
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class KVCacheManager:
+class KVCacheManager(PoolBlocks):
     def __init__(
         self,
         num_blocks: int,
@@ -108,6 +104,14 @@ class KVCacheManager:
         null = self.null_block.block_id if self.null_block is not None else -1
         return [null if b is None else b.block_id for b in self._blocks.get(request_id, ())]
 
+    def sliding_block_ids(self, request_id: str) -> list[int] | None:
+        """The sliding layers' own block table: None, they share this one (hybrid_kv.py)."""
+        return None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached_blocks
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._blocks
 
@@ -115,22 +119,15 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def peak_blocks(self, num_tokens: int, chunk: int) -> int:
-        """The most blocks a request holds at once while its KV grows to `num_tokens` tokens,
-        `chunk` at most per step: all of them, or under a window those its window and one
-        chunk span (a step at p computing n tokens holds the blocks of [p - window + 1, p + n),
-        cdiv(window - 1 + n, block_size) + 1 at most for a window starting mid-block)."""
-        full = self.blocks_needed(num_tokens)
-        if self.window is None:
-            return full
-        span = self.window - 1 + max(1, min(chunk, num_tokens))
-        return min(full, cdiv(span, self.block_size) + 1)
+        """The most blocks a request holds at once (kv_window.peak_blocks)."""
+        return kv_window.peak_blocks(self.window, self.block_size, num_tokens, chunk)
+
+    def fits(self, num_tokens: int, chunk: int) -> bool:
+        """Whether a request whose KV grows to `num_tokens` tokens ever fits the whole cache."""
+        return self.peak_blocks(num_tokens, chunk) <= self.num_blocks
 
     def _out_of_window(self, position: int) -> int:
-        """Leading blocks nothing computed from `position` on reads: those wholly before the
-        first key `position` sees (0 without a window)."""
-        if self.window is None:
-            return 0
-        return max(0, position - self.window + 1) // self.block_size
+        return kv_window.out_of_window(self.window, self.block_size, position)
 
     def _slide(self, blocks: list[Block | None], position: int) -> None:
         """Free the blocks that left the window of `position` (entries become None). Each call
@@ -173,7 +170,9 @@ class KVCacheManager:
         hashes = self._request_hashes(request)
         max_blocks = max(0, max_tokens) // self.block_size
         if self.window is not None:
-            return self._window_lookup(hashes[:max_blocks])
+            return kv_window.window_lookup(
+                self.pool, hashes[:max_blocks], self.window, self.block_size
+            )
         hit: list[Block | None] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -181,26 +180,6 @@ class KVCacheManager:
                 break
             hit.append(block)
         return PrefixHit(hit, len(hit) * self.block_size)
-
-    def _window_lookup(self, hashes: list[BlockHash]) -> PrefixHit:
-        """The longest hit of h blocks whose last cdiv(window - 1, block_size) blocks (what the
-        query at h * block_size sees before itself) are cached, or whose blocks are all cached
-        from the first; found from the right. Entries before those are None."""
-        assert self.window is not None
-        need = cdiv(self.window - 1, self.block_size)
-        run: list[Block] = []  # cached blocks, right to left, ending just before the hit's end
-        for i in range(len(hashes) - 1, -1, -1):
-            block = self.pool.get_cached_block(hashes[i])
-            if block is None:
-                run = []
-                continue
-            run.append(block)
-            if len(run) >= need:
-                hit: list[Block | None] = [None] * i
-                hit.extend(reversed(run))
-                return PrefixHit(hit, len(hit) * self.block_size)
-        run.reverse()  # a run from block 0 shorter than the window: every key it needs
-        return PrefixHit(list(run), len(run) * self.block_size)
 
     def _count(self, num_tokens: int, hit: PrefixHit) -> None:
         self.stats.queries += num_tokens
@@ -232,35 +211,50 @@ class KVCacheManager:
         Under a window, blocks that left the window of the first new token are freed first
         (even when the rest does not fit: nothing will read them again).
         """
+        plan = self.plan_slots(request, num_new_tokens, prefix)
+        if self._short(plan.need, plan.hit):
+            return None
+        self.commit_slots(request, num_new_tokens, plan)
+        return self.get_block_ids(request.request_id)
+
+    def plan_slots(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
+    ) -> SlotPlan:
+        """`allocate_slots` up to the memory check; only frees blocks out of the window."""
         held = self._blocks.get(request.request_id, [])
         computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
         self._slide(held, computed)
         hit = self._in_window(prefix.blocks, computed) if prefix else []
         have = max(len(held) + len(hit), self._out_of_window(computed))
         need = self.blocks_needed(computed + num_new_tokens) - have
-        if self._short(need, hit):
-            return None
-        self.pool.touch(b for b in hit if b is not None)
-        blocks = self._blocks.setdefault(request.request_id, held)
-        blocks.extend(hit)
-        blocks.extend([None] * (have - len(blocks)))
-        if need > 0:
-            blocks.extend(self.pool.get_new_blocks(need))
-        self._cache_full_blocks(request, min(computed + num_new_tokens, request.num_tokens))
-        return self.get_block_ids(request.request_id)
+        pad = [None] * (have - len(held) - len(hit))
+        return SlotPlan([*hit, *pad], need, hit, computed + num_new_tokens)
+
+    def commit_slots(self, request: Request, num_new_tokens: int, plan: SlotPlan) -> None:
+        """Take what `plan_slots` planned (the caller checked it fits: `_short`)."""
+        self.pool.touch(b for b in plan.hit if b is not None)
+        blocks = self._blocks.setdefault(request.request_id, [])
+        blocks.extend(plan.blocks)
+        if plan.need > 0:
+            blocks.extend(self.pool.get_new_blocks(plan.need))
+        self._cache_full_blocks(request, min(plan.end, request.num_tokens))
 
     def _short(self, need: int, hit: list[Block | None]) -> bool:
         """Whether `need` new blocks do not fit beside the hit's, after releasing kept turns
         (oldest first) as far as that helps: a kept turn goes before a request waits or is
-        preempted. Hit blocks that are free count as free now but stop being free once touched."""
-        while True:
-            reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
-            if need <= self.pool.num_free_blocks - reclaimable:
-                return False
+        preempted."""
+        while not self.fits_now(need, hit):
             kept = self.kept.pop_oldest()
             if kept is None:
                 return True
             self._drop(kept)
+        return False
+
+    def fits_now(self, need: int, hit: list[Block | None]) -> bool:
+        """Whether `need` new blocks fit beside the hit's now. Hit blocks that are free count
+        as free now but stop being free once touched."""
+        reclaimable = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+        return need <= self.pool.num_free_blocks - reclaimable
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks for KV that will arrive from elsewhere (a decode worker's pre-allocation).
@@ -268,8 +262,6 @@ class KVCacheManager:
         Nothing is registered in the prefix cache: the content is not there yet. It is
         registered when the request is admitted and `allocate_slots` runs for it.
         """
-        if request_id in self._blocks:
-            raise ValueError(f"request {request_id!r} already holds blocks")
         return self._reserve(request_id, num_tokens, PrefixHit([], 0))
 
     def reserve_with_prefix(
@@ -285,33 +277,51 @@ class KVCacheManager:
         a windowed layer only its window): blocks after the hit and before it are never
         registered, since some layer of theirs stays unfilled.
         """
-        rid = request.request_id
-        if rid in self._blocks:
-            raise ValueError(f"request {rid!r} already holds blocks")
-        hit = PrefixHit([], 0)
-        if self.enable_prefix_caching:
-            hit = self._lookup(request, min(max_cached_tokens, request.num_tokens - 1))
-        block_ids = self._reserve(rid, num_tokens, hit)
-        if block_ids is None:
-            self._hashes.pop(rid, None)  # a caller that gives up must not leave them behind
+        hit = self.reserve_lookup(request, max_cached_tokens)
+        plan = self.plan_reserve(request.request_id, num_tokens, hit)
+        if self._short(plan.need, plan.hit):
+            self._hashes.pop(request.request_id, None)  # a caller that gives up leaves none
             return None
+        self.commit_reserve(request, plan, hit, complete_from)
+        return self.get_block_ids(request.request_id), hit.num_tokens
+
+    def reserve_lookup(self, request: Request, max_cached_tokens: int) -> PrefixHit:
+        """The cached prefix `reserve_with_prefix` reuses (no stats)."""
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        return self._lookup(request, min(max_cached_tokens, request.num_tokens - 1))
+
+    def commit_reserve(
+        self, request: Request, plan: SlotPlan, hit: PrefixHit, complete_from: int
+    ) -> None:
+        """Take what `plan_reserve` planned for `reserve_with_prefix` and count its hit."""
+        rid = request.request_id
+        self._commit_reserve(rid, plan)
         if self.enable_prefix_caching:
             self._count(request.num_tokens, hit)
         self._num_cached[rid] = max(len(hit.blocks), cdiv(complete_from, self.block_size))
-        return block_ids, hit.num_tokens
 
     def _reserve(self, request_id: str, num_tokens: int, hit: PrefixHit) -> list[int] | None:
+        plan = self.plan_reserve(request_id, num_tokens, hit)
+        if self._short(plan.need, plan.hit):
+            return None
+        self._commit_reserve(request_id, plan)
+        return self.get_block_ids(request_id)
+
+    def plan_reserve(self, request_id: str, num_tokens: int, hit: PrefixHit) -> SlotPlan:
+        """Blocks for `num_tokens` tokens of a request holding none, after the hit's."""
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks")
         # The last token is computed here: blocks before its window need no KV (None).
         hit_blocks = self._in_window(hit.blocks, num_tokens - 1)
         have = max(len(hit_blocks), self._out_of_window(num_tokens - 1))
-        need = self.blocks_needed(num_tokens) - have
-        if self._short(need, hit_blocks):
-            return None
-        # taken before new blocks, so eviction cannot pick them
-        self.pool.touch(b for b in hit_blocks if b is not None)
-        blocks = [*hit_blocks, *[None] * (have - len(hit_blocks))]
-        self._blocks[request_id] = [*blocks, *self.pool.get_new_blocks(max(0, need))]
-        return self.get_block_ids(request_id)
+        pad = [None] * (have - len(hit_blocks))
+        return SlotPlan([*hit_blocks, *pad], self.blocks_needed(num_tokens) - have, hit_blocks)
+
+    def _commit_reserve(self, request_id: str, plan: SlotPlan) -> None:
+        # hit blocks taken before new blocks, so eviction cannot pick them
+        self.pool.touch(b for b in plan.hit if b is not None)
+        self._blocks[request_id] = [*plan.blocks, *self.pool.get_new_blocks(max(0, plan.need))]
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register blocks that will be full once this step has written `num_tokens` tokens."""
@@ -361,64 +371,13 @@ class KVCacheManager:
         self._blocks[child_id].append(copy)
         return source.block_id, copy.block_id
 
-    # ---- KV pool (engine/pool_link.py) ------------------------------------------------------
-    def take_registered(self) -> list[tuple[str, int, int, BlockHash]]:
-        """Blocks registered since the last call: (request id, index, block id, hash)."""
-        out, self._registered = self._registered, []
-        return out
-
-    def registered_blocks(
-        self, request_id: str, start: int, end: int
-    ) -> list[tuple[int, BlockHash]]:
-        """(block id, hash) of the request's blocks [start, end) while each is registered (a
-        full block in the prefix cache); stops at the first that is not."""
-        out: list[tuple[int, BlockHash]] = []
-        for block in self._blocks.get(request_id, [])[start:end]:
-            if block is None or block.block_hash is None:
-                break
-            out.append((block.block_id, block.block_hash))
-        return out
-
-    def block_holds(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Whether block `block_id` still holds the KV named `block_hash`."""
-        return self.pool.blocks[block_id].block_hash == block_hash
-
-    def pool_candidates(self, request: Request) -> tuple[int, list[BlockHash]]:
-        """(leading full blocks cached here, hashes of the full blocks after them) of the
-        request's tokens but the last (which the model must compute)."""
-        if not self.enable_prefix_caching:
-            return 0, []
-        hashes = self._request_hashes(request)[: max(0, request.num_tokens - 1) // self.block_size]
-        local = len(self._lookup(request, request.num_tokens - 1).blocks)
-        return local, hashes[local:]
-
-    def import_blocks(self, request: Request, hashes: list[BlockHash]) -> list[int]:
-        """Fresh blocks for KV loaded from elsewhere (the pool) that continues the request's
-        cached prefix, registered under `hashes` and held (with that prefix) until `unpin`, so
-        no allocation evicts them before the request is scheduled and finds them as a prefix
-        hit. Takes fewer (maybe none) when free blocks are short; returns their ids in order.
-        The caller writes their KV before the next step."""
-        rid = request.request_id
-        if rid in self._pins or rid in self._blocks:
-            raise ValueError(f"request {rid!r} already holds blocks")
-        local = [b for b in self._lookup(request, request.num_tokens - 1).blocks if b is not None]
-        reclaimable = sum(1 for b in local if b.ref_cnt == 0)
-        n = max(0, min(len(hashes), self.pool.num_free_blocks - reclaimable - 1))
-        self.pool.touch(local)  # before taking new blocks, so eviction cannot pick them
-        fresh = self.pool.get_new_blocks(n)
-        for block, block_hash in zip(fresh, hashes, strict=False):
-            self.pool.cache_block(block, block_hash)
-        self._pins[rid] = [*local, *fresh]
-        return [b.block_id for b in fresh]
-
-    def unpin(self, request_id: str) -> None:
-        """Drop `import_blocks`' hold (the request's own blocks now reference what it uses)."""
-        blocks = self._pins.pop(request_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
-
-    def pinned(self) -> list[str]:
-        return list(self._pins)
+    def fork_copies(
+        self, parent_id: str, child_id: str, num_tokens: int
+    ) -> list[tuple[int, int, int]]:
+        """`fork`, its copy as (KV group, source, copy) (one group here: 0; engine/hybrid_kv.py
+        has two)."""
+        copy = self.fork(parent_id, child_id, num_tokens)
+        return [] if copy is None else [(0, *copy)]
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the request's blocks past those holding its first `num_tokens` tokens (a

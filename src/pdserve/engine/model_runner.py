@@ -103,6 +103,8 @@ class ModelRunner:
             meta.decode_rows = len(decodes) + sum(s.num_tokens for s in verify)
         if self.layer_hook is not None:
             meta.layer_hook = self._bind_hook(self.layer_hook, ordered)
+        if meta.sliding is not None:
+            meta.sliding.decode_rows, meta.sliding.layer_hook = meta.decode_rows, meta.layer_hook
         sampled = [s for s in ordered if s.sample]
         logits = self.model(input_ids, meta, self.cache.layers)
         drafts = [s.num_draft for s in sampled]
@@ -121,15 +123,10 @@ class ModelRunner:
     def _prepare(
         self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         for s in decodes + chunks:
-            table = s.block_ids
-            for pos in range(s.start_pos, s.start_pos + s.num_tokens):
-                slots.append(table[pos // bs] * bs + pos % bs)
             positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
             tokens.extend(s.token_ids)
             if s.sample:  # a verify chunk: its last real token's row and every draft's
@@ -137,22 +134,45 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.empty(0, dtype=torch.long, device=dev),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
         )
+        self._index(meta, decodes, chunks, _table)
+        if any(s.sliding_block_ids is not None for s in decodes + chunks):
+            # KV groups (engine/hybrid_kv.py): the sliding layers index their own blocks
+            meta.sliding = AttentionMetadata(meta.positions, meta.slot_mapping, len(decodes))
+            meta.sliding.sample_rows = meta.sample_rows
+            self._index(meta.sliding, decodes, chunks, _sliding_table)
+        return torch.tensor(tokens, dtype=torch.long, device=dev), meta
+
+    def _index(
+        self,
+        meta: AttentionMetadata,
+        decodes: list[ScheduledRequest],
+        chunks: list[ScheduledRequest],
+        table_of: TableOf,
+    ) -> None:
+        """The index tensors of the layers whose KV group's table `table_of` gives: slots,
+        prompt chunks' tables, and the kernel's plan or the decodes' gathered tables."""
+        bs, dev = self.block_size, self.device
+        slots: list[int] = []
+        for s in decodes + chunks:
+            table = table_of(s)
+            for pos in range(s.start_pos, s.start_pos + s.num_tokens):
+                slots.append(table[pos // bs] * bs + pos % bs)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         paged = self._kernel is not None
         if decodes and not paged:
-            self._prepare_decodes(decodes, meta)
-        meta.num_decodes = len(decodes)
+            self._prepare_decodes(decodes, meta, table_of)
         row = len(decodes)
         for s in chunks:
-            table_t = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
+            table_t = torch.tensor(table_of(s), dtype=torch.long, device=dev)
             in_kernel = paged and s.start_pos > 0 and s.num_tokens <= PAGED_CHUNK_MAX
             meta.prefills.append(PrefillSegment(row, s.num_tokens, s.start_pos, table_t, in_kernel))
             row += s.num_tokens
         if paged:
-            meta.paged = self._paged_plan(decodes, chunks, meta, len(tokens))
-        return torch.tensor(tokens, dtype=torch.long, device=dev), meta
+            meta.paged = self._paged_plan(decodes, chunks, meta, len(slots), table_of)
 
     def _paged_plan(
         self,
@@ -160,6 +180,7 @@ class ModelRunner:
         chunks: list[ScheduledRequest],
         meta: AttentionMetadata,
         num_rows: int,
+        table_of: TableOf,
     ) -> PagedPlan:
         """Tiles for the decode rows and the kernel's prompt chunks; limits per row (causal)."""
         assert self._kernel is not None
@@ -170,7 +191,7 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             limits[i] = s.start_pos + 1
             tiles.append((len(tables), i, 1))
-            tables.append(s.block_ids[: -(-limits[i] // bs)])
+            tables.append(table_of(s)[: -(-limits[i] // bs)])
         for seg, s in zip(meta.prefills, chunks, strict=True):
             if not seg.paged:
                 continue
@@ -178,7 +199,7 @@ class ModelRunner:
                 limits[seg.start + r] = seg.start_pos + r + 1
             for r0 in range(0, seg.length, TILE_ROWS):
                 tiles.append((len(tables), seg.start + r0, min(TILE_ROWS, seg.length - r0)))
-            tables.append(s.block_ids[: -(-(seg.start_pos + seg.length) // bs)])
+            tables.append(table_of(s)[: -(-(seg.start_pos + seg.length) // bs)])
         width = max((len(t) for t in tables), default=1)
         padded = [t + [0] * (width - len(t)) for t in tables] or [[0]]
         dev = self.device
@@ -190,15 +211,27 @@ class ModelRunner:
             writes_kv=True,
         )
 
-    def _prepare_decodes(self, decodes: list[ScheduledRequest], meta: AttentionMetadata) -> None:
+    def _prepare_decodes(
+        self, decodes: list[ScheduledRequest], meta: AttentionMetadata, table_of: TableOf
+    ) -> None:
         bs = self.block_size
         ctx_lens = [s.start_pos + 1 for s in decodes]
         width = max(-(-n // bs) for n in ctx_lens)
-        table = [
-            s.block_ids[:width] + [0] * (width - min(width, len(s.block_ids))) for s in decodes
-        ]
+        tables = [table_of(s) for s in decodes]
+        table = [t[:width] + [0] * (width - min(width, len(t))) for t in tables]
         dev = self.device
         meta.decode_block_table = torch.tensor(table, dtype=torch.long, device=dev)
         lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]
         meta.decode_mask = mask[:, None, None, :]
+
+
+TableOf = Callable[[ScheduledRequest], list[int]]
+
+
+def _table(s: ScheduledRequest) -> list[int]:
+    return s.block_ids
+
+
+def _sliding_table(s: ScheduledRequest) -> list[int]:
+    return s.block_ids if s.sliding_block_ids is None else s.sliding_block_ids

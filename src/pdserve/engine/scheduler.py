@@ -30,7 +30,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
+from pdserve.engine.hybrid_kv import KVManager
+from pdserve.engine.kv_cache_manager import PrefixHit
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -62,6 +63,8 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this step reaches the last known token: sample the next one
     num_draft: int = 0  # of token_ids, the trailing draft tokens to verify (speculation)
+    # the sliding layers' own block table (engine/hybrid_kv.py); None: they use block_ids
+    sliding_block_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +86,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, policy: SchedulerPolicy, kv: KVCacheManager) -> None:
+    def __init__(self, policy: SchedulerPolicy, kv: KVManager) -> None:
         self.policy = policy
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -122,8 +125,7 @@ class Scheduler:
         max_kv_tokens = max(request.num_tokens, final_len - 1)
         # Under a sliding window only the window's blocks are held at once (a step computes at
         # most max_num_batched_tokens tokens).
-        peak = self.kv.peak_blocks(max_kv_tokens, self.policy.max_num_batched_tokens)
-        if peak > self.kv.num_blocks:
+        if not self.kv.fits(max_kv_tokens, self.policy.max_num_batched_tokens):
             raise ValueError(
                 f"request {request.request_id!r} needs more KV blocks than the cache holds "
                 f"(up to {max_kv_tokens} tokens with max_tokens="
@@ -143,28 +145,28 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has no reserved, filled KV blocks")
         self.add_request(request)
 
-    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int, int]]:
         """Start `child` (the same prompt, its own first token) from the parent's computed KV:
         the KV manager shares the full blocks and copies the partial one (returned as
-        (source, copy) block ids for the engine to copy). The child runs at once, beside its
-        parent (it is part of the same request, so `max_num_seqs` does not hold it back).
-        When no block is free for the copy, the child waits to be recomputed like a preempted
-        request (counted in `num_fork_recomputes`)."""
+        (KV group, source, copy) block ids for the engine to copy, one per group). The child
+        runs at once, beside its parent (it is part of the same request, so `max_num_seqs` does
+        not hold it back). When no block is free for the copy, the child waits to be recomputed
+        like a preempted request (counted in `num_fork_recomputes`)."""
         if child.request_id in self.requests or child.request_id in self.held:
             raise ValueError(f"request id {child.request_id!r} is already in use")
         self.requests[child.request_id] = child
         num_kv = child.num_computed_tokens
         try:
-            copy = self.kv.fork(parent.request_id, child.request_id, num_kv)
+            copies = self.kv.fork_copies(parent.request_id, child.request_id, num_kv)
         except MemoryError:
             child.num_computed_tokens = 0
             child.status = RequestStatus.WAITING
             self.num_fork_recomputes += 1
             self.waiting.appendleft(child)
-            return None
+            return []
         child.status = RequestStatus.RUNNING
         self.running.append(child)
-        return copy
+        return copies
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its blocks; unknown ids are ignored."""
@@ -371,8 +373,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    @staticmethod
-    def _scheduled(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         real = min(num_new, request.num_tokens - start)
         drafts = request.spec_token_ids[: num_new - real]
@@ -381,6 +382,7 @@ class Scheduler:
             token_ids=request.token_slice(start, start + real) + drafts,
             start_pos=start,
             block_ids=block_ids,
+            sliding_block_ids=self.kv.sliding_block_ids(request.request_id),
             sample=start + real == request.num_tokens,
             num_draft=len(drafts),
         )

@@ -451,7 +451,13 @@ class ChatCompletionRequest(_SamplingFields):
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI tool call as templates take it: function.arguments as an object when it is
     JSON text (the openai client sends text)."""
-    fn = dict(call.get("function") or {})
+    fn = call.get("function") or {}
+    if not isinstance(fn, dict):  # a client's mistake, answered 400 (dict() would raise: a 500)
+        raise InvalidRequest(
+            f"messages: a tool call's function must be an object, got {type(fn).__name__}",
+            "messages",
+        )
+    fn = dict(fn)
     args = fn.get("arguments")
     if isinstance(args, str):
         with contextlib.suppress(json.JSONDecodeError):  # not JSON: the template gets the text

@@ -71,6 +71,8 @@ class SimWorker:
     ) -> None:
         self.sim, self.wid, self.role, self.step = sim, wid, role, step
         cfg = sim.config
+        # One KV group and no window: the cost model has no per-layer KV (a mixed-window model
+        # is simulated as if every layer kept full KV, as engines with a KV pool do).
         self.kv = KVCacheManager(instance_kv_blocks(step, cfg.block_size), cfg.block_size,
                                  enable_prefix_caching=cfg.prefix_caching)  # fmt: skip
         self.sched = Scheduler(policy, self.kv)

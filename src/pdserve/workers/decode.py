@@ -50,7 +50,7 @@ class Incoming:
     last_activity: float
     stage: ReceiveStage = ReceiveStage.RESERVING
     peer: bytes | None = None  # P's identity on the KV socket, once KVWant arrived
-    slots: torch.Tensor | None = None
+    slots: list[torch.Tensor] | None = None  # per KV group (engine.block_tables)
     next_token: list[int] = field(default_factory=list)
     have_tokens: int = 0  # leading tokens whose KV was already cached here: P skips them
     frames: int = 0
@@ -105,7 +105,8 @@ class DecodeSide:
             return  # memory short: retried each loop until the deadline
         if inc.conversation:
             eng.mark_turn(inc.rid, inc.conversation)
-        inc.slots = eng.kv_slots(blocks, 0, inc.num_kv_tokens)
+        # each layer's KV goes to its KV group's blocks (a sliding layer's own, hybrid_kv.py)
+        inc.slots = [eng.kv_slots(t, 0, inc.num_kv_tokens) for t in eng.block_tables(inc.rid)]
         inc.have_tokens = blocks.cached_tokens
         # P sends a sliding layer only its window (ModelArch.kv_needed_from), as expected here
         arch, n = eng.arch, inc.num_kv_tokens
@@ -175,12 +176,14 @@ class DecodeSide:
                 "here (KVReady.have_tokens)"
             )
         assert inc.slots is not None
+        groups = self.ctx.engine.cache.layer_group
         for layer, k, v in frame.layers():
             if inc.next_token[layer] != h.token_start:
                 raise ValueError(
                     f"layer {layer}: tokens from {h.token_start}, expected {inc.next_token[layer]}"
                 )
-            self.ctx.engine.write_kv(inc.slots[h.token_start : h.token_end], layer, k, v)
+            slots = inc.slots[groups[layer]][h.token_start : h.token_end]
+            self.ctx.engine.write_kv(slots, layer, k, v)
             inc.next_token[layer] = h.token_end
         inc.frames += 1
         inc.nbytes += h.payload_len

@@ -231,7 +231,7 @@ class PrefillSide:
     def _send_from_cache(self, o: Outgoing, layer: int, end: int) -> None:
         eng = self.ctx.engine
         start = o.next_token[layer]
-        slots = eng.kv_slots(eng.kv_manager.get_block_ids(o.rid), start, end)
+        slots = eng.layer_slots(o.rid, layer, start, end)  # from the layer's KV group
         k, v = eng.read_kv(slots, layer)
         self._send_frame(o, layer, start, k, v)
 

@@ -86,6 +86,13 @@ class AttentionMetadata:
     prompt_attention: Callable[..., torch.Tensor] | None = None
     # Decode masks narrowed to a window, by window (built by the first layer that needs one).
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The sliding layers' own metadata when they hold their KV in their own blocks (a KV group,
+    # engine/hybrid_kv.py): the same rows, their slots and block tables. None: one group.
+    sliding: AttentionMetadata | None = None
+
+    def for_layer(self, sliding: bool) -> AttentionMetadata:
+        """What a layer reads and writes through (`sliding`: a sliding-window layer)."""
+        return self.sliding if sliding and self.sliding is not None else self
 
 
 # Cache dtypes the native write_kv stores float32 rows into (the same values as torch's .to).

@@ -220,17 +220,19 @@ class LlamaModel(nn.Module):
         if self.step_rows is not None and self.step_rows.set(
             len(input_ids), meta.num_decodes if meta.decode_rows is None else meta.decode_rows
         ):
-            meta.prompt_dtype = self.step_rows.prompt_dtype
-            meta.prompt_attention = self.step_rows.prompt_attention
+            for m in (meta, meta.sliding):
+                if m is not None:
+                    m.prompt_dtype = self.step_rows.prompt_dtype
+                    m.prompt_attention = self.step_rows.prompt_attention
         x = F.embedding(input_ids, self.embed)
         if self.arch.family.scaled_embedding:  # Gemma: sqrt(hidden) rounded to x's dtype first
             x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
         tables = [rope.cos_sin(meta.positions, x.dtype) for rope in self.ropes]
         # layer.forward, not layer(...): nn.Module's call machinery (hooks, tracing checks)
         # costs ~10 us a layer a step, and nothing here registers hooks.
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = tables[1 if layer.local_rope else 0]
-            x = layer.forward(x, cos, sin, kv, meta)
+            x = layer.forward(x, cos, sin, kv, meta.for_layer(self.arch.is_sliding(i)))
         if meta.sample_rows is not None:
             x = x[meta.sample_rows]
         eps = self.arch.rms_norm_eps
