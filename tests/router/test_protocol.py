@@ -262,7 +262,7 @@ def test_history_as_the_openai_client_sends_it_back() -> None:
     assert out[2] == {"role": "tool", "content": "42", "tool_call_id": "c"}
 
 
-@pytest.mark.parametrize("function", ["f", [1], 0])
+@pytest.mark.parametrize("function", ["f", [1], 3])
 def test_a_tool_call_whose_function_is_no_object_is_a_400(function: object) -> None:
     msgs = [
         {"role": "user", "content": "x"},
