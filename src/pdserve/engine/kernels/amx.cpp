@@ -503,14 +503,16 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// Every call lets go of the GIL (call_guard): a worker's heartbeat thread must answer while
+// a long prompt step runs these, or the router takes a busy worker for dead (no_heartbeat).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init", &init, "ask Linux for the AMX tile state; False where it says no");
-  m.def("pack", &pack, "float32 W [K, N] -> (hi, lo) bfloat16 AMX tiles");
-  m.def("matmul", &matmul, "float32 x [M, K] @ packed W (hi, lo for bf16x3) (+ bias) (+ residual)",
+  m.def("pack", &pack, py::call_guard<py::gil_scoped_release>(), "float32 W [K, N] -> (hi, lo) bfloat16 AMX tiles");
+  m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>(), "float32 x [M, K] @ packed W (hi, lo for bf16x3) (+ bias) (+ residual)",
         py::arg("x"), py::arg("hi"), py::arg("n"), py::arg("lo") = py::none(),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
-  m.def("matmul_silu", &matmul_silu, "silu(x @ W[:, :I]) * (x @ W[:, I:]) for gate|up W [K, 2I]",
+  m.def("matmul_silu", &matmul_silu, py::call_guard<py::gil_scoped_release>(), "silu(x @ W[:, :I]) * (x @ W[:, I:]) for gate|up W [K, 2I]",
         py::arg("x"), py::arg("hi"), py::arg("i"), py::arg("lo") = py::none());
-  m.def("causal_attention", &causal_attention,
+  m.def("causal_attention", &causal_attention, py::call_guard<py::gil_scoped_release>(),
         "causal softmax(q k^T * scale) v for float32 q [n, H, 64], k, v [ctx, KVH, 64]");
 }

@@ -142,9 +142,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// Every call lets go of the GIL (call_guard): a worker's heartbeat thread must answer while
+// a long prompt step runs these, or the router takes a busy worker for dead (no_heartbeat).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("silu_mul", &silu_mul, "bfloat16 silu(x[:, :I]) * x[:, I:] for bfloat16 x [T, 2I]");
-  m.def("widen_add", &widen_add, "float32 y (+ bias) (+ residual) for bfloat16 y [T, N]",
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "bfloat16 silu(x[:, :I]) * x[:, I:] for bfloat16 x [T, 2I]");
+  m.def("widen_add", &widen_add, py::call_guard<py::gil_scoped_release>(), "float32 y (+ bias) (+ residual) for bfloat16 y [T, N]",
         py::arg("y"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
-  m.def("rms_norm", &rms_norm, "bfloat16 RMSNorm of float32 x [M, N] by w [N]");
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "bfloat16 RMSNorm of float32 x [M, N] by w [N]");
 }

@@ -717,11 +717,13 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
     TORCH_CHECK(false, "write_kv: the cache must be float32 or float16");
 }
 
+// Every call lets go of the GIL (call_guard): a worker's heartbeat thread must answer while
+// a long prompt step runs these, or the router takes a busy worker for dead (no_heartbeat).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention reading the block cache in place",
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(), "paged attention reading the block cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("tiles"),
         py::arg("limit"), py::arg("split_tokens"), py::arg("scale"), py::arg("slots") = py::none(),
         py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("window") = -1,
         py::arg("softcap") = 0.0);
-  m.def("write_kv", &write_kv, "this step's float32 K and V rows into the cache at their slots");
+  m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>(), "this step's float32 K and V rows into the cache at their slots");
 }

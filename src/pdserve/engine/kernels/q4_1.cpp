@@ -298,11 +298,13 @@ torch::Tensor dequantize(torch::Tensor q, torch::Tensor d, torch::Tensor m, int6
   return w;
 }
 
+// Every call lets go of the GIL (call_guard): a worker's heartbeat thread must answer while
+// a long prompt step runs these, or the router takes a busy worker for dead (no_heartbeat).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "x [M, K] @ Q4_1 tiles (+ bias) (+ residual [M, N])", py::arg("x"),
+  m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>(), "x [M, K] @ Q4_1 tiles (+ bias) (+ residual [M, N])", py::arg("x"),
         py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
-  m.def("dequantize", &dequantize, "columns [n0, n1) of the Q4_1 weight into out, float32 [K, n]");
+  m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>(), "columns [n0, n1) of the Q4_1 weight into out, float32 [K, n]");
   m.attr("isa") = kIsa;
   m.attr("rows") = kRows;
 }

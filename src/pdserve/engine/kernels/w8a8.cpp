@@ -978,29 +978,31 @@ std::vector<torch::Tensor> quantize_activations16(torch::Tensor x) {
   return {xq, xs};
 }
 
+// Every call lets go of the GIL (call_guard): a worker's heartbeat thread must answer while
+// a long prompt step runs these, or the router takes a busy worker for dead (no_heartbeat).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul,
+  m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] (quantized per 32 inputs) @ packed W [K, N] (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
-  m.def("matmul_q4_1", &matmul_q4_1,
+  m.def("matmul_q4_1", &matmul_q4_1, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] (quantized per 32 inputs) @ GGUF Q4_1 tiles (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
-  m.def("matmul_q4_1_a16", &matmul_q4_1_a16,
+  m.def("matmul_q4_1_a16", &matmul_q4_1_a16, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] (int16 per 32 inputs) @ GGUF Q4_1 tiles (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
-  m.def("matmul_a16", &matmul_a16,
+  m.def("matmul_a16", &matmul_a16, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] (int16 per 32 inputs) @ packed int8 W [K, N], no offset (+ bias) (+ residual)",
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
-  m.def("matmul_k_a16", &matmul_k_a16,
+  m.def("matmul_k_a16", &matmul_k_a16, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] (int16 per 32 inputs) @ int8 codes, float32 scales per 16 (+ minimums per 32)",
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("mn"), py::arg("n"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none());
-  m.def("quantize_activations", &quantize_activations, "x [M, K] -> (int8 [M, G*32], scales)");
-  m.def("quantize_activations16", &quantize_activations16, "x [M, K] -> (int16 [M, K], scales)");
+  m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x [M, K] -> (int8 [M, G*32], scales)");
+  m.def("quantize_activations16", &quantize_activations16, py::call_guard<py::gil_scoped_release>(), "x [M, K] -> (int16 [M, K], scales)");
   m.attr("isa") = kIsa;  // which build: "avx2" or "vnni"
   m.attr("rows") = kRows;
   m.attr("weight_offset") = kWeightOffset;  // added to each stored weight code (vnni: 128)

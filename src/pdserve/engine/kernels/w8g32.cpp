@@ -523,21 +523,23 @@ torch::Tensor silu_mul(torch::Tensor x, int64_t I) {
   return y;
 }
 
+// Every call lets go of the GIL (call_guard): a worker's heartbeat thread must answer while
+// a long prompt step runs these, or the router takes a busy worker for dead (no_heartbeat).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "float32 [K, N] -> (int8 tiles [T, K, 16], fp16 scales [T, G, 16])");
-  m.def("matmul", &matmul, "x [M, K] @ packed W [K, N] (+ bias) (+ residual [M, N])",
+  m.def("pack", &pack, py::call_guard<py::gil_scoped_release>(), "float32 [K, N] -> (int8 tiles [T, K, 16], fp16 scales [T, G, 16])");
+  m.def("matmul", &matmul, py::call_guard<py::gil_scoped_release>(), "x [M, K] @ packed W [K, N] (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [M, N] by w [N]");
-  m.def("rope", &rope, "rotate-half RoPE of the first `heads` heads of x [T, *]");
-  m.def("silu_mul", &silu_mul, "silu(x[:, :I]) * x[:, I:] for x [T, 2I]");
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm of each row of x [M, N] by w [N]");
+  m.def("rope", &rope, py::call_guard<py::gil_scoped_release>(), "rotate-half RoPE of the first `heads` heads of x [T, *]");
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(x[:, :I]) * x[:, I:] for x [T, 2I]");
   m.attr("isa") = kIsa;  // which build this is: "avx2" or "avx512"
   m.attr("rows") = kRows;  // rows per pass over a weight tile
-  m.def("pack_f32", &pack_f32, "float32 [K, N] -> float32 tiles [T, K, 16]");
-  m.def("matmul_f32", &matmul_f32,
+  m.def("pack_f32", &pack_f32, py::call_guard<py::gil_scoped_release>(), "float32 [K, N] -> float32 tiles [T, K, 16]");
+  m.def("matmul_f32", &matmul_f32, py::call_guard<py::gil_scoped_release>(),
         "x [M, K] (M <= f32_max_rows) @ float32 tiles (+ bias) (+ residual [M, N])",
         py::arg("x"), py::arg("p"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
   m.attr("f32_max_rows") = kF32MaxRows;
-  m.def("dequantize", &dequantize, "columns [n0, n1) of the packed weight into out, float32 [K, n]");
+  m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>(), "columns [n0, n1) of the packed weight into out, float32 [K, n]");
 }
