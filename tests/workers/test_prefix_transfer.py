@@ -219,11 +219,14 @@ def test_decode_rejects_a_frame_before_its_cached_prefix() -> None:
     from pdserve.workers.decode import DecodeSide, Incoming
 
     writes: list[int] = []
-    engine = SimpleNamespace(write_kv=lambda slots, *a: writes.append(len(slots)))
+    engine = SimpleNamespace(
+        write_kv=lambda slots, *a: writes.append(len(slots)),
+        cache=SimpleNamespace(layer_group=[0, 0]),  # one KV group: both layers on table 0
+    )
     side = DecodeSide(_side_context(engine), FakeNetwork().receiver(LinkSetup("W")))
     inc = Incoming(
         "r", [1] * 30, GREEDY, "P0", 30, b"c", 0.0, stage="receiving",
-        slots=torch.arange(30), next_token=[24, 24], have_tokens=24,
+        slots=[torch.arange(30)], next_token=[24, 24], have_tokens=24,
     )  # fmt: skip
     fp = b"\x00" * wire.FINGERPRINT_BYTES
 
