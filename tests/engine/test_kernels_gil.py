@@ -19,10 +19,10 @@ def test_python_threads_run_while_a_kernel_computes() -> None:
     q, s = ops.pack(torch.randn(2048, 2048))
     x = torch.randn(512, 2048)
     ops.matmul(x[:16], q, s, 2048)  # warm
-    done, span = threading.Event(), []
+    looping, done, span = threading.Event(), threading.Event(), []
 
     def call() -> None:
-        time.sleep(0.05)  # the loop below is running by then
+        assert looping.wait(10)  # the loop below is running
         t0 = time.perf_counter()
         ops.matmul(x, q, s, 2048)
         span.extend((t0, time.perf_counter()))
@@ -39,6 +39,7 @@ def test_python_threads_run_while_a_kernel_computes() -> None:
             if now - last > 1e-4:
                 stamps.append(now)
                 last = now
+                looping.set()
         worker.join()
     finally:
         torch.set_num_threads(threads)
