@@ -92,6 +92,16 @@ def test_an_idle_pool_shrinks_back_to_its_start_size_but_not_below() -> None:
     assert s.observe(20, sample(0.0, 0.0, 1, 1), {}) is None  # at the floor
 
 
+def test_a_pool_at_its_ceiling_does_not_grow() -> None:
+    s = PoolAutoscaler(floor={"decode": 1}, ceiling={"decode": 2}, sustain_s=0, cooldown_s=0)
+    room = {"prefill": True, "decode": True}
+    assert s.observe(0, sample(0.5, 0.9, 1, 1), room) == ("grow", "decode")
+    assert s.observe(1, sample(0.5, 0.9, 1, 2), room) is None  # saturated, at the ceiling
+    assert s.observe(2, sample(0.9, 0.9, 1, 2), room) == ("grow", "prefill")  # no cap on P
+
+
 def test_bad_thresholds_are_value_errors() -> None:
     with pytest.raises(ValueError, match="idle"):
         PoolAutoscaler(floor={}, idle=0.8, high=0.7)
+    with pytest.raises(ValueError, match="below the floor"):
+        PoolAutoscaler(floor={"decode": 2}, ceiling={"decode": 1})

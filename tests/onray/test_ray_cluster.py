@@ -183,7 +183,11 @@ def test_autobalance_grows_a_saturated_decode_pool_and_shrinks_it_back(
     # a cost model whose decode step grows 0.2 s per request: a dozen decodes saturate one D
     model = CostModel((0.0, 1e-4, 0.0), (0.005, 0.2, 0.0), (0.0, 1e12))
     planner = SloPlanner(model, slo_tpot_s=0.5, admission=False, mode="always")
-    policy = PoolAutoscaler(floor={"prefill": 1, "decode": 1}, sustain_s=1, cooldown_s=2)
+    # the ceiling: D0 stays saturated after D1 joins (its requests stay on it), which would
+    # grow a third D while the node has room
+    policy = PoolAutoscaler(
+        floor={"prefill": 1, "decode": 1}, ceiling={"decode": 2}, sustain_s=1, cooldown_s=2
+    )
     spec = PoolSpec(engine_args={"model": str(tiny_llama_path), **ENGINE})
     with RayCluster(
         str(tiny_llama_path),

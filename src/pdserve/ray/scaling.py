@@ -7,6 +7,9 @@ for `sustain_s` in a row, then nothing changes for `cooldown_s`.
   grow D    decode pressure > high, and room for one more D
   shrink    a pool grown beyond its start size whose pressure stays at or below `idle`
 
+A pool never grows past its `ceiling` (when given): more workers than a deployment was sized for
+would take memory or licences it does not have, and a test can bound what it waits for.
+
 Without room the role-switching autobalancer (router/roles.py) may still move a worker from the
 other pool; with room, growing comes first (it takes nothing from the other pool).
 """
@@ -24,6 +27,7 @@ POOLS = ("prefill", "decode")
 @dataclass
 class PoolAutoscaler:
     floor: dict[str, int]  # the start sizes: never shrunk below
+    ceiling: dict[str, int] = field(default_factory=dict)  # never grown past (absent: no cap)
     high: float = 0.7
     idle: float = 0.05
     sustain_s: float = 5.0
@@ -37,6 +41,9 @@ class PoolAutoscaler:
             raise ValueError(f"need 0 <= idle < high, got idle={self.idle}, high={self.high}")
         if self.sustain_s < 0 or self.cooldown_s < 0:
             raise ValueError("sustain_s and cooldown_s must be >= 0")
+        for role, cap in self.ceiling.items():
+            if cap < self.floor.get(role, 0):
+                raise ValueError(f"{role}: ceiling {cap} is below the floor {self.floor[role]}")
 
     def observe(
         self, now: float, s: PoolSample, room: Mapping[str, bool]
@@ -46,7 +53,8 @@ class PoolAutoscaler:
         size = {"prefill": s.n_prefill, "decode": s.n_decode}
         wanted = set()
         for role in POOLS:
-            if pressure[role] > self.high and room.get(role, False):
+            capped = size[role] >= self.ceiling.get(role, size[role] + 1)
+            if pressure[role] > self.high and room.get(role, False) and not capped:
                 wanted.add(("grow", role))
             elif pressure[role] <= self.idle and size[role] > self.floor.get(role, 0):
                 wanted.add(("shrink", role))
