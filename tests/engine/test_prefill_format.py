@@ -251,3 +251,24 @@ def test_amx_causal_attention_matches_float64(t: int) -> None:
     tail = kernels.load("amx").causal_attention(q[-n:], k, v, 0.125)
     assert tail.shape == (n, 9, 64)
     assert (tail.double() - want[-n:]).abs().max() <= 0.03
+    # one bfloat16 product for the scores (the bf16 format's): q and k rounded once each,
+    # scores ~2^-8 relative off, further from float64 than bf16x3 but as close as torch's SDPA
+    # on bfloat16 inputs
+    one = kernels.load("amx").causal_attention(q, k, v, 0.125, split=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(x.bfloat16().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
+    )[0].transpose(0, 1)
+    err, err_sdpa = (one.double() - want).abs().max(), (sdpa.double() - want).abs().max()
+    assert one.dtype == torch.float32 and err <= max(0.06, 1.5 * err_sdpa), (err, err_sdpa)
+    if t >= 33:  # enough keys for the split to show: three products are closer
+        assert (got.double() - want).abs().max() < err
+
+
+@needs_amx
+def test_bf16_prompts_attend_on_amx_tiles_with_one_product() -> None:
+    """The bf16 format's fresh-prompt attention: the AMX kernel with one bfloat16 product for
+    the scores where the CPU has AMX, torch's SDPA in bfloat16 where it has not."""
+    one = prefill_format.prompt_attention("bf16", AMX)
+    assert one is not None and one.keywords == {"split": False}  # type: ignore[attr-defined]
+    assert prefill_format.prompt_attention("bf16", ZEN4) is None
+    assert prefill_format.prompt_attention("bf16x3", AMX) is kernels.load("amx").causal_attention

@@ -289,8 +289,9 @@ torch::Tensor matmul_silu(torch::Tensor x, torch::Tensor hi, int64_t I,
 // ---------------------------------------------------------------- causal attention
 // A fresh prompt's causal attention on AMX tiles, flash-style (16 queries x 32 keys a block,
 // online softmax, no T x T scores anywhere), float32 in and out, head_dim 64. Scores are
-// bf16x3 (q and k split as above: three tile products), which agreement with float32 needs;
-// probabilities and values are one bfloat16 product (measured: as float32's agreement,
+// bf16x3 (q and k split as above: three tile products), which agreement with float32 needs,
+// or with `split` false one bfloat16 product (the bf16 prefill format: its GEMMs round the
+// same way, and the tile work halves); probabilities and values are one bfloat16 product (measured: as float32's agreement,
 // docs/benchmarks/prefill.md). Softmax in base 2: log2(e) / sqrt(D) is folded into q, and the
 // running maximum is raised only when a row's new maximum exceeds it by more than 8 (2^8 in
 // the unnormalised sums is harmless in float32), so the output tiles are rarely rescaled.
@@ -327,7 +328,8 @@ inline void split16(__m512 v, uint16_t* h, uint16_t* l) {
 // queries are the last n of the ctx positions: ctx - n keys of a cached prefix before them)
 // -> out [n, H, 64] float32: softmax(q k^T * scale + causal mask) v, query i seeing keys
 // 0..ctx - n + i.
-torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                               bool split) {
   TORCH_CHECK(init(), "the kernel may not use AMX tiles in this process");
   for (const auto* t : {&q, &k, &v})
     TORCH_CHECK(t->dim() == 3 && t->dtype() == torch::kFloat && t->size(2) == kD &&
@@ -341,7 +343,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   // 16-dim chunk) 16 rows of 16 dims' (key 2r, 2r+1) pairs. Keys past T are zeros.
   const int64_t ktile = 512;  // bfloat16 in a tile
   auto kh_t = torch::zeros({KVH, NK * 2, 2, ktile}, torch::kBFloat16);
-  auto kl_t = torch::zeros_like(kh_t);
+  auto kl_t = split ? torch::zeros_like(kh_t) : torch::empty({0}, torch::kBFloat16);
   auto vp_t = torch::zeros({KVH, NK, 4, ktile}, torch::kBFloat16);
   auto* kh = reinterpret_cast<uint16_t*>(kh_t.data_ptr<at::BFloat16>());
   auto* kl = reinterpret_cast<uint16_t*>(kl_t.data_ptr<at::BFloat16>());
@@ -361,6 +363,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           const __m512 x = _mm512_set1_ps(kr[d + p]);
           const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
           kh[at + p] = static_cast<uint16_t>(_mm256_extract_epi16(h, 0));
+          if (!split) continue;
           const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, widen(h)));
           kl[at + p] = static_cast<uint16_t>(_mm256_extract_epi16(l, 0));
         }
@@ -397,7 +400,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           const __m512 x = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(qp + (q0 + r) * ldq + h * kD + d),
                                                     _mm512_set1_ps(qscale))
                                     : _mm512_setzero_ps();
-          split16(x, qh + r * kD + d, ql + r * kD + d);
+          split16(x, qh + r * kD + d, split ? ql + r * kD + d : nullptr);
         }
         m[r] = -INFINITY;
         l[r] = 0.f;
@@ -408,7 +411,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       _tile_zero(7);
       const int64_t last = (p0 + rows - 1) / kKeys;
       const uint16_t* khg = kh + g * NK * 2 * 2 * ktile;
-      const uint16_t* klg = kl + g * NK * 2 * 2 * ktile;
+      const uint16_t* klg = split ? kl + g * NK * 2 * 2 * ktile : khg;  // unread unless split
       for (int64_t kb = 0; kb <= last; ++kb) {
         _tile_zero(0);
         _tile_zero(1);
@@ -422,6 +425,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           _tile_dpbf16ps(0, 2, 3);
           _tile_loadd(3, k1, 64);
           _tile_dpbf16ps(1, 2, 3);
+          if (!split) continue;
           _tile_loadd(2, ql + c * 32, kD * 2);  // ql kh
           _tile_dpbf16ps(1, 2, 3);
           _tile_loadd(3, k0, 64);
@@ -514,5 +518,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_silu", &matmul_silu, py::call_guard<py::gil_scoped_release>(), "silu(x @ W[:, :I]) * (x @ W[:, I:]) for gate|up W [K, 2I]",
         py::arg("x"), py::arg("hi"), py::arg("i"), py::arg("lo") = py::none());
   m.def("causal_attention", &causal_attention, py::call_guard<py::gil_scoped_release>(),
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("split") = true,
         "causal softmax(q k^T * scale) v for float32 q [n, H, 64], k, v [ctx, KVH, 64]");
 }

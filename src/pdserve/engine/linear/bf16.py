@@ -43,7 +43,7 @@ class AmxKernel(Protocol):
     ) -> torch.Tensor: ...
 
     def causal_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, split: bool = True
     ) -> torch.Tensor: ...
 
 

@@ -42,10 +42,11 @@ class StepRows:
     def __init__(self, has_decode_format: bool) -> None:
         self.has_decode_format = has_decode_format
         self.first_prompt_row = 0
-        # What prompt rows' attention computes in (bf16: torch's flash SDPA in bfloat16;
-        # None: as the model, float32).
+        # What prompt rows' attention computes in where no kernel below takes it (bf16:
+        # torch's flash SDPA in bfloat16; None: as the model, float32).
         self.prompt_dtype: torch.dtype | None = None
-        # bf16x3: fresh prompts' causal attention on AMX tiles (head_dim 64; else SDPA).
+        # Prompt rows' causal attention on AMX tiles (prefill_format.prompt_attention: bf16x3
+        # scores, or one bfloat16 product for bf16; head_dim 64, else SDPA).
         self.prompt_attention: Callable[..., torch.Tensor] | None = None
         self.planned = False  # the current step runs some rows on the prefill format
         self.prompt_rows_run = 0  # prompt rows computed on the prefill format, since start
