@@ -324,8 +324,8 @@ class RouterConfig:
         "--liveness-timeout",
     )  # fmt: skip
     stuck_timeout_s: float = _f(
-        30.0, "seconds a worker's main loop may not turn (heartbeat still alive) before it "
-        "counts as stuck", "--stuck-timeout",
+        30.0, "seconds a worker may make no progress (its main loop does not turn and no model "
+        "layer finishes; heartbeat still alive) before it counts as stuck", "--stuck-timeout",
     )  # fmt: skip
     max_recoveries: int = _f(
         2, "times one request may move to other workers after a worker goes down"

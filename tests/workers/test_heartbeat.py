@@ -52,3 +52,30 @@ def test_a_loop_turning_within_the_limit_is_never_logged() -> None:
     finally:
         hb.close()
         ctx.term()
+
+
+def test_a_pong_reports_progress_inside_a_long_step() -> None:
+    """The loop has not turned for 50 s, but a model layer finished 0.1 s ago: the pong says
+    loop age ~50 s and work age ~0.1 s (busy, not stuck); without a work tick, -1."""
+    from pdserve.workers import messages as m
+
+    ctx = zmq.Context()
+    now = time.monotonic()
+    hb = Heartbeat(ctx, "inproc://hb-test-3", "W2", lambda: now - 50.0, work_tick=lambda: now - 0.1)
+    plain = Heartbeat(ctx, "inproc://hb-test-4", "W3", lambda: now - 50.0)
+    try:
+        pongs = []
+        for endpoint in ("inproc://hb-test-3", "inproc://hb-test-4"):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(endpoint)
+            sock.send(m.encode(m.Ping(1)))
+            assert sock.poll(5000)
+            pongs.append(m.decode(sock.recv()))
+            sock.close(0)
+        busy, unknown = pongs
+        assert 50.0 <= busy.loop_age_s < 52.0 and 0.1 <= busy.work_age_s < 2.0
+        assert 50.0 <= unknown.loop_age_s < 52.0 and unknown.work_age_s == -1.0
+    finally:
+        hb.close()
+        plain.close()
+        ctx.term()

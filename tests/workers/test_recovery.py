@@ -163,6 +163,27 @@ def test_hung_main_loop_is_detected_as_stuck_while_heartbeats_go_on(tiny_llama_p
         assert_cluster_idle(c)
 
 
+def test_a_long_step_whose_layers_progress_is_busy_not_stuck(tiny_llama_path, want) -> None:  # type: ignore[no-untyped-def]
+    """Each of D's steps runs 2 x 1 s (its two layers sleep after computing), longer than the
+    1.5 s stuck limit, as a big model's long prompt step does: its heartbeat reports the layers'
+    progress, so it stays in routing and the stream completes exactly; with the loop's age
+    alone it was taken out as `stuck` (and its requests moved)."""
+    core_args = {"stuck_timeout_s": 1.5}
+    with _cluster(tiny_llama_path, prefill=1, decode=1, core_args=core_args) as c:
+        c.set_fault("D0", "slow_layers", delay_s=1.0)
+        assert c.core is not None
+        d0 = next(w for w in c.core.workers if w.worker_id == "D0")
+        _, fut = c.submit([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        eventually(lambda: d0.loop_age >= 1.6, 20, "D0 inside a step longer than the limit")
+        assert d0.healthy and 0 <= d0.work_age < 1.5
+        (out,) = fut.result(timeout=60)
+        assert out.error is None and out.outputs[0].token_ids == want[:4]
+        assert not any(e.startswith("worker_down") for e, _, _ in _events(out))
+        assert c.core.counters["workers_down"] == 0 and d0.healthy
+        c.set_fault("D0", "none")
+        assert_cluster_idle(c)
+
+
 def test_no_worker_left_is_a_clear_error_at_once(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
     with _cluster(tiny_llama_path, prefill=0, decode=0, colocated=1) as c:
         c.set_fault("C0", "slow", count=-1, delay_s=0.05)

@@ -262,8 +262,8 @@ class RouterCore:
                 if time.monotonic() >= ends:
                     msg = f"request timed out after {self.config.request_timeout_s:g}s"
                     raise RequestError(msg, 504, "timeout") from None
-                if watch.queued_behind_work():  # waiting, not lost; request_timeout_s caps it
-                    self.events.count("queued_silence_extended")
+                if (excuse := watch.excused(time.monotonic())) is not None:  # waiting, not lost
+                    self.events.count(excuse)  # (request_timeout_s caps the waits)
                     continue
                 raise RequestError(f"no progress for {silence:g}s", 504, "timeout") from None
             if isinstance(item, Exception):

@@ -54,9 +54,16 @@ class WorkerState:
     hb: zmq.asyncio.Socket | None = None  # heartbeat socket (Ping -> Pong)
     last_pong: float = 0.0
     loop_age: float = 0.0  # the worker's own report: since its main loop last turned
+    work_age: float = -1.0  # since its loop turned or a model layer finished (-1: unreported)
     down_reason: str | None = None  # why it was taken out of routing
     draining: bool = False  # out of routing until its requests finish (a role switch)
     load: WorkerLoad = field(default_factory=lambda: WorkerLoad(""))
+
+    @property
+    def idle_age(self) -> float:
+        """Since the worker last made progress, as its last pong said: a loop that has not
+        turned while model layers finish is one long step, busy rather than stuck."""
+        return self.loop_age if self.work_age < 0 else self.work_age
 
     @property
     def worker_id(self) -> str:

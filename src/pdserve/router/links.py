@@ -110,6 +110,7 @@ class Links:
                     "draining": w.draining,
                     "down_reason": w.down_reason,
                     "loop_age_s": round(w.loop_age, 3),
+                    "idle_age_s": round(w.idle_age, 3),  # since a loop turn or a model layer
                     "threads": s.threads,
                     "queue": s.waiting,
                     "running": s.running,

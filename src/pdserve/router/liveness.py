@@ -84,7 +84,7 @@ class Liveness:
             return
         if now - w.last_pong > self.timeout_s:
             self.on_down(w, "no_heartbeat")
-        elif w.loop_age > self.stuck_s:
+        elif w.idle_age > self.stuck_s:
             self.on_down(w, "stuck")
 
     async def _reader(self, w: WorkerState) -> None:
@@ -99,7 +99,8 @@ class Liveness:
             if not isinstance(pong, m.Pong):
                 continue
             w.last_pong, w.loop_age = time.monotonic(), pong.loop_age_s
-            if w.down_reason is not None and pong.loop_age_s <= self.stuck_s:
+            w.work_age = pong.work_age_s
+            if w.down_reason is not None and w.idle_age <= self.stuck_s:
                 self._up(w)
 
     def _up(self, w: WorkerState) -> None:

@@ -5,7 +5,9 @@ prefill step of a long prompt takes seconds on a CPU, so a router judging livene
 replies would call a busy worker dead. torch releases the GIL inside its kernels, so this thread
 answers within milliseconds while a step runs. A process that is gone or stopped (SIGSTOP, a
 frozen VM) answers nothing. A process whose main loop hangs still answers, but its `loop_age_s`
-(time since the loop last turned) grows, so the router can tell "stuck" from "busy".
+(time since the loop last turned) grows, so the router can tell "stuck" from "busy"; and
+`work_age_s` (since the loop turned or a model layer finished) stays small through one long step
+(a 2048-token step of a 1.7B model takes half a minute on two cores), so busy is not stuck.
 
 A loop that has not turned for `stall_log_s` is also logged once per stall, with the stack of
 the thread that runs it: a router calls a worker stuck after 30 s, and the log then says where
@@ -37,8 +39,10 @@ class Heartbeat:
         loop_tick: Callable[[], float],
         loop_thread: Callable[[], int | None] = lambda: None,
         stall_log_s: float = 10.0,
+        work_tick: Callable[[], float] | None = None,
     ) -> None:
         self.worker_id, self.loop_tick = worker_id, loop_tick
+        self.work_tick = work_tick  # when the model last finished a layer (None: unknown)
         self.loop_thread, self.stall_log_s = loop_thread, stall_log_s
         self.stalls_logged = 0
         self._logged_tick: float | None = None  # the loop_tick of the stall last logged
@@ -76,8 +80,9 @@ class Heartbeat:
         except m.MessageError:
             return  # not ours to argue with: liveness only
         if isinstance(ping, m.Ping):
-            age = max(0.0, time.monotonic() - self.loop_tick())
-            pong = m.Pong(ping.seq, self.worker_id, age)
+            now, tick = time.monotonic(), self.loop_tick()
+            work = -1.0 if self.work_tick is None else now - max(tick, self.work_tick())
+            pong = m.Pong(ping.seq, self.worker_id, max(0.0, now - tick), max(-1.0, work))
             self.sock.send_multipart([parts[0], m.encode(pong)], zmq.NOBLOCK)
 
     def _check_stall(self) -> None:

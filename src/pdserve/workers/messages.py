@@ -112,7 +112,8 @@ class SetFault:
     acks, or its engine steps."""
 
     # "none" | "drop" | "delay" | "corrupt" (P's frames) | "drop_ack" (D's acks) |
-    # "slow" (sleep delay_s before each engine step)
+    # "slow" (sleep delay_s before each engine step) | "slow_layers" (each model layer sleeps
+    # delay_s after it computes, until "none": a long step that makes progress)
     mode: str
     count: int = 1  # frames (steps, for "slow") affected, -1 for all
     delay_s: float = 0.0
@@ -225,6 +226,9 @@ class Pong:
     seq: int
     worker_id: str
     loop_age_s: float  # since the worker's main loop last turned: tells stuck from busy
+    # since it last made progress (its loop turned or a model layer finished): a loop that has
+    # not turned for minutes while layers finish is one long step; -1: not reported
+    work_age_s: float = -1.0
 
 
 @dataclass(frozen=True)

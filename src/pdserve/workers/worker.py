@@ -44,6 +44,7 @@ from pdserve.workers import messages as m
 from pdserve.workers import pool as kvpool
 from pdserve.workers.context import HandoffSettings, WorkerContext
 from pdserve.workers.decode import DecodeSide
+from pdserve.workers.faults import slow_layers
 from pdserve.workers.gc_pauses import GcPauses
 from pdserve.workers.heartbeat import Heartbeat
 from pdserve.workers.prefill import PrefillSide
@@ -124,9 +125,11 @@ class Worker:
             f"inproc://hb-{self.worker_id}" if transport == "inproc" else f"tcp://{host}:*"
         )
         self.loop_thread: int | None = None  # the thread serving the main loop (serve_forever)
+        model = getattr(self.engine, "model", None)
         self.heartbeat = Heartbeat(
-            self.ctx, hb_endpoint, self.worker_id, lambda: self.loop_at, lambda: self.loop_thread
-        )
+            self.ctx, hb_endpoint, self.worker_id, lambda: self.loop_at, lambda: self.loop_thread,
+            work_tick=None if model is None else lambda: getattr(model, "layer_done_at", 0.0),
+        )  # fmt: skip
         # Every collection in this process, timed (gc_pauses.py): a full one stalls the loop.
         self.gc_pauses = GcPauses().install()
 
@@ -251,8 +254,13 @@ class Worker:
     def set_fault(self, msg: m.SetFault) -> None:
         """Frame faults (drop, delay, corrupt) on what this worker sends as P; lost acks as D;
         slow engine steps (a worker that is alive but slow)."""
-        if msg.mode not in ("none", "drop", "delay", "corrupt", "drop_ack", "slow"):
+        if msg.mode not in ("none", "drop", "delay", "corrupt", "drop_ack", "slow", "slow_layers"):
             raise ValueError(f"unknown fault mode {msg.mode!r}")
+        if msg.mode in ("slow_layers", "none"):  # a long step that makes progress, until none
+            delay = max(0.0, msg.delay_s) if msg.mode != "none" else 0.0
+            slow_layers(getattr(self.engine, "model", None), delay)
+            if msg.mode != "none":
+                return
         if msg.mode == "drop_ack":
             self.decode.drop_acks = msg.count
             return

@@ -14,6 +14,7 @@ rows (decode batches), and no slower for prompts.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -199,6 +200,9 @@ class LlamaModel(nn.Module):
         self.fused: FusedOps | None = None  # native RMSNorm / RoPE, set by quantize.quantize_model
         # Set when prompt rows run on a prefill format (engine/prefill_format.py `attach`).
         self.step_rows: StepRows | None = None
+        # time.monotonic() when a layer last finished: a worker's heartbeat reports it, so a
+        # step that runs for minutes (a big model's long prompt) reads as busy, not stuck.
+        self.layer_done_at = 0.0
 
     def _make_ropes(self) -> list[RotaryEmbedding]:
         a, dev = self.arch, self.embed.device
@@ -233,6 +237,7 @@ class LlamaModel(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = tables[1 if layer.local_rope else 0]
             x = layer.forward(x, cos, sin, kv, meta.for_layer(self.arch.is_sliding(i)))
+            self.layer_done_at = time.monotonic()
         if meta.sample_rows is not None:
             x = x[meta.sample_rows]
         eps = self.arch.rms_norm_eps
