@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "engine budgets (the flags here add hardware, TP, link)")  # fmt: skip
     a("--model", default=None, help="model name or config.json (default: llama-3.1-8b; cpu: "
       "the default GGUF)")  # fmt: skip
+    a("--sliding-window", type=_pos_int, default=None,
+      help="the model's sliding window in tokens, over its config's (on every layer unless "
+      "--sliding-layers or the config says which)")  # fmt: skip
+    a("--sliding-layers", default=None, metavar="all|PATTERN",
+      help="which layers slide: all, or s (sliding) and f (full) repeated over the layers "
+      "from the first (sf: Gemma 2; sssssf: Gemma 3)")  # fmt: skip
     pools = parser.add_mutually_exclusive_group()
     pools.add_argument("--colocated", type=_pos_int, default=None, help="colocated workers")
     pools.add_argument("--prefill", type=_pos_int, default=None, help="prefill workers")
@@ -196,7 +202,15 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         kv_pool_gb=args.kv_pool_gb,
         kv_pool_gbps=args.kv_pool_gbps,
         cores=args.cores if adaptive else 0,
+        **_window_flags(args),
     )
+
+
+def _window_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "sliding_window": getattr(args, "sliding_window", None),
+        "sliding_layers": getattr(args, "sliding_layers", None),
+    }
 
 
 def spec_from_args(args: argparse.Namespace) -> spec.SpecModel | None:
@@ -235,7 +249,8 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
                            "message_s": args.message_ms / 1e3, "kv_pool": args.kv_pool,
                            "kv_pool_gb": args.kv_pool_gb,
                            "kv_pool_gbps": args.kv_pool_gbps, "spec": spec_from_args(args),
-                           "multiturn_reuse": args.multiturn_reuse}  # fmt: skip
+                           "multiturn_reuse": args.multiturn_reuse,
+                           **_window_flags(args)}  # fmt: skip
     if args.cost_model is not None:
         sim["cost_model"] = args.cost_model
     return Deployment.of(served, **sim)

@@ -1,8 +1,10 @@
 """The discrete-event simulation of a deployment: router, P / D / colocated workers, KV links.
 
 Only time is simulated. Every decision is the real code's:
-  * each worker (sim/worker.py) is the engine's `Scheduler` over a `KVCacheManager` (block ids
-    only: the simulator has no tensors, so the manager *is* the fake block store);
+  * each worker (sim/worker.py) is the engine's `Scheduler` over the KV manager the engine
+    would build for the model (sim/kv_groups.py: a KV group per layer kind on a model mixing
+    sliding and global layers; block ids only: the simulator has no tensors, so the manager
+    *is* the fake block store);
     `schedule()` decides every step, `update_from_output` advances it; preemption, chunking,
     prefix caching, held KV and reservations are the engine's own;
   * the router's decisions are router/decide.py, the code router/routing.py calls: `plan`

@@ -19,11 +19,13 @@ from typing import Any
 from pdserve import deployment as served
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
+from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.percentiles import summary
 from pdserve.router import slo
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
-from pdserve.sim.hardware import gpu, model_shape
+from pdserve.sim.hardware import ModelShape, gpu, model_shape
+from pdserve.sim.kv_groups import windows_from_flags
 from pdserve.sim.spec import SpecModel, expected_accepted
 from pdserve.sim.steptime import (
     CostModelStep,
@@ -69,6 +71,10 @@ class Deployment:
     spec: SpecModel | None = None  # speculative decoding (sim/spec.py), None: off
     multiturn_reuse: bool = True  # a later turn runs on the worker holding its history
     cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
+    # the model's sliding layers over what its config says (sim/kv_groups.py
+    # `windows_from_flags`): the window, and "all" or an s/f pattern of the layers
+    sliding_window: int | None = None
+    sliding_layers: str | None = None
 
     @classmethod
     def of(cls, d: served.Deployment, **sim: Any) -> Deployment:
@@ -159,11 +165,42 @@ def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
     bpt = float(str(about.get("kv_bytes_per_token", 0)) or 0)
     kv_tokens = int(d.kv_cache_gb * 1024**3 // bpt) if bpt > 0 else 1 << 20
     layers = 30
-    step = CostModelStep(model, bpt, kv_tokens, layers)
+    window, kinds = _cpu_windows(d)
+    step = CostModelStep(model, bpt, kv_tokens, layers, sliding_window=window, layer_kinds=kinds)
     # the profiled transfer (loopback tcp, encode + decode): its bandwidth and fixed cost
     fixed, bytes_s = model.transfer
     bytes_s = gbps_to_bytes_s(d.link_gbps) if d.link_gbps else bytes_s
     return step, Link(bytes_s, fixed)
+
+
+def _cpu_arch(d: Deployment) -> ModelArch:
+    """The architecture of the model the cost model was profiled on (its file's `about`)."""
+    from pdserve.engine import loader
+
+    about = CostModel.load_about(Path(cost_model_path(d)))
+    model = str(about.get("model") or "") or None
+    return loader.load_arch(loader.resolve_model(model))
+
+
+def _cpu_windows(d: Deployment) -> tuple[int | None, str]:
+    """The profiled model's sliding layers as the engine's KV layout has them, with the flags
+    over them."""
+    import torch
+
+    arch = _cpu_arch(d)
+    layout = arch.kv_layout(torch.bfloat16)  # the dtype does not change the layer kinds
+    given = (layout.window, layout.layer_kinds)
+    return windows_from_flags(arch.name, arch.num_layers, given, d.sliding_window,
+                              d.sliding_layers)  # fmt: skip
+
+
+def _gpu_shape(d: Deployment) -> ModelShape:
+    """The model's shape, its sliding layers with the flags over them."""
+    shape = model_shape(d.model)
+    given = (shape.sliding_window, shape.layer_kinds)
+    window, kinds = windows_from_flags(shape.name, shape.layers, given, d.sliding_window,
+                                       d.sliding_layers)  # fmt: skip
+    return replace(shape, sliding_window=window, layer_kinds=kinds)
 
 
 def build(d: Deployment) -> Built:
@@ -176,7 +213,7 @@ def build(d: Deployment) -> Built:
         step, link = _cpu_steps(d)
         pstep: StepModel = step
     else:
-        g, shape = gpu(d.hardware), model_shape(d.model)
+        g, shape = gpu(d.hardware), _gpu_shape(d)
         step = RooflineStep(g, shape, d.tp_decode)
         pstep = RooflineStep(g, shape, d.tp_prefill)
         link = Link(gbps_to_bytes_s(d.link_gbps or DEFAULT_LINK_GBPS_GPU), d.per_message_s)
@@ -219,11 +256,7 @@ def _max_model_len(d: Deployment) -> int:
     on cpu, the profiled model file's architecture)."""
     if d.hardware != "cpu":
         return model_shape(d.model).max_len
-    from pdserve.engine import loader
-
-    about = CostModel.load_about(Path(cost_model_path(d)))
-    model = str(about.get("model") or "") or None
-    return loader.load_arch(loader.resolve_model(model)).max_position_embeddings
+    return _cpu_arch(d).max_position_embeddings
 
 
 def _pool_config(d: Deployment, step: StepModel) -> dict[str, Any]:

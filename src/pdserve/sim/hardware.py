@@ -8,7 +8,8 @@ scheduling, sampling) that a roofline cannot see.
 
 Models (`ModelShape`): the shapes in a Hugging Face `config.json` (layers, hidden, heads, KV
 heads, vocab, intermediate; a Mixtral's num_local_experts and num_experts_per_tok, a
-Qwen3-MoE's num_experts and moe_intermediate_size). Shipped
+Qwen3-MoE's num_experts and moe_intermediate_size; the sliding-window layers, read as the
+engine reads them: `hf_config.window_layers`). Shipped
 for Llama-3.1-8B/70B and Qwen2.5-7B/32B (shapes only, no weights, in `configs/`); any other
 config.json path works too.
 """
@@ -75,6 +76,12 @@ class ModelShape:
     # batches) count every expert; the FLOPs only the chosen ones.
     experts: int = 1
     experts_per_token: int = 1
+    # Layers with a sliding window (Gemma 2/3, Qwen2/3 with max_window_layers, Mistral):
+    # `layer_kinds` is "s" (sliding) or "f" (full) per layer, "" when none slides, and
+    # `sliding_window` their window. They size the simulated KV groups (sim/kv_groups.py),
+    # the hand-off's bytes and the roofline's attention and KV reads (steptime.py).
+    sliding_window: int | None = None
+    layer_kinds: str = ""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
@@ -87,6 +94,7 @@ class ModelShape:
             )
         if self.hidden % self.heads:
             raise ValueError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads")
+        check_windows(self.name, self.layers, self.sliding_window, self.layer_kinds)
 
     @property
     def head_dim(self) -> int:
@@ -132,6 +140,10 @@ class ModelShape:
                 raise ValueError(f"model config {name}: {key} is missing or not a number")
             return int(value)
 
+        from pdserve.engine.models.hf_config import window_layers  # the engine's reading
+
+        layers = geti("num_hidden_layers")  # checked before window_layers reads it
+        window, types = window_layers(cfg, Path(name))
         # Qwen3-MoE names its experts num_experts (num_local_experts in transformers 5) and
         # their width moe_intermediate_size; its few dense layers (mlp_only_layers) are
         # counted as experts, a small overestimate of their weights.
@@ -140,7 +152,7 @@ class ModelShape:
         width = "moe_intermediate_size" if moe_width else "intermediate_size"
         return cls(
             name=name,
-            layers=geti("num_hidden_layers"),
+            layers=layers,
             hidden=geti("hidden_size"),
             heads=geti("num_attention_heads"),
             kv_heads=geti("num_key_value_heads", geti("num_attention_heads")),
@@ -150,7 +162,22 @@ class ModelShape:
             max_len=geti("max_position_embeddings", 131072),
             experts=experts,
             experts_per_token=geti("num_experts_per_tok", 1),
+            sliding_window=window,
+            layer_kinds="".join("s" if t == "sliding" else "f" for t in types),
         )
+
+
+def check_windows(name: str, layers: int, window: int | None, kinds: str) -> None:
+    """A window with at least one sliding layer among `layers` kinds, or neither."""
+    if not kinds and window is None:
+        return
+    if len(kinds) != layers or set(kinds) - {"s", "f"} or "s" not in kinds:
+        raise ValueError(
+            f"model {name}: layer kinds {kinds!r} must be s (sliding) or f (full) for each of "
+            f"{layers} layers, at least one s"
+        )
+    if window is None or window < 1:
+        raise ValueError(f"model {name}: sliding layers need a window >= 1, got {window}")
 
 
 def known_models() -> list[str]:

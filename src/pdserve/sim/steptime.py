@@ -15,7 +15,9 @@ A step is what `Scheduler.schedule()` returned: per request, `n` tokens computed
       flops = 2 (layer weights) T + 2 (lm head) S + sum_rows 4 L H d n (start + n/2)
       bytes = weights + sum_rows KV bytes/token * (start + n)      (read the past, write the new)
       step  = max(flops / (tp F mfu), bytes / (tp B mbu)) + all-reduce + overhead
-  T tokens in the step, S rows sampled, L layers, H heads of dimension d. Tensor parallelism
+  T tokens in the step, S rows sampled, L layers, H heads of dimension d. A sliding layer
+  (`ModelShape.layer_kinds`) attends to and reads at most its window's keys: its share of the
+  attention and KV terms counts min(position + 1, window) keys per query. Tensor parallelism
   splits flops and bytes evenly over the GPUs and adds two all-reduces per layer of
   T x hidden x 2 bytes over NVLink (ring: 2 (tp - 1) / tp of the bytes), each with a latency.
 * `Link`: KV bytes / bandwidth + a per-message cost, streamed layer by layer while the prefill
@@ -69,6 +71,9 @@ class CostModelStep:
     kv_cache_tokens: int = 65536
     layers: int = 30
     gpus: int = 1
+    # the profiled model's sliding layers (sim/kv_groups.py), read from its architecture
+    sliding_window: int | None = None
+    layer_kinds: str = ""
 
     def step_s(self, rows: Sequence[Row]) -> float:
         batch = ctx = 0
@@ -127,6 +132,14 @@ class RooflineStep:
     def kv_bytes_per_token(self) -> float:
         return float(self.shape.kv_bytes_per_token)
 
+    @property
+    def sliding_window(self) -> int | None:
+        return self.shape.sliding_window
+
+    @property
+    def layer_kinds(self) -> str:
+        return self.shape.layer_kinds
+
     def receive_s(self, tokens: int) -> float:
         return 0.0
 
@@ -143,12 +156,29 @@ class RooflineStep:
             sampled += 1  # every row of a step samples except mid-prompt chunks; close enough
             attn += n * (start + n / 2)
             kv += start + n
+        attn, kv = self._windowed(rows, attn, kv)
         flops = 2.0 * s.layers * s.active_layer_params * tokens + 2 * s.vocab * s.hidden * sampled
         flops += 4 * s.layers * s.heads * s.head_dim * attn
         nbytes = s.weight_bytes + kv * s.kv_bytes_per_token
         compute = flops / (self.tp * g.bf16_flops * g.mfu)
         memory = nbytes / (self.tp * g.hbm_bytes_s * g.mbu)
         return max(compute, memory) + self.allreduce_s(tokens) + g.step_overhead_s
+
+    def _windowed(self, rows: Sequence[Row], attn: float, kv: float) -> tuple[float, float]:
+        """`attn` (keys attended, summed over queries) and `kv` (keys read and written) of
+        every layer, with the sliding layers' share counted over their window only: a query at
+        position p sees min(p + 1, window) keys, a row reads min(start, window) + n. Unchanged
+        when no layer slides."""
+        kinds, window = self.shape.layer_kinds, self.shape.sliding_window
+        if not kinds or window is None:
+            return attn, kv
+        share = kinds.count("s") / len(kinds)
+        w_attn = w_kv = 0.0
+        for n, start in rows:
+            inside = min(n, max(0, window - start))  # queries before the window is full
+            w_attn += inside * (start + inside / 2) + (n - inside) * window
+            w_kv += min(start, window) + n
+        return attn * (1 - share) + w_attn * share, kv * (1 - share) + w_kv * share
 
     def allreduce_s(self, tokens: int) -> float:
         if self.tp == 1:
@@ -214,6 +244,8 @@ def planner_cost_model(
 
 
 def instance_kv_blocks(step: StepModel, block_size: int) -> int:
+    """Blocks of every layer the instance's KV memory holds (a model with sliding layers
+    splits the same memory into its KV groups: sim/kv_groups.py)."""
     return max(1, step.kv_tokens() // block_size)
 
 

@@ -1,5 +1,6 @@
-"""A simulated engine instance (`SimWorker`): the engine's real `Scheduler` over a
-`KVCacheManager`, stepping in simulated time, and P's side of a KV hand-off (`Outgoing`).
+"""A simulated engine instance (`SimWorker`): the engine's real `Scheduler` over the KV
+managers the engine would build for the model (sim/kv_groups.py), stepping in simulated time,
+and P's side of a KV hand-off (`Outgoing`).
 
 The worker sees the simulation through `Loop`: its clock and event heap, and the router's
 handlers of what the worker reports (a reservation, a token, a hand-off's last byte, an end).
@@ -18,10 +19,11 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
 from pdserve.router.loads import WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.worker_stats import WorkerStats
+from pdserve.sim.kv_groups import complete_from, handoff_bytes, kv_manager
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import SimConfig, SimRequest
 from pdserve.sim.spec import SpecDraws
-from pdserve.sim.steptime import Link, Row, StepModel, instance_kv_blocks
+from pdserve.sim.steptime import Link, Row, StepModel
 from pdserve.workers.messages import KVEvents
 
 TOKEN = 7  # every sampled token (never an eos: requests stop at max_tokens, ignore_eos)
@@ -61,6 +63,7 @@ class Outgoing:
     prefill_done: bool = False
     nbytes: int = 0
     tokens: int = 0  # KV tokens sent (D's receive work)
+    window_from: int = 0  # sliding layers send their KV from this token on (kv_groups.py)
 
 
 class SimWorker:
@@ -70,11 +73,8 @@ class SimWorker:
         self, sim: Loop, wid: str, role: str, step: StepModel, policy: SchedulerPolicy
     ) -> None:
         self.sim, self.wid, self.role, self.step = sim, wid, role, step
-        cfg = sim.config
-        # One KV group and no window: the cost model has no per-layer KV (a mixed-window model
-        # is simulated as if every layer kept full KV, as engines with a KV pool do).
-        self.kv = KVCacheManager(instance_kv_blocks(step, cfg.block_size), cfg.block_size,
-                                 enable_prefix_caching=cfg.prefix_caching)  # fmt: skip
+        # the engine's KV groups for the model's sliding layers, sized as the engine sizes them
+        self.kv = kv_manager(step, sim.config, policy)
         self.sched = Scheduler(policy, self.kv)
         self.load = WorkerLoad(wid)
         self.outstanding = 0
@@ -113,7 +113,8 @@ class SimWorker:
     def prefill(self, req: SimRequest, dest: SimWorker) -> None:
         request = self._request(req, 1)
         request.hold_kv = True
-        self.outgoing[req.rid] = Outgoing(req.rid, dest)
+        window_from = complete_from(self.step, len(req.prompt))
+        self.outgoing[req.rid] = Outgoing(req.rid, dest, window_from=window_from)
         self.sched.add_request(request)
         self.kick()
 
@@ -140,7 +141,9 @@ class SimWorker:
         while self.reserving:
             request = self.reserving[0]
             n_kv = request.num_prompt_tokens
-            got = self.kv.reserve_with_prefix(request, n_kv + 1, n_kv - 1)
+            # as LLMEngine.reserve_kv: the sliding layers' KV arrives for their window only
+            complete = complete_from(self.step, n_kv)
+            got = self.kv.reserve_with_prefix(request, n_kv + 1, n_kv - 1, complete)
             if got is None:
                 return  # retried after the next step frees blocks
             self.reserving.popleft()
@@ -196,7 +199,7 @@ class SimWorker:
         pinned, load_s = self._pool_load()
         out = self.sched.schedule()
         for rid in pinned:  # the scheduler has found them: the requests' own blocks hold them
-            self.kv.unpin(rid)
+            self._pool_kv().unpin(rid)
         for _ in range(len(self.sched.running) + 1):
             # a step that only preempted (a request preempting itself) changed the queues:
             # the worker loop would schedule again at once
@@ -236,15 +239,22 @@ class SimWorker:
             if rid in self._pool_probed or request.num_computed_tokens > 0:
                 continue
             self._pool_probed.add(rid)
-            _, hashes = self.kv.pool_candidates(request)
+            kv = self._pool_kv()
+            _, hashes = kv.pool_candidates(request)
             n = pool.lookup(hashes) if hashes else 0
             if n == 0:
                 continue
-            loaded = len(self.kv.import_blocks(request, hashes[:n])) * self.kv.block_size
+            loaded = len(kv.import_blocks(request, hashes[:n])) * kv.block_size
             pinned.append(rid)
             self.pool_tokens[rid] = loaded
             load_s += pool.load_s(loaded * self.step.kv_bytes_per_token)
         return pinned, load_s
+
+    def _pool_kv(self) -> KVCacheManager:
+        """The one block table of a worker with a KV pool (a pool block holds every layer, so
+        kv_groups.kv_manager gives a mixed model no KV groups there, as the engine does)."""
+        assert isinstance(self.kv, KVCacheManager)
+        return self.kv
 
     def _received(self, rid: str, t0: float) -> None:
         self.busy = False
@@ -335,10 +345,10 @@ class SimWorker:
         """Send the chunks computed so far (once D has reserved); hand off when all are sent."""
         if o.reserved_at is None:
             return
-        bpt = self.step.kv_bytes_per_token
         for start, n, t0, dur in o.chunks:
-            tokens = max(0, start + n - max(start, o.have_tokens))
-            nbytes = tokens * bpt
+            lo = max(start, o.have_tokens)  # D's cached prefix is not sent
+            tokens = max(0, start + n - lo)
+            nbytes = handoff_bytes(self.step, lo, start + n, o.window_from)
             o.nbytes += int(nbytes)
             o.tokens += tokens
             done = self.link.stream(t0, dur, nbytes, self.step.layers, o.reserved_at)

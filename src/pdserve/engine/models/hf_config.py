@@ -141,6 +141,21 @@ def _rope_scaling(params: dict[str, Any], file: Path, field: str) -> dict[str, A
     return {"rope_type": "llama3", **{k: params[k] for k in _LLAMA3_KEYS}}
 
 
+def window_layers(cfg: dict[str, Any], file: Path) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and "sliding" | "full" per layer, as `arch_from_config` reads them
+    ((None, ()) when no layer slides), for a config of any architecture: the simulator sizes
+    its KV from shapes alone. An architecture the model code does not implement slides only
+    where its config lists `layer_types` (no rule of its own to apply)."""
+    names = cfg.get("architectures") or []
+    known = any(n in HF_ARCHITECTURES for n in names) or (
+        not names and cfg.get("model_type") in MODEL_TYPES
+    )
+    if not known and cfg.get("layer_types") is None:
+        return None, ()
+    types = _layer_types(cfg, file, _architecture(cfg, file) if known else "")
+    return (int(cfg["sliding_window"]), types) if types else (None, ())
+
+
 def _layer_types(cfg: dict[str, Any], file: Path, arch: str) -> tuple[str, ...]:
     """ "sliding" | "full" per layer; () when no layer has a window."""
     n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
