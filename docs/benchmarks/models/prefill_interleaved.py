@@ -106,6 +106,31 @@ def pdserve_prefill(engine, n: int, rng: random.Random) -> float:  # type: ignor
     return seconds
 
 
+def rounds(args: argparse.Namespace, lens: list[int], engines: dict, child) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """{side: {prompt length: seconds of each round}}, every side timed once a round."""
+    rng = random.Random(2)
+    sides = [*engines, "vllm"]
+    for eng in engines.values():  # warm-up, as vLLM's own
+        pdserve_prefill(eng, min(256, max(lens)), rng)
+    times: dict[str, dict[int, list[float]]] = {s: {n: [] for n in lens} for s in sides}
+    for r in range(args.rounds):
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
+        for n in lens:
+            for side in order:
+                time.sleep(args.pause)
+                for _ in range(2 if args.warm else 1):  # the last one is timed
+                    s = (
+                        vllm_prefill(child, n)
+                        if side == "vllm"
+                        else pdserve_prefill(engines[side], n, rng)
+                    )
+                times[side][n].append(s)
+        print(f"round {r + 1}: " + ", ".join(
+            f"{side} {n}: {n / times[side][n][-1]:.0f} tok/s" for n in lens for side in sides
+        ), file=sys.stderr, flush=True)  # fmt: skip
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf")
@@ -126,30 +151,12 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     engines = {f: pdserve_engine(args.gguf, f, max(lens)) for f in args.formats.split(",")}
     child = vllm_child(args.vllm_python, args.hf)
-    rng = random.Random(2)
-    sides = [*engines, "vllm"]
-    for eng in engines.values():  # warm-up, as vLLM's own
-        pdserve_prefill(eng, 256, rng)
-    times: dict[str, dict[int, list[float]]] = {s: {n: [] for n in lens} for s in sides}
     try:
-        for r in range(args.rounds):
-            order = sides[r % len(sides) :] + sides[: r % len(sides)]
-            for n in lens:
-                for side in order:
-                    time.sleep(args.pause)
-                    for _ in range(2 if args.warm else 1):  # the last one is timed
-                        s = (
-                            vllm_prefill(child, n)
-                            if side == "vllm"
-                            else pdserve_prefill(engines[side], n, rng)
-                        )
-                    times[side][n].append(s)
-            print(f"round {r + 1}: " + ", ".join(
-                f"{side} {n}: {n / times[side][n][-1]:.0f} tok/s" for n in lens for side in sides
-            ), file=sys.stderr, flush=True)  # fmt: skip
-    finally:
+        times = rounds(args, lens, engines, child)
+    finally:  # vLLM's engine core and workers too, whatever happened here
         os.killpg(child.pid, signal.SIGKILL)
     load.append(os.getloadavg()[0])
+    sides = [*engines, "vllm"]
     summary = {}
     for f in engines:
         for n in lens:
