@@ -24,8 +24,9 @@ def build_kv(
 ) -> tuple[PagedKVCache, KVManager]:
     """The cache and manager for the memory of `num_blocks` blocks of every layer: a model
     mixing sliding and global layers gets a KV group for each kind when `groups` (sizes from
-    `hybrid_kv.split_blocks`), any other model one group (windowed throughout: the manager
-    frees what leaves the window). Says which at start-up."""
+    `hybrid_kv.split_blocks`; a KV pool keeps them, engine/pool_link.py), any other model one
+    group (windowed throughout: the manager frees what leaves the window). Says which at
+    start-up."""
     cc, sc = config.cache_config, config.scheduler_config
     bs, window = cc.block_size, arch.sliding_window
     if not groups or window is None or layout.window is None or arch.uniform_window:
