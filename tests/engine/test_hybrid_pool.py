@@ -1,9 +1,10 @@
-"""Gemma 2 and Gemma 3 (sliding layers 0 and 2 beside global layers 1 and 3, window 16, blocks
-of 8) with a KV pool (FakeKVPool, chunks of 4): the engine keeps its two KV groups, each group
-puts its own layers under its own namespace (the sliding group block by block, before the window
-frees them), a fresh engine loads a prefix into both groups and answers as transformers and as
-an engine without a pool do, and an engine keeping every layer in one group never reads a
-group's values (nor the other way round)."""
+"""Gemma 2 and Gemma 3 (sliding layers 0 and 2 beside global layers 1 and 3) and Qwen2 with
+max_window_layers=1 (layer 0 global, layer 1 sliding), window 16, blocks of 8, with a KV pool
+(FakeKVPool, chunks of 4): the engine keeps its two KV groups, each group puts its own layers under
+its own namespace (the sliding group block by block, before the window frees them), a fresh engine
+loads a prefix into both groups and answers as transformers and as an engine without a pool do, and
+an engine keeping every layer in one group never reads a group's values (nor the other way
+round)."""
 
 from __future__ import annotations
 
@@ -25,22 +26,31 @@ from pdserve.workers import pool as worker_pool
 WINDOW, BS, C = 16, 8, 4
 NEW_TOKENS = 30
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-SLIDING, GLOBAL = "0,2", "1,3"  # the tiny Gemmas' layers of each kind
+# variant -> (config overrides, its sliding layers, its global layers)
+MODELS = {
+    "gemma2": ({}, "0,2", "1,3"),
+    "gemma3": ({}, "0,2", "1,3"),
+    "qwen2.5": ({"use_sliding_window": True, "max_window_layers": 1}, "1", "0"),
+}
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
-def gemma(request, tmp_path_factory, default_tokenizer):  # type: ignore[no-untyped-def]
-    """The model, a 130-token prompt and transformers' greedy tokens for it, and a prompt
-    sharing its first 40 tokens with transformers' last-position logprobs (a random tiny
-    model's greedy tokens barely notice wrong KV; its logprobs do)."""
+@pytest.fixture(scope="module", params=list(MODELS))
+def mixed(request, tmp_path_factory, default_tokenizer):  # type: ignore[no-untyped-def]
+    """The model, a 130-token prompt and transformers' greedy tokens for it, a prompt sharing
+    its first 40 tokens with transformers' last-position logprobs (a random tiny model's
+    greedy tokens barely notice wrong KV; its logprobs do), and the model's layers of each
+    kind."""
+    overrides, sliding, full = MODELS[request.param]
     folder = tmp_path_factory.mktemp(f"{request.param}-pool")
-    model = tiny_arch.save(folder, request.param, default_tokenizer, sliding_window=WINDOW)
+    model = tiny_arch.save(
+        folder, request.param, default_tokenizer, sliding_window=WINDOW, **overrides
+    )
     long, tail = tiny_arch.prompts((130, 70), seed=11)
     other = long[:40] + tail
     want = tiny_arch.hf_greedy(model, long, NEW_TOKENS)
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([other])).logits[0, -1], -1)
-    return folder, long, want, other, ref
+    return folder, long, want, other, ref, (sliding, full)
 
 
 def _llm(folder: object, **kw: int) -> LLM:
@@ -57,8 +67,8 @@ def _link(llm: LLM) -> PoolLink:
 
 
 def _one_group(llm: LLM) -> LLM:
-    """The engine with one block table for every layer (as builds before KV groups with a pool
-    kept a mixed model)."""
+    """The engine with one block table for every layer (`build_kv(groups=False)`): one KV group
+    for a mixed model, its values under the pool's every-layer namespace."""
     eng = llm.engine
     eng._build_kv(groups=False)
     eng.scheduler.kv = eng.kv_manager
@@ -93,20 +103,22 @@ class LosesLayers(FakeKVPool):
         return super().get(hashes, deadline, start)
 
 
-def test_with_a_pool_both_groups_stay_and_each_puts_its_layers(gemma) -> None:  # type: ignore[no-untyped-def]
+def test_with_a_pool_both_groups_stay_and_each_puts_its_layers(mixed) -> None:  # type: ignore[no-untyped-def]
     """130 prompt tokens in steps of 32 and 30 more: the sliding group holds at most its
     window's and one step's blocks throughout; every one of the 19 full blocks goes into the
     pool in each group (the global group in chunks of 4, the sliding one a block at a time,
     none lost to the window), under the groups' namespaces only."""
-    folder, long, want, _, _ = gemma
+    folder, long, want, _, _, (sliding_layers, global_layers) = mixed
     a = _llm(folder, max_num_batched_tokens=32, max_num_seqs=2)
     pool = FakeKVPool(_namespace(a))
     a.engine.attach_pool(pool)
     kv = a.engine.kv_manager
     assert isinstance(kv, HybridKVCacheManager)
-    assert a.engine.cache.layer_group == [1, 0, 1, 0]
+    kinds = {str(i): g for i, g in enumerate(a.engine.cache.layer_group)}
+    assert {kinds[i] for i in sliding_layers.split(",")} == {1}
+    assert {kinds[i] for i in global_layers.split(",")} == {0}
     full, sliding = (g.pool for g in _link(a).groups)
-    assert (full.namespace.layers, sliding.namespace.layers) == (GLOBAL, SLIDING)
+    assert (full.namespace.layers, sliding.namespace.layers) == (global_layers, sliding_layers)
     assert (full.namespace.chunk_blocks, sliding.namespace.chunk_blocks) == (C, 1)
     eng = a.engine
     rid = eng.add_request(long, GREEDY)
@@ -132,13 +144,13 @@ def test_with_a_pool_both_groups_stay_and_each_puts_its_layers(gemma) -> None:  
     _idle(a)
 
 
-def test_a_fresh_engine_loads_both_groups_and_answers_exactly(gemma) -> None:  # type: ignore[no-untyped-def]
+def test_a_fresh_engine_loads_both_groups_and_answers_exactly(mixed) -> None:  # type: ignore[no-untyped-def]
     """b loads the 130-token prompt's 16 full blocks but the last token's (the global group all
     of them, the sliding group the window's last two) and computes 2 tokens of it; c loads the
     first chunk of a prompt sharing 40 tokens (blocks 0-3: the chunk over block 4 ends in
     blocks c does not share) and its logprobs equal transformers'. Greedy tokens equal those
     of an engine without a pool."""
-    folder, long, want, other, ref = gemma
+    folder, long, want, other, ref, _ = mixed
     plain, a, b, c = (_llm(folder) for _ in range(4))
     pool = FakeKVPool(_namespace(a))
     for llm in (a, b, c):
@@ -165,16 +177,16 @@ def test_a_fresh_engine_loads_both_groups_and_answers_exactly(gemma) -> None:  #
         _idle(llm)
 
 
-def test_a_sliding_group_that_does_not_deliver_is_recomputed(gemma) -> None:  # type: ignore[no-untyped-def]
+def test_a_sliding_group_that_does_not_deliver_is_recomputed(mixed) -> None:  # type: ignore[no-untyped-def]
     """The pool promises 128 tokens but returns none of the sliding group's blocks: the global
     blocks alone make no hit (the window before its end is missing), so b computes the whole
     prompt, counts the 128 tokens recomputed, and answers exactly."""
-    folder, long, want, _, _ = gemma
+    folder, long, want, _, _, (sliding_layers, _) = mixed
     a, b = _llm(folder), _llm(folder)
     ns = _namespace(a)
     pool = FakeKVPool(ns)
     a.engine.attach_pool(pool)
-    b.engine.attach_pool(LosesLayers(ns, blocks=pool.blocks, lose=SLIDING))
+    b.engine.attach_pool(LosesLayers(ns, blocks=pool.blocks, lose=sliding_layers))
     a.generate([long], GREEDY)
     (out,) = b.generate([long], GREEDY)
     assert out.outputs[0].token_ids == want
@@ -186,10 +198,10 @@ def test_a_sliding_group_that_does_not_deliver_is_recomputed(gemma) -> None:  # 
 
 
 @pytest.mark.parametrize("writer_groups", [True, False])
-def test_one_group_and_grouped_engines_never_read_each_other(gemma, writer_groups) -> None:  # type: ignore[no-untyped-def]
+def test_one_group_and_grouped_engines_never_read_each_other(mixed, writer_groups) -> None:  # type: ignore[no-untyped-def]
     """One store, one model: an engine keeping every layer in one table and a grouped one put
     under different namespaces, so neither finds the other's values; each answers exactly."""
-    folder, long, want, _, _ = gemma
+    folder, long, want, *_ = mixed
     grouped, single = _llm(folder), _one_group(_llm(folder))
     assert isinstance(single.engine.kv_manager, KVCacheManager)
     ns = _namespace(grouped)
@@ -208,11 +220,11 @@ def test_one_group_and_grouped_engines_never_read_each_other(gemma, writer_group
         _idle(llm)
 
 
-def test_a_pool_of_some_layers_is_refused(gemma) -> None:  # type: ignore[no-untyped-def]
-    folder, *_ = gemma
+def test_a_pool_of_some_layers_is_refused(mixed) -> None:  # type: ignore[no-untyped-def]
+    folder, *_ = mixed
     a = _llm(folder)
     ns = _namespace(a)
     with pytest.raises(ValueError, match="every layer"):
-        a.engine.attach_pool(FakeKVPool(ns.for_layers([1, 3], C)))
+        a.engine.attach_pool(FakeKVPool(ns.for_layers([1], C)))
     with pytest.raises(ValueError, match="not a KV group"):
-        FakeKVPool(ns).for_namespace(replace(ns.for_layers([0, 2], 1), codec="int8"))
+        FakeKVPool(ns).for_namespace(replace(ns.for_layers([0], 1), codec="int8"))
