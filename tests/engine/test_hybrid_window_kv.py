@@ -141,27 +141,3 @@ def test_n_choices_and_speculation_on_both_groups(gemma) -> None:  # type: ignor
     assert llm.generate([repeat], GREEDY)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.stats()["spec_draft_tokens"] > 0
     assert_engine_idle(llm)
-
-
-def test_a_kv_pool_keeps_one_table_for_a_mixed_model(gemma) -> None:  # type: ignore[no-untyped-def]
-    """A pool block holds every layer's KV of its tokens, which a sliding group drops as the
-    window moves: attaching a pool puts the mixed model back on one table, and a second engine
-    loading the first one's prompt from the pool answers exactly."""
-    from dataclasses import replace
-
-    from pdserve.kvpool.api import FakeKVPool
-    from pdserve.workers import pool as worker_pool
-
-    folder, prompts, want = gemma
-    a, b = (LLM(str(folder), block_size=BS, num_blocks=64) for _ in range(2))
-    pool = FakeKVPool(replace(worker_pool.namespace(a.engine), chunk_blocks=4))
-    for llm in (a, b):
-        llm.engine.attach_pool(pool)
-        assert isinstance(llm.engine.kv_manager, KVCacheManager)
-        assert llm.engine.cache.layer_group == [0] * 4
-    assert a.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids == want[1]
-    (out,) = b.generate([prompts[1]], GREEDY)
-    assert out.outputs[0].token_ids == want[1] and b.engine.stats()["kv_pool_loaded_tokens"] > 0
-    for llm in (a, b):
-        assert_engine_idle(llm)
-        assert not llm.engine.kv_manager.pinned()  # type: ignore[union-attr]

@@ -149,7 +149,8 @@ def test_the_sim_builds_the_kv_groups_the_engine_builds(tmp_path: Path) -> None:
     assert sizes[0] == sizes[1]
     size = split_blocks(instance_kv_blocks(step, BS), 6, 3, 128, BS, 16, 512)
     assert sim_kv.full.num_blocks > instance_kv_blocks(step, BS) > size.sliding
-    # a KV pool's blocks hold every layer: one table, as the engine's attach_pool has it
+    # with a KV pool the simulated worker keeps one table (its pool loads go through one
+    # manager; the engine keeps both groups there: docs/models.md)
     pooled = kv_groups.kv_manager(step, SimConfig(colocated=1, kv_pool=True), policy)
     assert isinstance(pooled, KVCacheManager) and pooled.window is None
     assert pooled.num_blocks == instance_kv_blocks(step, BS)

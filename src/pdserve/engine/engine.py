@@ -19,10 +19,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine import engine_stats, kv_build, loader, model_build, step_log
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarBackend
-from pdserve.engine.hybrid_kv import HybridKVCacheManager
 from pdserve.engine.kv_access import KVAccess
 from pdserve.engine.kv_cache import num_blocks_for_memory
-from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.pool_link import PoolLink
@@ -97,27 +95,19 @@ class LLMEngine(KVAccess):
         self._pending: list[str] = []
 
     def _build_kv(self, groups: bool) -> None:
+        """`groups=False`: one block table for every layer whatever the model (tests compare
+        the layouts)."""
         self.cache, self.kv_manager = kv_build.build_kv(
             self.arch, self._cache_layout, self._num_blocks, self.config, self.device, groups
         )
 
     def attach_pool(self, pool: KVPool) -> None:
         """Load prompt prefixes from this KV pool and put every full block computed or received
-        here into it (engine/pool_link.py). Its namespace must describe this engine's KV.
-
-        A pool block holds every layer's KV of its tokens, which a sliding layer's own KV group
-        drops as the window moves: a model mixing sliding and global layers goes back to one
-        block table for every layer (window layers keep full KV), so every block it puts or
-        loads is whole. Only before any request (the worker attaches at start-up)."""
+        here into it (engine/pool_link.py). Its namespace must describe this engine's KV (every
+        layer); a model with two KV groups keeps them, each group storing its own layers under
+        a namespace naming them (engine/pool_group.py)."""
         if self.pool_link is not None:
             raise ValueError("a KV pool is attached already")
-        if isinstance(self.kv_manager, HybridKVCacheManager):
-            if self.scheduler.requests or self._reserved or self.scheduler.held:
-                raise ValueError("attach a KV pool before any request")
-            self._build_kv(groups=False)
-            self.scheduler.kv = self.kv_manager
-            self.runner.cache = self.cache
-        assert isinstance(self.kv_manager, KVCacheManager)
         self.pool_link = PoolLink(pool, self.cache, self.kv_manager)
 
     # ---- intake -----------------------------------------------------------------------------

@@ -20,6 +20,10 @@ by every layer it would hold the whole context, as the global layers must.
     layers), `usage` the fuller group's share.
 Models with no window, or one window on every layer, keep one plain `KVCacheManager`.
 
+With a KV pool (engine/pool_link.py, engine/pool_group.py) each group puts and loads its own
+layers under its own namespace; a load ends where both groups can make the hit, by the rule
+above, and `pinned` covers both groups' held blocks.
+
 Sizing (`split_blocks`): from the budget of the shared layout (N blocks of every layer), the
 sliding group gets what its running requests can hold at once plus a quarter for its prefix
 cache, and never more than N; the global group gets the rest of the bytes.
@@ -251,6 +255,10 @@ class HybridKVCacheManager:
     def free(self, request_id: str) -> None:
         for g in self.groups:
             g.free(request_id)
+
+    def pinned(self) -> list[str]:
+        """Requests holding blocks loaded from the KV pool in either group (pool_link.py)."""
+        return sorted(set(self.full.pinned()) | set(self.sliding.pinned()))
 
     def reset_prefix_cache(self) -> int:
         """Forget both groups' cached blocks; returns the global group's count."""

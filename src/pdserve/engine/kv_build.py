@@ -63,7 +63,7 @@ def build_kv(
 ) -> tuple[PagedKVCache, KVManager]:
     """The cache and manager for the memory of `num_blocks` blocks of every layer
     (`choose_manager`: two KV groups for a model mixing sliding and global layers when
-    `groups`). Says which at start-up."""
+    `groups`; a KV pool keeps them, engine/pool_link.py). Says which at start-up."""
     cc, sc = config.cache_config, config.scheduler_config
     bs = cc.block_size
     kv, size = choose_manager(

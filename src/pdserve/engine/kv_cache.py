@@ -60,11 +60,11 @@ def _window_layout(arch: ModelArch, sliding: int, groups: str) -> str:
             f"sliding window {arch.sliding_window} on every layer: KV blocks that leave the "
             "window are freed; the hand-off sends each layer its window"
         )
-    if not groups:  # the KV pool (engine.attach_pool) keeps one table
+    if not groups:  # build_kv(groups=False): one table for every layer
         return (
             f"sliding window {arch.sliding_window} on {sliding} of {arch.num_layers} layers: "
-            "window layers keep full KV (one block table for all layers, as the KV pool's "
-            "blocks hold every layer); the hand-off sends window layers only their window"
+            "window layers keep full KV (one block table for all layers); the hand-off sends "
+            "window layers only their window"
         )
     return (
         f"sliding window {arch.sliding_window} on {sliding} of {arch.num_layers} layers: two KV "

@@ -44,14 +44,20 @@ class PoolBlocks:
         """Whether block `block_id` still holds the KV named `block_hash`."""
         return self.pool.blocks[block_id].block_hash == block_hash
 
+    def chain(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks before its last token (which the model must
+        compute): what a pool may hold for it."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._request_hashes(request)[: max(0, request.num_tokens - 1) // self.block_size]
+
     def pool_candidates(self, request: Request) -> tuple[int, list[BlockHash]]:
         """(leading full blocks cached here, hashes of the full blocks after them) of the
-        request's tokens but the last (which the model must compute)."""
+        request's tokens but the last."""
         if not self.enable_prefix_caching:
             return 0, []
-        hashes = self._request_hashes(request)[: max(0, request.num_tokens - 1) // self.block_size]
         local = len(self._lookup(request, request.num_tokens - 1).blocks)
-        return local, hashes[local:]
+        return local, self.chain(request)[local:]
 
     def import_blocks(self, request: Request, hashes: list[BlockHash]) -> list[int]:
         """Fresh blocks for KV loaded from elsewhere (the pool) that continues the request's
@@ -59,10 +65,21 @@ class PoolBlocks:
         no allocation evicts them before the request is scheduled and finds them as a prefix
         hit. Takes fewer (maybe none) when free blocks are short; returns their ids in order.
         The caller writes their KV before the next step."""
-        rid = request.request_id
+        local = [b for b in self._lookup(request, request.num_tokens - 1).blocks if b is not None]
+        return self._import(request.request_id, local, hashes)
+
+    def import_window(
+        self, request: Request, held: list[BlockHash], hashes: list[BlockHash]
+    ) -> list[int]:
+        """`import_blocks` for a sliding group (engine/pool_link.py): the cached blocks a hit
+        needs before the loaded ones are those under `held` (the window's first blocks), not
+        the group's own longest hit."""
+        cached = [self.pool.get_cached_block(h) for h in held]
+        return self._import(request.request_id, [b for b in cached if b is not None], hashes)
+
+    def _import(self, rid: str, local: list[Block], hashes: list[BlockHash]) -> list[int]:
         if rid in self._pins or rid in self._blocks:
             raise ValueError(f"request {rid!r} already holds blocks")
-        local = [b for b in self._lookup(request, request.num_tokens - 1).blocks if b is not None]
         reclaimable = sum(1 for b in local if b.ref_cnt == 0)
         n = max(0, min(len(hashes), self.pool.num_free_blocks - reclaimable - 1))
         self.pool.touch(local)  # before taking new blocks, so eviction cannot pick them

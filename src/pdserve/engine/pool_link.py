@@ -9,22 +9,26 @@ the scheduler has run once: it then finds them as an ordinary prefix hit and mar
 computed. Whatever the lookup promised but `get` did not return (late, missing, corrupt) is
 recomputed, and counted (`recomputed_tokens`). At most the last prompt token is always computed.
 
-Put (`after_step`, right after the model ran): the pool stores chunks of C =
-`namespace.chunk_blocks` blocks aligned on multiples of C (kvpool/api.py), so blocks the KV
-manager registered during the step (prompt blocks P computed, a decode worker's received prompt
-blocks on its first step, generated blocks as they fill) join their request's *open chunk*
-(block ids and hashes only, no copy). When a registered block ends a chunk (index % C == C-1),
-the chunk - with any leading blocks of it the request found cached rather than computed - is
-copied out, one tensor [layers, 2, block_size, kv_heads, head_dim] per block, and handed to
-`pool.put`, which never blocks (a full write-back queue drops and counts). The open rest is put
-as a partial chunk when the request ends (`forget`: finished or aborted) or is preempted, from
-the blocks that still hold their hashes. Trade-off: up to C-1 of a running request's newest
-blocks are in no pool until then - a D killed mid-answer loses them, and the request's recovery
-recomputes them (the kvpool-serve recovery benchmark reports loaded vs recomputed tokens).
+KV groups (engine/hybrid_kv.py): each group loads and puts its own layers under its own
+namespace (engine/pool_group.py). A hit needs the global group's blocks for all of it and the
+sliding group's for the window before its end, as a local prefix hit does: the global group's
+run in the pool gives the hit's end G; the sliding group needs blocks [G - w, G) (w =
+cdiv(window - 1, block_size), all of [0, G) when G <= w), from its local cache or else from the
+pool; when the pool's run of them stops short, the hit ends where that run ends if the window
+before that is cached here, else the pool adds nothing. Both groups' blocks are loaded, written
+and registered; the scheduler's prefix lookup then finds the hit on both, and what it finds
+beyond the local hit is what was loaded (the rest of the promise is recomputed, counted).
+
+Put (`after_step`, right after the model ran): each group adds the blocks its manager registered
+during the step to their requests' open chunks and puts the chunks that fill (pool_group.py);
+the open rest is put when the request ends (`forget`: finished or aborted) or is preempted.
+Trade-off: up to C-1 of a running request's newest blocks are in no pool until then - a D
+killed mid-answer loses them, and the request's recovery recomputes them (the kvpool-serve
+recovery benchmark reports loaded vs recomputed tokens).
 
 Nothing here changes what the engine computes: a pool hit is KV that some worker with the same
-namespace (model, dtype, layout, block size, codec, chunk size) computed for the same chained
-hash.
+namespace (model, dtype, layout, block size, codec, chunk size, a group's layers) computed for
+the same chained hash.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.hybrid_kv import HybridKVCacheManager, KVManager
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_window import cdiv
+from pdserve.engine.pool_group import SLIDING_CHUNK_BLOCKS, GroupLink, PutStats
 from pdserve.engine.request import Request
-from pdserve.kvpool.api import BlockHash, KVPool
+from pdserve.kvpool.api import BlockHash, KVPool, PoolNamespace
 
 # Loading deadline: a fixed allowance plus a per-token one (1500 tokens: 0.25 + 0.15 s).
 LOAD_BASE_S = 0.25
@@ -66,17 +72,12 @@ class PoolUse:
 
 
 @dataclass
-class PoolLinkStats:
+class PoolLinkStats(PutStats):
     lookups: int = 0
     hit_tokens: int = 0
     loaded_tokens: int = 0
     recomputed_tokens: int = 0  # promised by lookup, not delivered by get: computed instead
     load_seconds: float = 0.0
-    put_blocks: int = 0
-    put_drops: int = 0  # blocks of chunks the write-back queue dropped
-    # blocks not put: a chunk's leading blocks were no longer registered, or (sliding window)
-    # no longer held their KV when the chunk filled
-    put_gaps: int = 0
     errors: int = 0  # a pool call raised: treated as a miss, counted
     last_error: str = ""
 
@@ -84,27 +85,50 @@ class PoolLinkStats:
         return {k: v for k, v in vars(self).items()}
 
 
+def group_namespaces(ns: PoolNamespace, layer_group: list[int]) -> list[PoolNamespace]:
+    """The namespaces of a two-group cache's values: the global group's layers in the pool's
+    chunks, the sliding group's one block per value (engine/pool_group.py)."""
+    full = [i for i, g in enumerate(layer_group) if g == 0]
+    sliding = [i for i, g in enumerate(layer_group) if g == 1]
+    return [ns.for_layers(full, ns.chunk_blocks), ns.for_layers(sliding, SLIDING_CHUNK_BLOCKS)]
+
+
 @dataclass
 class PoolLink:
     pool: KVPool
     cache: PagedKVCache
-    kv: KVCacheManager
+    kv: KVManager
     base_s: float = LOAD_BASE_S
     per_token_s: float = LOAD_PER_TOKEN_S
     stats: PoolLinkStats = field(default_factory=PoolLinkStats)
     _probed: set[str] = field(default_factory=set)
-    # request id -> (index, block id, hash) of its open chunk's blocks, from an aligned start
-    _open: dict[str, list[tuple[int, int, BlockHash]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.kv.enable_prefix_caching:
             raise ValueError("the KV pool works through the prefix cache: enable prefix caching")
-        if self.pool.namespace.block_size != self.kv.block_size:
+        ns = self.pool.namespace
+        if ns.block_size != self.kv.block_size:
             raise ValueError(
-                f"the pool's namespace has block size {self.pool.namespace.block_size}, the "
-                f"engine {self.kv.block_size}"
+                f"the pool's namespace has block size {ns.block_size}, the engine "
+                f"{self.kv.block_size}"
             )
-        self.kv.track_registered = True
+        if ns.layers:
+            raise ValueError(f"the pool's namespace must name every layer, not {ns.layers}")
+        if isinstance(self.kv, HybridKVCacheManager):
+            spaces = group_namespaces(ns, self.cache.layer_group)
+            managers = (self.kv.full, self.kv.sliding)
+            self.groups = [
+                GroupLink(self.pool.for_namespace(s), self.cache, m, g, self.stats)
+                for g, (s, m) in enumerate(zip(spaces, managers, strict=True))
+            ]
+        else:
+            self.groups = [GroupLink(self.pool, self.cache, self.kv, 0, self.stats)]
+
+    @property
+    def namespace(self) -> PoolNamespace:
+        """The global group's (every layer's with one group): the keys of the block hashes a
+        worker reports, which the router's pool index matches."""
+        return self.groups[0].pool.namespace
 
     # ---- load --------------------------------------------------------------------------------
     def prefetch(self, waiting: list[Request], token_budget: int) -> dict[str, PoolUse]:
@@ -120,140 +144,141 @@ class PoolLink:
             if rid in self._probed or request.num_computed_tokens > 0:
                 continue
             self._probed.add(rid)
-            use = self._load(request)
+            load = self._load if len(self.groups) == 1 else self._load_groups
+            use = load(request)
             if use is not None:
                 used[rid] = use
         return used
 
     def _load(self, request: Request) -> PoolUse | None:
-        local, hashes = self.kv.pool_candidates(request)
+        (group,) = self.groups
+        local, hashes = group.kv.pool_candidates(request)
         if not hashes:
             return None
         bs = self.kv.block_size
         now = time.monotonic()
         self.stats.lookups += 1
+        n = self._lookup(group, hashes, local)  # hashes begin at block `local`
+        if n is None:
+            return None
+        use = PoolUse(now, n * bs, local_tokens=local * bs)
+        if n:
+            kvs = self._fetch(group, hashes[:n], local, self._deadline(now, n))
+            ids = group.kv.import_blocks(request, hashes[: len(kvs)])
+            group.write(ids, kvs)
+            use.loaded_tokens = len(ids) * bs
+        return self._count(use)
+
+    def _load_groups(self, request: Request) -> PoolUse | None:
+        """`_load` for two KV groups (the module docstring): the hit's end from the global
+        group's run, the sliding group's window before it, both loaded."""
+        full, sliding = self.groups
+        bs = self.kv.block_size
+        local = self.kv.peek_cached_prefix_tokens(request) // bs  # both groups' local hit
+        f_local, rest = full.kv.pool_candidates(request)
+        chain = full.kv.chain(request)
+        if not chain:
+            return None
+        now = time.monotonic()
+        self.stats.lookups += 1
+        n = self._lookup(full, rest, f_local) if rest else 0
+        if n is None:
+            return None
+        end, first = self._sliding_end(chain, local, f_local + n)
+        use = PoolUse(now, max(0, end - local) * bs, local_tokens=local * bs)
+        if end <= local:
+            return self._count(use)
+        deadline = self._deadline(now, use.hit_tokens // bs)
+        kvs = self._fetch(full, chain[f_local:end], f_local, deadline) if end > f_local else []
+        full.write(full.kv.import_blocks(request, chain[f_local : f_local + len(kvs)]), kvs)
+        kvs = self._fetch(sliding, chain[first:end], first, deadline) if end > first else []
+        held = chain[max(0, end - self._window_blocks()) : min(first, end)]
+        sliding.write(sliding.kv.import_window(request, held, chain[first : first + len(kvs)]), kvs)
+        found = self.kv.peek_cached_prefix_tokens(request) // bs  # what the scheduler will find
+        use.loaded_tokens = min(use.hit_tokens, max(0, found - local) * bs)
+        return self._count(use)
+
+    def _window_blocks(self) -> int:
+        """Blocks before a hit's end the sliding group needs (kv_window.window_lookup)."""
+        assert isinstance(self.kv, HybridKVCacheManager)
+        return cdiv(self.kv.window - 1, self.kv.block_size)
+
+    def _sliding_end(self, chain: list[BlockHash], local: int, end: int) -> tuple[int, int]:
+        """(the hit's end, the first block the sliding group loads) for a global run to `end`:
+        the window before `end` from the sliding group's cache, then from its pool; a run that
+        stops short ends the hit there if the window before that is cached, else at `local`."""
+        sliding = self.groups[1]
+        w = self._window_blocks()
+        start = max(0, end - w)
+        cached = [sliding.kv.pool.get_cached_block(h) is not None for h in chain[:end]]
+        first = next((i for i in range(start, end) if not cached[i]), end)
+        if first == end:
+            return end, end
+        n = self._lookup(sliding, chain[first:end], first) or 0
+        short = first + n
+        if short == end or all(cached[max(0, short - w) : start]):
+            return max(short, local), first
+        return local, first
+
+    def _lookup(self, group: GroupLink, hashes: list[BlockHash], start: int) -> int | None:
         try:
-            n = self.pool.lookup(hashes, start=local)  # hashes begin at block `local`
+            return group.pool.lookup(hashes, start=start)
         except Exception as e:  # a tier that fails is a miss, never a failed request
             self._error(e)
             return None
-        use = PoolUse(now, n * bs, local_tokens=local * bs)
-        self.stats.hit_tokens += n * bs
-        if n == 0:
-            return use
-        deadline = now + self.base_s + self.per_token_s * n * bs
+
+    def _deadline(self, now: float, blocks: int) -> float:
+        return now + self.base_s + self.per_token_s * blocks * self.kv.block_size
+
+    def _fetch(
+        self, group: GroupLink, hashes: list[BlockHash], start: int, deadline: float
+    ) -> list[torch.Tensor]:
+        """The leading blocks `get` returned with the group's block shape (a tier that fails,
+        or a block of another shape, ends the run: recomputed, counted)."""
         try:
-            kvs = self.pool.get(hashes[:n], deadline, start=local)
+            kvs = group.pool.get(hashes, deadline, start=start)
         except Exception as e:
             self._error(e)
-            kvs = []
-        kvs = kvs[: self._valid_run(kvs)]
-        ids = self.kv.import_blocks(request, hashes[: len(kvs)])
-        for block_id, kv in zip(ids, kvs, strict=False):
-            self._write_block(block_id, kv)
-        use.loaded_tokens = len(ids) * bs
-        use.load_s = time.monotonic() - now
+            return []
+        n, err = group.valid_run(kvs)
+        if err is not None:
+            self._error(err)
+        return kvs[:n]
+
+    def _count(self, use: PoolUse) -> PoolUse:
+        use.load_s = time.monotonic() - use.lookup_at
+        self.stats.hit_tokens += use.hit_tokens
         self.stats.loaded_tokens += use.loaded_tokens
         self.stats.recomputed_tokens += use.hit_tokens - use.loaded_tokens
         self.stats.load_seconds += use.load_s
         return use
 
-    def _valid_run(self, kvs: list[torch.Tensor]) -> int:
-        """How many leading tensors have the shape of one block here (a mismatch is a corrupt
-        entry as far as this engine is concerned: recomputed, counted)."""
-        shape = self._block_shape()
-        for i, kv in enumerate(kvs):
-            if tuple(kv.shape) != shape:
-                self._error(ValueError(f"pool block of shape {tuple(kv.shape)}, need {shape}"))
-                return i
-        return len(kvs)
-
-    def _block_shape(self) -> tuple[int, ...]:
-        return self.cache.layout.block_shape(self.cache.block_size)
-
-    def _write_block(self, block_id: int, kv: torch.Tensor) -> None:
-        for layer, (k_cache, v_cache) in enumerate(self.cache.layers):
-            k_cache[block_id].copy_(kv[layer, 0])
-            v_cache[block_id].copy_(kv[layer, 1])
-
     def release(self) -> None:
         """After `schedule()`: admitted requests reference their prefix now; the rest find it
         in the prefix cache later (or recompute it, if it was evicted meanwhile)."""
-        for rid in self.kv.pinned():
-            self.kv.unpin(rid)
+        for group in self.groups:
+            for rid in group.kv.pinned():
+                group.kv.unpin(rid)
 
     def forget(self, request_id: str) -> None:
-        """The request ended (finished or aborted): put its open chunk, forget it."""
+        """The request ended (finished or aborted): put its open chunks, forget it."""
         self._probed.discard(request_id)
-        self.kv.unpin(request_id)
-        self._put_open(request_id)
+        for group in self.groups:
+            group.kv.unpin(request_id)
+            self._errors(group.put_open(request_id))
 
     # ---- put ---------------------------------------------------------------------------------
     def after_step(self, skip: set[str]) -> None:
-        """Right after the model wrote this step's KV: add the blocks registered during the step
-        to their requests' open chunks and put each chunk that fills. `skip`: requests preempted
-        in the step (their blocks were freed before the model wrote them): their open chunks
-        are put as they are."""
-        for rid in skip:
-            self._put_open(rid)
-        for rid, index, block_id, block_hash in self.kv.take_registered():
-            if rid in skip or not self.kv.block_holds(block_id, block_hash):
-                continue
-            self._add(rid, index, block_id, block_hash)
+        """Right after the model wrote this step's KV: each group puts the chunks its blocks
+        registered during the step fill (pool_group.py). `skip`: requests preempted in the
+        step (their blocks were freed before the model wrote them): their open chunks are put
+        as they are."""
+        for group in self.groups:
+            self._errors(group.after_step(skip))
 
-    def _add(self, rid: str, index: int, block_id: int, block_hash: BlockHash) -> None:
-        c = self.pool.namespace.chunk_blocks
-        start = index - index % c
-        blocks = self._open.pop(rid, [])
-        if not blocks or blocks[0][0] != start or blocks[-1][0] != index - 1:
-            # The chunk's blocks before this one were found cached (or came before a
-            # preemption): the request holds them now.
-            held = self.kv.registered_blocks(rid, start, index)
-            blocks = [(start + i, bid, h) for i, (bid, h) in enumerate(held)]
-            if len(blocks) != index - start:  # not expected: a block before a registered one
-                self.stats.put_gaps += 1  # is full and registered; counted if it ever happens
-                return
-        blocks.append((index, block_id, block_hash))
-        if len(blocks) < c:
-            self._open[rid] = blocks
-            return
-        # Under a sliding window the chunk's first blocks may have left the window and been
-        # taken again meanwhile: only what still holds its KV goes in (from the chunk's start).
-        valid = self._holding(blocks)
-        self.stats.put_gaps += c - valid
-        if valid:
-            self._put(blocks[:valid])
-
-    def _put_open(self, rid: str) -> None:
-        """Put the request's open chunk as a partial one: its leading blocks that still hold
-        their KV (a preempted request's blocks are free, and may be reused by now)."""
-        blocks = self._open.pop(rid, [])
-        valid = self._holding(blocks)
-        if valid:
-            self._put(blocks[:valid])
-
-    def _holding(self, blocks: list[tuple[int, int, BlockHash]]) -> int:
-        """How many leading blocks still hold the KV they were registered with."""
-        valid = 0
-        while valid < len(blocks) and self.kv.block_holds(blocks[valid][1], blocks[valid][2]):
-            valid += 1
-        return valid
-
-    def _put(self, blocks: list[tuple[int, int, BlockHash]]) -> None:
-        try:
-            ok = self.pool.put(
-                blocks[0][0], [h for _, _, h in blocks], [self.read_block(b) for _, b, _ in blocks]
-            )
-        except Exception as e:
+    def _errors(self, errors: list[Exception]) -> None:
+        for e in errors:
             self._error(e)
-            return
-        self.stats.put_blocks += len(blocks) if ok else 0
-        self.stats.put_drops += 0 if ok else len(blocks)
-
-    def read_block(self, block_id: int) -> torch.Tensor:
-        return torch.stack(
-            [torch.stack((k[block_id], v[block_id])) for k, v in self.cache.layers]
-        ).contiguous()
 
     def _error(self, e: Exception) -> None:
         self.stats.errors += 1

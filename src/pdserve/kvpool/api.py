@@ -3,17 +3,19 @@
 A pool stores the KV of *full* engine blocks, keyed by the engine's chained block hash
 (`engine.block_pool.hash_full_blocks`) inside a `PoolNamespace`: two instances of the same model,
 dtype, KV layout, block size, codec and chunk size share entries; anything else never collides,
-because the namespace's digest prefixes every key in every tier.
+because the namespace's digest prefixes every key in every tier. A model with two KV groups
+(engine/hybrid_kv.py) stores each group's layers under a namespace naming them
+(`PoolNamespace.for_layers`, `KVPool.for_namespace`): the same store, other keys.
 
 One block's KV is a tensor of shape [num_layers, 2, block_size, num_kv_heads, head_dim] (K then V,
-layer by layer) in the engine's KV dtype. Values are *chunks*: up to C = `chunk_blocks`
-consecutive full blocks of one chain starting at a block index that is a multiple of C, stored as
-one value under the chained hash of the chunk's LAST block. A chained hash fixes its block's
-position, so the key implies the chunk's start; a full chunk (C blocks) and a partial one (a
-finished request's tail, 1..C-1 blocks) over the same start are separate keys. Chunks make
-values of ~2 MiB (default) instead of one block's 0.7 MB, fewer files and Redis keys per prompt;
-the price is granularity: a prefix is found in whole stored chunks, so a prompt that shares only
-part of a chunk with what was stored recomputes up to C-1 blocks of it. Callers only ever see
+layer by layer; a group namespace's layers only) in the engine's KV dtype. Values are *chunks*: up
+to C = `chunk_blocks` consecutive full blocks of one chain starting at a block index that is a
+multiple of C, stored as one value under the chained hash of the chunk's LAST block. A chained hash
+fixes its block's position, so the key implies the chunk's start; a full chunk (C blocks) and a
+partial one (a finished request's tail, 1..C-1 blocks) over the same start are separate keys. Chunks
+make values of ~2 MiB (default) instead of one block's 0.7 MB, fewer files and Redis keys per
+prompt; the price is granularity: a prefix is found in whole stored chunks, so a prompt that shares
+only part of a chunk with what was stored recomputes up to C-1 blocks of it. Callers only ever see
 blocks.
 
 Contract every implementation keeps (tests/kvpool/ checks the real tiers and `FakeKVPool` alike):
@@ -40,7 +42,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -64,6 +66,10 @@ class PoolNamespace:
     block_size: int
     codec: str = "none"  # how values are stored: none | int8
     chunk_blocks: int = 1  # C: blocks per stored value (see the module docstring)
+    # The layers a value holds, ascending indices joined by commas: one KV group's
+    # (engine/pool_link.py); "" every layer. Part of the digest when set, so a value of some
+    # layers is never read as one of all layers, nor of other layers.
+    layers: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_blocks <= MAX_CHUNK_BLOCKS:
@@ -93,12 +99,23 @@ class PoolNamespace:
             chunk_blocks=chunk_blocks_for(chunk_mb, block_bytes),
         )
 
+    def for_layers(self, layers: Sequence[int], chunk_blocks: int) -> PoolNamespace:
+        """The namespace of values holding only `layers` (a KV group's) of this namespace's
+        blocks, in chunks of `chunk_blocks`."""
+        if self.layers:
+            raise ValueError(f"namespace of layers {self.layers} has no sub-groups")
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
+            raise ValueError(f"a KV group's layers are ascending indices, got {list(layers)}")
+        return replace(self, layers=",".join(map(str, layers)), chunk_blocks=chunk_blocks)
+
     def digest(self) -> bytes:
         # pdkvpool/2: chunked values (values.py version 2); version-1 keys are never asked for.
         text = (
             f"pdkvpool/2|{self.model}|{self.dtype}|{self.layout}|{self.block_size}|{self.codec}"
             f"|{self.chunk_blocks}"
         )
+        if self.layers:  # a KV group's values (pdkvpool-layers/1); every-layer digests unchanged
+            text += f"|pdkvpool-layers/1={self.layers}"
         return hashlib.sha256(text.encode()).digest()[:16]
 
     def key(self, block_hash: BlockHash) -> bytes:
@@ -181,6 +198,12 @@ class KVPool(Protocol):
 
     def put(self, first: int, hashes: Sequence[BlockHash], kvs: Sequence[torch.Tensor]) -> bool: ...
 
+    def for_namespace(self, namespace: PoolNamespace) -> KVPool:
+        """The same store under `namespace`, one of this namespace's KV groups
+        (`PoolNamespace.for_layers`): its own keys, chunk size and block shape; counters,
+        write-back and lifetime are this pool's (closing it closes both)."""
+        ...
+
     def stats(self) -> dict[str, object]: ...
 
     def close(self) -> None: ...
@@ -194,6 +217,17 @@ def check_chunk(ns: PoolNamespace, first: int, hashes: Sequence[BlockHash], n_kv
             f"a pool chunk is 1..{c} blocks from a multiple of {c} with one tensor each; got "
             f"first={first}, {len(hashes)} hashes, {n_kvs} tensors"
         )
+
+
+def check_group(ns: PoolNamespace, group: PoolNamespace) -> None:
+    """ValueError unless `group` is one of `ns`'s KV groups: the same model, KV, block size and
+    codec, some of its layers (`KVPool.for_namespace`)."""
+    if (
+        not group.layers
+        or ns.layers
+        or replace(group, layers="", chunk_blocks=1) != replace(ns, chunk_blocks=1)
+    ):
+        raise ValueError(f"{group} is not a KV group of {ns}")
 
 
 @dataclass
@@ -239,6 +273,12 @@ class FakeKVPool:
         self.put_blocks += len(kvs)
         self.blocks[self.namespace.key(hashes[-1])] = [kv.detach().clone() for kv in kvs]
         return True
+
+    def for_namespace(self, namespace: PoolNamespace) -> FakeKVPool:
+        """A pool over the same `blocks` under a group's namespace (counted apart; a subclass's
+        own fields kept)."""
+        check_group(self.namespace, namespace)
+        return replace(self, namespace=namespace, puts=0, put_blocks=0, drops=0, gets=0)
 
     def stats(self) -> dict[str, object]:
         return {"chunks": len(self.blocks), "puts": self.puts, "drops": self.drops}

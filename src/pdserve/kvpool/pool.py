@@ -36,8 +36,10 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from pdserve.kvpool.api import (
     BlockHash,
+    KVPool,
     PoolNamespace,
     check_chunk,
+    check_group,
     chunk_run,
     chunk_spans,
 )
@@ -105,8 +107,11 @@ class TieredKVPool:
 
     # ---- reads ---------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash], start: int = 0) -> int:
-        keys = [self.namespace.key(h) for h in hashes]
-        c, stop = self.namespace.chunk_blocks, start + len(keys)
+        return self._lookup(self.namespace, hashes, start)
+
+    def _lookup(self, ns: PoolNamespace, hashes: Sequence[BlockHash], start: int) -> int:
+        keys = [ns.key(h) for h in hashes]
+        c, stop = ns.chunk_blocks, start + len(keys)
         run: list[tuple[int, int, Tier]] = []  # chunks [p, e) (clipped at start), their tiers
         end = start  # blocks [start, end) covered so far
         grow = start - start % c  # the aligned block from which the run may still grow
@@ -130,8 +135,13 @@ class TieredKVPool:
     def get(
         self, hashes: Sequence[BlockHash], deadline: float, start: int = 0
     ) -> list[torch.Tensor]:
-        spans = chunk_spans(start, start + len(hashes), self.namespace.chunk_blocks)
-        keys = [self.namespace.key(hashes[e - 1 - start]) for _, e in spans]
+        return self._get(self.namespace, hashes, deadline, start)
+
+    def _get(
+        self, ns: PoolNamespace, hashes: Sequence[BlockHash], deadline: float, start: int
+    ) -> list[torch.Tensor]:
+        spans = chunk_spans(start, start + len(hashes), ns.chunk_blocks)
+        keys = [ns.key(hashes[e - 1 - start]) for _, e in spans]
         out: list[torch.Tensor] = []
         promote: list[tuple[bytes, bytes]] = []
         done = 0  # chunks loaded
@@ -177,10 +187,19 @@ class TieredKVPool:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, first: int, hashes: Sequence[BlockHash], kvs: Sequence[torch.Tensor]) -> bool:
-        check_chunk(self.namespace, first, hashes, len(kvs))
+        return self._put(self.namespace, first, hashes, kvs)
+
+    def _put(
+        self,
+        ns: PoolNamespace,
+        first: int,
+        hashes: Sequence[BlockHash],
+        kvs: Sequence[torch.Tensor],
+    ) -> bool:
+        check_chunk(ns, first, hashes, len(kvs))
         for kv in kvs:
             self._check_block(kv)
-        key = self.namespace.key(hashes[-1])
+        key = ns.key(hashes[-1])
         if self._closed:
             return False
         if self.memory is not None and self.memory.exists([key])[0]:
@@ -301,6 +320,13 @@ class TieredKVPool:
                 self._idle.wait(left)
         return True
 
+    def for_namespace(self, namespace: PoolNamespace) -> KVPool:
+        """This pool's tiers, queue and counters under one of its KV groups' namespaces: a
+        group's values differ only in their keys, chunks and layers (values.py records the
+        layer count), so one write-back and one set of metrics serve every group."""
+        check_group(self.namespace, namespace)
+        return GroupView(self, namespace)
+
     # ---- state ---------------------------------------------------------------------------------
     def _counters(self) -> dict[str, int]:
         return {
@@ -336,3 +362,34 @@ class TieredKVPool:
             for tier in self.tiers:
                 tier.close()
         self.metrics.close()
+
+
+class GroupView:
+    """`TieredKVPool.for_namespace`: the pool's reads and writes under a KV group's namespace.
+    Its lifetime is the pool's: `close` leaves the pool open (its owner closes it)."""
+
+    def __init__(self, pool: TieredKVPool, namespace: PoolNamespace) -> None:
+        self.pool, self.namespace = pool, namespace
+
+    def lookup(self, hashes: Sequence[BlockHash], start: int = 0) -> int:
+        return self.pool._lookup(self.namespace, hashes, start)
+
+    def get(
+        self, hashes: Sequence[BlockHash], deadline: float, start: int = 0
+    ) -> list[torch.Tensor]:
+        return self.pool._get(self.namespace, hashes, deadline, start)
+
+    def put(self, first: int, hashes: Sequence[BlockHash], kvs: Sequence[torch.Tensor]) -> bool:
+        return self.pool._put(self.namespace, first, hashes, kvs)
+
+    def for_namespace(self, namespace: PoolNamespace) -> KVPool:
+        return self.pool.for_namespace(namespace)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return self.pool.flush(timeout)
+
+    def stats(self) -> dict[str, object]:
+        return self.pool.stats()
+
+    def close(self) -> None:
+        pass

@@ -8,8 +8,10 @@ that carries neither (a test's fixed step model) has no window.
     over the memory of `instance_kv_blocks` blocks of every layer: two KV groups for a model
     mixing sliding and global layers (`hybrid_kv.split_blocks` sizes them), one manager that
     frees what leaves the window for a model windowed on every layer, one plain manager
-    otherwise. With a KV pool the engine keeps one block table for a mixed model (a pool block
-    holds every layer), and so does the simulated worker.
+    otherwise. With a KV pool a simulated mixed model keeps one block table (every layer's KV
+    in each block: sim/worker.py loads pool hits through one manager), where the engine keeps
+    both groups and each puts its own layers (engine/pool_link.py): the simulator then counts
+    the sliding layers' full context against memory, as an engine without groups would.
   * `complete_from` and `handoff_bytes`: P sends a sliding layer only its window's KV
     (`ModelArch.kv_needed_from`), every other layer all of it.
   * `windows_from_flags`: `--sliding-window` / `--sliding-layers` over what a config says.

@@ -251,8 +251,8 @@ class SimWorker:
         return pinned, load_s
 
     def _pool_kv(self) -> KVCacheManager:
-        """The one block table of a worker with a KV pool (a pool block holds every layer, so
-        kv_groups.kv_manager gives a mixed model no KV groups there, as the engine does)."""
+        """The one block table of a worker with a KV pool (kv_groups.kv_manager gives a mixed
+        model no KV groups there: the pool's loads here go through one manager)."""
         assert isinstance(self.kv, KVCacheManager)
         return self.kv
 

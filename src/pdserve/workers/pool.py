@@ -6,7 +6,8 @@ The namespace: the model's fingerprint (weight files' sizes and first and last M
 weight quantization, which changes the KV), the KV dtype, the cache's `KVLayout` fingerprint
 (layers, KV heads, head dim, dtype), the block size, the codec the values are stored with and
 the chunk size (blocks per stored value: the whole number nearest `--kv-pool-chunk-mb` of stored
-bytes, kvpool/api.py `chunk_blocks_for`).
+bytes, kvpool/api.py `chunk_blocks_for`). An engine with two KV groups derives a namespace per
+group from it (engine/pool_link.py); the worker names its pools by the global group's.
 """
 
 from __future__ import annotations

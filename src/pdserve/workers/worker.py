@@ -88,7 +88,9 @@ class Worker:
         self.fingerprint, self.kv_desc = kvpool.kv_fingerprint(self.engine)
         self.kv_pool = kvpool.attach(self.engine, cfg, pool_factory)
         self.kv_pools = (
-            kvpool.pool_ids(cfg, self.kv_pool.namespace, self.worker_id) if self.kv_pool else []
+            kvpool.pool_ids(cfg, self.engine.pool_link.namespace, self.worker_id)
+            if self.kv_pool and self.engine.pool_link
+            else []
         )
         self.ctx = ctx or zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
