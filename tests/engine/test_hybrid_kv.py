@@ -10,7 +10,7 @@ import pytest
 
 from factories import assert_no_leaks, make_hybrid_kv, make_request
 from pdserve.engine.block_pool import hash_full_blocks
-from pdserve.engine.hybrid_kv import split_blocks
+from pdserve.engine.hybrid_kv import HybridKVCacheManager, split_blocks
 
 BS, WINDOW = 4, 8
 
@@ -142,8 +142,9 @@ def test_reserve_registers_sliding_blocks_only_from_where_their_kv_arrives() -> 
     assert_no_leaks(kv)
 
 
-def test_kept_turns_and_the_reset_act_on_both_groups() -> None:
-    kv = make_hybrid_kv(num_blocks=16, sliding_blocks=8)
+def _kept_turn(kv: HybridKVCacheManager) -> int:
+    """Request "t" computes 16 tokens in steps of 4 and ends as conversation "conv"'s kept
+    turn (a 60 s TTL in both groups); the global blocks kept."""
     for g in kv.groups:
         g.kept.ttl_s = 60.0
     req = make_request("t", 16)
@@ -151,8 +152,14 @@ def test_kept_turns_and_the_reset_act_on_both_groups() -> None:
     for start in range(0, 16, 4):
         assert kv.allocate_slots(req, 4) is not None
         req.num_computed_tokens = start + 4
-    assert kv.keep_turn("t", "conv") == 4
+    kept = kv.keep_turn("t", "conv")
     kv.free("t")
+    return kept
+
+
+def test_kept_turns_and_the_reset_act_on_both_groups() -> None:
+    kv = make_hybrid_kv(num_blocks=16, sliding_blocks=8)
+    assert _kept_turn(kv) == 4
     # the sliding group kept what the last step's window held: blocks 1-3 (from token 5)
     assert kv.full.num_kept_blocks == 4 and kv.sliding.num_kept_blocks == 3
     assert kv.num_kept_blocks == 7 and len(kv.kept) == 1
@@ -165,15 +172,7 @@ def test_memory_pressure_releases_a_kept_turn_in_both_groups() -> None:
     """The sliding group short: the oldest kept conversation goes from both groups at once
     (its global blocks alone would make no hit)."""
     kv = make_hybrid_kv(num_blocks=64, sliding_blocks=5)  # 4 usable sliding blocks
-    for g in kv.groups:
-        g.kept.ttl_s = 60.0
-    req = make_request("t", 16)
-    kv.mark_turn(req, "conv")
-    for start in range(0, 16, 4):
-        assert kv.allocate_slots(req, 4) is not None
-        req.num_computed_tokens = start + 4
-    kv.keep_turn("t", "conv")
-    kv.free("t")
+    _kept_turn(kv)
     assert (kv.full.num_kept_blocks, kv.sliding.num_kept_blocks) == (4, 3)
     other = make_request("o", 12)
     assert kv.allocate_slots(other, 12) is not None  # 3 sliding blocks: the turn must go
