@@ -144,6 +144,7 @@ SLOW_MODULES = {
     # GGUF architectures against their config.json twins, windowed KV against transformers
     "test_gguf_architectures.py",
     "test_window_kv.py",
+    "test_hybrid_pool.py",  # KV groups through a KV pool, against transformers (~15 s)
     "test_spec_engine.py",  # speculation against plain decoding, tiny model (~12 s)
     "test_core_spec.py",  # in-process 1P1D workers speculating on D (~4 s)
 }
