@@ -75,4 +75,7 @@ def build_model(
     if copies is not None:
         choice = prefill_format.attach(model, copies, mc.prefill_format, mc.phases, units)
     prefill_format.log_choice(choice, quantization, mc.phases)
+    model.decode_rows_attention = prefill_format.decode_rows_attention(
+        mc.prefill_format, choice, quantization, device, dtype, units
+    )
     return model.eval(), choice

@@ -351,28 +351,45 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const float* kp = k.data_ptr<float>();
   const float* vsrc = v.data_ptr<float>();
   const int64_t ldk = k.stride(0), ldv = v.stride(0), ldq = q.stride(0);
-  at::parallel_for(0, KVH * T, 256, [&](int64_t a, int64_t b) {
+  // One item packs a pair of keys (2j, 2j + 1) of one kv head, vectorised: a key's 32-dim
+  // chunk converts to 16 bfloat16 (dim 2r, 2r + 1) pairs, one per K tile row r (a scatter
+  // with the rows' stride), and a pair's 16 dims interleave into one V tile row (one store).
+  // Per-element conversions here cost more than the tile products for a short chunk over a
+  // long cached prefix (48 queries over 1848 keys: most of the kernel's time).
+  const int64_t TP = (T + 1) / 2;
+  const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                             5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  at::parallel_for(0, KVH * TP, 128, [&](int64_t a, int64_t b) {
     for (int64_t it = a; it < b; ++it) {
-      const int64_t g = it / T, j = it % T;
-      const float* kr = kp + j * ldk + g * kD;
-      const float* vr = vsrc + j * ldv + g * kD;
-      const int64_t kb16 = j / 16, n = j % 16;
-      for (int64_t d = 0; d < kD; d += 2) {  // K: tile (kb16, d / 32), row (d % 32) / 2, col n
-        const int64_t at = ((g * NK * 2 + kb16) * 2 + d / 32) * ktile + ((d % 32) / 2 * 16 + n) * 2;
-        for (int p = 0; p < 2; ++p) {
-          const __m512 x = _mm512_set1_ps(kr[d + p]);
-          const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-          kh[at + p] = static_cast<uint16_t>(_mm256_extract_epi16(h, 0));
+      const int64_t g = it / TP, j0 = 2 * (it % TP);
+      for (int64_t j = j0; j < std::min(T, j0 + 2); ++j) {
+        const float* kr = kp + j * ldk + g * kD;
+        const int64_t kb16 = j / 16, col = j % 16;
+        for (int c = 0; c < 2; ++c) {  // K: tile (kb16, c), row r, col `col`: dims 32c + 2r, +1
+          const __m512 x0 = _mm512_loadu_ps(kr + 32 * c), x1 = _mm512_loadu_ps(kr + 32 * c + 16);
+          const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(x0), h1 = (__m256i)_mm512_cvtneps_pbh(x1);
+          const int64_t at = ((g * NK * 2 + kb16) * 2 + c) * ktile / 2 + col;  // in uint32
+          _mm512_i32scatter_epi32(reinterpret_cast<uint32_t*>(kh) + at, rows16,
+                                  _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), 4);
           if (!split) continue;
-          const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, widen(h)));
-          kl[at + p] = static_cast<uint16_t>(_mm256_extract_epi16(l, 0));
+          const __m256i l0 = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x0, widen(h0)));
+          const __m256i l1 = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x1, widen(h1)));
+          _mm512_i32scatter_epi32(reinterpret_cast<uint32_t*>(kl) + at, rows16,
+                                  _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1), 4);
         }
       }
-      const int64_t kb32 = j / kKeys, r = (j % kKeys) / 2, p = j % 2;
-      alignas(64) uint16_t vb[kD];
-      for (int64_t d = 0; d < kD; d += 16) split16(_mm512_loadu_ps(vr + d), vb + d, nullptr);
-      for (int64_t d = 0; d < kD; ++d)  // V: tile (kb32, d / 16), row r, col d % 16, pair p
-        vp[((g * NK + kb32) * 4 + d / 16) * ktile + (r * 16 + d % 16) * 2 + p] = vb[d];
+      const float* v0 = vsrc + j0 * ldv + g * kD;
+      const bool pair = j0 + 1 < T;
+      const int64_t kb32 = j0 / kKeys, r = (j0 % kKeys) / 2;
+      for (int64_t t = 0; t < kD / 16; ++t) {  // V: tile (kb32, t), row r: (key j0, j0 + 1) pairs
+        const __m256i e = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v0 + 16 * t));
+        const __m256i o = pair ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v0 + ldv + 16 * t))
+                               : _mm256_setzero_si256();
+        const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(e),
+                                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16));
+        _mm512_storeu_si512(vp + ((g * NK + kb32) * 4 + t) * ktile + r * 32, w);
+      }
     }
   });
   auto out = torch::empty({n, H, kD}, torch::kFloat);

@@ -29,6 +29,8 @@ from pdserve.engine.models.moe import SparseMoe
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pdserve.engine.linear.phases import PromptWeights, StepRows
 
 # cos, sin of one RoPE table for this step's positions ([T, 1, D] each)
@@ -200,6 +202,9 @@ class LlamaModel(nn.Module):
         self.fused: FusedOps | None = None  # native RMSNorm / RoPE, set by quantize.quantize_model
         # Set when prompt rows run on a prefill format (engine/prefill_format.py `attach`).
         self.step_rows: StepRows | None = None
+        # Prompt rows' causal attention in a step that leaves them on the decode format
+        # (prefill_format.decode_rows_attention); None: SDPA.
+        self.decode_rows_attention: Callable[..., torch.Tensor] | None = None
         # time.monotonic() when a layer last finished: a worker's heartbeat reports it, so a
         # step that runs for minutes (a big model's long prompt) reads as busy, not stuck.
         self.layer_done_at = 0.0
@@ -228,6 +233,10 @@ class LlamaModel(nn.Module):
                 if m is not None:
                     m.prompt_dtype = self.step_rows.prompt_dtype
                     m.prompt_attention = self.step_rows.prompt_attention
+        elif self.decode_rows_attention is not None and meta.prefills:
+            for m in (meta, meta.sliding):
+                if m is not None:
+                    m.prompt_attention = self.decode_rows_attention
         x = F.embedding(input_ids, self.embed)
         if self.arch.family.scaled_embedding:  # Gemma: sqrt(hidden) rounded to x's dtype first
             x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
