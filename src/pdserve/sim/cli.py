@@ -6,6 +6,9 @@
 Hardware `cpu` uses this host's profiled cost model (`pdserve bench profile`) and the default
 model; GPUs (a100, h100, h200) use the roofline step model with a shipped model shape
 (`--model llama-3.1-8b|llama-3.1-70b|qwen2.5-7b|qwen2.5-32b` or a config.json path).
+
+`--concurrency N [--think-time S --think-dist exponential|fixed]` sends the requests as
+`bench serve --concurrency` does (a closed loop; sim/closedloop.py) instead of at `--rate`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from pdserve import argtypes
 from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware, spec
+from pdserve.sim.closedloop import ClosedLoop
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests, scaling_from_args, trace_requests
 from pdserve.workloads import streams as bw
+from pdserve.workloads.spec import THINK_DISTS
+from pdserve.workloads.spec import default as load_default
 from pdserve.workloads.traces import expected_prefix_hits, read_trace
 
 
@@ -119,6 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     a("--rate", type=_pos_float, default=1.0, help="requests/s")
     a("--num-requests", type=_pos_int, default=200)
+    add_closed_loop_arguments(parser)
     a("--router", choices=("round_robin", "planner"), default=None,
       help="round_robin, or the SLO planner (default: planner when an SLO is given)")  # fmt: skip
     a("--admission", action=argparse.BooleanOptionalAction, default=None,
@@ -138,6 +145,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--autobalance", action="store_true")
     a("--message-ms", type=float, default=0.0, help="router <-> worker message latency, ms")
     a("--json", action="store_true", help="print JSON")
+
+
+def add_closed_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench serve`'s closed-loop flags, with their names and meaning."""
+    a = parser.add_argument
+    a("--concurrency", type=_pos_int, default=None,
+      help="a closed loop, as `bench serve --concurrency`: at most N requests in flight, "
+      "instead of arrivals at --rate (default: off)")  # fmt: skip
+    a("--think-time", type=argtypes.non_negative_float, default=load_default("think_time"),
+      help="--concurrency: seconds a conversation waits between an answer and its next turn "
+      "(the mean; multiturn)")  # fmt: skip
+    a("--think-dist", choices=THINK_DISTS, default=load_default("think_dist"),
+      help="think times: exponential (seeded by --seed, mean --think-time) or fixed")  # fmt: skip
+
+
+def load_from_args(args: argparse.Namespace) -> ClosedLoop | None:
+    """The closed loop the flags ask for; None: the open loop (arrivals at --rate)."""
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency is None:
+        if getattr(args, "think_time", 0.0):
+            # the open loop sends a later turn when the previous one ends, at its own arrival
+            raise ValueError("--think-time needs --concurrency N (a closed loop)")
+        return None
+    if getattr(args, "trace", None):
+        raise ValueError("--concurrency replaces arrival times; --trace replays its own")
+    return ClosedLoop(concurrency, args.think_time, args.think_dist, args.seed)
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
@@ -258,6 +291,7 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
 
 def run(args: argparse.Namespace) -> int:
     d = deployment_from_args(args)
+    load = load_from_args(args)
     trace = None
     if args.trace:
         trace = read_trace(args.trace, scaling_from_args(args))
@@ -265,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         requests = make_requests(args)
     t0 = time.perf_counter()
-    result: dict[str, Any] = simulate(d, requests)
+    result: dict[str, Any] = simulate(d, requests, load=load)
     result["wall_s"] = time.perf_counter() - t0
     if trace is not None:
         # the reuse the trace promises (an unbounded cache) beside what the workers' caches got

@@ -44,6 +44,7 @@ from pdserve.router.decide import ROLES
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.threads import ThreadPolicy
+from pdserve.sim.closedloop import ClosedLoop, LoopDriver
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import Record, SimConfig, SimRequest
@@ -116,6 +117,7 @@ class Simulation:
         self._next_turn: dict[int, deque[SimRequest]] = {}
         self._conv: dict[str, int] = {}
         self._conv_worker: dict[int, SimWorker] = {}  # conversation -> who decoded its last turn
+        self.loop: LoopDriver | None = None  # the closed loop sending the requests, if any
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
         self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
@@ -124,7 +126,15 @@ class Simulation:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn))
 
-    def run(self, requests: Sequence[SimRequest], until: float = float("inf")) -> list[Record]:
+    def run(
+        self,
+        requests: Sequence[SimRequest],
+        until: float = float("inf"),
+        load: ClosedLoop | None = None,
+    ) -> list[Record]:
+        """Every request's record. Open loop (`load` None): each request arrives at its own
+        time, a conversation's later turn once the previous one ended; `load`: the closed loop
+        of `bench serve --concurrency` sends them (sim/closedloop.py)."""
         seen: set[int] = set()
         for req in sorted(requests, key=lambda r: r.arrival):
             if req.rid in self.records:
@@ -133,11 +143,16 @@ class Simulation:
             self.records[req.rid] = rec
             if req.conversation >= 0:
                 self._conv[req.rid] = req.conversation
+            if load is not None:
+                continue
             if req.conversation >= 0 and req.conversation in seen:
                 self._next_turn.setdefault(req.conversation, deque()).append(req)
                 continue
             seen.add(req.conversation)
             self.at(req.arrival, lambda r=req: self._arrive(r))  # type: ignore[misc]
+        if load is not None:
+            self.loop = LoopDriver(load, requests, self.at, lambda: self.now, self._arrive)
+            self.loop.start()
         if self.autobalancer is not None:
             self.at(1.0, self._balance)
         if self.thread_policy is not None:
@@ -175,16 +190,14 @@ class Simulation:
             # the context holds M"), as a client's mistake
             rec.rejected = "invalid_request"
             self.count("rejected_invalid_request")
-            if req.conversation >= 0:
-                self._next_by_conv(req.conversation)
+            self._ended(req.rid)
             return
         reuse = self._reuse(req)
         pair, pred = ((reuse, None), None) if reuse is not None else self._route(req)
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"
             self.count(f"rejected_{rec.rejected}")
-            if req.conversation >= 0:  # the conversation's next turn
-                self._next_by_conv(req.conversation)
+            self._ended(req.rid)  # the conversation's next turn
             return
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
@@ -300,9 +313,19 @@ class Simulation:
         conv = self._conv.get(rid)
         if conv is not None:
             self._conv_worker[conv] = w
-            self._next_by_conv(conv)
+        self._ended(rid)
 
     # ---- conversations -------------------------------------------------------------------
+    def _ended(self, rid: str) -> None:
+        """A request finished or was rejected: the closed loop's slot frees, or (open loop)
+        its conversation's next turn may go."""
+        if self.loop is not None:
+            self.loop.ended(rid)
+            return
+        conv = self._conv.get(rid)
+        if conv is not None:
+            self._next_by_conv(conv)
+
     def _next_by_conv(self, conv: int) -> None:
         queue = self._next_turn.get(conv)
         if not queue:

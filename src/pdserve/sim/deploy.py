@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.percentiles import summary
 from pdserve.router import slo
+from pdserve.sim.closedloop import ClosedLoop
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import ModelShape, gpu, model_shape
 from pdserve.sim.kv_groups import windows_from_flags
@@ -279,16 +280,18 @@ def simulate(
     warmup_s: float = 0.0,
     records_out: list[Record] | None = None,
     probes: Sequence[SimRequest] = (),
+    load: ClosedLoop | None = None,
 ) -> dict[str, Any]:
     """Run and summarize; requests arriving before `warmup_s` run but are not counted.
     `records_out`, when given, receives the counted requests' records; `probes` run first,
-    one at a time on the idle deployment, and only teach the planner (`probe_calibration`)."""
+    one at a time on the idle deployment, and only teach the planner (`probe_calibration`);
+    `load`: a closed loop sends the requests instead of their arrival times."""
     b = built or build(d)
     cal = probe_calibration(b, probes)
     sim = Simulation(
         b.config, b.step, b.link, b.planner_model, b.prefill_step, b.contention, calibration=cal
     )
-    records = [r for r in sim.run(requests) if r.arrival >= warmup_s]
+    records = [r for r in sim.run(requests, load=load) if r.arrival >= warmup_s]
     if records_out is not None:
         records_out.extend(records)
     out = summarize(records, d.slo_ttft_s, d.slo_tpot_s, d.gpus)
@@ -302,6 +305,8 @@ def simulate(
         out["kv_pool"] = sim.kvpool.stats(b.config.block_size)
     if d.spec is not None:
         out["speculation"] = speculation(sim, d.spec)
+    if load is not None:
+        out["closed_loop"] = asdict(load)
     return out
 
 
@@ -444,6 +449,8 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
                      f"{sp['acceptance']:g} ({sp['draw']}): {sp['accepted']} of {sp['drafted']} "
                      f"drafted tokens accepted, {sp['accepted_per_step']:.2f} per step "
                      f"(expected {sp['expected_per_step']:.2f} at full length)")  # fmt: skip
+    if s.get("closed_loop"):
+        lines.append(ClosedLoop(**s["closed_loop"]).describe())
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
     if s.get("contention"):
