@@ -21,8 +21,10 @@ from pdserve.workloads.spec import think_times
 from pdserve.workloads.streams import MultiTurnWorkload
 
 
-def _conversations(n_requests: int, turns: int = 3, seed: int = 0) -> list[SimRequest]:
-    items = list(MultiTurnWorkload(n_requests, 8, 4, 0.2, seed=seed, turns=turns))
+def _conversations(
+    n_requests: int, turns: int = 3, seed: int = 0, output_len: int = 4
+) -> list[SimRequest]:
+    items = list(MultiTurnWorkload(n_requests, 8, output_len, 0.2, seed=seed, turns=turns))
     return requests_from_items(items, [0.0] * len(items))  # the closed loop ignores arrivals
 
 
@@ -114,27 +116,35 @@ def test_a_rejected_turn_frees_its_slot_and_its_next_turn_still_goes() -> None:
 
 
 def test_reuse_lowers_later_turns_ttft_in_the_closed_loop() -> None:
-    reqs = _conversations(12, seed=1)
+    # 16-token answers: every history fills a block on D (with 4, turn 2's would fill none:
+    # D would cache none of it and the router would send it to P)
+    reqs = _conversations(12, seed=1, output_len=16)
     p50 = {}
     for reuse in (True, False):
         cfg = SimConfig(prefill=1, decode=1, multiturn_reuse=reuse)
         sim, records = _run(reqs, ClosedLoop(2, 0.5), cfg)
-        assert sim.counters.get("route_reuse", 0) == (8 if reuse else 0)
+        c = sim.counters
+        assert c.get("route_reuse", 0) == c.get("multiturn_reuse_hits", 0) == (8 if reuse else 0)
+        assert c.get("multiturn_history_lost", 0) == 0
         p50[reuse] = summarize(records, None, None, 2)["ttft_later_turns_s"]["p50"]
     assert p50[True] < p50[False]
 
 
 def test_the_open_loop_is_unchanged() -> None:
-    """Recorded before the closed loop existed: the same times and routes for a fixed seed."""
+    """Recorded before the closed loop existed: the same times and routes for a fixed seed.
+    Re-recorded when follow-ups took the router's rule (sim/cluster.py `_follow`): each turn
+    2's history (13-14 tokens) fills no whole block on D, so D caches none of it and the
+    router sends it to P; turn 3 finds a block there and is prefilled on D."""
     items = list(MultiTurnWorkload(8, 8, 4, 0.2, seed=5, turns=3))
     reqs = requests_from_items(items, arrivals(len(items), 0.5, 5))
     _, records = _run(reqs, None)
-    assert [r.route for r in records] == ["remote", "reuse", "reuse"] * 2 + ["remote", "reuse"]
+    assert [r.route for r in records] == ["remote", "remote", "reuse"] * 2 + ["remote"] * 2
     times = [t for r in records for t in (r.arrival, r.first_at, r.finished_at)]
     assert times == pytest.approx(
-        [0.0, 5.5, 9.65, 9.65, 21.15, 30.65, 30.65, 61.15, 68.15,
-         7.966518, 12.466518, 28.65, 28.65, 40.65, 66.15, 66.15, 76.65, 82.65,
-         12.209507, 17.466518, 30.65, 30.65, 61.15, 76.65]
+        [0.0, 5.5, 9.65, 9.65, 27.966518, 37.816518, 37.816518, 49.316518, 55.816518,
+         7.966518, 12.466518, 17.916518, 17.916518, 37.966518, 55.816518, 55.816518,
+         65.816518, 72.316518, 12.209507, 27.966518, 39.316518, 39.316518, 50.316518,
+         67.816518]
     )  # fmt: skip
 
 

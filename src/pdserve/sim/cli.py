@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.config import CacheConfig, RouterConfig
 from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware, spec
@@ -100,8 +101,17 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     a("--spec-draw", choices=spec.DRAWS, default="sampled",
       help="accepted drafts per step: sampled (seeded) or the expectation")  # fmt: skip
     a("--multiturn-reuse", action=argparse.BooleanOptionalAction, default=True,
-      help="a later turn runs on the worker that decoded the previous one, its history "
-      "cached there (--no-multiturn-reuse: routed like any request)")  # fmt: skip
+      help="a later turn goes to the D that decoded the previous one, as the router sends it: "
+      "prefilled there when at most --conversation-local-tokens of it are not cached there, "
+      "else on P (--no-multiturn-reuse: routed like any request, no turn kept)")  # fmt: skip
+    a("--conversation-ttl", type=argtypes.non_negative_float,
+      default=CacheConfig.conversation_ttl,
+      help="seconds D keeps a finished turn's KV for the next turn, as the server's flag "
+      "(released earlier under memory pressure; 0: not kept)")  # fmt: skip
+    a("--conversation-local-tokens", type=_nonneg_int,
+      default=RouterConfig.conversation_local_tokens,
+      help="a follow-up with at most this many tokens not cached on its D is prefilled "
+      "there, as the server's flag (0: always on P)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +218,10 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     return Deployment(
         spec=spec_from_args(args),
         multiturn_reuse=args.multiturn_reuse,
+        conversation_ttl_s=getattr(args, "conversation_ttl", CacheConfig.conversation_ttl),
+        conversation_local_tokens=getattr(
+            args, "conversation_local_tokens", RouterConfig.conversation_local_tokens
+        ),
         hardware=hw,
         model=model,
         prefill=prefill,
@@ -263,7 +277,8 @@ FILE_OWNS = {
     "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
     "router": None, "admission": None, "disaggregation": "always", "prefix_routing": False,
     "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
-    "adaptive": False, "cores": 2,
+    "adaptive": False, "cores": 2, "conversation_ttl": CacheConfig.conversation_ttl,
+    "conversation_local_tokens": RouterConfig.conversation_local_tokens,
 }  # fmt: skip
 
 

@@ -192,8 +192,8 @@ class Simulation:
             self.count("rejected_invalid_request")
             self._ended(req.rid)
             return
-        reuse = self._reuse(req)
-        pair, pred = ((reuse, None), None) if reuse is not None else self._route(req)
+        follow = self._follow(req)
+        pair, pred = (follow[0], None) if follow is not None else self._route(req)
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"
             self.count(f"rejected_{rec.rejected}")
@@ -202,7 +202,7 @@ class Simulation:
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
         kind = decide.route_kind(first.role, second is not None, chosen, forced=False)
-        kind = "reuse" if reuse is not None else kind
+        kind = follow[1] if follow is not None else kind
         rec.route, rec.workers = kind, tuple(w.wid for w in pair if w is not None)
         if chosen is not None:
             rec.predicted_ttft, rec.predicted_tpot = chosen.ttft_s, chosen.tpot_s
@@ -237,15 +237,26 @@ class Simulation:
             self.planner, pools, len(req.prompt), req.max_tokens, self.now, cached=cached
         )
 
-    def _reuse(self, req: SimRequest) -> SimWorker | None:
-        """A later turn's worker when it reuses the history: the one that decoded the previous
-        turn (its prefix cache holds prompt and answer), while it still decodes."""
+    def _follow(self, req: SimRequest) -> tuple[tuple[SimWorker, SimWorker | None], str] | None:
+        """A later turn's workers and route by the router's rule (router/routing.py `follow`):
+        to the worker that decoded the previous turn, while it still decodes, prefilled there
+        ("reuse") when at most `conversation_local_tokens` of the prompt are not in its prefix
+        cache (`decide.follow_up_local`), else on P, D then receiving only the blocks it lacks
+        ("remote"; counted: the history was lost). None: not a follow-up, routed as any."""
         if not self.config.multiturn_reuse or req.turn == 0 or req.conversation < 0:
             return None
         w = self._conv_worker.get(req.conversation)
         if w is None or w.draining or w.role == "prefill":
             return None
-        return w
+        prefill = self._pools()["prefill"]
+        cached = w.cached_prefix(req)  # what the router's prefix index says of it
+        limit = self.config.conversation_local_tokens
+        local = decide.follow_up_local(len(req.prompt), cached, limit)
+        # a reuse hit, or D lacks too much of it: the history is lost (to P when there is one)
+        self.count("multiturn_reuse_hits" if local else "multiturn_history_lost")
+        if local or not prefill:
+            return (w, None), "reuse"
+        return (decide.choose(self.policies["prefill"], prefill), w), "remote"
 
     def _dispatch(self, req: SimRequest, first: SimWorker, second: SimWorker | None) -> None:
         if second is None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import deployment as served
+from pdserve.config import CacheConfig, RouterConfig
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.models.arch import ModelArch
@@ -70,7 +71,9 @@ class Deployment:
     kv_pool_gb: float | None = None  # its capacity (None: unbounded)
     kv_pool_gbps: float | None = None  # its link per worker, Gbit/s (None: the P -> D link's)
     spec: SpecModel | None = None  # speculative decoding (sim/spec.py), None: off
-    multiturn_reuse: bool = True  # a later turn runs on the worker holding its history
+    multiturn_reuse: bool = True  # a later turn follows the router's rule (sim/cluster.py)
+    conversation_ttl_s: float = CacheConfig.conversation_ttl  # D keeps a finished turn
+    conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
     # the model's sliding layers over what its config says (sim/kv_groups.py
     # `windows_from_flags`): the window, and "all" or an s/f pattern of the layers
@@ -103,6 +106,7 @@ class Deployment:
             "prefix_routing": planner and d.router.prefix_routing,
             "autobalance": planner and p.autobalance,
             "expected_output": p.expected_output,
+            "conversation_local_tokens": d.router.conversation_local_tokens,
             **({"model": d.model} if d.model is not None else {}),
             **({"cost_model": Path(p.cost_model)} if p.cost_model not in ("auto", "none") else {}),
             **_engine_budgets(d.engine, prefill_args),
@@ -127,6 +131,7 @@ def _engine_budgets(engine: dict[str, Any], prefill: dict[str, Any]) -> dict[str
         "max_num_batched_tokens": "max_batched_tokens",
         "max_num_seqs": "max_num_seqs",
         "kv_cache_memory_gb": "kv_cache_gb",
+        "conversation_ttl": "conversation_ttl_s",
     }
     out = {ours: engine[theirs] for theirs, ours in names.items() if theirs in engine}
     if "max_num_batched_tokens" in prefill:
@@ -243,6 +248,8 @@ def build(d: Deployment) -> Built:
         max_model_len=_max_model_len(d),
         spec=d.spec,
         multiturn_reuse=d.multiturn_reuse,
+        conversation_ttl_s=d.conversation_ttl_s,
+        conversation_local_tokens=d.conversation_local_tokens,
         **_pool_config(d, step),
     )
     planner_model = planner_cost_model(step, link=link) if d.planner else None
@@ -307,6 +314,21 @@ def simulate(
         out["speculation"] = speculation(sim, d.spec)
     if load is not None:
         out["closed_loop"] = asdict(load)
+    if d.multiturn_reuse and any(r.turn > 0 for r in records):
+        out["multiturn"] = multiturn(sim)
+    return out
+
+
+def multiturn(sim: Simulation) -> dict[str, int]:
+    """Later turns prefilled on the D holding their history (reuse hits) or sent to P, D
+    lacking more than --conversation-local-tokens of them (history lost), and D's kept turns
+    (engine/kept_turns.py: released at their TTL or under memory pressure)."""
+    out = {k: sim.counters.get(f"multiturn_{k}", 0) for k in ("reuse_hits", "history_lost")}
+    for w in sim.workers:
+        st = w.kv.kept.stats
+        out["turns_kept"] = out.get("turns_kept", 0) + st.kept
+        for why, n in st.released.items():
+            out[f"kept_released_{why}"] = out.get(f"kept_released_{why}", 0) + n
     return out
 
 
@@ -451,6 +473,11 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
                      f"(expected {sp['expected_per_step']:.2f} at full length)")  # fmt: skip
     if s.get("closed_loop"):
         lines.append(ClosedLoop(**s["closed_loop"]).describe())
+    if s.get("multiturn"):
+        mt = s["multiturn"]
+        lines.append(f"later turns: {mt['reuse_hits']} prefilled on the D holding their "
+                     f"history, {mt['history_lost']} with it lost (to P); "
+                     f"D kept {mt['turns_kept']} turns")  # fmt: skip
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
     if s.get("contention"):
