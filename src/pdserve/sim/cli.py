@@ -6,6 +6,9 @@
 Hardware `cpu` uses this host's profiled cost model (`pdserve bench profile`) and the default
 model; GPUs (a100, h100, h200) use the roofline step model with a shipped model shape
 (`--model llama-3.1-8b|llama-3.1-70b|qwen2.5-7b|qwen2.5-32b` or a config.json path).
+
+`--concurrency N [--think-time S --think-dist exponential|fixed]` sends the requests as
+`bench serve --concurrency` does (a closed loop; sim/closedloop.py) instead of at `--rate`.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import argtypes
+from pdserve.config import CacheConfig, RouterConfig
 from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware, spec
+from pdserve.sim.closedloop import ClosedLoop
 from pdserve.sim.deploy import Deployment, render, simulate
 from pdserve.sim.workload import SIM_WORKLOADS, make_requests, scaling_from_args, trace_requests
 from pdserve.workloads import streams as bw
+from pdserve.workloads.spec import THINK_DISTS
+from pdserve.workloads.spec import default as load_default
 from pdserve.workloads.traces import expected_prefix_hits, read_trace
 
 
@@ -94,8 +101,17 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     a("--spec-draw", choices=spec.DRAWS, default="sampled",
       help="accepted drafts per step: sampled (seeded) or the expectation")  # fmt: skip
     a("--multiturn-reuse", action=argparse.BooleanOptionalAction, default=True,
-      help="a later turn runs on the worker that decoded the previous one, its history "
-      "cached there (--no-multiturn-reuse: routed like any request)")  # fmt: skip
+      help="a later turn goes to the D that decoded the previous one, as the router sends it: "
+      "prefilled there when at most --conversation-local-tokens of it are not cached there, "
+      "else on P (--no-multiturn-reuse: routed like any request, no turn kept)")  # fmt: skip
+    a("--conversation-ttl", type=argtypes.non_negative_float,
+      default=CacheConfig.conversation_ttl,
+      help="seconds D keeps a finished turn's KV for the next turn, as the server's flag "
+      "(released earlier under memory pressure; 0: not kept)")  # fmt: skip
+    a("--conversation-local-tokens", type=_nonneg_int,
+      default=RouterConfig.conversation_local_tokens,
+      help="a follow-up with at most this many tokens not cached on its D is prefilled "
+      "there, as the server's flag (0: always on P)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     a("--rate", type=_pos_float, default=1.0, help="requests/s")
     a("--num-requests", type=_pos_int, default=200)
+    add_closed_loop_arguments(parser)
     a("--router", choices=("round_robin", "planner"), default=None,
       help="round_robin, or the SLO planner (default: planner when an SLO is given)")  # fmt: skip
     a("--admission", action=argparse.BooleanOptionalAction, default=None,
@@ -138,6 +155,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--autobalance", action="store_true")
     a("--message-ms", type=float, default=0.0, help="router <-> worker message latency, ms")
     a("--json", action="store_true", help="print JSON")
+
+
+def add_closed_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench serve`'s closed-loop flags, with their names and meaning."""
+    a = parser.add_argument
+    a("--concurrency", type=_pos_int, default=None,
+      help="a closed loop, as `bench serve --concurrency`: at most N requests in flight, "
+      "instead of arrivals at --rate (default: off)")  # fmt: skip
+    a("--think-time", type=argtypes.non_negative_float, default=load_default("think_time"),
+      help="--concurrency: seconds a conversation waits between an answer and its next turn "
+      "(the mean; multiturn)")  # fmt: skip
+    a("--think-dist", choices=THINK_DISTS, default=load_default("think_dist"),
+      help="think times: exponential (seeded by --seed, mean --think-time) or fixed")  # fmt: skip
+
+
+def load_from_args(args: argparse.Namespace) -> ClosedLoop | None:
+    """The closed loop the flags ask for; None: the open loop (arrivals at --rate)."""
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency is None:
+        if getattr(args, "think_time", 0.0):
+            # the open loop sends a later turn when the previous one ends, at its own arrival
+            raise ValueError("--think-time needs --concurrency N (a closed loop)")
+        return None
+    if getattr(args, "trace", None):
+        raise ValueError("--concurrency replaces arrival times; --trace replays its own")
+    return ClosedLoop(concurrency, args.think_time, args.think_dist, args.seed)
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
@@ -175,6 +218,10 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     return Deployment(
         spec=spec_from_args(args),
         multiturn_reuse=args.multiturn_reuse,
+        conversation_ttl_s=getattr(args, "conversation_ttl", CacheConfig.conversation_ttl),
+        conversation_local_tokens=getattr(
+            args, "conversation_local_tokens", RouterConfig.conversation_local_tokens
+        ),
         hardware=hw,
         model=model,
         prefill=prefill,
@@ -230,7 +277,8 @@ FILE_OWNS = {
     "prefill": None, "decode": None, "colocated": None, "slo_ttft": None, "slo_tpot": None,
     "router": None, "admission": None, "disaggregation": "always", "prefix_routing": False,
     "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
-    "adaptive": False, "cores": 2,
+    "adaptive": False, "cores": 2, "conversation_ttl": CacheConfig.conversation_ttl,
+    "conversation_local_tokens": RouterConfig.conversation_local_tokens,
 }  # fmt: skip
 
 
@@ -258,6 +306,7 @@ def _from_config(args: argparse.Namespace, hw: str) -> Deployment:
 
 def run(args: argparse.Namespace) -> int:
     d = deployment_from_args(args)
+    load = load_from_args(args)
     trace = None
     if args.trace:
         trace = read_trace(args.trace, scaling_from_args(args))
@@ -265,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         requests = make_requests(args)
     t0 = time.perf_counter()
-    result: dict[str, Any] = simulate(d, requests)
+    result: dict[str, Any] = simulate(d, requests, load=load)
     result["wall_s"] = time.perf_counter() - t0
     if trace is not None:
         # the reuse the trace promises (an unbounded cache) beside what the workers' caches got

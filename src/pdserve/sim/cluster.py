@@ -44,6 +44,7 @@ from pdserve.router.decide import ROLES
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.threads import ThreadPolicy
+from pdserve.sim.closedloop import ClosedLoop, LoopDriver
 from pdserve.sim.host import Host, step_kind
 from pdserve.sim.pool import SimKVPool
 from pdserve.sim.records import Record, SimConfig, SimRequest
@@ -116,6 +117,7 @@ class Simulation:
         self._next_turn: dict[int, deque[SimRequest]] = {}
         self._conv: dict[str, int] = {}
         self._conv_worker: dict[int, SimWorker] = {}  # conversation -> who decoded its last turn
+        self.loop: LoopDriver | None = None  # the closed loop sending the requests, if any
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
         self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
@@ -124,7 +126,15 @@ class Simulation:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn))
 
-    def run(self, requests: Sequence[SimRequest], until: float = float("inf")) -> list[Record]:
+    def run(
+        self,
+        requests: Sequence[SimRequest],
+        until: float = float("inf"),
+        load: ClosedLoop | None = None,
+    ) -> list[Record]:
+        """Every request's record. Open loop (`load` None): each request arrives at its own
+        time, a conversation's later turn once the previous one ended; `load`: the closed loop
+        of `bench serve --concurrency` sends them (sim/closedloop.py)."""
         seen: set[int] = set()
         for req in sorted(requests, key=lambda r: r.arrival):
             if req.rid in self.records:
@@ -133,11 +143,16 @@ class Simulation:
             self.records[req.rid] = rec
             if req.conversation >= 0:
                 self._conv[req.rid] = req.conversation
+            if load is not None:
+                continue
             if req.conversation >= 0 and req.conversation in seen:
                 self._next_turn.setdefault(req.conversation, deque()).append(req)
                 continue
             seen.add(req.conversation)
             self.at(req.arrival, lambda r=req: self._arrive(r))  # type: ignore[misc]
+        if load is not None:
+            self.loop = LoopDriver(load, requests, self.at, lambda: self.now, self._arrive)
+            self.loop.start()
         if self.autobalancer is not None:
             self.at(1.0, self._balance)
         if self.thread_policy is not None:
@@ -175,21 +190,19 @@ class Simulation:
             # the context holds M"), as a client's mistake
             rec.rejected = "invalid_request"
             self.count("rejected_invalid_request")
-            if req.conversation >= 0:
-                self._next_by_conv(req.conversation)
+            self._ended(req.rid)
             return
-        reuse = self._reuse(req)
-        pair, pred = ((reuse, None), None) if reuse is not None else self._route(req)
+        follow = self._follow(req)
+        pair, pred = (follow[0], None) if follow is not None else self._route(req)
         if pair is None:
             rec.rejected = pred.reject if isinstance(pred, slo.Decision) else "unavailable"
             self.count(f"rejected_{rec.rejected}")
-            if req.conversation >= 0:  # the conversation's next turn
-                self._next_by_conv(req.conversation)
+            self._ended(req.rid)  # the conversation's next turn
             return
         first, second = pair
         chosen = pred.chosen if isinstance(pred, slo.Decision) else None
         kind = decide.route_kind(first.role, second is not None, chosen, forced=False)
-        kind = "reuse" if reuse is not None else kind
+        kind = follow[1] if follow is not None else kind
         rec.route, rec.workers = kind, tuple(w.wid for w in pair if w is not None)
         if chosen is not None:
             rec.predicted_ttft, rec.predicted_tpot = chosen.ttft_s, chosen.tpot_s
@@ -224,15 +237,26 @@ class Simulation:
             self.planner, pools, len(req.prompt), req.max_tokens, self.now, cached=cached
         )
 
-    def _reuse(self, req: SimRequest) -> SimWorker | None:
-        """A later turn's worker when it reuses the history: the one that decoded the previous
-        turn (its prefix cache holds prompt and answer), while it still decodes."""
+    def _follow(self, req: SimRequest) -> tuple[tuple[SimWorker, SimWorker | None], str] | None:
+        """A later turn's workers and route by the router's rule (router/routing.py `follow`):
+        to the worker that decoded the previous turn, while it still decodes, prefilled there
+        ("reuse") when at most `conversation_local_tokens` of the prompt are not in its prefix
+        cache (`decide.follow_up_local`), else on P, D then receiving only the blocks it lacks
+        ("remote"; counted: the history was lost). None: not a follow-up, routed as any."""
         if not self.config.multiturn_reuse or req.turn == 0 or req.conversation < 0:
             return None
         w = self._conv_worker.get(req.conversation)
         if w is None or w.draining or w.role == "prefill":
             return None
-        return w
+        prefill = self._pools()["prefill"]
+        cached = w.cached_prefix(req)  # what the router's prefix index says of it
+        limit = self.config.conversation_local_tokens
+        local = decide.follow_up_local(len(req.prompt), cached, limit)
+        # a reuse hit, or D lacks too much of it: the history is lost (to P when there is one)
+        self.count("multiturn_reuse_hits" if local else "multiturn_history_lost")
+        if local or not prefill:
+            return (w, None), "reuse"
+        return (decide.choose(self.policies["prefill"], prefill), w), "remote"
 
     def _dispatch(self, req: SimRequest, first: SimWorker, second: SimWorker | None) -> None:
         if second is None:
@@ -300,9 +324,19 @@ class Simulation:
         conv = self._conv.get(rid)
         if conv is not None:
             self._conv_worker[conv] = w
-            self._next_by_conv(conv)
+        self._ended(rid)
 
     # ---- conversations -------------------------------------------------------------------
+    def _ended(self, rid: str) -> None:
+        """A request finished or was rejected: the closed loop's slot frees, or (open loop)
+        its conversation's next turn may go."""
+        if self.loop is not None:
+            self.loop.ended(rid)
+            return
+        conv = self._conv.get(rid)
+        if conv is not None:
+            self._next_by_conv(conv)
+
     def _next_by_conv(self, conv: int) -> None:
         queue = self._next_turn.get(conv)
         if not queue:

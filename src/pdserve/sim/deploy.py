@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pdserve import deployment as served
+from pdserve.config import CacheConfig, RouterConfig
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.percentiles import summary
 from pdserve.router import slo
+from pdserve.sim.closedloop import ClosedLoop
 from pdserve.sim.cluster import Record, SimConfig, SimRequest, Simulation
 from pdserve.sim.hardware import ModelShape, gpu, model_shape
 from pdserve.sim.kv_groups import windows_from_flags
@@ -69,7 +71,9 @@ class Deployment:
     kv_pool_gb: float | None = None  # its capacity (None: unbounded)
     kv_pool_gbps: float | None = None  # its link per worker, Gbit/s (None: the P -> D link's)
     spec: SpecModel | None = None  # speculative decoding (sim/spec.py), None: off
-    multiturn_reuse: bool = True  # a later turn runs on the worker holding its history
+    multiturn_reuse: bool = True  # a later turn follows the router's rule (sim/cluster.py)
+    conversation_ttl_s: float = CacheConfig.conversation_ttl  # D keeps a finished turn
+    conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
     # the model's sliding layers over what its config says (sim/kv_groups.py
     # `windows_from_flags`): the window, and "all" or an s/f pattern of the layers
@@ -102,6 +106,7 @@ class Deployment:
             "prefix_routing": planner and d.router.prefix_routing,
             "autobalance": planner and p.autobalance,
             "expected_output": p.expected_output,
+            "conversation_local_tokens": d.router.conversation_local_tokens,
             **({"model": d.model} if d.model is not None else {}),
             **({"cost_model": Path(p.cost_model)} if p.cost_model not in ("auto", "none") else {}),
             **_engine_budgets(d.engine, prefill_args),
@@ -126,6 +131,7 @@ def _engine_budgets(engine: dict[str, Any], prefill: dict[str, Any]) -> dict[str
         "max_num_batched_tokens": "max_batched_tokens",
         "max_num_seqs": "max_num_seqs",
         "kv_cache_memory_gb": "kv_cache_gb",
+        "conversation_ttl": "conversation_ttl_s",
     }
     out = {ours: engine[theirs] for theirs, ours in names.items() if theirs in engine}
     if "max_num_batched_tokens" in prefill:
@@ -242,6 +248,8 @@ def build(d: Deployment) -> Built:
         max_model_len=_max_model_len(d),
         spec=d.spec,
         multiturn_reuse=d.multiturn_reuse,
+        conversation_ttl_s=d.conversation_ttl_s,
+        conversation_local_tokens=d.conversation_local_tokens,
         **_pool_config(d, step),
     )
     planner_model = planner_cost_model(step, link=link) if d.planner else None
@@ -279,16 +287,18 @@ def simulate(
     warmup_s: float = 0.0,
     records_out: list[Record] | None = None,
     probes: Sequence[SimRequest] = (),
+    load: ClosedLoop | None = None,
 ) -> dict[str, Any]:
     """Run and summarize; requests arriving before `warmup_s` run but are not counted.
     `records_out`, when given, receives the counted requests' records; `probes` run first,
-    one at a time on the idle deployment, and only teach the planner (`probe_calibration`)."""
+    one at a time on the idle deployment, and only teach the planner (`probe_calibration`);
+    `load`: a closed loop sends the requests instead of their arrival times."""
     b = built or build(d)
     cal = probe_calibration(b, probes)
     sim = Simulation(
         b.config, b.step, b.link, b.planner_model, b.prefill_step, b.contention, calibration=cal
     )
-    records = [r for r in sim.run(requests) if r.arrival >= warmup_s]
+    records = [r for r in sim.run(requests, load=load) if r.arrival >= warmup_s]
     if records_out is not None:
         records_out.extend(records)
     out = summarize(records, d.slo_ttft_s, d.slo_tpot_s, d.gpus)
@@ -302,6 +312,23 @@ def simulate(
         out["kv_pool"] = sim.kvpool.stats(b.config.block_size)
     if d.spec is not None:
         out["speculation"] = speculation(sim, d.spec)
+    if load is not None:
+        out["closed_loop"] = asdict(load)
+    if d.multiturn_reuse and any(r.turn > 0 for r in records):
+        out["multiturn"] = multiturn(sim)
+    return out
+
+
+def multiturn(sim: Simulation) -> dict[str, int]:
+    """Later turns prefilled on the D holding their history (reuse hits) or sent to P, D
+    lacking more than --conversation-local-tokens of them (history lost), and D's kept turns
+    (engine/kept_turns.py: released at their TTL or under memory pressure)."""
+    out = {k: sim.counters.get(f"multiturn_{k}", 0) for k in ("reuse_hits", "history_lost")}
+    for w in sim.workers:
+        st = w.kv.kept.stats
+        out["turns_kept"] = out.get("turns_kept", 0) + st.kept
+        for why, n in st.released.items():
+            out[f"kept_released_{why}"] = out.get(f"kept_released_{why}", 0) + n
     return out
 
 
@@ -444,6 +471,13 @@ def render(s: dict[str, Any], slo_ttft: float | None, slo_tpot: float | None) ->
                      f"{sp['acceptance']:g} ({sp['draw']}): {sp['accepted']} of {sp['drafted']} "
                      f"drafted tokens accepted, {sp['accepted_per_step']:.2f} per step "
                      f"(expected {sp['expected_per_step']:.2f} at full length)")  # fmt: skip
+    if s.get("closed_loop"):
+        lines.append(ClosedLoop(**s["closed_loop"]).describe())
+    if s.get("multiturn"):
+        mt = s["multiturn"]
+        lines.append(f"later turns: {mt['reuse_hits']} prefilled on the D holding their "
+                     f"history, {mt['history_lost']} with it lost (to P); "
+                     f"D kept {mt['turns_kept']} turns")  # fmt: skip
     if s["counters"]:
         lines.append(f"counters: {s['counters']}")
     if s.get("contention"):

@@ -4,7 +4,8 @@ A step model may carry `sliding_window` and `layer_kinds` ("s" sliding or "f" fu
 "" when no layer slides), as `ModelShape` (through `RooflineStep`) and `CostModelStep` do; one
 that carries neither (a test's fixed step model) has no window.
 
-  * `kv_manager`: the engine's own choice and sizing (engine/kv_build.py `choose_manager`)
+  * `kv_manager`: the engine's own choice and sizing (engine/kv_build.py `choose_manager`),
+    finished conversation turns kept on simulated time (engine/kept_turns.py),
     over the memory of `instance_kv_blocks` blocks of every layer: two KV groups for a model
     mixing sliding and global layers (`hybrid_kv.split_blocks` sizes them), one manager that
     frees what leaves the window for a model windowed on every layer, one plain manager
@@ -19,7 +20,9 @@ that carries neither (a test's fixed step model) has no window.
 
 from __future__ import annotations
 
-from pdserve.engine.hybrid_kv import KVManager
+from collections.abc import Callable
+
+from pdserve.engine.hybrid_kv import HybridKVCacheManager, KVManager
 from pdserve.engine.kv_build import choose_manager
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.sim.hardware import check_windows
@@ -32,14 +35,25 @@ def windows(step: StepModel) -> tuple[int | None, str]:
     return getattr(step, "sliding_window", None), getattr(step, "layer_kinds", "")
 
 
-def kv_manager(step: StepModel, config: SimConfig, policy: SchedulerPolicy) -> KVManager:
-    """What the engine would build for this model, memory and scheduler budgets."""
+def kv_manager(
+    step: StepModel,
+    config: SimConfig,
+    policy: SchedulerPolicy,
+    clock: Callable[[], float] | None = None,
+) -> KVManager:
+    """What the engine would build for this model, memory and scheduler budgets; finished
+    conversation turns kept `conversation_ttl_s` (multi-turn reuse on) of `clock`'s time."""
     window, kinds = windows(step)
+    ttl = config.conversation_ttl_s if config.multiturn_reuse else 0.0
     kv, _ = choose_manager(
         instance_kv_blocks(step, config.block_size), config.block_size, window, kinds,
         prefix_caching=config.prefix_caching, max_num_seqs=policy.max_num_seqs,
         max_num_batched_tokens=policy.max_num_batched_tokens, groups=not config.kv_pool,
+        conversation_ttl_s=ttl,
     )  # fmt: skip
+    if clock is not None:  # simulated time, where the engine reads time.monotonic
+        for group in kv.groups if isinstance(kv, HybridKVCacheManager) else (kv,):
+            group.kept.clock = clock
     return kv
 
 

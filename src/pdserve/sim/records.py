@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.config import CacheConfig, RouterConfig
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.router import slo
 from pdserve.sim.spec import SpecModel
@@ -92,9 +93,14 @@ class SimConfig:
     kv_pool_blocks: int | None = None  # its capacity (None: unbounded)
     kv_pool_bytes_s: float | None = None  # its link per worker (None: the P -> D link's)
     spec: SpecModel | None = None  # speculative decoding on D and colocated workers (sim/spec.py)
-    # a later turn of a conversation runs on the worker that decoded the previous turn, its
-    # history found in that worker's prefix cache (else the router routes it like any request)
+    # a later turn of a conversation follows the router's rule without a planner
+    # (router/routing.py `follow`): to the D that decoded the previous turn, prefilled there
+    # when at most `conversation_local_tokens` of its prompt are not cached there, else on P
+    # (D keeps each finished turn `conversation_ttl_s`, engine/kept_turns.py); off: every
+    # turn is routed like any request and no turn is kept
     multiturn_reuse: bool = True
+    conversation_ttl_s: float = CacheConfig.conversation_ttl  # the server's defaults
+    conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     # adaptive: the cores P and D share, their threads moved by router/threads.py (0: off)
     thread_cores: int = 0
 
@@ -111,6 +117,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be > 0 s, got {v}")
         if self.message_s < 0:
             raise ValueError("message_s must be >= 0")
+        if not self.conversation_ttl_s >= 0 or self.conversation_local_tokens < 0:
+            raise ValueError("conversation_ttl_s and conversation_local_tokens must be >= 0")
         if (self.admission or self.prefix_routing or self.autobalance) and not self.planner:
             raise ValueError("admission, prefix routing and autobalance need the planner")
         if self.thread_cores and (not self.planner or self.colocated or self.autobalance):

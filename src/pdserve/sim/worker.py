@@ -74,7 +74,7 @@ class SimWorker:
     ) -> None:
         self.sim, self.wid, self.role, self.step = sim, wid, role, step
         # the engine's KV groups for the model's sliding layers, sized as the engine sizes them
-        self.kv = kv_manager(step, sim.config, policy)
+        self.kv = kv_manager(step, sim.config, policy, lambda: sim.now)
         self.sched = Scheduler(policy, self.kv)
         self.load = WorkerLoad(wid)
         self.outstanding = 0
@@ -83,6 +83,7 @@ class SimWorker:
         self.speed = 1.0  # step speed against the step model's (its threads: sim/cluster.py)
         self.draining = False
         self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
+        self.turns: dict[str, SimRequest] = {}  # reserving: their conversations' turns
         self.reserved: dict[str, tuple[Request, float]] = {}
         self.receiving: deque[tuple[str, float]] = deque()  # KV in, D's receive work owed
         self.outgoing: dict[str, Outgoing] = {}
@@ -107,7 +108,9 @@ class SimWorker:
 
     # ---- intake ------------------------------------------------------------------------------
     def generate(self, req: SimRequest) -> None:
-        self.sched.add_request(self._request(req, req.max_tokens))
+        request = self._request(req, req.max_tokens)
+        self.sched.add_request(request)
+        self._mark_turn(req, request)
         self.kick()
 
     def prefill(self, req: SimRequest, dest: SimWorker) -> None:
@@ -122,8 +125,20 @@ class SimWorker:
         """ExpectKV: reserve blocks for the prompt's KV (as `LLMEngine.reserve_kv`)."""
         request = self._request(req, req.max_tokens)
         self.sched.check_fits(request)
+        self.turns[req.rid] = req
         self.reserving.append(request)
         self._try_reserve()
+
+    def _mark_turn(self, req: SimRequest | None, request: Request) -> None:
+        """A conversation's turn decoded here is kept when it ends (`mark_turn`, as the worker
+        does for a Generate or an ExpectKV carrying a conversation; multi-turn reuse on)."""
+        if req is not None and req.conversation >= 0 and self.sim.config.multiturn_reuse:
+            self.kv.mark_turn(request, str(req.conversation))
+
+    def cached_prefix(self, req: SimRequest) -> int:
+        """Tokens of `req`'s prompt this worker's prefix cache holds now (whole blocks, the
+        last token left to compute): what the router's prefix index reports of it."""
+        return self.kv.peek_cached_prefix_tokens(self._request(req, req.max_tokens))
 
     def _request(self, req: SimRequest, max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -147,6 +162,7 @@ class SimWorker:
             if got is None:
                 return  # retried after the next step frees blocks
             self.reserving.popleft()
+            self._mark_turn(self.turns.pop(request.request_id, None), request)
             self.reserved[request.request_id] = (request, self.sim.now)
             self.log.append((self.sim.now, "reserve", request.request_id))
             self.sim.on_reserved(self, request.request_id, got[1])
@@ -175,6 +191,7 @@ class SimWorker:
         self.kick()
 
     def cancel(self, rid: str) -> None:
+        self.turns.pop(rid, None)
         for request in list(self.reserving):
             if request.request_id == rid:
                 self.reserving.remove(request)
@@ -190,6 +207,7 @@ class SimWorker:
     def kick(self) -> None:
         if self.busy:
             return
+        self.kv.expire_kept()  # as the worker loop, each turn: kept turns past their TTL go
         if self.receiving:  # hand-offs received during the last step come first
             rid, work = self.receiving.popleft()
             self.busy, t0 = True, self.sim.now

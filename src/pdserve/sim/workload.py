@@ -11,7 +11,9 @@ question + passages of random ids, lengths around `input_len`, answers around `o
 Arrivals: Poisson (exponential gaps, mean 1 / rate) or gamma with a coefficient of variation
 `cv` (cv = 1 is Poisson; > 1 burstier), as DistServe's simulator offers. The turns of a
 multiturn conversation share their first turn's arrival process; later turns are sent when the
-previous one ends (the simulator holds them), as the load generator does. A turn's answer is the
+previous one ends (the simulator holds them). With `pdserve sim --concurrency` the arrival times
+are ignored: the closed loop of the load generator sends the requests (sim/closedloop.py), think
+times included. A turn's answer is the
 placeholder its next turn's prompt carries (`answers_in_next_turns`): the workers sample those
 tokens, so the worker that decoded a turn holds the next turn's history in its prefix cache.
 

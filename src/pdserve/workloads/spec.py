@@ -12,10 +12,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 THINK_DISTS = ("exponential", "fixed")
+
+
+def check_think(think_time: float, think_dist: str) -> None:
+    """The think-time settings `bench serve` and `pdserve sim` accept."""
+    if not 0 <= think_time < float("inf") or think_dist not in THINK_DISTS:
+        raise ValueError(
+            f"think time must be finite and >= 0 and its distribution one of {THINK_DISTS}"
+        )
+
+
+def think_times(mean: float, dist: str, seed: int) -> Callable[[], float] | None:
+    """Think time between turns: exponential with this mean (seeded) or fixed; None for 0.
+    One draw per released turn, in the order turns finish (the simulator draws the same)."""
+    if mean <= 0:
+        return None
+    if dist == "fixed":
+        return lambda: mean
+    rng = np.random.default_rng([seed, 7])
+    return lambda: float(rng.exponential(mean))
 
 
 @dataclass(frozen=True)
@@ -49,8 +71,7 @@ class LoadSpec:
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
             raise ValueError("give exactly one of rate and concurrency")
-        if self.think_time < 0 or self.think_dist not in THINK_DISTS:
-            raise ValueError(f"think time must be >= 0 and its distribution one of {THINK_DISTS}")
+        check_think(self.think_time, self.think_dist)
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         unknown = set(self.workload_args) - set(workload_defaults())

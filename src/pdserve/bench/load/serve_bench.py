@@ -65,7 +65,7 @@ from pdserve.bench.load.client import (
 )
 from pdserve.bench.load.summary import RequestRecord, format_table, summarize
 from pdserve.workloads import streams as wl
-from pdserve.workloads.spec import LoadSpec, default
+from pdserve.workloads.spec import THINK_DISTS, LoadSpec, default, think_times
 from pdserve.workloads.streams import (
     WORKLOADS,
     RequestItem,
@@ -134,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--think-dist",
-        choices=("exponential", "fixed"),
+        choices=THINK_DISTS,
         default=default("think_dist"),
         help="think times: exponential (seeded, mean --think-time) or fixed",
     )
@@ -226,16 +226,6 @@ class _Ready:
             asyncio.get_running_loop().call_later(delay, self._queue.put_nowait, q.popleft())
         else:
             self._queue.put_nowait(q.popleft())
-
-
-def think_times(mean: float, dist: str, seed: int) -> Callable[[], float] | None:
-    """Think time between turns: exponential with this mean (seeded) or fixed; None for 0."""
-    if mean <= 0:
-        return None
-    if dist == "fixed":
-        return lambda: mean
-    rng = np.random.default_rng([seed, 7])
-    return lambda: float(rng.exponential(mean))
 
 
 def arrival_gaps(rate: float, burstiness: float, n: int, seed: int) -> list[float]:
