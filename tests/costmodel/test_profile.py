@@ -145,3 +145,13 @@ def test_prefill_points_are_timed_in_passes(monkeypatch: pytest.MonkeyPatch) -> 
     samples = measure.measure_prefill(None, None, grid, max_prompt=128)  # type: ignore[arg-type]
     assert calls == [16, 64, 128] * 3
     assert samples == [(16, 0, 0.016), (64, 0, 0.064), (128, 0, 0.128)]
+
+
+def test_kv_bytes_per_token_are_the_cache_dtype_s(tiny_llama_path: Path) -> None:
+    """A float16 cache beside float32 weights holds (and hands off) 2 bytes an element: the
+    simulator sizes D's KV memory from this, so the model's dtype would halve it."""
+    from pdserve import LLM
+    from pdserve.costmodel.profile_transfer import kv_bytes_per_token
+
+    llm = LLM(str(tiny_llama_path), kv_cache_dtype="float16")
+    assert kv_bytes_per_token(llm.engine) == 2 * 2 * 2 * 16 * 2  # layers, kv heads, dim, fp16

@@ -26,8 +26,10 @@ ReceiveSample = tuple[int, float]  # tokens, seconds
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
+    """Bytes of one token's K and V in the engine's cache (its --kv-cache-dtype, not the
+    model's dtype): what a hand-off moves and what sizes the simulator's KV memory."""
     arch = engine.arch
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.dtype.itemsize
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.cache.dtype.itemsize
 
 
 def measure_transfer(
