@@ -61,6 +61,23 @@ def test_accepted_drafts_follow_the_truncated_geometric_law() -> None:
     assert SpecModel(4, 0.5).drafts(3) == 2 and SpecModel(4, 0.5).drafts(1) == 0
 
 
+def test_the_engine_s_pacer_stops_drafts_that_cost_more_than_they_yield() -> None:
+    """Paced (`--spec-pacing`), each step's drafts are DraftPacer's cap: with every draft
+    rejected, verify rows (0.5 s each here) stop being drafted but for its probes; with every
+    draft accepted, the pacer keeps all four after the first plain step."""
+    w, r = _one(SpecModel(4, 0.0, paced=True), out=40)
+    unpaced, _ = _one(SpecModel(4, 0.0), out=40)
+    assert w.spec_accepted == 0 and w.spec_drafted < unpaced.spec_drafted / 4
+    _, plain = _one(None, out=40)
+    assert r.finished_at < plain.finished_at + 0.5 * w.spec_drafted + 1e-9
+    good, fast = _one(SpecModel(4, 1.0, paced=True), out=40)
+    free, _ = _one(SpecModel(4, 1.0), out=40)
+    assert good.spec_drafted >= free.spec_drafted - 4 and fast.finished_at < plain.finished_at
+    assert sim_cli.spec_from_args(
+        argparse.Namespace(spec_tokens=4, spec_acceptance=0.5, seed=0, spec_pacing=True)
+    ).paced
+
+
 def test_speculation_settings_are_checked() -> None:
     for bad in ((0, 0.5), (2, 1.5), (2, -0.1)):
         with pytest.raises(ValueError):
@@ -114,3 +131,18 @@ def test_each_turn_answers_with_what_the_next_prompt_carries() -> None:
             n = len(turn.prompt)
             assert turn.answer == tuple(nxt.prompt[n : n + turn.max_tokens])
     assert reqs[2].answer == () and reqs[5].answer == ()  # the last turns
+
+
+def test_threads_pick_the_cost_model_profiled_at_that_many() -> None:
+    """`--threads 2` reads the file `bench profile --threads 2` writes (a colocated worker on two
+    cores); without it one thread a worker, as before."""
+    from pdserve.sim.deploy import Deployment, cost_model_path
+
+    two = Deployment(hardware="cpu", model="default", colocated=1, threads=2)
+    one = Deployment(hardware="cpu", model="default", colocated=1)
+    assert cost_model_path(two).name.endswith("-t2.json")
+    assert cost_model_path(one).name.endswith("-t1.json")
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    args = parser.parse_args(["--hardware", "cpu", "--colocated", "1", "--threads", "2"])
+    assert sim_cli.deployment_from_args(args).threads == 2

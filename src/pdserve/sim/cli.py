@@ -100,6 +100,10 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
       help="--spec-tokens: the probability that a draft token is accepted")  # fmt: skip
     a("--spec-draw", choices=spec.DRAWS, default="sampled",
       help="accepted drafts per step: sampled (seeded) or the expectation")  # fmt: skip
+    a("--spec-pacing", action="store_true",
+      help="the engine's draft pacer: drafts a step capped by the step model's price of verify "
+      "rows and the acceptance so far, as pdserve serve paces them (default: always "
+      "--spec-tokens)")  # fmt: skip
     a("--multiturn-reuse", action=argparse.BooleanOptionalAction, default=True,
       help="a later turn goes to the D that decoded the previous one, as the router sends it: "
       "prefilled there when at most --conversation-local-tokens of it are not cached there, "
@@ -146,6 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="cpu: `pdserve serve --adaptive`: the planner with overflow, P's and D's threads "
       "moved within --cores by the router's policy (router/threads.py)")  # fmt: skip
     a("--cores", type=_pos_int, default=2, help="--adaptive: the cores P and D share")
+    a("--threads", type=_pos_int, default=None,
+      help="cpu: torch threads each worker runs, as pdserve serve --threads (the cost model "
+      "profiled at that many: bench profile --threads N); default one, or cores / 2 with "
+      "--adaptive")  # fmt: skip
     a("--prefix-routing", action="store_true")
     a("--kv-pool", action="store_true",
       help="a KV pool shared by every worker: blocks put as computed, prefixes loaded")  # fmt: skip
@@ -249,6 +257,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         kv_pool_gb=args.kv_pool_gb,
         kv_pool_gbps=args.kv_pool_gbps,
         cores=args.cores if adaptive else 0,
+        threads=args.threads or 0,
         **_window_flags(args),
     )
 
@@ -269,7 +278,8 @@ def spec_from_args(args: argparse.Namespace) -> spec.SpecModel | None:
         return None
     if acceptance is None:
         raise ValueError("--spec-tokens needs --spec-acceptance A (per draft token, 0..1)")
-    return spec.SpecModel(tokens, acceptance, getattr(args, "spec_draw", "sampled"), args.seed)
+    draw, paced = getattr(args, "spec_draw", "sampled"), getattr(args, "spec_pacing", False)
+    return spec.SpecModel(tokens, acceptance, draw, args.seed, paced)
 
 
 # The flags a deployment file sets instead, with their defaults.
@@ -278,7 +288,7 @@ FILE_OWNS = {
     "router": None, "admission": None, "disaggregation": "always", "prefix_routing": False,
     "autobalance": False, "max_batched_tokens": 2048, "max_num_seqs": 256, "kv_cache_gb": 1.0,
     "adaptive": False, "cores": 2, "conversation_ttl": CacheConfig.conversation_ttl,
-    "conversation_local_tokens": RouterConfig.conversation_local_tokens,
+    "conversation_local_tokens": RouterConfig.conversation_local_tokens, "threads": None,
 }  # fmt: skip
 
 

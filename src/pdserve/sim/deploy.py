@@ -75,6 +75,9 @@ class Deployment:
     conversation_ttl_s: float = CacheConfig.conversation_ttl  # D keeps a finished turn
     conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
+    # cpu: torch threads a worker runs (the cost-model file profiled at that many); 0: one, or
+    # cores / 2 with adaptive
+    threads: int = 0
     # the model's sliding layers over what its config says (sim/kv_groups.py
     # `windows_from_flags`): the window, and "all" or an s/f pattern of the layers
     sliding_window: int | None = None
@@ -103,6 +106,7 @@ class Deployment:
             if p.disaggregation == "overflow"
             else "conditional",
             "cores": d.topology.host_cores() if p.adaptive else 0,
+            "threads": d.topology.threads or 0,
             "prefix_routing": planner and d.router.prefix_routing,
             "autobalance": planner and p.autobalance,
             "expected_output": p.expected_output,
@@ -157,7 +161,8 @@ def cost_model_path(d: Deployment) -> Path:
     from pdserve.costmodel.profile import profile_path
 
     # adaptive: the starting split's profile (cores / 2 a worker), the file `pdserve serve` loads
-    return profile_path(None if d.model == "default" else d.model, max(1, d.cores // 2))
+    threads = d.threads or max(1, d.cores // 2)
+    return profile_path(None if d.model == "default" else d.model, threads)
 
 
 def _cpu_steps(d: Deployment) -> tuple[CostModelStep, Link]:
@@ -341,6 +346,7 @@ def speculation(sim: Simulation, spec: SpecModel) -> dict[str, Any]:
         "tokens": spec.tokens,
         "acceptance": spec.acceptance,
         "draw": spec.draw,
+        "paced": spec.paced,
         "steps": steps,
         "drafted": sum(w.spec_drafted for w in sim.workers),
         "accepted": accepted,

@@ -32,6 +32,10 @@ class SpecModel:
     acceptance: float  # per draft token, in [0, 1]
     draw: str = "sampled"
     seed: int = 0
+    # the engine's DraftPacer caps each step's drafts from the step model's price of verify
+    # rows and the acceptance seen so far (engine/spec/pacing.py), as `pdserve serve` does;
+    # False: every decode drafts `tokens` (the cases computed by hand)
+    paced: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens < 1:

@@ -16,6 +16,7 @@ from typing import Protocol
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
+from pdserve.engine.spec.pacing import DraftPacer
 from pdserve.router.loads import WorkerLoad
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.worker_stats import WorkerStats
@@ -95,6 +96,8 @@ class SimWorker:
         self._pool_probed: set[str] = set()
         self.answers: dict[str, tuple[int, ...]] = {}  # rid -> the tokens its answer streams
         self.spec_steps = self.spec_drafted = self.spec_accepted = 0
+        spec = sim.spec.model if sim.spec is not None else None
+        self.pacer = DraftPacer(spec.tokens) if spec is not None and spec.paced else None
 
     # ---- what the router reads (router/decide.py `Candidate`) ----------------------------
     @property
@@ -239,6 +242,9 @@ class SimWorker:
         priced = rows + [(1, s.start_pos + j) for s in out.scheduled
                          for j in range(1, drafts.get(s.request_id, 0) + 1)]  # fmt: skip
         work = self.step.step_s(priced) / self.speed + load_s
+        if self.pacer is not None:  # as the engine: pure-decode steps price verify rows
+            pure = all(n == 1 for n, _ in rows) and not load_s
+            self.pacer.observe_step(len(priced), work, pure)
         self.sim.run_step(self.wid, rows, work, lambda: self._step_done(out, t0, drafts))
 
     def _pool_load(self) -> tuple[list[str], float]:
@@ -284,17 +290,22 @@ class SimWorker:
         """Draft tokens per decode row this step (sim/spec.py), none on a prefill worker."""
         if self.sim.spec is None or self.role == "prefill":
             return {}
-        drafts = {}
+        decodes = []
         for s in out.scheduled:
             request = self.sched.requests.get(s.request_id)
             if s.num_tokens != 1 or not s.sample or request is None:
                 continue
             if not request.num_output_tokens:
                 continue  # a prompt's last token is no decode
+            decodes.append((s.request_id, request))
+        cap = self.pacer.cap(len(decodes)) if self.pacer is not None and decodes else None
+        drafts = {}
+        for rid, request in decodes:
             left = request.sampling_params.max_tokens - request.num_output_tokens
             n = self.sim.spec.model.drafts(left)
+            n = n if cap is None else min(n, cap)
             if n:
-                drafts[s.request_id] = n
+                drafts[rid] = n
         return drafts
 
     def _accept(self, drafts: dict[str, int], finished: set[str]) -> dict[str, int]:
@@ -307,6 +318,8 @@ class SimWorker:
                 continue
             self.spec_steps, self.spec_drafted = self.spec_steps + 1, self.spec_drafted + n
             k = spec.accepted(rid, n)
+            if self.pacer is not None:
+                self.pacer.observe_verify(n, k)
             for _ in range(k):
                 request.append_token(self._token(request))
             if k and self.kv.allocate_slots(request, k) is None:
