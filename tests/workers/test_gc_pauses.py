@@ -66,6 +66,7 @@ def test_freezing_takes_startup_objects_out_of_the_collectors_reach(
     # A frozen object whose last reference goes (a log record's temporaries, a thread's
     # frame) leaves the permanent generation, so the count can only fall after the call.
     assert frozen >= gc.get_freeze_count() >= len(survivor)
+    assert pauses.stats()["gc_frozen_objects"] == frozen  # counted once, not per stats call
     # Its own collection is start-up work, not a pause of the serving loop: not counted.
     assert pauses.stats()["gc_full_collections"] == before["gc_full_collections"]
     assert pauses.stats()["gc_pause_seconds"] == before["gc_pause_seconds"]
