@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from pdserve.engine import kernels
-from pdserve.engine.linear.bf16 import AMXLinear, BF16Linear, amx_kernel, bf16_kernel
+from pdserve.engine.linear.bf16 import AmxKernel, AMXLinear, BF16Linear, amx_kernel, bf16_kernel
 from pdserve.engine.linear.float32 import FloatLinear
 from pdserve.engine.linear.phases import PromptWeights, StepRows
 from pdserve.engine.quantize import LAYER_PROJECTIONS, layers_of
@@ -263,14 +263,19 @@ def prompt_attention(kind: str, units: MatrixUnits) -> Callable[..., torch.Tenso
     the 1B shape's heads on 2 Xeon cores) and returns float32. None: torch's SDPA in bfloat16."""
     if kind == "bf16x3":
         return amx_kernel().causal_attention
+    kernel = _amx_or_none(units, "bf16 prompt attention")
+    return None if kernel is None else functools.partial(kernel.causal_attention, split=False)
+
+
+def _amx_or_none(units: MatrixUnits, what: str) -> AmxKernel | None:
+    """The AMX kernels where the CPU has them and Linux hands this process the tile state."""
     if not (units.amx_bf16 and kernels.amx_supported()):
         return None
     try:
-        kernel = amx_kernel()
+        return amx_kernel()
     except RuntimeError as e:  # Linux refused this process the tile state
-        log.warning("bf16 prompt attention on torch's SDPA, not AMX tiles: %s", e)
+        log.warning("%s on torch's SDPA, not AMX tiles: %s", what, e)
         return None
-    return functools.partial(kernel.causal_attention, split=False)
 
 
 def decode_rows_attention(
@@ -287,13 +292,8 @@ def decode_rows_attention(
         return None
     if device.type != "cpu" or dtype != torch.float32 or quantization == "none":
         return None
-    if not (units.amx_bf16 and kernels.amx_supported()):
-        return None
-    try:
-        return amx_kernel().causal_attention
-    except RuntimeError as e:  # Linux refused this process the tile state
-        log.warning("decode-format prompt rows attend on SDPA, not AMX tiles: %s", e)
-        return None
+    kernel = _amx_or_none(units, "decode-format prompt rows' attention")
+    return None if kernel is None else kernel.causal_attention
 
 
 def _float_projection(layer: LlamaLayer, proj: str) -> FloatLinear:
