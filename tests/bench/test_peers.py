@@ -22,7 +22,10 @@ def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
 
 
 def test_vllm_cpu_command_and_env(tmp_path: Path) -> None:
-    args = _args(tmp_path, "--cores", "1", "--n-ctx", "2048", "--vllm-kv-cache-gib", "2")
+    args = _args(
+        tmp_path, "--cores", "1", "--n-ctx", "2048", "--vllm-kv-cache-gib", "2",
+        "--vllm-dtype", "bfloat16",
+    )  # fmt: skip
     vllm = compare.SYSTEMS["vllm-cpu"]
     assert vllm.backend == "vllm" and vllm.hf_folder and not vllm.timelines
     cmd = vllm.command(args, 8123)
@@ -38,6 +41,13 @@ def test_vllm_cpu_command_and_env(tmp_path: Path) -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(first)  # --cores 1: one CPU, one thread
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_vllm_dtype_auto_follows_the_cpus_bfloat16_instructions() -> None:
+    assert peers.vllm_dtype("auto", frozenset({"avx512f", "avx512_bf16"})) == "bfloat16"
+    assert peers.vllm_dtype("auto", frozenset({"amx_bf16", "amx_tile"})) == "bfloat16"
+    assert peers.vllm_dtype("auto", frozenset({"avx512f", "avx512_vnni"})) == "float32"
+    assert peers.vllm_dtype("float32", frozenset({"amx_bf16"})) == "float32"  # asked: kept
 
 
 def test_cpu_list_takes_the_first_allowed_cpus() -> None:
