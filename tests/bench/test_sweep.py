@@ -96,6 +96,27 @@ def test_report_spread_knees_and_plot(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "summary.json").read_text())["summary"] == result["summary"]
 
 
+def test_refusals_are_counted_apart_and_reported(tmp_path: Path) -> None:
+    lat = {"p50": 10.0, "p90": 20.0, "p99": 30.0}
+    res = {"completed": 3, "failed": 0, "good": 2, "goodput": 0.1, "duration_s": 20.0,
+           "rejected": 1, "good_fraction": 0.5, "ttft_ms": lat, "tpot_ms": lat}  # fmt: skip
+    stats = sweep.point_stats(res, 0.2, 0)
+    assert stats["refused"] == 1 and stats["completed"] == 3 and stats["failed"] == 0
+    older = sweep.point_stats({**res, "rejected": None}, 0.2, 0)  # a load result without one
+    assert older["refused"] == 0
+    point = sweep.point_json("pdserve-adaptive", 0.2, ["pdserve", "serve"], [stats], "cmd")
+    result = {
+        "command": "pdserve bench sweep", "started": "now", "order": "interleaved",
+        "repeats": 1, "knee_attainment": 0.9, "workload": {"workload": "rag"},
+        "machine": {"cpu": "test", "cores": 2, "load_average": [1.0, 1.0, 1.0]},
+        "slo": {"ttft_s": 10.0, "tpot_s": 0.1},
+        "systems": [{"name": "pdserve-adaptive", "points": [point]}],
+    }  # fmt: skip
+    text = sweep_report.write(result, tmp_path)
+    assert "| completed | refused | failed | runs |" in text
+    assert "| 3 | 1 | 0 | 1 |" in text
+
+
 # ---------------------------------------------------------------------------- a whole sweep
 
 
@@ -155,6 +176,7 @@ def test_sweep_against_a_fake_server(
     assert started == ["pdserve-colocated", "pdserve-1p1d", "pdserve-1p1d", "pdserve-colocated"]
     point = json.loads((out / "pdserve-1p1d" / "rate-80.json").read_text())
     assert point["rate"] == 80 and point["completed"] == 3 and point["failed"] == 0
+    assert point["refused"] == 0
     assert point["attainment"] == 1.0 and point["goodput"] > 0  # loose SLOs: every one good
     assert set(point["ttft_ms"]) == set(point["tpot_ms"]) == {"p50", "p90", "p99"}
     assert "--prefill 1 --decode 1" in point["command"]

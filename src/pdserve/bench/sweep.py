@@ -31,7 +31,7 @@ finds it, or `--cost-model`): its points, dashed in the plot, and its knee with 
 against the measured knee (`sweep_sim`).
 
 Writes under `--output-dir`: `<system>/rate-<r>.json` per point (the median run's rate,
-completed, failed, goodput, attainment, TTFT and TPOT p50/p90/p99, the server's and this
+completed, refused (answered 429/503 by the server's admission), failed, goodput, attainment, TTFT and TPOT p50/p90/p99, the server's and this
 command; every repeat under "runs"), the per-request records under `<system>/requests/`,
 `summary.json`, `report.md` (knees, points) and `sweep.png`; server logs under `logs/`.
 """
@@ -101,6 +101,8 @@ def point_stats(res: dict[str, Any], rate: float, repeat: int) -> dict[str, Any]
     """What a point's JSON keeps of one load phase (after `compare.apply_slos`)."""
     out: dict[str, Any] = {"rate": rate, "repeat": repeat}
     out.update({k: res[k] for k in POINT_KEYS})
+    # answered 429/503 by the server's admission: neither completed nor failed, never good
+    out["refused"] = int(res.get("rejected") or 0)
     out["attainment"] = res["good_fraction"]
     for key in LATENCY_KEYS:
         out[key] = {q: res[key].get(q) for q in ("p50", "p90", "p99")}

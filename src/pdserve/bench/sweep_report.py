@@ -110,13 +110,13 @@ def _point_row(name: str, p: dict[str, Any], sim: dict[float, float]) -> list[st
     if not p.get("runs"):
         why = (str(p.get("failed", "")).splitlines() or [""])[0]  # the log's tail: in the JSON
         return [name, f"{p['rate']:g}", f"failed: {why}", "—", predicted,
-                *["—"] * 5]  # fmt: skip
+                *["—"] * 6]  # fmt: skip
     g, a = p["spread"]["goodput"], p["spread"]["attainment"]
     return [
         name, f"{p['rate']:g}", f"{_num(g['median'])} ({_num(g['min'])}-{_num(g['max'])})",
         f"{_pct(a['median'])} ({_pct(a['min'])}-{_pct(a['max'])})", predicted,
         _num(p["ttft_ms"]["p90"], ".0f"), _num(p["tpot_ms"]["p90"], ".1f"),
-        str(p["completed"]), str(p["failed"]), str(len(p["runs"])),
+        str(p["completed"]), str(p.get("refused", "—")), str(p["failed"]), str(len(p["runs"])),
     ]  # fmt: skip
 
 
@@ -161,13 +161,13 @@ def render(result: dict[str, Any]) -> str:
         "",
     ]
     header = ("system", "rate", "goodput req/s", "attainment", "sim", "TTFT p90 ms",
-              "TPOT p90 ms", "completed", "failed", "runs")  # fmt: skip
+              "TPOT p90 ms", "completed", "refused", "failed", "runs")  # fmt: skip
     rows = [
         _point_row(s["name"], p, _sim_attainment(s))
         for s in result["systems"]
         for p in s.get("points", [])
     ]
-    lines += report.markdown_table(header, rows, "llrrrrrrrr")
+    lines += report.markdown_table(header, rows, "llrrrrrrrrr")
     return "\n".join(lines) + "\n"
 
 
