@@ -31,9 +31,10 @@ finds it, or `--cost-model`): its points, dashed in the plot, and its knee with 
 against the measured knee (`sweep_sim`).
 
 Writes under `--output-dir`: `<system>/rate-<r>.json` per point (the median run's rate,
-completed, refused (answered 429/503 by the server's admission), failed, goodput, attainment, TTFT and TPOT p50/p90/p99, the server's and this
-command; every repeat under "runs"), the per-request records under `<system>/requests/`,
-`summary.json`, `report.md` (knees, points) and `sweep.png`; server logs under `logs/`.
+completed, refused (answered 429/503 by the server's admission), failed, goodput, attainment,
+TTFT and TPOT p50/p90/p99, the server's and this command; every repeat under "runs"), the
+per-request records under `<system>/requests/`, `summary.json`, `report.md` (knees, points) and
+`sweep.png`; server logs under `logs/`.
 """
 
 from __future__ import annotations
