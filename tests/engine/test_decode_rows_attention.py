@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.engine.test_prefill_format import needs_amx
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import kernels, prefill_format
@@ -18,11 +19,6 @@ ZEN4 = MatrixUnits(amx_bf16=False, avx512_bf16=True)
 CPU = torch.device("cpu")
 NONE = PrefillChoice("none", "amx", "a decode worker holds the decode format only")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-needs_amx = pytest.mark.skipif(
-    not kernels.amx_supported(),
-    reason="bf16x3 runs AMX tile instructions: this CPU has none (an AVX2 / Zen 4 CI machine)",
-)
 
 
 @pytest.fixture(scope="module")

@@ -195,7 +195,8 @@ def test_colocated_mixed_steps_keep_decodes_on_the_decode_format(tiny_llama_path
 # ---- bf16x3 on AMX tiles -------------------------------------------------------------------------
 needs_amx = pytest.mark.skipif(
     not kernels.amx_supported(),
-    reason="bf16x3 runs AMX tile instructions: this CPU has none (an AVX2 / Zen 4 CI machine)",
+    reason="bf16x3 runs AMX tile instructions: this CPU has none (AVX2 only, or AMX hidden by "
+    "the hypervisor)",
 )
 
 

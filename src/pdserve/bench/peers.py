@@ -106,11 +106,11 @@ def vllm_dtype(asked: str, flags: frozenset[str] | None = None) -> str:
     build's fast path), float32 where torch would emulate bfloat16."""
     if asked != "auto":
         return asked
-    if flags is None:
-        from pdserve.engine.kernels import cpu_flags
+    from pdserve.engine.kernels import cpu_flags
+    from pdserve.engine.prefill_format import MatrixUnits
 
-        flags = cpu_flags()
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    units = MatrixUnits.from_flags(cpu_flags() if flags is None else flags)
+    return "float32" if units.isa == "none" else "bfloat16"
 
 
 def cpu_list(cores: int) -> str:
