@@ -49,11 +49,17 @@ def test_p_idle_lends_every_core_to_d_and_work_on_p_takes_them_back_at_once() ->
     assert policy.state == "split" and policy.moves == 2
 
 
-def test_d_idle_lends_to_p_and_both_idle_stays_split() -> None:
+def test_d_idle_lends_to_p_and_an_idle_host_waits_with_ps_cores_ready() -> None:
     policy = ThreadPolicy(cores=4, park_after_s=0.0)
     assert policy.observe(0.0, sample(0.5, d_idle=True)) == {"P0": 4, "D0": 1}
-    fresh = ThreadPolicy(cores=4, park_after_s=0.0)
+    # nothing anywhere: the next request starts with a prefill, which runs on the threads its
+    # step starts with, so P holds the cores (after park_after_s, as any lend)
+    fresh = ThreadPolicy(cores=4, park_after_s=0.5)
     assert fresh.observe(0.0, sample(p_idle=True, d_idle=True)) == {"P0": 2, "D0": 2}
+    assert run(fresh, sample(p_idle=True, d_idle=True), 0.1, 0.6) == {"P0": 4, "D0": 1}
+    assert fresh.state == "lend_prefill"
+    # the prompt's KV reaches D while P, idle that long, parks: D gets every core at once
+    assert fresh.observe(0.7, sample(0.0, 0.1, p_idle=True)) == {"P0": 1, "D0": 4}
 
 
 def test_p_over_its_ttft_budget_gets_a_core_when_d_has_slack_after_sustain() -> None:

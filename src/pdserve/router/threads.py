@@ -12,7 +12,9 @@ one thread), in one of three states:
     split        both pools have work: P gets `p_cores`, D the rest
     lend_decode  P has had nothing to do for `park_after_s`: P parks at one thread each, D gets
                  every core (a parked worker's thread sleeps in its poll: it uses no core)
-    lend_prefill the same the other way round
+    lend_prefill D has had nothing to do for `park_after_s`: D parks, P gets every core, also
+                 while P is idle: every request starts with a prefill, and a prompt's step
+                 runs on the threads it started with (one step can be the whole prompt)
 
 A parked pool that gets work returns to `split` at the next sample (no sustain): the host runs
 one thread more than it has cores for at most one sample interval plus one engine step, the
@@ -116,7 +118,7 @@ class ThreadPolicy:
         d_idle = self._idle_for(now, "decode", s.decode_idle and bool(s.prefill))
         if p_idle >= self.park_after_s and not s.decode_idle:
             return "lend_decode"
-        if d_idle >= self.park_after_s and not s.prefill_idle:
+        if d_idle >= self.park_after_s:  # P busy, or both idle: a request starts with a prefill
             return "lend_prefill"
         return "split"
 
