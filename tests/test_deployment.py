@@ -15,6 +15,7 @@ from pdserve.cli import build_parser
 from pdserve.cluster import LocalCluster
 from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.deployment import (
+    ADAPTIVE_PREFILL_CHUNK,
     Deployment,
     HttpConfig,
     PlannerConfig,
@@ -223,6 +224,19 @@ def test_adaptive_composes_1p1d_default_slos_overflow_and_the_thread_policy() ->
     assert twin.cores == 4 and twin.disaggregation == "overflow" and twin.planner
     yaml = Deployment.from_dict({"planner": {"adaptive": True}, "topology": {"cores": 3}})
     assert yaml.planner.disaggregation == "overflow" and yaml.topology.host_cores() == 3
+
+
+def test_adaptive_chunks_ps_prompts_so_a_thread_move_reaches_a_prompt_under_way() -> None:
+    d = flags.deployment(serve_args("--adaptive"))
+    assert d.engine_args("prefill")["max_num_batched_tokens"] == ADAPTIVE_PREFILL_CHUNK
+    assert "max_num_batched_tokens" not in d.engine_args("decode")  # D: stall-free sizes its own
+    assert sim_deploy.Deployment.of(d, hardware="cpu").prefill_batched_tokens == 256
+    smaller = flags.deployment(serve_args("--adaptive", "--max-num-batched-tokens", "128"))
+    assert smaller.engine_args("prefill")["max_num_batched_tokens"] == 128
+    own = Deployment(roles={"prefill": {"max_num_batched_tokens": 1024}},
+                     planner=PlannerConfig(adaptive=True))  # fmt: skip
+    assert own.roles["prefill"]["max_num_batched_tokens"] == 1024
+    assert "max_num_batched_tokens" not in flags.deployment(serve_args()).engine_args("prefill")
 
 
 @pytest.mark.parametrize(

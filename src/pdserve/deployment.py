@@ -51,6 +51,10 @@ DISAGGREGATIONS = ("auto", "conditional", "always", "overflow")
 # `--adaptive` without SLOs: the tighter of the RAG-small SLO sets of issue 45 for TTFT, a reading
 # pace for TPOT (10 tokens/s)
 ADAPTIVE_SLO_TTFT_S, ADAPTIVE_SLO_TPOT_S = 2.0, 0.1
+# `--adaptive`: P's prompt chunk. A new thread count applies from a worker's next step, so a
+# whole 900-token prompt in one step kept the count it started with (one of two cores) after D
+# went idle; at 256 tokens a move reaches P within ~0.3 s, for ~2% more prefill time
+ADAPTIVE_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,19 @@ def adapted(p: PlannerConfig, t: Topology, ray: RayConfig | None) -> PlannerConf
     )
 
 
+def chunked_prefill(
+    roles: dict[str, dict[str, Any]], engine: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """`adaptive`'s role overrides: P's steps at most ADAPTIVE_PREFILL_CHUNK tokens, unless the
+    prefill role sets its own budget (a smaller shared one stays)."""
+    prefill = roles.get("prefill", {})
+    if "max_num_batched_tokens" in prefill:
+        return roles
+    budget = min(engine.get("max_num_batched_tokens") or ADAPTIVE_PREFILL_CHUNK,
+                 ADAPTIVE_PREFILL_CHUNK)  # fmt: skip
+    return {**roles, "prefill": {**prefill, "max_num_batched_tokens": budget}}
+
+
 def threads_for_cpus(cpus: float) -> int:
     """Torch threads of a worker holding `cpus` (Ray's logical CPUs): the whole CPUs, and one
     when it holds less than one (it then shares a core with another worker)."""
@@ -223,6 +240,7 @@ class Deployment:
                 raise ValueError("worker: adaptive moves threads between worker processes; "
                                  "use transport tcp, ipc or shm")  # fmt: skip
             object.__setattr__(self, "planner", adapted(self.planner, self.topology, self.ray))
+            object.__setattr__(self, "roles", chunked_prefill(self.roles, self.engine))
         for role, overrides in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"roles: {role!r} is not one of {', '.join(ROLES)}")

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.costmodel.model import CostModel
+from pdserve.router import threads
 from pdserve.router.balancer import PoolSample
 from pdserve.router.events import RouterEvents
 from pdserve.router.loads import Job, WorkerLoad
@@ -170,6 +171,24 @@ def test_the_mover_lends_d_the_cores_in_handover_order_and_counts_the_moves() ->
     assert events.counters["thread_moves_to_prefill"] == 1
     status = mover.status()
     assert status["state"] == "split" and status["targets"] == {"P0": 2, "D0": 2}
+
+
+def test_a_request_waiting_for_ps_kv_leaves_d_idle_so_p_keeps_the_cores() -> None:
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 1e-3, 0.0), (0.0, 1e9)))
+    p, d = WorkerLoad("P0"), WorkerLoad("D0")
+    p.add(Job("r1", 0.9, 0, 0, False, 0.0))  # P prefills r1 ...
+    d.add(Job("r1", 0.0, 900, 64, True, 0.0))  # ... D holds its place until the KV comes
+    s = threads.sample({"P0": p}, {"D0": d}, planner, 0.1)
+    assert not s.prefill_idle and s.decode_idle
+    policy = ThreadPolicy(cores=2, park_after_s=0.0)
+    assert policy.observe(0.1, s) == {"P0": 2, "D0": 1}
+    d.tokens("r1", 1, 1.0)  # D's first decoded token: now it has work, the split comes back
+    p.first_token("r1", 1.0)
+    s = threads.sample({"P0": p}, {"D0": d}, planner, 1.0)
+    assert s.prefill_idle and not s.decode_idle
+    local = WorkerLoad("D0")  # a prompt D prefills itself (the local route) is work at once
+    local.add(Job("r2", 0.5, 0, 64, True, 1.0))
+    assert not threads.sample({"P0": WorkerLoad("P0")}, {"D0": local}, planner, 1.1).decode_idle
 
 
 def test_a_worker_refuses_a_thread_count_out_of_range() -> None:

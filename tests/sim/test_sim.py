@@ -392,6 +392,7 @@ def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:
     does too unless told --no-admission, and admission stays opt-in elsewhere."""
     import argparse
 
+    from pdserve.deployment import ADAPTIVE_PREFILL_CHUNK
     from pdserve.sim import cli
 
     def deployment(*argv: str):  # type: ignore[no-untyped-def]
@@ -400,6 +401,8 @@ def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:
         return cli.deployment_from_args(p.parse_args(["--hardware", "cpu", *argv]))
 
     assert deployment("--adaptive").admission
+    assert deployment("--adaptive").prefill_batched_tokens == ADAPTIVE_PREFILL_CHUNK  # as served
+    assert deployment("--prefill", "1", "--decode", "1").prefill_batched_tokens is None
     assert not deployment("--adaptive", "--no-admission").admission
     assert not deployment("--prefill", "1", "--decode", "1", "--slo-ttft", "2").admission
     assert deployment("--prefill", "1", "--decode", "1", "--slo-ttft", "2", "--admission").admission

@@ -48,7 +48,7 @@ class ThreadSample:
     prefill: Sequence[str]  # worker ids of the prefill pool
     decode: Sequence[str]
     prefill_idle: bool  # no prompt queued or computing on any P
-    decode_idle: bool  # no decode stream and no prompt on any D
+    decode_idle: bool  # nothing decoding or prefilling on any D (waiting for P's KV is idle)
 
 
 def sample(
@@ -65,7 +65,12 @@ def sample(
         list(prefill),
         list(decode),
         prefill_idle=not any(j.prefill_s > 0 for w in p for j in w.jobs.values()),
-        decode_idle=not any(w.jobs for w in d),
+        # a request routed P -> D sits on D from dispatch, but D has nothing to do until its
+        # first token: counting it busy split the cores while P computed the very prompt D
+        # waits for, and P finished it on one thread
+        decode_idle=not any(
+            j.prefill_s > 0 or j.first_at is not None for w in d for j in w.jobs.values()
+        ),
     )
 
 
