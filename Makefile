@@ -26,8 +26,12 @@ $(STAMP): pyproject.toml Makefile
 kernels: setup
 	$(PY) -m pdserve.engine.kernels
 
+# Adaptive PD: one prefill and one decode worker whose threads move to the side the load needs
+# (at least 1P1D's goodput at every rate measured, docs/benchmarks/adaptive.md). No SLO
+# admission: a default server answers every request. Another form: make serve SERVE_ARGS=...
+SERVE_ARGS ?= --adaptive --no-admission
 serve: setup
-	$(VENV)/bin/pdserve serve
+	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 demo: setup
 	$(VENV)/bin/pdserve demo
