@@ -211,9 +211,13 @@ def chunked_prefill(
     prefill = roles.get("prefill", {})
     if "max_num_batched_tokens" in prefill:
         return roles
-    budget = min(engine.get("max_num_batched_tokens") or ADAPTIVE_PREFILL_CHUNK,
-                 ADAPTIVE_PREFILL_CHUNK)  # fmt: skip
+    budget = adaptive_prefill_budget(engine.get("max_num_batched_tokens"))
     return {**roles, "prefill": {**prefill, "max_num_batched_tokens": budget}}
+
+
+def adaptive_prefill_budget(shared: int | None) -> int:
+    """P's step budget under `adaptive` beside a shared one (the served and simulated P's)."""
+    return min(shared or ADAPTIVE_PREFILL_CHUNK, ADAPTIVE_PREFILL_CHUNK)
 
 
 def threads_for_cpus(cpus: float) -> int:
