@@ -87,3 +87,33 @@ def test_threads_move_under_load_and_lose_nothing(tiny_llama_path, llm) -> None:
         assert c.stats["thread_moves_to_decode"] >= 1
         assert c.worker_stats()["D0"]["thread_changes"] >= 1
         assert_cluster_idle(c)
+
+
+def test_d_holds_its_steps_for_ps_prompts_within_tpot_and_loses_nothing(  # type: ignore[no-untyped-def]
+    tiny_llama_path, llm
+) -> None:
+    # a TPOT SLO with room to spare: while prompts wait on P, D holds its steps (SetThreads(0))
+    # and P prefills on both cores; D resumes once P is done (router/threads.py `hold_decode`)
+    planner = SloPlanner(
+        SLOW_PREFILL, slo_ttft_s=5.0, slo_tpot_s=5.0, admission=False, mode="overflow"
+    )
+    policy = ThreadPolicy(cores=2, sustain_s=0.0, cooldown_s=0.0, park_after_s=0.0)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first, second = prompts(2, 48, seed=5), prompts(3, 48, seed=6)
+    with cluster(tiny_llama_path, planner=planner, thread_policy=policy) as c:
+        assert c.core is not None
+        threads = lambda: {w.worker_id: w.stats.threads for w in c.core.workers}  # type: ignore[union-attr]  # noqa: E731
+        c.set_fault("D0", "slow", count=-1, delay_s=0.05)  # decoding outlasts the prompts
+        _, pending = c.submit(first, params)
+        eventually(lambda: threads() == {"P0": 1, "D0": 2}, 30, "D to get every core")
+        c.set_fault("P0", "slow", count=4, delay_s=0.5)  # the new prompts stay queued a while
+        _, later = c.submit(second, params)
+        eventually(lambda: threads() == {"P0": 2, "D0": 0}, 30, "D to hold, P on both cores")
+        c.set_fault("D0", "none")
+        outs = pending.result(timeout=120) + later.result(timeout=120)
+        assert all(o.error is None for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == reference(llm, first + second, params)
+        d = c.worker_stats()["D0"]
+        assert d["step_holds"] >= 1 and d["step_resumes"] >= 1
+        assert c.stats["thread_moves_to_prefill"] >= 1
+        assert_cluster_idle(c)

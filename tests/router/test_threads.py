@@ -21,8 +21,10 @@ from pdserve.router.worker_stats import WorkerStats
 P, D = ("P0",), ("D0",)
 
 
-def sample(p: float = 0.0, d: float = 0.0, *, p_idle: bool = False, d_idle: bool = False):  # type: ignore[no-untyped-def]
-    return ThreadSample(PoolSample(p, d, len(P), len(D)), P, D, p_idle, d_idle)
+def sample(  # type: ignore[no-untyped-def]
+    p: float = 0.0, d: float = 0.0, *, p_idle: bool = False, d_idle: bool = False, slack=0.0
+):
+    return ThreadSample(PoolSample(p, d, len(P), len(D)), P, D, p_idle, d_idle, slack)
 
 
 def run(policy: ThreadPolicy, s: ThreadSample, t0: float, t1: float, dt: float = 0.1):  # type: ignore[no-untyped-def]
@@ -191,10 +193,81 @@ def test_a_request_waiting_for_ps_kv_leaves_d_idle_so_p_keeps_the_cores() -> Non
     assert not threads.sample({"P0": WorkerLoad("P0")}, {"D0": local}, planner, 1.1).decode_idle
 
 
-def test_a_worker_refuses_a_thread_count_out_of_range() -> None:
+def test_a_worker_refuses_a_thread_count_out_of_range_and_holds_its_steps_at_zero() -> None:
     from pdserve.workers.worker import Worker
 
-    fake = SimpleNamespace(counters=collections.Counter())
-    for bad in (0, -1, 10**6):
+    fake = SimpleNamespace(counters=collections.Counter(), held=False)
+    for bad in (-1, 10**6):
         with pytest.raises(ValueError, match="threads must be in"):
             Worker.set_threads(fake, bad)  # type: ignore[arg-type]
+    Worker.set_threads(fake, 0)  # type: ignore[arg-type]
+    assert fake.held and fake.counters["step_holds"] == 1
+    Worker.set_threads(fake, 0)  # type: ignore[arg-type]  # a resend: one hold
+    assert fake.counters["step_holds"] == 1
+    import torch
+
+    Worker.set_threads(fake, torch.get_num_threads())  # type: ignore[arg-type]
+    assert not fake.held and fake.counters["step_resumes"] == 1
+
+
+def test_both_busy_on_two_cores_d_holds_within_its_slack_and_p_takes_every_core() -> None:
+    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    # D's requests could pause 1.5 s: not above twice the reserve, the split stays
+    assert policy.observe(0.0, sample(0.5, 0.1, slack=1.5)) == {"P0": 1, "D0": 1}
+    assert policy.observe(0.1, sample(0.5, 0.1, slack=2.5)) == {"P0": 2, "D0": 0}
+    assert policy.state == "hold_decode" and policy.moves == 1
+    # held, the slack shrinks: D holds on while it is over the reserve, resumes under it
+    assert policy.observe(0.2, sample(0.5, 0.1, slack=1.2)) == {"P0": 2, "D0": 0}
+    assert policy.observe(0.3, sample(0.5, 0.1, slack=0.8)) == {"P0": 1, "D0": 1}
+    assert policy.state == "split"
+    # P's prompts done: D gets every core after park_after_s, whatever its slack
+    assert run(policy, sample(0.0, 0.1, p_idle=True, slack=9.0), 0.4, 1.0) == {"P0": 1, "D0": 2}
+
+
+def test_no_hold_where_the_split_can_still_give_p_a_core_or_d_has_no_slack() -> None:
+    wide = ThreadPolicy(cores=8, hold_reserve_s=1.0)  # P at 4 of 8: it grows by one-core moves
+    assert wide.observe(0.0, sample(0.5, 0.1, slack=60.0)) == {"P0": 4, "D0": 4}
+    narrow = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    assert narrow.observe(0.0, sample(0.9, 0.1, slack=0.5)) == {"P0": 1, "D0": 1}
+
+
+def test_decode_slack_is_the_tightest_requests_tpot_time_left_over() -> None:
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))  # 10 ms a decode step
+    planner = SloPlanner(model, slo_tpot_s=0.1)
+    d = WorkerLoad("D0")
+    # 65 tokens, 10 decoded in the 1 s since its first token: 6.4 s of SLO - 1 s - 55 steps
+    d.add(Job("r1", 0.0, 910, 55, True, 0.0, first_at=1.0, generated=10))
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(6.4 - 1.0 - 0.55)
+    # waiting for its KV: its whole budget (1.9 s for 20 tokens) less its 20 steps
+    d.add(Job("r2", 0.0, 900, 20, True, 1.5))
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.2)
+    assert threads.decode_slack([WorkerLoad("D0")], planner, 2.0) == float("inf")
+    d.add(Job("r3", 0.4, 0, 8, True, 1.9))  # D prefills a prompt itself: its TTFT runs
+    assert threads.decode_slack([d], planner, 2.0) == 0.0
+    assert threads.decode_slack([WorkerLoad("D0")], SloPlanner(model), 2.0) == 0.0
+
+
+def test_the_mover_holds_d_before_p_grows_and_counts_it_as_a_move() -> None:
+    links, events = FakeLinks(), RouterEvents()
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)), slo_tpot_s=0.1)
+    policy = ThreadPolicy(cores=2, park_after_s=0.0)
+    for w in links.workers:
+        w.stats = WorkerStats(threads=1)
+    mover = ThreadMover(links, events, planner, policy)  # type: ignore[arg-type]
+    links.find("D0").load.add(Job("r1", 0.0, 100, 60, True, 0.0, first_at=0.0))
+    links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, 0.0))
+    mover.tick(0.1)  # 5.9 s of SLO for 60 steps of 10 ms, 0.1 s ran: D holds
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 0)]
+    links.ack()
+    mover.tick(0.2)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 2)]
+    links.ack()
+    assert events.counters["thread_moves_to_prefill"] == 1
+    assert links.find("D0").load.slowness == 1.0  # held, not slower: predicted at its split
+    links.find("P0").load.first_token("r2", 0.3)  # P done: D gets both cores back
+    mover.tick(0.3)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 1)]
+    links.ack()
+    mover.tick(0.4)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]
+    assert events.counters["thread_moves_to_decode"] == 1

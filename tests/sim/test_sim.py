@@ -387,6 +387,31 @@ def test_adaptive_moves_threads_with_the_real_policy_and_decodes_faster_alone() 
         SimConfig(prefill=1, decode=1, thread_cores=2)
 
 
+def test_adaptive_d_holds_within_tpot_slack_so_ps_prompts_run_on_every_core() -> None:
+    # D decodes a long answer while three prompts reach P: with TPOT to spare, D holds its
+    # steps and P prefills on both cores (router/threads.py `hold_decode`); at a TPOT SLO the
+    # answer's steps already fill, D never holds and P prefills on one core
+    model = CostModel((0.01, 1e-3, 0.0), (0.01, 0.0, 0.0))
+    reqs = [req("a", 0.0, 8, 300)] + [req(f"p{i}", 0.5, 400, 4, base=1000 * (i + 1))
+                                      for i in range(3)]  # fmt: skip
+    ttft, tpot = {}, {}
+    for slo_tpot in (1.0, 0.0105):
+        cfg = SimConfig(prefill=1, decode=1, planner=True, disaggregation="overflow",
+                        thread_cores=2, slo_tpot_s=slo_tpot)  # fmt: skip
+        sim = Simulation(cfg, LinearStep(a=0.01, b=1e-3), Link(1e9, 0.0), planner_model=model)
+        records = {r.rid: r for r in sim.run(reqs)}
+        assert all(r.tokens == r.max_tokens for r in records.values())
+        held = sim.counters.get("decode_holds", 0)
+        assert (held >= 1) == (slo_tpot == 1.0)
+        ttft[slo_tpot] = max(records[f"p{i}"].first_at for i in range(3))  # type: ignore[type-var]
+        a = records["a"]
+        tpot[slo_tpot] = (a.last_at - a.first_at) / (a.tokens - 1)  # type: ignore[operator]
+        for w in sim.workers:
+            assert w.kv.num_free_blocks == w.kv.num_blocks and w.idle and not w.held
+    assert ttft[1.0] < ttft[0.0105]  # the prompts came sooner with D held
+    assert tpot[1.0] <= 1.0  # and the held answer stayed within its SLO
+
+
 def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:
     """`pdserve serve --adaptive` refuses predicted SLO misses by default; the simulated one
     does too unless told --no-admission, and admission stays opt-in elsewhere."""

@@ -10,7 +10,7 @@ WORKER_GAUGES = {
     "running": ("worker_running", "Requests the worker is running."),
     "batch_requests": ("worker_batch_requests", "Requests in the worker's last engine step."),
     "batch_tokens": ("worker_batch_tokens", "Tokens computed in the worker's last engine step."),
-    "threads": ("worker_threads", "Torch intra-op threads the worker runs its engine steps on."),
+    "threads": ("worker_threads", "Torch threads of the worker's engine steps (0: steps held)."),
     "kv_blocks_used": ("worker_kv_blocks_used", "KV cache blocks in use on the worker."),
     "kv_blocks_total": ("worker_kv_blocks_total", "KV cache blocks the worker has."),
     "kv_blocks_kept": (

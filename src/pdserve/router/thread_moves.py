@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pdserve.router import slo, threads
@@ -46,11 +47,11 @@ class ThreadMover:
         if not s.prefill or not s.decode:
             return  # a pool is empty (a worker down or switching): leave the counts alone
         targets = self.policy.observe(now, s)
-        current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}
+        current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}  # 0: held
         for ws in self.links.workers:  # the planner predicts each at the threads it runs now
             if ws.stats.threads:
                 ws.load.slowness = threads.slowness(ws.stats.threads, self.policy.profiled_threads)
-        self._count(self.targets or current, targets, s)
+        self._count(self.targets or _reported(self.links.workers), targets, s)
         self.targets = targets
         for worker_id, n in handover(current, targets).items():
             sent = self._sent.get(worker_id)
@@ -61,9 +62,12 @@ class ThreadMover:
                 self.links.send(found, m.SetThreads(n))
                 self._sent[worker_id] = (n, now)
 
-    def _count(self, before_: dict[str, int], targets: dict[str, int], s: ThreadSample) -> None:
-        """`before_`: the last targets (or, at the first sample, what the workers run)."""
-        if not all(before_.get(w) for w in targets):
+    def _count(
+        self, before_: Mapping[str, int | None], targets: dict[str, int], s: ThreadSample
+    ) -> None:
+        """`before_`: the last targets (or, at the first sample, what the workers run; a held
+        worker's 0 counts, a worker that has not reported is None)."""
+        if any(before_.get(w) is None for w in targets):
             return  # a worker not reported yet, or the pools changed: not a move between them
         # P's share of the threads: a parked P keeps its one thread while D's count changes
         before, after = _prefill_share(before_, s), _prefill_share(targets, s)
@@ -87,6 +91,10 @@ class ThreadMover:
             self.tick(time.monotonic())
 
 
-def _prefill_share(threads: dict[str, int], s: ThreadSample) -> float:
-    p = sum(threads[w] for w in s.prefill)
-    return p / (p + sum(threads[w] for w in s.decode))
+def _reported(workers: Any) -> dict[str, int | None]:
+    return {w.worker_id: w.stats.threads for w in workers}
+
+
+def _prefill_share(threads: Mapping[str, int | None], s: ThreadSample) -> float:
+    p = sum(threads[w] or 0 for w in s.prefill)
+    return p / max(1, p + sum(threads[w] or 0 for w in s.decode))

@@ -7,14 +7,26 @@ worker; `handover` says which of those targets to send now. The router's `Thread
 simulator runs the same policy.
 
 The host's `cores` are split between the prefill pool and the decode pool (each worker at least
-one thread), in one of three states:
+one thread, or held), in one of four states:
 
     split        both pools have work: P gets `p_cores`, D the rest
+    hold_decode  both have work, P cannot grow in `split` (its share is all but D's last cores)
+                 and D's running requests have TPOT slack: D holds its steps (target 0: the
+                 worker keeps receiving KV but runs no step) and P prefills on every core.
+                 Two processes on the same cores are no substitute: a 2-thread P beside a
+                 1-thread D on 2 cores prefilled slower than a 1-thread P (measured, OpenMP's
+                 barriers wait for a preempted thread), so the cores take turns instead, as
+                 the colocated form's steps do. D resumes (`split`) when its slack falls under
+                 `hold_reserve_s` and holds again only above twice that
     lend_decode  P has had nothing to do for `park_after_s`: P parks at one thread each, D gets
                  every core (a parked worker's thread sleeps in its poll: it uses no core)
     lend_prefill D has had nothing to do for `park_after_s`: D parks, P gets every core, also
                  while P is idle: every request starts with a prefill, and a prompt's step
                  runs on the threads it started with (one step can be the whole prompt)
+
+`decode_slack` is the least, over D's decoding requests, of the TPOT SLO's time for their
+tokens minus the time they have decoded and the steps they still need: what a pause costs
+nobody. A request D prefills itself leaves no slack (its TTFT runs).
 
 A parked pool that gets work returns to `split` at the next sample (no sustain): the host runs
 one thread more than it has cores for at most one sample interval plus one engine step, the
@@ -30,6 +42,7 @@ worker is above its target any more, so in `split` the host never runs more thre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +52,7 @@ from pdserve.router.balancer import PoolSample
 from pdserve.router.loads import WorkerLoad
 from pdserve.router.slo import SloPlanner
 
-STATES = ("split", "lend_decode", "lend_prefill")
+STATES = ("split", "lend_decode", "lend_prefill", "hold_decode")
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class ThreadSample:
     decode: Sequence[str]
     prefill_idle: bool  # no prompt queued or computing on any P
     decode_idle: bool  # nothing decoding or prefilling on any D (waiting for P's KV is idle)
+    decode_slack_s: float = 0.0  # how long D's decoding could pause within TPOT (`decode_slack`)
 
 
 def sample(
@@ -71,7 +85,32 @@ def sample(
         decode_idle=not any(
             j.prefill_s > 0 or j.first_at is not None for w in d for j in w.jobs.values()
         ),
+        decode_slack_s=decode_slack(d, planner, now),
     )
+
+
+def decode_slack(decode: Sequence[WorkerLoad], planner: SloPlanner, now: float) -> float:
+    """Seconds every D could hold its steps with each decoding request still within the TPOT
+    SLO: per request, its SLO time for all its tokens less the time since its first token here
+    and its remaining steps at the worker's predicted step (inf: nothing decoding; 0: no TPOT
+    SLO, or a D prefilling a prompt itself)."""
+    if planner.slo_tpot_s is None:
+        return 0.0
+    slack = math.inf
+    for w in decode:
+        if any(j.prefill_s > 0 for j in w.jobs.values()):
+            return 0.0
+        batch, ctx = w.decode_streams(), w.context_sum()
+        step = planner.model.decode_step_s(max(1, batch), ctx) * w.slowness
+        step *= planner.calibration.tpot
+        for j in w.decoding():
+            tokens = j.generated + j.remaining
+            if tokens < 2:
+                continue
+            # waiting for P's KV: its clock started at P's first token, a transfer ago
+            ran = now - j.first_at if j.first_at is not None else 0.0
+            slack = min(slack, planner.slo_tpot_s * (tokens - 1) - ran - j.remaining * step)
+    return slack
 
 
 @dataclass
@@ -82,6 +121,9 @@ class ThreadPolicy:
     sustain_s: float = 1.0
     cooldown_s: float = 2.0
     park_after_s: float = 0.5
+    # D holds (`hold_decode`) while its slack is over this, resumes under it, and holds again
+    # only above twice it; it covers a sample interval, P's step in progress and the hand-over
+    hold_reserve_s: float = 1.0
     p_cores: int | None = None  # P's share in `split`; None: half the cores (rounded down)
     # the threads the planner's cost model was profiled at: predictions scale from it
     profiled_threads: int = 1
@@ -97,8 +139,8 @@ class ThreadPolicy:
             raise ValueError(f"moving threads needs at least 2 cores, got {self.cores}")
         if not 0 <= self.low < self.high:
             raise ValueError(f"need 0 <= low < high, got low={self.low}, high={self.high}")
-        if min(self.sustain_s, self.cooldown_s, self.park_after_s) < 0:
-            raise ValueError("sustain_s, cooldown_s and park_after_s must be >= 0")
+        if min(self.sustain_s, self.cooldown_s, self.park_after_s, self.hold_reserve_s) < 0:
+            raise ValueError("sustain_s, cooldown_s, park_after_s, hold_reserve_s must be >= 0")
         if self.p_cores is None:
             self.p_cores = self.cores // 2
 
@@ -114,6 +156,8 @@ class ThreadPolicy:
             self.state, self.moves, self._want = state, self.moves + 1, None
         if state == "split":
             self._split_move(now, s, n_p, n_d)
+        if state == "hold_decode":
+            return {**share(s.prefill, self.cores), **{w: 0 for w in s.decode}}
         p = {"split": self.p_cores, "lend_decode": n_p, "lend_prefill": self.cores}[state]
         d = {"split": self.cores - self.p_cores, "lend_decode": self.cores, "lend_prefill": n_d}
         return {**share(s.prefill, p), **share(s.decode, d[state])}
@@ -125,7 +169,17 @@ class ThreadPolicy:
             return "lend_decode"
         if d_idle >= self.park_after_s:  # P busy, or both idle: a request starts with a prefill
             return "lend_prefill"
+        if self._hold(s):
+            return "hold_decode"
         return "split"
+
+    def _hold(self, s: ThreadSample) -> bool:
+        """Both pools busy: does D hold its steps so P prefills on every core?"""
+        assert self.p_cores is not None
+        if s.prefill_idle or s.decode_idle or self.p_cores < self.cores - len(s.decode):
+            return False  # P idle, D idle (a lend), or `split` can still give P a core
+        reserve = self.hold_reserve_s * (1 if self.state == "hold_decode" else 2)
+        return s.decode_slack_s > reserve
 
     def _idle_for(self, now: float, pool: str, idle: bool) -> float:
         if not idle:

@@ -363,8 +363,13 @@ class Simulation:
         for wid, n in targets.items():
             self.threads[wid] = n
             base = max(1, self.config.thread_cores // 2)  # the profile's: the starting split's
-            self.byid[wid].speed = speedup(n) / speedup(base)
-            self.byid[wid].load.slowness = threads.slowness(n, base)  # as the router's mover
+            w = self.byid[wid]
+            if n == 0 and not w.held:
+                self.count("decode_holds")
+            w.hold(n == 0)  # 0: D holds its steps (`hold_decode`); its threads stay as they were
+            if n:
+                w.speed = speedup(n) / speedup(base)
+                w.load.slowness = threads.slowness(n, base)  # as the router's mover
 
     def _balance(self) -> None:
         assert self.autobalancer is not None and self.planner is not None

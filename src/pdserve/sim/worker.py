@@ -82,6 +82,7 @@ class SimWorker:
         self.link = Link(sim.link.bytes_s * step.gpus, sim.link.per_message_s)
         self.busy = False
         self.speed = 1.0  # step speed against the step model's (its threads: sim/cluster.py)
+        self.held = False  # steps held by the thread policy (`hold`)
         self.draining = False
         self.reserving: deque[Request] = deque()  # ExpectKV waiting for blocks
         self.turns: dict[str, SimRequest] = {}  # reserving: their conversations' turns
@@ -207,6 +208,13 @@ class SimWorker:
         self.kick()
 
     # ---- steps ---------------------------------------------------------------------------
+    def hold(self, held: bool) -> None:
+        """The thread policy's `hold_decode` (router/threads.py): no engine step while held,
+        hand-offs still received, as the served worker's `SetThreads(0)`."""
+        was, self.held = self.held, held
+        if was and not held:
+            self.kick()
+
     def kick(self) -> None:
         if self.busy:
             return
@@ -216,6 +224,8 @@ class SimWorker:
             self.busy, t0 = True, self.sim.now
             # memory copies: on a shared host, slowed as a decode step (the nearer kind)
             self.sim.run_step(self.wid, [], work, lambda: self._received(rid, t0), "decode")
+            return
+        if self.held:
             return
         pinned, load_s = self._pool_load()
         out = self.sched.schedule()

@@ -142,7 +142,8 @@ class SetRole:
 @dataclass(frozen=True)
 class SetThreads:
     """Run the engine on `threads` torch intra-op threads from the next engine step on (the
-    router's thread mover, router/threads.py); answered with Stats, whose `threads` is the
+    router's thread mover, router/threads.py); 0: hold engine steps (KV still received) until
+    a count above 0. Answered with Stats, whose `threads` (0 while held) is the
     acknowledgement."""
 
     threads: int

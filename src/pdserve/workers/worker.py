@@ -123,6 +123,7 @@ class Worker:
         self.parent_pid: int | None = None  # exit when this process is no longer our parent
         self.loop_at = time.monotonic()  # when the main loop last turned (heartbeats report it)
         self.slow_steps, self.slow_s = 0, 0.0  # fault injection: sleep before engine steps
+        self.held = False  # SetThreads(0): no engine step until a count above 0
         hb_endpoint = (
             f"inproc://hb-{self.worker_id}" if transport == "inproc" else f"tcp://{host}:*"
         )
@@ -150,12 +151,12 @@ class Worker:
             self.log.warning("parent process %d is gone; shutting down", self.parent_pid)
             self.running = False
             return
-        busy = self.engine.has_unfinished_requests()
+        busy = self.engine.has_unfinished_requests() and not self.held
         if self.control in dict(self.poller.poll(0 if busy else 5)):
             self._drain_control()
         self.decode.poll()  # frames and messages from prefill workers
         self.prefill.poll()  # replies from decode workers
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() and not self.held:
             self._maybe_slow()
             ended = [out.request_id for out in self.engine.step() if self._on_output(out)]
             for rid in ended:  # after the whole step: n choices may end in the same one
@@ -246,10 +247,15 @@ class Worker:
     def set_threads(self, n: int) -> None:
         """Messages are handled between engine steps, so a step in progress (a prefill chunk
         included) ends on the old count and the next runs on the new one. Our kernels split
-        work by at::parallel_for and read at::get_num_threads per call: nothing caches it."""
-        if not 1 <= n <= MAX_THREADS:
-            raise ValueError(f"threads must be in 1..{MAX_THREADS}, got {n}")
-        if n != torch.get_num_threads():
+        work by at::parallel_for and read at::get_num_threads per call: nothing caches it.
+        0 holds the engine's steps (the thread policy's `hold_decode`): KV still arrives and
+        control messages are answered; the next count above 0 resumes them."""
+        if not 0 <= n <= MAX_THREADS:
+            raise ValueError(f"threads must be in 0..{MAX_THREADS}, got {n}")
+        if (n == 0) != self.held:
+            self.held = n == 0
+            self.counters["step_holds" if self.held else "step_resumes"] += 1
+        if n and n != torch.get_num_threads():
             torch.set_num_threads(n)
             self.counters["thread_changes"] += 1
 
@@ -397,7 +403,7 @@ class Worker:
             "transfers_out": len(self.prefill.out),
             "transfers_in": len(self.decode.inc),
             "kv_event_subscribers": len(self.subscribers),
-            "threads": torch.get_num_threads(),
+            "threads": 0 if self.held else torch.get_num_threads(),
         }
 
     def close(self) -> None:
