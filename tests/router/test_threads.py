@@ -241,6 +241,8 @@ def test_decode_slack_is_the_tightest_requests_tpot_time_left_over() -> None:
     # waiting for its KV: its whole budget (1.9 s for 20 tokens) less its 20 steps
     d.add(Job("r2", 0.0, 900, 20, True, 1.5))
     assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.2)
+    planner.calibration.tpot = 4.0  # measured TPOTs, holds included: not the step's time
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.2)
     assert threads.decode_slack([WorkerLoad("D0")], planner, 2.0) == float("inf")
     d.add(Job("r3", 0.4, 0, 8, True, 1.9))  # D prefills a prompt itself: its TTFT runs
     assert threads.decode_slack([d], planner, 2.0) == 0.0

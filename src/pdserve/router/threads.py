@@ -101,8 +101,9 @@ def decode_slack(decode: Sequence[WorkerLoad], planner: SloPlanner, now: float) 
         if any(j.prefill_s > 0 for j in w.jobs.values()):
             return 0.0
         batch, ctx = w.decode_streams(), w.context_sum()
+        # the model's step, not the planner's TPOT calibration: that ratio learns from whole
+        # requests' TPOT, holds included, and would shrink the slack the more D held
         step = planner.model.decode_step_s(max(1, batch), ctx) * w.slowness
-        step *= planner.calibration.tpot
         for j in w.decoding():
             tokens = j.generated + j.remaining
             if tokens < 2:
