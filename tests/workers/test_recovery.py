@@ -284,3 +284,35 @@ def test_prompts_queued_on_p_past_the_hand_off_deadline_are_not_failed_by_d(
         assert failed == [] and c.stats["retries"] == 0
         assert c.worker_stats()["D0"].get("transfer_failures", 0) == 0
         assert_cluster_idle(c)
+
+
+def test_frames_that_reach_d_during_its_own_long_step_keep_the_hand_off_alive(
+    tiny_llama_path,
+) -> None:  # type: ignore[no-untyped-def]
+    """D's steps take 1.5 s (it decodes another request), three times the 0.5 s hand-off
+    deadline, while P streams a chunked prompt's frames to it. Frames that arrived during D's
+    step are read before D judges the deadline: nothing fails, nothing is recomputed. Before,
+    D failed such hand-offs right after its step ("no progress on KV frames"; seen with an
+    adaptive D prefilling a 2000-token prompt in one 5 s step) and the router redid them."""
+    first = "The history of the printing press"
+    long = " ".join(f"{PROMPT} in year {1400 + i}" for i in range(6))  # ~70 tokens: 5 chunks
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)]  # fmt: skip
+    llm = LLM(str(tiny_llama_path))
+    reference = [o.outputs[0].token_ids for o in llm.generate([first, long], params)]
+    with LocalCluster(
+        str(tiny_llama_path), transport="tcp", threads=1, deadline_s=0.5, prefill=1, decode=1,
+        prefill_args={"max_num_batched_tokens": 16},
+    ) as c:  # fmt: skip
+        c.set_fault("P0", "slow", count=-1, delay_s=0.6)
+        c.set_fault("D0", "slow", count=-1, delay_s=1.5)
+        _, a = c.submit([first], params[0])
+        _, b = c.submit([long], params[1])
+        outs = a.result(timeout=90) + b.result(timeout=90)
+        c.set_fault("P0", "none")
+        c.set_fault("D0", "none")
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        failed = [e for o in outs for e, _, _ in o.timeline or [] if e.startswith("failed")]
+        assert failed == [] and c.stats["retries"] == 0
+        assert c.worker_stats()["D0"].get("transfer_failures", 0) == 0
+        assert_cluster_idle(c)

@@ -95,11 +95,8 @@ class Worker:
         self.ctx = ctx or zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
-        ctl_endpoint = (
-            f"inproc://ctl-{self.worker_id}"
-            if transport == "inproc"
-            else f"tcp://{host}:{port or '*'}"
-        )
+        inproc = transport == "inproc"
+        ctl_endpoint = f"inproc://ctl-{self.worker_id}" if inproc else f"tcp://{host}:{port or '*'}"
         self.control.bind(ctl_endpoint)
         self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()
@@ -124,9 +121,7 @@ class Worker:
         self.loop_at = time.monotonic()  # when the main loop last turned (heartbeats report it)
         self.slow_steps, self.slow_s = 0, 0.0  # fault injection: sleep before engine steps
         self.held = False  # SetThreads(0): no engine step until a count above 0
-        hb_endpoint = (
-            f"inproc://hb-{self.worker_id}" if transport == "inproc" else f"tcp://{host}:*"
-        )
+        hb_endpoint = f"inproc://hb-{self.worker_id}" if inproc else f"tcp://{host}:*"
         self.loop_thread: int | None = None  # the thread serving the main loop (serve_forever)
         model = getattr(self.engine, "model", None)
         self.heartbeat = Heartbeat(
@@ -162,6 +157,10 @@ class Worker:
             for rid in ended:  # after the whole step: n choices may end in the same one
                 if self.engine.is_done(rid):
                     self.clients.pop(rid, None)
+            # what peers sent during the step counts before deadlines are judged (a D in one 5 s
+            # prefill step failed a hand-off whose frames sat in its socket; the router redid it)
+            self.decode.poll()
+            self.prefill.poll()
         self.prefill.run_deferred()
         now = time.monotonic()
         self.prefill.flush_delayed()
@@ -245,11 +244,9 @@ class Worker:
             time.sleep(self.slow_s)
 
     def set_threads(self, n: int) -> None:
-        """Messages are handled between engine steps, so a step in progress (a prefill chunk
-        included) ends on the old count and the next runs on the new one. Our kernels split
-        work by at::parallel_for and read at::get_num_threads per call: nothing caches it.
-        0 holds the engine's steps (the thread policy's `hold_decode`): KV still arrives and
-        control messages are answered; the next count above 0 resumes them."""
+        """Applied between engine steps: one in progress (a prefill chunk too) ends on the old
+        count. Our kernels read at::get_num_threads per call: nothing caches it. 0 holds the
+        steps (`hold_decode`: KV still arrives, messages are answered) until a count above 0."""
         if not 0 <= n <= MAX_THREADS:
             raise ValueError(f"threads must be in 0..{MAX_THREADS}, got {n}")
         if (n == 0) != self.held:
