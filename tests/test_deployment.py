@@ -229,7 +229,9 @@ def test_adaptive_composes_1p1d_default_slos_overflow_and_the_thread_policy() ->
 def test_adaptive_chunks_ps_prompts_so_a_thread_move_reaches_a_prompt_under_way() -> None:
     d = flags.deployment(serve_args("--adaptive"))
     assert d.engine_args("prefill")["max_num_batched_tokens"] == ADAPTIVE_PREFILL_CHUNK
-    assert "max_num_batched_tokens" not in d.engine_args("decode")  # D: stall-free sizes its own
+    # D too: stall-free sizes its chunks beside decodes, but with none running it took a whole
+    # prompt in one step, deaf to thread moves and hand-offs meanwhile
+    assert d.engine_args("decode")["max_num_batched_tokens"] == ADAPTIVE_PREFILL_CHUNK
     assert sim_deploy.Deployment.of(d, hardware="cpu").prefill_batched_tokens == 256
     smaller = flags.deployment(serve_args("--adaptive", "--max-num-batched-tokens", "128"))
     assert smaller.engine_args("prefill")["max_num_batched_tokens"] == 128
