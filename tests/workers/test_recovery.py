@@ -296,21 +296,24 @@ def test_frames_that_reach_d_during_its_own_long_step_keep_the_hand_off_alive(
     adaptive D prefilling a 2000-token prompt in one 5 s step) and the router redid them."""
     first = "The history of the printing press"
     long = " ".join(f"{PROMPT} in year {1400 + i}" for i in range(6))  # ~70 tokens: 5 chunks
-    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    params = [SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)]  # fmt: skip
     llm = LLM(str(tiny_llama_path))
-    reference = [o.outputs[0].token_ids for o in llm.generate([first, long], params)]
+    reference = [llm.generate([p], sp)[0].outputs[0].token_ids
+                 for p, sp in zip([first, long], params, strict=True)]  # fmt: skip
     with LocalCluster(
         str(tiny_llama_path), transport="tcp", threads=1, deadline_s=0.5, prefill=1, decode=1,
         prefill_args={"max_num_batched_tokens": 16},
     ) as c:  # fmt: skip
-        c.set_fault("P0", "slow", count=-1, delay_s=0.6)
-        c.set_fault("D0", "slow", count=-1, delay_s=1.5)
+        c.set_fault("P0", "slow", count=-1, delay_s=0.6)  # the long prompt streams for ~3 s
         _, a = c.submit([first], params[0])
         _, b = c.submit([long], params[1])
+        # D has taken the first request (and reserved the second's blocks, at full speed):
+        # now its next steps run long while the second's frames keep coming
+        eventually(lambda: c.worker_stats()["D0"].get("handoffs_received", 0) >= 1, 30, "D")
+        c.set_fault("D0", "slow", count=3, delay_s=1.5)
         outs = a.result(timeout=90) + b.result(timeout=90)
         c.set_fault("P0", "none")
-        c.set_fault("D0", "none")
         assert [o.outputs[0].token_ids for o in outs] == reference
         failed = [e for o in outs for e, _, _ in o.timeline or [] if e.startswith("failed")]
         assert failed == [] and c.stats["retries"] == 0
