@@ -419,3 +419,25 @@ def test_an_uncalibrated_planner_admits_one_probe_at_a_time_before_refusing() ->
     assert p.decide(500, 50, routes, ls, {}, now=0.0).probe  # learned from 1 of 2
     p.learn(p.uncalibrated(first.chosen), ttft=first.chosen.ttft_s, tpot=0.01, tokens=50)
     assert p.decide(500, 50, routes, ls, {}, now=0.0).chosen is None  # calibrated: refuses
+
+
+def test_a_local_prefill_that_would_slow_ps_queue_past_ttft_is_a_miss_where_cores_are_shared() -> (
+    None
+):
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))  # 1 ms a prompt token
+    p = SloPlanner(model, slo_ttft_s=3.5, slo_tpot_s=0.5, mode="overflow", admission=False)
+    ls = loads("P0", "D0")
+    ls["P0"].add(Job("queued", 3.0, 0, 0, False, queued_at=0.0))  # 1 s run, 2 s to go
+    local = Route("local", "D0")
+    alone = p.predict(3000, 50, local, ls, {}, now=1.0)
+    assert alone.miss is None
+    # a D prefilling for 3 s takes back the cores P had: P runs 1.8x slower meanwhile, the
+    # queued prompt ends min(2 * 0.8, 3 * (1 - 1/1.8)) = 1.33 s later, past its 3.5 s
+    p.coupled = {"P0": 1.8}
+    shared = p.predict(3000, 50, local, ls, {}, now=1.0)
+    assert shared.miss == "slo_ttft_queued" and shared.misses == 1
+    assert shared.cost_s == pytest.approx(alone.cost_s + 3 * (1 - 1 / 1.8))
+    short = p.predict(500, 50, local, ls, {}, now=1.0)  # 0.5 s: 0.22 s later, within it
+    assert short.miss is None
+    remote = p.predict(3000, 50, Route("remote", "P0", "D0"), ls, {}, now=1.0)
+    assert remote.miss == "slo_ttft"  # P's own queue; its prompts are not stretched

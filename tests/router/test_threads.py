@@ -273,3 +273,60 @@ def test_the_mover_holds_d_before_p_grows_and_counts_it_as_a_move() -> None:
     mover.tick(0.4)
     assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]
     assert events.counters["thread_moves_to_decode"] == 1
+
+
+def test_prefills_are_priced_at_the_threads_they_will_run_on_not_those_of_the_moment() -> None:
+    policy = ThreadPolicy(cores=4, hold_reserve_s=1.0, p_cores=2)
+    wide = policy.prefill_threads(sample(0.0, 0.1, p_idle=True, slack=9.0))
+    assert wide == {"P0": 2, "D0": 4}  # P can still grow in `split`: no hold, its share
+    narrow = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    # P parked beside a decoding D with slack: once it prefills, D holds and P has both cores;
+    # a prompt D prefills itself leaves no slack to hold within: D keeps its split share
+    assert narrow.prefill_threads(sample(0.0, 0.1, p_idle=True, slack=9.0)) == {"P0": 2, "D0": 2}
+    assert narrow.prefill_threads(sample(0.5, 0.1, slack=9.0)) == {"P0": 2, "D0": 1}
+    assert narrow.prefill_threads(sample(0.5, 0.1, slack=1.5)) == {"P0": 1, "D0": 1}
+    assert narrow.prefill_threads(sample(0.5, d_idle=True)) == {"P0": 2, "D0": 1}
+
+
+def test_a_burst_on_a_parked_p_queues_there_instead_of_prefilling_on_d_at_one_thread() -> None:
+    """The seeds' case on 2 cores: D decodes with TPOT slack and has every core, P is parked
+    at one thread, three 2000-token prompts arrive at once. Priced at the threads of the
+    moment, P looked too slow for the second and D, on two threads, fast enough: D took it
+    and then prefilled it on one (`threads.price` prices it at those)."""
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))  # 2 s a prompt, 1 thread
+    routes = []
+
+    def burst(priced: bool) -> list[str]:
+        planner = SloPlanner(model, slo_ttft_s=3.5, slo_tpot_s=0.1, mode="overflow")
+        policy = ThreadPolicy(cores=2, park_after_s=0.0)
+        p, d = WorkerLoad("P0"), WorkerLoad("D0", slowness=threads.slowness(2, 1))
+        d.add(Job("r0", 0.0, 2100, 250, True, 0.0, first_at=0.0, generated=50))
+        routes[:] = planner.routes(["P0"], ["D0"], [])
+        chosen = []
+        for i in range(3):
+            s = threads.sample({"P0": p}, {"D0": d}, planner, 1.0)
+            policy.observe(1.0, s)
+            if priced:
+                threads.price(policy, s, {"P0": p, "D0": d}, planner)
+            pick = planner.decide(2000, 300, routes, {"P0": p, "D0": d}, {}, 1.0).chosen
+            assert pick is not None
+            chosen.append(pick.route.kind)
+            first = p if pick.route.kind == "remote" else d
+            first.add(
+                Job(f"b{i}", planner.prefill_time(2000, 0, first), 2000, 300, first is d, 1.0)
+            )
+        return chosen
+
+    assert burst(priced=False)[:2] == ["remote", "local"]
+    assert burst(priced=True) == ["remote", "remote", "remote"]
+
+
+def test_price_tells_the_planner_how_much_a_local_prefill_slows_ps_queue() -> None:
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)))
+    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    p, d = WorkerLoad("P0"), WorkerLoad("D0")
+    threads.price(policy, sample(0.5, 0.1, slack=9.0), {"P0": p, "D0": d}, planner)
+    assert p.prefill_rate() == pytest.approx(threads.slowness(2, 1)) and d.prefill_rate() == 1.0
+    assert planner.coupled == {"P0": pytest.approx(1.8)}  # speedup(2) / speedup(1)
+    threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
+    assert p.prefill_rate() == 1.0 and planner.coupled == {}  # no hold to lose

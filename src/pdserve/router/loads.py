@@ -36,6 +36,13 @@ class WorkerLoad:
     # its step times against the cost model's: the thread mover (thread_moves.py) sets it when
     # the worker runs another thread count than the model was profiled at
     slowness: float = 1.0
+    # ... and of the prefills sent here now, which may run on other threads than it runs now
+    # (`threads.price`); None: `slowness`
+    prefill_slowness: float | None = None
+
+    def prefill_rate(self) -> float:
+        """What the cost model's prefill times are multiplied by here."""
+        return self.slowness if self.prefill_slowness is None else self.prefill_slowness
 
     def _queue(self, now: float) -> tuple[list[Job], float]:
         """The prefills owed here in the order they run, and how long the head has run."""

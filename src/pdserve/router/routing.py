@@ -121,6 +121,8 @@ class Routing:
         msg = (
             f"predicted to miss the {what} SLO on every route"
             if what
+            else "admitting it would push queued prompts past the TTFT SLO"
+            if reason == "slo_ttft_queued"
             else "admitting it would push running requests past the TPOT SLO"
         )
         return RequestError(

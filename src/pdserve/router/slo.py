@@ -18,7 +18,9 @@ cost model predicts
 and checks the requests on D, decoding or still waiting for their first token: a local prefill
 (or a hand-off's receive) stalls each of them, a bigger batch slows each step; one predicted to
 end within its TPOT SLO must stay within it ("slo_tpot_running"). A local route is also charged
-the stall of the requests expected to reach D while it prefills (`_future_stall`). A request
+the stall of the requests expected to reach D while it prefills (`_future_stall`) and, where
+P and D share cores (`--adaptive`), the slower prefills of P's queued prompts meanwhile; one
+predicted within its TTFT SLO must stay within it ("slo_ttft_queued", `_queued_stretch`). A request
 whose every route misses an SLO is rejected before any prefill is spent (when admission is on);
 otherwise the feasible route with the least predicted latency (the new request's end-to-end plus
 the delay it adds to running ones) wins. Mode `overflow` (`--adaptive`) keeps prompts on P while
@@ -66,7 +68,8 @@ class Prediction:
     cost_s: float  # what the choice minimizes (after `misses`)
     cached_first: int  # prompt tokens the prefilling worker already caches
     cached_decode: int  # ... and the decode worker (KV it need not receive)
-    miss: str | None = None  # first SLO this route misses: slo_ttft | slo_tpot | slo_tpot_running
+    # first SLO this route misses: slo_ttft | slo_tpot | slo_tpot_running | slo_ttft_queued
+    miss: str | None = None
     misses: int = 0  # SLOs missed: this request's (TTFT, TPOT) + running requests pushed over
     pooled_first: int = 0  # prompt tokens after `cached_first` the prefilling worker loads
     # from its KV pool instead of computing them
@@ -139,6 +142,9 @@ class SloPlanner:
         self.calibration_probes = calibration_probes
         self._probing = False  # a request admitted to calibrate is in flight
         self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)
+        # per P, how many times slower its queued prompts run while a D prefills one itself
+        # (`--adaptive`: threads.price); a local route is charged that (`_queued_stretch`)
+        self.coupled: dict[str, float] = {}
 
     def arrival_rate(self) -> float:
         """Requests per second over the last ARRIVAL_WINDOW first attempts (0 until two came
@@ -302,9 +308,13 @@ class SloPlanner:
         worst, added, pushed = self._running(
             dec, batch, ctx, per_stream, stall, now, streams, overlap
         )
+        late = 0
         if local:
             added += _future_stall(prefill, decode_rate)
-        miss = self._miss(ttft, tpot if out > 1 else 0.0, worst)
+            if route.first not in self.coupled:
+                stretch, late = self._queued_stretch(loads, prefill, now)
+                added, pushed = added + stretch, pushed + late
+        miss = self._miss(ttft, tpot if out > 1 else 0.0, worst, late)
         own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
             self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
         )
@@ -326,12 +336,12 @@ class SloPlanner:
         new = prompt_len - cached
         batch = w.decode_streams()
         if batch == 0:
-            return self.model.prefill_s(new, cached) * w.slowness + load
+            return self.model.prefill_s(new, cached) * w.prefill_rate() + load
         chunks = math.ceil(new / max(1, self.token_budget - batch))
         compute = self.model.prefill_s(new, cached) + chunks * self.model.decode_step_s(
             batch, w.context_sum()
         )
-        return compute * w.slowness + load
+        return compute * w.prefill_rate() + load
 
     def _mean_step(
         self, jobs: list[Job], overlap: dict[str, float], streams: int, per_stream: int, out: int
@@ -388,14 +398,34 @@ class SloPlanner:
                 worst, pushed = max(worst, new), pushed + 1
         return worst, added, pushed
 
-    def _miss(self, ttft: float, tpot: float, running_worst: float) -> str | None:
+    def _miss(self, ttft: float, tpot: float, running_worst: float, late: int) -> str | None:
         if self.slo_ttft_s is not None and ttft > self.slo_ttft_s:
             return "slo_ttft"
         if self.slo_tpot_s is not None and tpot > self.slo_tpot_s:
             return "slo_tpot"
         if running_worst > 0:
             return "slo_tpot_running"
+        if late:
+            return "slo_ttft_queued"
         return None
+
+    def _queued_stretch(
+        self, loads: dict[str, WorkerLoad], local_s: float, now: float
+    ) -> tuple[float, int]:
+        """(delay added, prompts pushed past the TTFT SLO) over the prompts queued on the
+        `coupled` P workers while a D prefills for `local_s` seconds itself: P runs f times
+        slower meanwhile, so a prompt with `left` seconds to go loses the lesser of left(f-1)
+        (it ends within the local prefill) and local_s(1 - 1/f)."""
+        added, late, k = 0.0, 0, self.calibration.ttft
+        for w, f in ((loads[wid], f) for wid, f in self.coupled.items() if wid in loads):
+            for j in w.jobs.values():
+                left = w.prefilled_in(j.rid, now) if j.prefill_s > 0 else None
+                if left is None:
+                    continue
+                extra = min(left * (f - 1), local_s * (1 - 1 / f)) * k
+                added, ttft = added + extra, now - j.queued_at + left * k
+                late += self.slo_ttft_s is not None and ttft <= self.slo_ttft_s < ttft + extra
+        return added, late
 
 
 def _future_stall(prefill: float, rate: float) -> float:

@@ -51,6 +51,10 @@ class ThreadMover:
         for ws in self.links.workers:  # the planner predicts each at the threads it runs now
             if ws.stats.threads:
                 ws.load.slowness = threads.slowness(ws.stats.threads, self.policy.profiled_threads)
+        # ... and its prefills at those it will run them on
+        threads.price(
+            self.policy, s, {w.worker_id: w.load for w in self.links.workers}, self.planner
+        )
         self._count(self.targets or _reported(self.links.workers), targets, s)
         self.targets = targets
         for worker_id, n in handover(current, targets).items():

@@ -163,6 +163,25 @@ class ThreadPolicy:
         d = {"split": self.cores - self.p_cores, "lend_decode": self.cores, "lend_prefill": n_d}
         return {**share(s.prefill, p), **share(s.decode, d[state])}
 
+    def split_share(self, s: ThreadSample) -> int:
+        """P's cores in `split` for `s`'s pools."""
+        assert self.p_cores is not None
+        return min(max(self.p_cores, len(s.prefill)), self.cores - len(s.decode))
+
+    def prefill_threads(self, s: ThreadSample) -> dict[str, int]:
+        """Per worker, the threads a prompt sent to it now would prefill on, which under this
+        policy are not the threads it runs now: P, parked at one thread beside a busy D, gets
+        every core once it prefills (D holds within its slack, or lends its cores when idle);
+        a D prefilling a prompt itself has no slack to hold within, so it keeps its `split`
+        share (and P drops to its own). The planner prices prefills at these (`price`)."""
+        n_d = len(s.decode)
+        p_split = self.split_share(s)
+        reserve = self.hold_reserve_s * (1 if self.state == "hold_decode" else 2)
+        can_hold = p_split >= self.cores - n_d and s.decode_slack_s > reserve
+        p = self.cores if s.decode_idle or can_hold else p_split
+        d = self.cores if s.prefill_idle else self.cores - p_split
+        return {**share(s.prefill, p), **share(s.decode, d)}
+
     def _state(self, now: float, s: ThreadSample) -> str:
         p_idle = self._idle_for(now, "prefill", s.prefill_idle and bool(s.decode))
         d_idle = self._idle_for(now, "decode", s.decode_idle and bool(s.prefill))
@@ -208,6 +227,28 @@ class ThreadPolicy:
         if pools.prefill_pressure > self.high and d_has_slack and self.p_cores < self.cores - n_d:
             return "to_prefill"
         return None
+
+
+def price(
+    policy: ThreadPolicy, s: ThreadSample, loads: Mapping[str, WorkerLoad], planner: SloPlanner
+) -> None:
+    """Tell the planner what moving threads does to prefills: each worker's prefills at the
+    threads it would run them on (`WorkerLoad.prefill_slowness`, `prefill_threads`), and per P
+    how much slower its queue runs while a D prefills a prompt itself (`SloPlanner.coupled`:
+    D's slack is gone, so P loses the cores D's hold lent it). Priced at the threads of the
+    moment, a burst went wrong (the seeds' case, three 2000-token prompts in 0.1 s): P, parked
+    at one thread, looked too slow for the second prompt, D, lent both cores, fast enough; D
+    took two prompts on one thread beside its decodes (TTFT 11.8 and 22.9 s) and P's own
+    prompt ran on one thread too."""
+    busy, base = policy.prefill_threads(s), policy.profiled_threads
+    for wid, n in busy.items():
+        if wid in loads:
+            loads[wid].prefill_slowness = slowness(n, base)
+    planner.coupled = {
+        w: slowness(n, base) / slowness(busy[w], base)
+        for w, n in share(s.prefill, policy.split_share(s)).items()
+        if w in loads and busy[w] > n
+    }
 
 
 def slowness(threads: int, profiled: int) -> float:

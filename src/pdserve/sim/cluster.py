@@ -108,7 +108,13 @@ class Simulation:
         self.policies = {r: make_policy(config.router_policy) for r in ROLES}
         self.autobalancer = balancer.Autobalancer() if config.autobalance else None
         self.thread_policy = (
-            ThreadPolicy(cores=config.thread_cores) if config.thread_cores else None
+            # the profile is the starting split's: cores / 2 threads a worker, as `pdserve
+            # serve --adaptive` loads
+            ThreadPolicy(
+                cores=config.thread_cores, profiled_threads=max(1, config.thread_cores // 2)
+            )
+            if config.thread_cores
+            else None
         )
         self.threads: dict[str, int] = {}  # worker -> threads (the step model's: 1) when moved
         self.records: dict[str, Record] = {}
@@ -357,12 +363,13 @@ class Simulation:
         p = {w.wid: w.load for w in pools["prefill"]}
         d = {w.wid: w.load for w in pools["decode"]}
         moves = self.thread_policy.moves
-        targets = self.thread_policy.observe(self.now, threads.sample(p, d, self.planner, self.now))
+        s = threads.sample(p, d, self.planner, self.now)
+        targets = self.thread_policy.observe(self.now, s)
         if self.thread_policy.moves != moves and self.threads:
             self.count("thread_moves")
         for wid, n in targets.items():
             self.threads[wid] = n
-            base = max(1, self.config.thread_cores // 2)  # the profile's: the starting split's
+            base = self.thread_policy.profiled_threads
             w = self.byid[wid]
             if n == 0 and not w.held:
                 self.count("decode_holds")
@@ -370,6 +377,7 @@ class Simulation:
             if n:
                 w.speed = speedup(n) / speedup(base)
                 w.load.slowness = threads.slowness(n, base)  # as the router's mover
+        threads.price(self.thread_policy, s, {**p, **d}, self.planner)
 
     def _balance(self) -> None:
         assert self.autobalancer is not None and self.planner is not None
