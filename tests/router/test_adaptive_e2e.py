@@ -5,6 +5,10 @@ a greedy output."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
 import pytest
 
 from factories import assert_cluster_idle, eventually
@@ -38,6 +42,24 @@ def cluster(path, **core_args) -> LocalCluster:  # type: ignore[no-untyped-def]
     return LocalCluster(str(path), threads=1, engine_args=ENGINE, core_args=core_args)
 
 
+@contextlib.contextmanager
+def lent_to_d(  # type: ignore[no-untyped-def]
+    path, planner: SloPlanner, first: list[list[int]], params: SamplingParams, d_delay_s: float
+) -> Iterator[tuple[LocalCluster, Callable[[], dict], Future]]:
+    """1P1D with threads moving on 2 cores; `first` submitted with D's steps slowed by
+    `d_delay_s` (its decoding outlasts the prompts), and P, with nothing left to do, parked:
+    D on both cores. Yields the cluster, each worker's threads, and `first`'s outputs."""
+    policy = ThreadPolicy(cores=2, sustain_s=0.0, cooldown_s=0.0, park_after_s=0.0)
+    with cluster(path, planner=planner, thread_policy=policy) as c:
+        assert c.core is not None
+        core = c.core
+        threads = lambda: {w.worker_id: w.stats.threads for w in core.workers}  # noqa: E731
+        c.set_fault("D0", "slow", count=-1, delay_s=d_delay_s)
+        _, pending = c.submit(first, params)
+        eventually(lambda: threads() == {"P0": 1, "D0": 2}, 30, "D to get every core")
+        yield c, threads, pending
+
+
 def test_d_prefills_under_a_burst_and_not_when_idle(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
     planner = SloPlanner(
         SLOW_PREFILL, slo_ttft_s=0.9, slo_tpot_s=5.0, admission=False, mode="overflow"
@@ -66,16 +88,9 @@ def test_d_prefills_under_a_burst_and_not_when_idle(tiny_llama_path, llm) -> Non
 
 def test_threads_move_under_load_and_lose_nothing(tiny_llama_path, llm) -> None:  # type: ignore[no-untyped-def]
     planner = SloPlanner(SLOW_PREFILL, slo_ttft_s=5.0, admission=False, mode="overflow")
-    policy = ThreadPolicy(cores=2, sustain_s=0.0, cooldown_s=0.0, park_after_s=0.0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     first, second = prompts(3, 48, seed=3), prompts(3, 48, seed=4)
-    with cluster(tiny_llama_path, planner=planner, thread_policy=policy) as c:
-        assert c.core is not None
-        threads = lambda: {w.worker_id: w.stats.threads for w in c.core.workers}  # type: ignore[union-attr]  # noqa: E731
-        c.set_fault("D0", "slow", count=-1, delay_s=0.08)  # decoding outlasts the prompts
-        _, pending = c.submit(first, params)
-        # P has nothing left to do while D decodes: D gets both cores, P parks at one
-        eventually(lambda: threads() == {"P0": 1, "D0": 2}, 30, "D to get every core")
+    with lent_to_d(tiny_llama_path, planner, first, params, 0.08) as (c, _, pending):
         # new prompts reach P (made slow, so they stay queued a while): the split comes back
         c.set_fault("P0", "slow", count=2, delay_s=0.5)
         _, later = c.submit(second, params)
@@ -97,15 +112,9 @@ def test_d_holds_its_steps_for_ps_prompts_within_tpot_and_loses_nothing(  # type
     planner = SloPlanner(
         SLOW_PREFILL, slo_ttft_s=5.0, slo_tpot_s=5.0, admission=False, mode="overflow"
     )
-    policy = ThreadPolicy(cores=2, sustain_s=0.0, cooldown_s=0.0, park_after_s=0.0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     first, second = prompts(2, 48, seed=5), prompts(3, 48, seed=6)
-    with cluster(tiny_llama_path, planner=planner, thread_policy=policy) as c:
-        assert c.core is not None
-        threads = lambda: {w.worker_id: w.stats.threads for w in c.core.workers}  # type: ignore[union-attr]  # noqa: E731
-        c.set_fault("D0", "slow", count=-1, delay_s=0.05)  # decoding outlasts the prompts
-        _, pending = c.submit(first, params)
-        eventually(lambda: threads() == {"P0": 1, "D0": 2}, 30, "D to get every core")
+    with lent_to_d(tiny_llama_path, planner, first, params, 0.05) as (c, threads, pending):
         c.set_fault("P0", "slow", count=4, delay_s=0.5)  # the new prompts stay queued a while
         _, later = c.submit(second, params)
         eventually(lambda: threads() == {"P0": 2, "D0": 0}, 30, "D to hold, P on both cores")

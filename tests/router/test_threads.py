@@ -200,14 +200,17 @@ def test_a_worker_refuses_a_thread_count_out_of_range_and_holds_its_steps_at_zer
     for bad in (-1, 10**6):
         with pytest.raises(ValueError, match="threads must be in"):
             Worker.set_threads(fake, bad)  # type: ignore[arg-type]
-    Worker.set_threads(fake, 0)  # type: ignore[arg-type]
-    assert fake.held and fake.counters["step_holds"] == 1
-    Worker.set_threads(fake, 0)  # type: ignore[arg-type]  # a resend: one hold
-    assert fake.counters["step_holds"] == 1
     import torch
 
-    Worker.set_threads(fake, torch.get_num_threads())  # type: ignore[arg-type]
+    before = torch.get_num_threads()
+    Worker.set_threads(fake, 0)  # type: ignore[arg-type]
+    # held: no steps, and the KV it still stores is written on one thread
+    assert fake.held and fake.counters["step_holds"] == 1 and torch.get_num_threads() == 1
+    Worker.set_threads(fake, 0)  # type: ignore[arg-type]  # a resend: one hold
+    assert fake.counters["step_holds"] == 1
+    Worker.set_threads(fake, before)  # type: ignore[arg-type]
     assert not fake.held and fake.counters["step_resumes"] == 1
+    assert torch.get_num_threads() == before
 
 
 def test_both_busy_on_two_cores_d_holds_within_its_slack_and_p_takes_every_core() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -138,3 +139,29 @@ def test_done_frees_the_shm_ring_of_that_request_only() -> None:
 
 def test_every_registered_transport_is_in_the_contract_test() -> None:
     assert set(TRANSPORTS) <= set(LINKS)
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm"])
+def test_a_receivers_poll_returns_within_its_budget_and_leaves_the_rest_queued(name: str) -> None:
+    """A D storing frames as fast as P sends them must still get back to its loop (control
+    messages: a SetThreads that ends a hold was read 4-7 s late)."""
+    from pdserve.transfer import transports
+
+    class Slow(Recorder):
+        def on_message(self, peer: bytes, message: wire.Part) -> None:
+            time.sleep(0.02)  # a frame's store, made slow
+            super().on_message(peer, message)
+
+    with _link(name) as (sender, receiver, _):
+        sink, n = Slow(), 20  # 0.4 s of work against a 0.05 s budget
+        for i in range(n):
+            sender.send(receiver.endpoint, b"m%d" % i)
+        eventually(lambda: receiver.poll(sink) or sink.got, 10, "the first message")
+        polls, t0 = 1, time.monotonic()
+        while len(sink.got) < n:
+            start = time.monotonic()
+            receiver.poll(sink)
+            assert time.monotonic() - start < transports.POLL_BUDGET_S + 0.1
+            polls += 1
+            assert time.monotonic() - t0 < 10
+        assert polls >= 4 and [m[2] for m in sink.got] == [b"m%d" % i for i in range(n)]

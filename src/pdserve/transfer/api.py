@@ -77,7 +77,8 @@ class KVReceiver(Protocol):
     def endpoint(self) -> str: ...
 
     def poll(self, sink: KVSink) -> None:
-        """Hand everything that arrived to `sink`, in order, without waiting."""
+        """Hand what arrived to `sink`, in order, without waiting: all of it, or what a
+        short time budget allows (the rest keeps the worker's poller readable)."""
 
     def reply(self, peer: bytes, message: bytes) -> None:
         """Send a message back to the sender `peer`; raises KVLinkError if it is gone."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from pdserve.transfer.shm import ShmReader, ShmRing
 from pdserve.transfer.wire import Part
 
 MSG, FRAME, SHM_FRAME = b"M", b"F", b"S"
+POLL_BUDGET_S = 0.05  # a receiver's poll returns after this, what is left still queued
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,12 @@ class ZmqReceiver:
         return self._endpoint
 
     def poll(self, sink: KVSink) -> None:
-        while True:
+        # At most POLL_BUDGET_S a call (what is left wakes the loop's poller at once): P streams
+        # frames as it computes, and a D storing them as fast as they came stayed here 4.1 s
+        # with its control messages unread (measured under `--adaptive`: a SetThreads that ends
+        # a hold was acknowledged 4-7 s late, and a concurrent hand-off's reservation failed)
+        deadline = time.monotonic() + POLL_BUDGET_S
+        while time.monotonic() < deadline:
             try:
                 peer, *parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -252,8 +252,9 @@ class Worker:
         if (n == 0) != self.held:
             self.held = n == 0
             self.counters["step_holds" if self.held else "step_resumes"] += 1
-        if n and n != torch.get_num_threads():
-            torch.set_num_threads(n)
+        # held, it still stores arriving KV: on one thread, whose team cannot spin on P's cores
+        if max(1, n) != torch.get_num_threads():
+            torch.set_num_threads(max(1, n))
             self.counters["thread_changes"] += 1
 
     def set_fault(self, msg: m.SetFault) -> None:
