@@ -38,6 +38,9 @@ either must hold for `sustain_s`, and after a move nothing moves for `cooldown_s
 
 `handover`: shrinking workers are told first; a growing worker gets its new count only once no
 worker is above its target any more, so in `split` the host never runs more threads than cores.
+
+`price`: the planner learns, each sample, the threads a prompt sent to each worker would
+prefill on (`prefill_threads`), which differ from those it runs now.
 """
 
 from __future__ import annotations
