@@ -57,16 +57,19 @@ class WorkerLoad:
         owed, ran = self._queue(now)
         return sum(j.prefill_s for j in owed) - ran
 
+    def prefill_ends(self, now: float) -> list[tuple[Job, float]]:
+        """Each prefill owed here, in the order they run, with the seconds until it ends."""
+        owed, ran = self._queue(now)
+        ends, total = [], -ran
+        for j in owed:
+            total += j.prefill_s
+            ends.append((j, total))
+        return ends
+
     def prefilled_in(self, rid: str, now: float) -> float | None:
         """Seconds until the prefill of `rid` queued here ends (those queued before it run
         first), or None when none is owed here."""
-        owed, total = self._queue(now)
-        total = -total
-        for j in owed:
-            total += j.prefill_s
-            if j.rid == rid:
-                return total
-        return None
+        return next((t for j, t in self.prefill_ends(now) if j.rid == rid), None)
 
     def oldest_wait(self, now: float) -> float:
         """How long the longest-queued prompt here has waited for its first token: the

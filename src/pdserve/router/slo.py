@@ -418,10 +418,7 @@ class SloPlanner:
         (it ends within the local prefill) and local_s(1 - 1/f)."""
         added, late, k = 0.0, 0, self.calibration.ttft
         for w, f in ((loads[wid], f) for wid, f in self.coupled.items() if wid in loads):
-            for j in w.jobs.values():
-                left = w.prefilled_in(j.rid, now) if j.prefill_s > 0 else None
-                if left is None:
-                    continue
+            for j, left in w.prefill_ends(now):
                 extra = min(left * (f - 1), local_s * (1 - 1 / f)) * k
                 added, ttft = added + extra, now - j.queued_at + left * k
                 late += self.slo_ttft_s is not None and ttft <= self.slo_ttft_s < ttft + extra
