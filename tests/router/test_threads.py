@@ -173,6 +173,22 @@ def test_the_mover_lends_d_the_cores_in_handover_order_and_counts_the_moves() ->
     assert events.counters["thread_moves_to_prefill"] == 1
     status = mover.status()
     assert status["state"] == "split" and status["targets"] == {"P0": 2, "D0": 2}
+    assert status["decode_slack_s"] == 0.0  # no TPOT SLO: no pause costs nobody
+
+
+def test_the_movers_status_shows_ds_slack_and_none_while_nothing_decodes() -> None:
+    links, events = FakeLinks(), RouterEvents()
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 1e-3, 0.0), (0.0, 1e9))
+    planner = SloPlanner(model, slo_tpot_s=0.1)
+    mover = ThreadMover(links, events, planner, ThreadPolicy(cores=2))  # type: ignore[arg-type]
+    mover.tick(0.0)
+    assert mover.status()["decode_slack_s"] is None  # nothing decoding: unbounded
+    d = links.find("D0").load
+    d.add(Job("r1", 0.0, 100, 49, True, 0.0, first_at=0.0, generated=1))  # 50 tokens at 100 ms
+    mover.tick(1.0)
+    slack = threads.decode_slack([d], planner, 1.0)
+    assert 0 < slack < 3.9  # 4.9 s of budget less the second run and 49 steps
+    assert mover.status()["decode_slack_s"] == round(slack, 3)
 
 
 def test_a_request_waiting_for_ps_kv_leaves_d_idle_so_p_keeps_the_cores() -> None:

@@ -35,6 +35,7 @@ class ThreadMover:
         self.interval_s = interval_s
         self.targets: dict[str, int] = {}
         self._sent: dict[str, tuple[int, float]] = {}  # worker -> (threads, when) last sent
+        self.decode_slack_s = 0.0  # the last sample's (why D holds or not, on /admin/pools)
 
     def sample(self, now: float) -> ThreadSample:
         pools = self.links.pools()
@@ -47,6 +48,7 @@ class ThreadMover:
         if not s.prefill or not s.decode:
             return  # a pool is empty (a worker down or switching): leave the counts alone
         targets = self.policy.observe(now, s)
+        self.decode_slack_s = s.decode_slack_s
         current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}  # 0: held
         for ws in self.links.workers:  # the planner predicts each at the threads it runs now
             if ws.stats.threads:
@@ -84,6 +86,8 @@ class ThreadMover:
             "cores": self.policy.cores,
             "state": self.policy.state,
             "prefill_cores": self.policy.p_cores,
+            # inf (nothing decoding) is not JSON: None
+            "decode_slack_s": round(self.decode_slack_s, 3) if self.decode_slack_s < 1e9 else None,
             "targets": dict(self.targets),
             "workers": {w.worker_id: w.stats.threads for w in self.links.workers},
             "moves": {k: v for k, v in self.events.counters.items() if "thread_moves" in k},
