@@ -195,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     spec_crossover.add_arguments(spc)
+    from pdserve.bench import spec_drafts
+
+    sdr = bench_sub.add_parser(
+        "spec-drafts",
+        help="prompt-lookup drafts on this model's greedy answers: acceptance by match "
+        "length, and the tokens per step's time pacing could reach at a verify row's cost",
+        description=spec_drafts.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    spec_drafts.add_arguments(sdr)
     from pdserve.costmodel import plan, plan_cli
 
     plan_p = sub.add_parser(
@@ -324,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quant_bench,
                 sched,
                 spec_crossover,
+                spec_drafts,
             )
             from pdserve.bench.load import serve_bench
             from pdserve.bench.micro import codec_bench, engine_bench
@@ -360,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "attention": attention_bench.run,
                 "kvpool": kvpool_bench.run,
                 "spec-crossover": spec_crossover.run,
+                "spec-drafts": spec_drafts.run,
             }
             return runners[args.bench_command](args)
     except ValueError as e:

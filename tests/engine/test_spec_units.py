@@ -29,6 +29,16 @@ def test_longest_suffix_ngram_wins_and_the_latest_occurrence() -> None:
     assert _propose([4, 4, 4], k=5) == [4]  # draft ends where the sequence does
 
 
+def test_a_match_reports_the_context_it_agrees_on() -> None:
+    # suffix (1, 2) last seen at 5; before both occurrences: 9 agrees, then 7 != 2
+    drafts, span = ngram.match(np.array([9, 1, 2, 7, 9, 1, 2, 8, 5, 2, 9, 1, 2]), 3, 1, 2)
+    assert drafts.tolist() == [8, 5, 2] and span == 3
+    # a periodic sequence agrees back to its start, and no further than MATCH_SPAN
+    assert ngram.match(np.array([1, 2, 3, 1, 2, 3, 1, 2]), 3, 1, 2)[1] == 5
+    assert ngram.match(np.array([1, 2] * 40), 2, 1, 4)[1] == ngram.MATCH_SPAN
+    assert ngram.match(np.array([1, 2, 3, 4]), 3, 1, 2)[1] == 0  # nothing repeats
+
+
 def test_draft_length_shrinks_on_rejection_and_grows_back() -> None:
     s = ngram.DraftState(4)
     assert s.k == 4

@@ -10,12 +10,17 @@ A verify step yields 1 + a tokens per request where a is the accepted drafts per
 pays while verify / plain < 1 + a. The crossover printed is the smallest B where the ratio
 reaches 1 + `--accepted` (a measured acceptance: `pdserve_spec_accepted_tokens_total` over
 `pdserve_spec_steps_total` on a running server; 1.0 by default).
+
+`--parts`: where each step's time goes, by native kernel (the projections' matmuls, attention,
+the rest), from `cProfile` around the timed steps: what a draft row costs in each part.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import time
@@ -35,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accepted", type=float, default=1.0, help="accepted drafts per step")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--parts", action="store_true", help="also time each step's kernels by part")
 
 
 def _engine(args: argparse.Namespace, batch: int) -> LLMEngine:
@@ -49,8 +55,11 @@ def _engine(args: argparse.Namespace, batch: int) -> LLMEngine:
     return LLMEngine(cfg)
 
 
-def _time(eng: LLMEngine, drafts: int, repeats: int) -> float:
-    """Median seconds of one forward step of the running requests with `drafts` each."""
+def _time(
+    eng: LLMEngine, drafts: int, repeats: int, parts: dict[str, float] | None = None
+) -> float:
+    """Median seconds of one forward step of the running requests with `drafts` each;
+    `parts`: filled with the mean seconds a step spends per kind of kernel (`_by_part`)."""
     rng = random.Random(0)
     for r in eng.scheduler.running:
         r.spec_token_ids = [rng.randrange(100, 10_000) for _ in range(drafts)]
@@ -61,7 +70,22 @@ def _time(eng: LLMEngine, drafts: int, repeats: int) -> float:
         t0 = time.perf_counter()
         eng.runner.execute(out)
         times.append(time.perf_counter() - t0)
+    if parts is not None:
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [eng.runner.execute(out) for _ in range(repeats)])
+        parts.update({k: v / repeats for k, v in _by_part(pstats.Stats(prof)).items()})
     return statistics.median(times)
+
+
+def _by_part(stats: pstats.Stats) -> dict[str, float]:
+    """Seconds in the native kernels by part: `matmul*` (projections, LM head), attention, the
+    rest of the profiled time (norms, rope, Python)."""
+    parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for (_, _, name), row in stats.stats.items():  # type: ignore[attr-defined]
+        own = row[2]  # tottime
+        part = "matmul" if "matmul" in name else "attention" if "attention" in name else "other"
+        parts[part] += own
+    return parts
 
 
 def measure(args: argparse.Namespace, eng: LLMEngine, batch: int) -> dict[str, Any]:
@@ -73,14 +97,26 @@ def measure(args: argparse.Namespace, eng: LLMEngine, batch: int) -> dict[str, A
     while any(not r.output_token_ids for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # prefill every request: all decode from here
     plain, verify = [], []
-    for _ in range(2):  # interleaved halves
-        plain.append(_time(eng, 0, args.repeats))
-        verify.append(_time(eng, args.k, args.repeats))
+    parts: dict[str, dict[str, float]] = {"plain": {}, "verify": {}}
+    for half in range(2):  # interleaved halves; the parts profiled in the second
+        want = half == 1 and args.parts
+        plain.append(_time(eng, 0, args.repeats, parts["plain"] if want else None))
+        verify.append(_time(eng, args.k, args.repeats, parts["verify"] if want else None))
     for i in range(batch):
         eng.abort_request(f"r{i}")
     eng.kv_manager.reset_prefix_cache()  # the next batch computes its own prompts
     p, v = statistics.median(plain), statistics.median(verify)
-    return {"batch": batch, "plain_ms": p * 1e3, "verify_ms": v * 1e3, "ratio": v / p}
+    row: dict[str, Any] = {
+        "batch": batch,
+        "plain_ms": p * 1e3,
+        "verify_ms": v * 1e3,
+        "ratio": v / p,
+    }
+    if args.parts:
+        row["parts_ms"] = {
+            k: {part: round(s * 1e3, 3) for part, s in v.items()} for k, v in parts.items()
+        }
+    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'batch':>6} {'plain ms':>9} {'verify ms':>10} {'ratio':>6}")
     for r in rows:
         print(f"{r['batch']:>6} {r['plain_ms']:>9.2f} {r['verify_ms']:>10.2f} {r['ratio']:>6.2f}")
+        for kind, ms in r.get("parts_ms", {}).items():
+            print(
+                f"{'':>6} {kind} by part (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+            )
     over = [r["batch"] for r in rows if r["ratio"] >= need]
     crossover = over[0] if over else None
     print(

@@ -6,6 +6,10 @@ its draft length, adapted to how many of its drafts were accepted: an exponentia
 average of the accepted fraction scales `num_speculative_tokens` down when drafts are rejected
 and back up when they are accepted; at zero it recovers a little each step without drafts, so
 a request whose text turns repetitive later is probed again.
+
+`match` also says how long the matched context is (the n-gram, extended backwards up to
+`MATCH_SPAN` tokens while the earlier occurrence agrees): how likely the drafts are, which
+`pdserve bench spec-drafts` tabulates (bench/spec_drafts.py).
 """
 
 from __future__ import annotations
@@ -15,23 +19,36 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 EMA_WEIGHT = 0.5  # of the newest step's accepted fraction
 EMA_RECOVERY = 0.1  # added to the average per step spent without drafting
+MATCH_SPAN = 16  # longest context a match is measured over
 
 
 def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
     """Up to `k` tokens following the latest earlier occurrence of the longest suffix n-gram
     (n from `n_max` down to `n_min`) of `tokens`; empty when none occurs."""
+    return match(tokens, k, n_min, n_max)[0]
+
+
+def match(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[np.ndarray, int]:
+    """`propose`'s drafts and the length of the context they were matched on: the n-gram's n,
+    extended backwards while the tokens before both occurrences agree, at most `MATCH_SPAN`
+    (0: no drafts)."""
     size = len(tokens)
     if k < 1:
-        return tokens[:0]
+        return tokens[:0], 0
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = tokens[size - n :]
         # windows starting at 0 .. size - n - 1: every occurrence but the suffix itself
         windows = sliding_window_view(tokens[: size - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n  # the most recent occurrence: nearest in topic
-            return tokens[start : start + k]
-    return tokens[:0]
+            hit = int(hits[-1])  # the most recent occurrence: nearest in topic
+            span = n
+            while span < MATCH_SPAN and hit + n - span > 0:
+                if tokens[hit + n - span - 1] != tokens[size - span - 1]:
+                    break
+                span += 1
+            return tokens[hit + n : hit + n + k], span
+    return tokens[:0], 0
 
 
 class DraftState:
