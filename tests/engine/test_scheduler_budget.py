@@ -89,20 +89,6 @@ def test_tpot_budget_from_cost_model() -> None:
         tpot_prefill_budget(_cost(), tpot_s=0.0, max_tokens=512)
 
 
-def test_a_step_may_spend_part_of_the_decodes_time_in_hand() -> None:
-    from pdserve.engine.step_budget import SLACK_SHARE, decode_slack
-
-    # 300 tokens at a 100 ms SLO: 29.9 s; 100 written in 2 s, 200 to go at 30 ms: 21.9 s
-    assert decode_slack(0.1, 0.03, [(99, 2.0, 200)]) == pytest.approx(SLACK_SHARE * 21.9)
-    # the least over the decodes; a decode behind its SLO leaves none
-    assert decode_slack(0.1, 0.03, [(99, 2.0, 200), (9, 5.0, 10)]) == 0.0
-    assert decode_slack(0.1, 0.03, []) == 0.0
-    budget = tpot_prefill_budget(_cost(), tpot_s=0.1, max_tokens=2048)
-    assert budget(4, 4000) == 124
-    budget.slack_s = 0.5  # half a second more per step: 1000 more prompt tokens
-    assert budget(4, 4000) == 1124
-
-
 def test_many_requests_under_budget_finish_without_leaks() -> None:
     s = make_scheduler(
         budget=48, num_blocks=96, prefill_budget=tpot_prefill_budget(_cost(), 0.05, 48, 2)

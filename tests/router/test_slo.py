@@ -441,35 +441,3 @@ def test_a_local_prefill_that_would_slow_ps_queue_past_ttft_is_a_miss_where_core
     assert short.miss is None
     remote = p.predict(3000, 50, Route("remote", "P0", "D0"), ls, {}, now=1.0)
     assert remote.miss == "slo_ttft"  # P's own queue; its prompts are not stretched
-
-
-def test_a_remote_prefill_that_would_slow_ds_own_prompts_past_ttft_is_a_miss() -> None:
-    # the mirror: D prefills a prompt itself on every core (P idle); a prompt sent to P now
-    # splits the cores, and D's prompt runs 1.8x slower while P prefills
-    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))
-    p = SloPlanner(model, slo_ttft_s=3.5, slo_tpot_s=0.5, mode="overflow", admission=False)
-    ls = loads("P0", "D0")
-    ls["D0"].add(Job("own", 3.0, 3000, 50, True, queued_at=0.0))  # D's own, 2 s to go
-    remote = Route("remote", "P0", "D0")
-    assert p.predict(3000, 50, remote, ls, {}, now=1.0).miss is None
-    p.coupled_decode = {"D0": 1.8}
-    assert p.predict(3000, 50, remote, ls, {}, now=1.0).miss == "slo_ttft_queued"
-
-
-def test_local_first_keeps_a_prompt_on_a_busy_d_while_p_owes_none() -> None:
-    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))
-    p = SloPlanner(model, slo_ttft_s=10, slo_tpot_s=0.5, mode="overflow", admission=False)
-    routes = [Route("remote", "P0", "D0"), Route("local", "D0")]
-    ls = loads("P0", "D0")
-    decoding(ls["D0"], 1)
-    assert p.decide(2000, 50, routes, ls, {}, now=0.0).chosen.route.kind == "remote"  # type: ignore[union-attr]
-    p.local_first = True  # P prefills no faster than D: the prompt rides D's decode steps
-    assert p.decide(2000, 50, routes, ls, {}, now=0.0).chosen.route.kind == "local"  # type: ignore[union-attr]
-    idle = loads("P0", "D0")  # nothing on D: P takes it (D would gain nothing)
-    assert p.decide(2000, 50, routes, idle, {}, now=0.0).chosen.route.kind == "remote"  # type: ignore[union-attr]
-    ls["P0"].add(Job("queued", 1.0, 0, 0, False, queued_at=0.0))  # P owes a prompt: as before
-    assert p.decide(2000, 50, routes, ls, {}, now=0.0).chosen.route.kind == "remote"  # type: ignore[union-attr]
-    late = loads("P0", "D0")  # a local route past the TTFT SLO is not kept
-    decoding(late["D0"], 1)
-    late["D0"].add(Job("own", 9.5, 2000, 50, True, queued_at=0.0))
-    assert p.decide(2000, 50, routes, late, {}, now=0.0).chosen.route.kind == "remote"  # type: ignore[union-attr]

@@ -349,19 +349,3 @@ def test_price_tells_the_planner_how_much_a_local_prefill_slows_ps_queue() -> No
     assert planner.coupled == {"P0": pytest.approx(1.8)}  # speedup(2) / speedup(1)
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
     assert p.prefill_rate() == 1.0 and planner.coupled == {}  # no hold to lose
-
-
-def test_price_tells_the_planner_how_ps_prefill_slows_ds_own_prompts() -> None:
-    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 1e-3, 0.0), (0.0, 1e9)))
-    policy = ThreadPolicy(cores=2)
-    p, d = WorkerLoad("P0"), WorkerLoad("D0")
-    d.add(Job("own", 0.5, 0, 64, True, 0.0))  # D prefills a prompt itself, P idle
-    s = threads.sample({"P0": p}, {"D0": d}, planner, 0.0)
-    threads.price(policy, s, {"P0": p, "D0": d}, planner)
-    assert planner.coupled_decode == {
-        "D0": pytest.approx(threads.slowness(1, 1) / threads.slowness(2, 1))
-    }
-    p.add(Job("r", 0.5, 0, 0, False, 0.0))  # P busy too: D already runs on its split share
-    s = threads.sample({"P0": p}, {"D0": d}, planner, 0.0)
-    threads.price(policy, s, {"P0": p, "D0": d}, planner)
-    assert planner.coupled_decode == {}

@@ -396,9 +396,8 @@ def test_adaptive_d_holds_within_tpot_slack_so_ps_prompts_run_on_every_core() ->
                                       for i in range(3)]  # fmt: skip
     ttft, tpot = {}, {}
     for slo_tpot in (1.0, 0.0105):
-        # P keeps the prompts (a P with a faster prefill format than D's)
         cfg = SimConfig(prefill=1, decode=1, planner=True, disaggregation="overflow",
-                        thread_cores=2, slo_tpot_s=slo_tpot, local_first=False)  # fmt: skip
+                        thread_cores=2, slo_tpot_s=slo_tpot)  # fmt: skip
         sim = Simulation(cfg, LinearStep(a=0.01, b=1e-3), Link(1e9, 0.0), planner_model=model)
         records = {r.rid: r for r in sim.run(reqs)}
         assert all(r.tokens == r.max_tokens for r in records.values())
@@ -411,21 +410,6 @@ def test_adaptive_d_holds_within_tpot_slack_so_ps_prompts_run_on_every_core() ->
             assert w.kv.num_free_blocks == w.kv.num_blocks and w.idle and not w.held
     assert ttft[1.0] < ttft[0.0105]  # the prompts came sooner with D held
     assert tpot[1.0] <= 1.0  # and the held answer stayed within its SLO
-
-
-def test_adaptive_local_first_prefills_on_the_busy_d_while_p_is_idle() -> None:
-    # the same three prompts where P prefills no faster than D: they ride D's decode steps
-    model = CostModel((0.01, 1e-3, 0.0), (0.01, 0.0, 0.0))
-    reqs = [req("a", 0.0, 8, 300)] + [req(f"p{i}", 0.5, 400, 4, base=1000 * (i + 1))
-                                      for i in range(3)]  # fmt: skip
-    cfg = SimConfig(prefill=1, decode=1, planner=True, disaggregation="overflow",
-                    thread_cores=2, slo_tpot_s=1.0)  # fmt: skip
-    sim = Simulation(cfg, LinearStep(a=0.01, b=1e-3), Link(1e9, 0.0), planner_model=model)
-    records = {r.rid: r for r in sim.run(reqs)}
-    assert all(r.tokens == r.max_tokens for r in records.values())
-    assert [records[f"p{i}"].route for i in range(3)] == ["local"] * 3
-    for w in sim.workers:
-        assert w.kv.num_free_blocks == w.kv.num_blocks and w.idle and not w.held
 
 
 def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:

@@ -28,7 +28,7 @@ from pdserve.engine.request import Request, RequestStatus, SamplingParams, check
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerPolicy
 from pdserve.engine.spec.decoder import SpecDecoder
-from pdserve.engine.step_budget import StallFreeBudget, decode_slack, observe_step
+from pdserve.engine.step_budget import observe_step
 from pdserve.engine.tracked import ReservedKV, Sample, Samples, Tracked, choice_id
 from pdserve.kvpool.api import KVPool
 from pdserve.spec_config import parse_speculative_config
@@ -287,7 +287,6 @@ class LLMEngine(KVAccess):
                 self._live[rid].pool_use = use
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self._live)
-        self._slack()
         out = self.scheduler.schedule()
         if link is not None:
             link.release()
@@ -313,22 +312,6 @@ class LLMEngine(KVAccess):
         outputs = early + self._collect(out, sampled)
         self.step_log.add(step_log.record(out, began_at, time.perf_counter() - begin))
         return outputs
-
-    def _slack(self) -> None:
-        """Tell a stall-free budget the running decodes' time in hand (step_budget.py)."""
-        budget = self.scheduler.policy.prefill_budget
-        if not isinstance(budget, StallFreeBudget):
-            return
-        now, hand, context = time.monotonic(), [], 0
-        for r in self.scheduler.running:
-            tracked = self._live.get(r.request_id)
-            first = tracked.metrics.first_token_time if tracked is not None else None
-            if first is not None and r.num_output_tokens:
-                left = r.sampling_params.max_tokens - r.num_output_tokens
-                hand.append((r.num_output_tokens - 1, now - first, left))
-                context += r.num_tokens
-        step = budget.ratio * budget.cost.decode_step_s(max(1, len(hand)), context)
-        budget.slack_s = decode_slack(budget.tpot_s, step, hand)
 
     def _emit_pending(self) -> list[RequestOutput]:
         pending, self._pending = self._pending, []

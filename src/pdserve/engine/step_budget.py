@@ -15,26 +15,17 @@ after 2000 cached tokens costs about twice one at 0, so pricing every chunk from
 allowed, so prompts progress even when the decodes alone fill the SLO; the default is one token,
 which keeps that overshoot to a single token's cost (decode priority: prompts take what the
 decodes leave).
-
-The SLO bounds each request's TPOT, its mean time per token, not every step: a decode that has
-run faster than the SLO has time in hand, and a step may spend part of it (`decode_slack`: the
-least, over the running decodes, of SLO x tokens since their first minus the time since, so each
-request stays within the SLO whichever step it ends on). On the seeds' case (2000-token prompts,
-300-token answers, TPOT <= 100 ms, 2 cores) a decode step takes 10-30 ms, so a prompt on a
-worker that decodes would otherwise run in chunks of what 70-90 ms leave (about 50 tokens on one
-thread), and took 2-3x as long as it does in whole-budget chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput
 
 MIN_PREFILL_TOKENS = 1
-SLACK_SHARE = 0.5  # of the decodes' time in hand one step may spend (the rest covers its error)
 
 
 class StepCost(Protocol):
@@ -62,7 +53,6 @@ class StallFreeBudget:
         self.max_tokens, self.min_tokens, self.smoothing = max_tokens, min_tokens, smoothing
         self.base = cost.prefill_s(0, 0)
         self.ratio = 1.0  # measured / predicted step time, smoothed
-        self.slack_s = 0.0  # time in hand a step may spend beyond the SLO (`decode_slack`)
 
     def predict_s(self, batch: int, context: int, prompt_tokens: int, cached: int = 0) -> float:
         extra = self.cost.prefill_s(prompt_tokens, cached) - self.base if prompt_tokens else 0.0
@@ -90,16 +80,7 @@ class StallFreeBudget:
         return lo
 
     def _fits(self, batch: int, context: int, cached: int, n: int) -> bool:
-        return self.ratio * self.predict_s(batch, context, n, cached) <= self.tpot_s + self.slack_s
-
-
-def decode_slack(tpot_s: float, step_s: float, decodes: Iterable[tuple[int, float, int]]) -> float:
-    """What one step may spend beyond the TPOT SLO: `SLACK_SHARE` of the least time in hand
-    over `decodes`, each (tokens since its first token, seconds since it, tokens it may still
-    write): the SLO's time for all its tokens less what it ran and its remaining steps at
-    `step_s` (as the thread policy's `decode_slack`, router/threads.py)."""
-    hand = min((tpot_s * (n + left) - t - left * step_s for n, t, left in decodes), default=0.0)
-    return SLACK_SHARE * max(0.0, hand)
+        return self.ratio * self.predict_s(batch, context, n, cached) <= self.tpot_s
 
 
 def tpot_prefill_budget(

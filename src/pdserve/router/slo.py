@@ -18,16 +18,14 @@ cost model predicts
 and checks the requests on D, decoding or still waiting for their first token: a local prefill
 (or a hand-off's receive) stalls each of them, a bigger batch slows each step; one predicted to
 end within its TPOT SLO must stay within it ("slo_tpot_running"). A local route is also charged
-the stall of the requests expected to reach D while it prefills (`_future_stall`). Where P and
-D share cores (`--adaptive`, coupling.py), a route is charged the slower prefills of the other
-side's queued prompts meanwhile (P's under a local route, D's own under a remote one); one
-predicted within its TTFT SLO must stay within it ("slo_ttft_queued"). A request whose every
-route misses an SLO is rejected before any prefill is spent (when admission is on); otherwise
-the feasible route with the least predicted latency (the new request's end-to-end plus the
-delay it adds to running ones) wins. With `local_first` (P prefills no faster than D), a prompt
-reaching a busy D while P owes none stays on D when that meets the SLOs. Mode `overflow`
-(`--adaptive`) otherwise keeps prompts on P while a remote route meets the SLOs: D prefills only
-when P's queue would break the TTFT SLO and the local route still keeps D's TPOT (a burst).
+the stall of the requests expected to reach D while it prefills (`_future_stall`) and, where
+P and D share cores (`--adaptive`), the slower prefills of P's queued prompts meanwhile; one
+predicted within its TTFT SLO must stay within it ("slo_ttft_queued", `_queued_stretch`). A request
+whose every route misses an SLO is rejected before any prefill is spent (when admission is on);
+otherwise the feasible route with the least predicted latency (the new request's end-to-end plus
+the delay it adds to running ones) wins. Mode `overflow` (`--adaptive`) keeps prompts on P while
+a remote route meets the SLOs: D prefills only when P's queue would break the TTFT SLO and the
+local route still keeps D's TPOT (a burst), never on an idle P.
 Cached prefixes enter as fewer new tokens, so "longest cached prefix, weighed against load" falls
 out of the same sum.
 
@@ -43,7 +41,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.costmodel.model import CostModel
-from pdserve.router.coupling import queued_stretch, rides_decode
 from pdserve.router.loads import Job, WorkerLoad
 from pdserve.router.pool_index import PoolBandwidth
 
@@ -146,12 +143,8 @@ class SloPlanner:
         self._probing = False  # a request admitted to calibrate is in flight
         self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)
         # per P, how many times slower its queued prompts run while a D prefills one itself
-        # (`--adaptive`: threads.price); a local route is charged that (coupling.py)
+        # (`--adaptive`: threads.price); a local route is charged that (`_queued_stretch`)
         self.coupled: dict[str, float] = {}
-        # ... and per D, how many times slower its own queued prompts run while P prefills
-        self.coupled_decode: dict[str, float] = {}
-        # P prefills no faster than D (no prefill format of its own): `coupling.rides_decode`
-        self.local_first = False
 
     def arrival_rate(self) -> float:
         """Requests per second over the last ARRIVAL_WINDOW first attempts (0 until two came
@@ -236,9 +229,6 @@ class SloPlanner:
         ]
         feasible = [p for p in preds if p.miss is None]
         remote = [p for p in feasible if p.route.kind == "remote"]
-        rides = [p for p in feasible if self.local_first and rides_decode(p.route, loads, now)]
-        if rides:
-            return Decision(min(rides, key=lambda p: p.cost_s), considered=len(preds))
         if self.mode == "overflow" and remote:  # D prefills only what P would make late
             return Decision(min(remote, key=lambda p: p.cost_s), considered=len(preds))
         if feasible:
@@ -318,14 +308,12 @@ class SloPlanner:
         worst, added, pushed = self._running(
             dec, batch, ctx, per_stream, stall, now, streams, overlap
         )
+        late = 0
         if local:
             added += _future_stall(prefill, decode_rate)
-            queues = [(loads[w], f) for w, f in self.coupled.items() if w in loads]
-        else:  # P's prefill splits the cores with a D prefilling prompts itself
-            f = self.coupled_decode.get(dec.worker_id)
-            queues = [] if f is None else [(dec, f)]
-        stretch, late = queued_stretch(queues, prefill, now, self.calibration.ttft, self.slo_ttft_s)
-        added, pushed = added + stretch, pushed + late
+            if route.first not in self.coupled:
+                stretch, late = self._queued_stretch(loads, prefill, now)
+                added, pushed = added + stretch, pushed + late
         miss = self._miss(ttft, tpot if out > 1 else 0.0, worst, late)
         own = (self.slo_ttft_s is not None and ttft > self.slo_ttft_s) + (
             self.slo_tpot_s is not None and out > 1 and tpot > self.slo_tpot_s
@@ -420,6 +408,21 @@ class SloPlanner:
         if late:
             return "slo_ttft_queued"
         return None
+
+    def _queued_stretch(
+        self, loads: dict[str, WorkerLoad], local_s: float, now: float
+    ) -> tuple[float, int]:
+        """(delay added, prompts pushed past the TTFT SLO) over the prompts queued on the
+        `coupled` P workers while a D prefills for `local_s` seconds itself: P runs f times
+        slower meanwhile, so a prompt with `left` seconds to go loses the lesser of left(f-1)
+        (it ends within the local prefill) and local_s(1 - 1/f)."""
+        added, late, k = 0.0, 0, self.calibration.ttft
+        for w, f in ((loads[wid], f) for wid, f in self.coupled.items() if wid in loads):
+            for j, left in w.prefill_ends(now):
+                extra = min(left * (f - 1), local_s * (1 - 1 / f)) * k
+                added, ttft = added + extra, now - j.queued_at + left * k
+                late += self.slo_ttft_s is not None and ttft <= self.slo_ttft_s < ttft + extra
+        return added, late
 
 
 def _future_stall(prefill: float, rate: float) -> float:

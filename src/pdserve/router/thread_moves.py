@@ -57,12 +57,6 @@ class ThreadMover:
         threads.price(
             self.policy, s, {w.worker_id: w.load for w in self.links.workers}, self.planner
         )
-        # a P with a prefill format of its own (AMX) prefills faster than D: it keeps prompts
-        self.planner.local_first = not any(
-            w.stats.prefill_format not in (None, "none")
-            for w in self.links.workers
-            if w.worker_id in s.prefill
-        )
         self._count(self.targets or _reported(self.links.workers), targets, s)
         self.targets = targets
         for worker_id, n in handover(current, targets).items():

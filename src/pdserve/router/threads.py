@@ -236,14 +236,13 @@ def price(
     policy: ThreadPolicy, s: ThreadSample, loads: Mapping[str, WorkerLoad], planner: SloPlanner
 ) -> None:
     """Tell the planner what moving threads does to prefills: each worker's prefills at the
-    threads it would run them on (`WorkerLoad.prefill_slowness`, `prefill_threads`), per P
+    threads it would run them on (`WorkerLoad.prefill_slowness`, `prefill_threads`), and per P
     how much slower its queue runs while a D prefills a prompt itself (`SloPlanner.coupled`:
-    D's slack is gone, so P loses the cores D's hold lent it), and per D how much slower its
-    own prompts run while P prefills one (`coupled_decode`: both on their split shares).
-    Priced at the threads of the moment, a burst went wrong (the seeds' case, three 2000-token
-    prompts in 0.1 s): P, parked at one thread, looked too slow for the second prompt, D, lent
-    both cores, fast enough; D took two prompts on one thread beside its decodes (TTFT 11.8
-    and 22.9 s) and P's own prompt ran on one thread too."""
+    D's slack is gone, so P loses the cores D's hold lent it). Priced at the threads of the
+    moment, a burst went wrong (the seeds' case, three 2000-token prompts in 0.1 s): P, parked
+    at one thread, looked too slow for the second prompt, D, lent both cores, fast enough; D
+    took two prompts on one thread beside its decodes (TTFT 11.8 and 22.9 s) and P's own
+    prompt ran on one thread too."""
     busy, base = policy.prefill_threads(s), policy.profiled_threads
     for wid, n in busy.items():
         if wid in loads:
@@ -251,13 +250,6 @@ def price(
     planner.coupled = {
         w: slowness(n, base) / slowness(busy[w], base)
         for w, n in share(s.prefill, policy.split_share(s)).items()
-        if w in loads and busy[w] > n
-    }
-    # and per D prefilling on more than its split share (P idle), the same for P's prefills
-    d_split = policy.cores - policy.split_share(s)
-    planner.coupled_decode = {
-        w: slowness(n, base) / slowness(busy[w], base)
-        for w, n in share(s.decode, d_split).items()
         if w in loads and busy[w] > n
     }
 

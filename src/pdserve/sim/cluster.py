@@ -378,7 +378,6 @@ class Simulation:
                 w.speed = speedup(n) / speedup(base)
                 w.load.slowness = threads.slowness(n, base)  # as the router's mover
         threads.price(self.thread_policy, s, {**p, **d}, self.planner)
-        self.planner.local_first = self.config.local_first
 
     def _balance(self) -> None:
         assert self.autobalancer is not None and self.planner is not None

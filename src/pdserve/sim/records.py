@@ -103,9 +103,6 @@ class SimConfig:
     conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     # adaptive: the cores P and D share, their threads moved by router/threads.py (0: off)
     thread_cores: int = 0
-    # with thread_cores: a busy D keeps the prompts it can take while P is idle (coupling.py
-    # `rides_decode`); the served router sets it when P has no faster prefill format
-    local_first: bool = True
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
