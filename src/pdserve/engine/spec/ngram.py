@@ -25,30 +25,39 @@ MATCH_SPAN = 16  # longest context a match is measured over
 def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
     """Up to `k` tokens following the latest earlier occurrence of the longest suffix n-gram
     (n from `n_max` down to `n_min`) of `tokens`; empty when none occurs."""
-    return match(tokens, k, n_min, n_max)[0]
+    found = _latest(tokens, k, n_min, n_max)
+    return tokens[:0] if found is None else tokens[found[0] + found[1] :][:k]
 
 
 def match(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[np.ndarray, int]:
     """`propose`'s drafts and the length of the context they were matched on: the n-gram's n,
     extended backwards while the tokens before both occurrences agree, at most `MATCH_SPAN`
-    (0: no drafts)."""
+    (0: no drafts). Measuring the span is the bench's (spec_drafts.py), not the serving path's."""
+    found = _latest(tokens, k, n_min, n_max)
+    if found is None:
+        return tokens[:0], 0
+    hit, n = found
+    size, span = len(tokens), n
+    while span < MATCH_SPAN and hit + n - span > 0:
+        if tokens[hit + n - span - 1] != tokens[size - span - 1]:
+            break
+        span += 1
+    return tokens[hit + n : hit + n + k], span
+
+
+def _latest(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[int, int] | None:
+    """(start, n) of the latest earlier occurrence of the longest suffix n-gram, or None."""
     size = len(tokens)
     if k < 1:
-        return tokens[:0], 0
+        return None
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = tokens[size - n :]
         # windows starting at 0 .. size - n - 1: every occurrence but the suffix itself
         windows = sliding_window_view(tokens[: size - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            hit = int(hits[-1])  # the most recent occurrence: nearest in topic
-            span = n
-            while span < MATCH_SPAN and hit + n - span > 0:
-                if tokens[hit + n - span - 1] != tokens[size - span - 1]:
-                    break
-                span += 1
-            return tokens[hit + n : hit + n + k], span
-    return tokens[:0], 0
+            return int(hits[-1]), n  # the most recent occurrence: nearest in topic
+    return None
 
 
 class DraftState:
