@@ -3,6 +3,7 @@ request by request in turn (issue 47, item 4): this host's speed moves by up to 
 minutes, so one phase after the other compares different host states.
 
     python scripts/spec_interleaved.py [--form colocated|1p1d] [--requests 10] [--rounds 2]
+        [--quantization gguf-a8]
 
 Two `pdserve serve` of the same form (colocated: one worker, 2 threads; 1p1d: 1 + 1 threads),
 one with `--speculative-config` (the bench's SPEC_CONFIG), the other plain. RAG-small prompts
@@ -37,8 +38,9 @@ FORMS = {
 }
 
 
-def server(form: str, spec: bool) -> Server:
+def server(form: str, spec: bool, quantization: str) -> Server:
     extra = ["--speculative-config", SPEC_CONFIG] if spec else []
+    extra += ["--quantization", quantization]
 
     def command(args: argparse.Namespace, port: int) -> list[str]:
         return [sys.executable, "-m", "pdserve.cli", "serve", *FORMS[form],
@@ -71,10 +73,18 @@ def one(url: str, model: str, prompt: str, max_tokens: int) -> float:
 
 
 def accepted_per_step(url: str) -> float | None:
-    workers = httpx.get(f"{url}/admin/workers", timeout=10).json()
-    steps = sum(w.get("spec_steps", 0) for w in workers)
-    accepted = sum(w.get("spec_accepted_tokens", 0) for w in workers)
-    return accepted / steps if steps else None
+    """Accepted drafts per verify step, from the server's /metrics (all workers)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"pdserve_spec_accepted_tokens": 0.0, "pdserve_spec_steps": 0.0}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in totals:
+                totals[name] += sample.value
+    steps = totals["pdserve_spec_steps"]
+    return totals["pdserve_spec_accepted_tokens"] / steps if steps else None
 
 
 def main() -> int:
@@ -84,13 +94,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--quantization", default="auto", help="both servers' `--quantization`")
     args = ap.parse_args()
     items = list(RagWorkload(args.requests, 900, 64, 0.0, 0, load_tokenizer(resolve_model(None))))
     tpot: dict[str, list[float]] = {"plain": [], "spec": []}
     with tempfile.TemporaryDirectory() as logs, ExitStack() as stack:
         urls = {
             name: stack.enter_context(
-                running_server(server(args.form, name == "spec"), args, Path(logs) / name)
+                running_server(
+                    server(args.form, name == "spec", args.quantization), args, Path(logs) / name
+                )
             )
             for name in tpot
         }
@@ -106,6 +119,7 @@ def main() -> int:
     ratios = [s / p for s, p in zip(tpot["spec"], tpot["plain"], strict=True)]
     out: dict[str, Any] = {
         "form": args.form,
+        "quantization": args.quantization,
         "tpot_ms_p50": {k: 1000 * statistics.median(v) for k, v in tpot.items()},
         "ratio_spec_plain_p50": statistics.median(ratios),
         "spec_faster_in": sum(r < 1 for r in ratios),

@@ -21,6 +21,24 @@ pytestmark = pytest.mark.skipif(
 MULTI_TILE = 64
 
 
+@pytest.fixture(autouse=True, params=["avx2", "avx512"])
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on each build of the kernel this CPU runs (the AVX-512 one groups up to 6
+    queries per K/V row loaded, the AVX2 one 3): runners load that build."""
+    from pdserve.engine import kernels
+
+    isa = str(request.param)
+    if not kernels.runs_here(isa):
+        pytest.skip(f"this CPU does not run the kernel's {isa} build")
+    real = kernels.load
+
+    def load(name: str, want: str | None = None):  # type: ignore[no-untyped-def]
+        return real(name, want or (isa if name == "paged_attention" else None))
+
+    monkeypatch.setattr(kernels, "load", load)
+    return isa
+
+
 def _runner(attention: str, block_size: int) -> ModelRunner:
     cache = SimpleNamespace(block_size=block_size, layers=[])
     return ModelRunner(None, cache, torch.device("cpu"), attention)  # type: ignore[arg-type]
@@ -181,6 +199,50 @@ def test_head_dims_fast_and_generic_paths(head_dim: int) -> None:
     spec = [(1030, 1), (37, 1), (200, 1), (15, 9), (40, 17)]
     ref, got = _compare(spec, heads=9, kv_heads=3, head_dim=head_dim, bs=16, seed=5)
     _close(got, ref)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 96, 128])
+def test_tiles_of_every_group_width(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 2..7 rows over a cached prefix under 8 query heads per KV head: 16..56
+    queries per tile, so groups of every width from 1 to 6 (AVX-512: 6 queries a group when
+    head_dim is a multiple of 16; head_dim 8 keeps the 8-float path in both builds)."""
+    monkeypatch.setattr(model_runner, "PAGED_CHUNK_MAX", MULTI_TILE)
+    spec = [(70, 1), (33, 2), (90, 3), (17, 4), (150, 5), (40, 6), (600, 7)]
+    ref, got = _compare(spec, heads=8, kv_heads=1, head_dim=head_dim, bs=16, seed=12)
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(cache_dtype: torch.dtype) -> None:
+    """A verify step's rows (the last token and its drafts, one tile) give bit for bit what
+    each row gives as a decode of its own: a query's sums run in the same order whatever group
+    it lands in, which greedy speculation needs to match decoding without it. One thread (with
+    two, a tile's key range is split by its longest row)."""
+    from pdserve.engine import kernels
+
+    mod = kernels.load("paged_attention")
+    torch.manual_seed(3)
+    kvh, d, bs, ctx, rows = 3, 64, 16, 200, 5
+    k_cache = torch.randn(16, bs, kvh, d).to(cache_dtype)
+    v_cache = torch.randn(16, bs, kvh, d).to(cache_dtype)
+    table = torch.tensor([[9, 2, 14, 0, 5, 11, 7, 3, 12, 1, 6, 8, 4, 15]], dtype=torch.int32)
+    q = torch.randn(rows, 9, d)
+    limit = torch.arange(ctx + 1, ctx + 1 + rows, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tile = torch.tensor([[0, 0, rows]], dtype=torch.int32)
+        together = mod.paged_attention(q, k_cache, v_cache, table, tile, limit, 512, 0.125)
+        one = torch.tensor([[0, 0, 1]], dtype=torch.int32)
+        alone = [
+            mod.paged_attention(
+                q[r : r + 1], k_cache, v_cache, table, one, limit[r : r + 1], 512, 0.125
+            )
+            for r in range(rows)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, torch.cat(alone))
 
 
 def test_bfloat16_close_to_reference() -> None:

@@ -174,7 +174,12 @@ def test_make_kernels_builds_what_this_cpu_runs(monkeypatch: pytest.MonkeyPatch)
         ("avx512", "vnni", True, set()),
         ("avx512", "vnni", False, {"amx"}),  # an AVX-512 Xeon whose hypervisor hides AMX
         ("avx512", "avx2", False, {"w8a8 vnni", "amx"}),
-        ("avx2", "avx2", False, {"w8g32 avx512", "q4_1 avx512", "w8a8 vnni", "amx"}),
+        (
+            "avx2",
+            "avx2",
+            False,
+            {"paged_attention avx512", "w8g32 avx512", "q4_1 avx512", "w8a8 vnni", "amx"},
+        ),
     ):
         monkeypatch.setattr(kernels, "w8g32_isa", lambda i=w8g32_isa: i)
         monkeypatch.setattr(kernels, "w8a8_isa", lambda i=w8a8_isa: i)

@@ -13,6 +13,8 @@ reaches 1 + `--accepted` (a measured acceptance: `pdserve_spec_accepted_tokens_t
 
 `--parts`: where each step's time goes, by native kernel (the projections' matmuls, attention,
 the rest), from `cProfile` around the timed steps: what a draft row costs in each part.
+`--attention-builds avx2,avx512`: the same steps on each build of the paged attention kernel
+this CPU runs, interleaved on the one engine (a row per build and batch).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from pdserve.engine.request import SamplingParams
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--quantization", default="auto", help="projection weights, as `serve --quantization`"
+    )
     p.add_argument("--batches", default="1,2,4,8,16,32", help="decode batches to time")
     p.add_argument("--context", type=int, default=1024, help="tokens per request")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k")
@@ -41,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.add_argument("--parts", action="store_true", help="also time each step's kernels by part")
+    p.add_argument(
+        "--attention-builds",
+        default=None,
+        help="comma-separated builds of the paged attention kernel to time side by side "
+        "(avx2, avx512); default: the one this CPU runs",
+    )
 
 
 def _engine(args: argparse.Namespace, batch: int) -> LLMEngine:
@@ -48,6 +59,7 @@ def _engine(args: argparse.Namespace, batch: int) -> LLMEngine:
     cfg = EngineConfig.from_kwargs(
         model=args.model,
         threads=args.threads,
+        quantization=args.quantization,
         num_blocks=blocks,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch * (1 + args.k)),
@@ -88,7 +100,10 @@ def _by_part(stats: pstats.Stats) -> dict[str, float]:
     return parts
 
 
-def measure(args: argparse.Namespace, eng: LLMEngine, batch: int) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, eng: LLMEngine, batch: int, builds: list[str | None]
+) -> list[dict[str, Any]]:
+    """A row per build: plain and verify steps' medians (and parts), builds interleaved."""
     rng = random.Random(batch)
     params = SamplingParams(max_tokens=args.k + 8, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -96,44 +111,58 @@ def measure(args: argparse.Namespace, eng: LLMEngine, batch: int) -> dict[str, A
         eng.add_request(prompt, params, f"r{i}")
     while any(not r.output_token_ids for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # prefill every request: all decode from here
-    plain, verify = [], []
-    parts: dict[str, dict[str, float]] = {"plain": {}, "verify": {}}
+    times: dict[Any, dict[str, list[float]]] = {b: {"plain": [], "verify": []} for b in builds}
+    parts: dict[Any, dict[str, dict[str, float]]] = {b: {"plain": {}, "verify": {}} for b in builds}
     for half in range(2):  # interleaved halves; the parts profiled in the second
         want = half == 1 and args.parts
-        plain.append(_time(eng, 0, args.repeats, parts["plain"] if want else None))
-        verify.append(_time(eng, args.k, args.repeats, parts["verify"] if want else None))
+        for build in builds:
+            if build is not None:
+                eng.runner.use_attention_build(build)
+            for kind, drafts in (("plain", 0), ("verify", args.k)):
+                got = parts[build][kind] if want else None
+                times[build][kind].append(_time(eng, drafts, args.repeats, got))
     for i in range(batch):
         eng.abort_request(f"r{i}")
     eng.kv_manager.reset_prefix_cache()  # the next batch computes its own prompts
-    p, v = statistics.median(plain), statistics.median(verify)
-    row: dict[str, Any] = {
-        "batch": batch,
-        "plain_ms": p * 1e3,
-        "verify_ms": v * 1e3,
-        "ratio": v / p,
-    }
-    if args.parts:
-        row["parts_ms"] = {
-            k: {part: round(s * 1e3, 3) for part, s in v.items()} for k, v in parts.items()
-        }
-    return row
+    rows = []
+    for build in builds:
+        p, v = (statistics.median(times[build][k]) for k in ("plain", "verify"))
+        row: dict[str, Any] = {"batch": batch, "plain_ms": p * 1e3, "verify_ms": v * 1e3}
+        row["ratio"] = v / p
+        if build is not None:
+            row["attention_build"] = build
+        if args.parts:
+            row["parts_ms"] = {
+                k: {part: round(t * 1e3, 3) for part, t in ms.items()}
+                for k, ms in parts[build].items()
+            }
+        rows.append(row)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
+    builds: list[str | None] = (
+        [b.strip() for b in args.attention_builds.split(",")] if args.attention_builds else [None]
+    )
     eng = _engine(args, max(batches))  # one model load; each batch's requests aborted after
-    rows = [measure(args, eng, b) for b in batches]
+    rows = [row for b in batches for row in measure(args, eng, b, builds)]
     need = 1 + args.accepted
     print(f"k={args.k} context={args.context} threads={args.threads}: verify pays while "
           f"verify/plain < {need:.2f}")  # fmt: skip
     print(f"{'batch':>6} {'plain ms':>9} {'verify ms':>10} {'ratio':>6}")
     for r in rows:
-        print(f"{r['batch']:>6} {r['plain_ms']:>9.2f} {r['verify_ms']:>10.2f} {r['ratio']:>6.2f}")
+        build = f"  attention {r['attention_build']}" if "attention_build" in r else ""
+        print(
+            f"{r['batch']:>6} {r['plain_ms']:>9.2f} {r['verify_ms']:>10.2f} {r['ratio']:>6.2f}"
+            + build
+        )
         for kind, ms in r.get("parts_ms", {}).items():
             print(
                 f"{'':>6} {kind} by part (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
             )
-    over = [r["batch"] for r in rows if r["ratio"] >= need]
+    first = rows[0].get("attention_build")  # the crossover of the first build named
+    over = [r["batch"] for r in rows if r["ratio"] >= need and r.get("attention_build") == first]
     crossover = over[0] if over else None
     print(
         f"crossover: disable_by_batch_size={crossover}"

@@ -93,6 +93,16 @@ class ModelRunner:
 
             self._kernel = kernels.load("paged_attention").paged_attention
 
+    def use_attention_build(self, isa: str) -> None:
+        """Run the paged attention kernel's `isa` build from the next step on (`bench
+        spec-crossover --attention-builds` times builds side by side on one engine); refused
+        where this CPU cannot run it, or where the runner gathers instead."""
+        from pdserve.engine import kernels
+
+        if self._kernel is None:
+            raise ValueError(f"attention {self.attention!r} runs no paged kernel to rebuild")
+        self._kernel = kernels.load("paged_attention", isa).paged_attention
+
     def execute(self, out: SchedulerOutput) -> StepResult:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
         verify = [s for s in out.scheduled if s.num_tokens > 1 and s.num_draft]

@@ -5,11 +5,12 @@ builds (once per source version and flags) and imports the one this CPU runs. Ne
 `-march=native`: the same flags give the same build on both machine kinds (AVX2-only AMD EPYC,
 AVX-512 Xeon), and every build has AVX2 + FMA + F16C (F16C widens fp16 scales and a float16 KV
 cache as they are read).
-- `paged_attention.cpp` and `bf16.cpp` (the prefill format's element-wise ops): one AVX2 build.
-- `w8g32.cpp` (group-wise int8 weight-only matmul, the float32 tiles and the fused norm / RoPE /
-  activation) and `q4_1.cpp` (GGUF Q4_1 weights as stored, float32 activations): an AVX2 build
-  and an AVX-512 one (`-mavx512f -mavx512bw -mavx512vl`), the latter chosen at run time when
-  torch reports the CPU capability AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build).
+- `bf16.cpp` (the prefill format's element-wise ops): one AVX2 build.
+- `paged_attention.cpp`, `w8g32.cpp` (group-wise int8 weight-only matmul, the float32 tiles and
+  the fused norm / RoPE / activation) and `q4_1.cpp` (GGUF Q4_1 weights as stored, float32
+  activations): an AVX2 build and an AVX-512 one (`-mavx512f -mavx512bw -mavx512vl`), the
+  latter chosen at run time when torch reports the CPU capability AVX512
+  (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 build).
 - `w8a8.cpp` (int8 weights x int8 activations, GGUF Q4_1 x int8 / int16 activations,
   `--quantization w8a8 | gguf-a8 | gguf-a16`): an AVX2 build (vpmaddubsw) and, where the CPU
   has AVX-512 VNNI (its /proc/cpuinfo flag `avx512_vnni`, which torch's capability does not
@@ -165,8 +166,8 @@ SPECS = {
         KernelSpec(
             "paged_attention",
             "paged_attention.cpp",
-            {"avx2": AVX2_CFLAGS},
-            lambda: "avx2",
+            {"avx2": AVX2_CFLAGS, "avx512": AVX512_CFLAGS},
+            w8g32_isa,
             "the paged attention kernel needs a CPU with AVX2; use --attention gather",
         ),
         # Group-wise int8 weight-only matmul (linear/w8g32.py) and the float32 tiles and

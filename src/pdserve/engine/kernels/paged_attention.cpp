@@ -13,11 +13,13 @@
 // threads; each item runs an online softmax over its range, then a merge combines the splits
 // by log-sum-exp.
 // float32 queries with head_dim in {8,16,32,64,96,128} over a float32 or float16 cache run
-// run_item_f32 (AVX2 intrinsics, see there); other dtypes / head sizes the generic run_item.
+// run_item_f32 (AVX2 intrinsics, or AVX-512 ones in that build; see there); other dtypes /
+// head sizes the generic run_item.
 // The cache may hold a narrower dtype than q (`--kv-cache-dtype float16|bfloat16`): keys and
 // values are widened to float32 as they are loaded, so the arithmetic is float32 either way.
-// Built with -mavx2 -mfma -mf16c only (never -march=native): the same code on AVX2-only and
-// AVX-512 CPUs (every AVX2 CPU has F16C).
+// Two builds, never -march=native: -mavx2 -mfma -mf16c (every AVX2 CPU has F16C) and the same
+// plus -mavx512f -mavx512bw -mavx512vl, which kernels/__init__.py loads where torch reports
+// AVX512.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -180,32 +182,37 @@ inline void group_scores(const float* q, int64_t n, const KT* kb, int64_t rs, fl
                          int64_t sbw, const KT* pk, int64_t pn) {
   constexpr int64_t D = NC * 8;
   constexpr int64_t kLine = 64 / sizeof(KT);  // cache elements per 64-byte line
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
+  // Keys 4 at a time; the last group repeats key n - 1 in its missing places (their scores
+  // are not stored), so every key's sum comes out of the same hsum4 tree wherever the block's
+  // visible keys end: a row scores the same alone as in a tile (the tile reads to its longest
+  // row's limit).
+  for (int64_t t = 0; t < n; t += 4) {
     if (pk != nullptr) {
       for (int64_t u = t; u < std::min<int64_t>(t + 4, pn); ++u)
         for (int64_t d = 0; d < D; d += kLine)
           _mm_prefetch(reinterpret_cast<const char*>(pk + u * rs + d), _MM_HINT_T1);
     }
+    const KT* kr[4];
+    for (int u = 0; u < 4; ++u) kr[u] = kb + std::min<int64_t>(t + u, n - 1) * rs;
     __m256 a[4][QB];
     for (int u = 0; u < 4; ++u)
       for (int i = 0; i < QB; ++i) a[u][i] = _mm256_setzero_ps();
     for (int c = 0; c < NC; ++c) {
       for (int u = 0; u < 4; ++u) {
-        const __m256 kv = load8(kb + (t + u) * rs + c * 8);
+        const __m256 kv = load8(kr[u] + c * 8);
         for (int i = 0; i < QB; ++i)
           a[u][i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + i * D + c * 8), a[u][i]);
       }
     }
-    for (int i = 0; i < QB; ++i)
-      _mm_storeu_ps(s + i * sbw + t, hsum4(a[0][i], a[1][i], a[2][i], a[3][i]));
-  }
-  for (; t < n; ++t) {
     for (int i = 0; i < QB; ++i) {
-      __m256 r = _mm256_setzero_ps();
-      for (int c = 0; c < NC; ++c)
-        r = _mm256_fmadd_ps(load8(kb + t * rs + c * 8), _mm256_loadu_ps(q + i * D + c * 8), r);
-      s[i * sbw + t] = hsum(r);
+      const __m128 r = hsum4(a[0][i], a[1][i], a[2][i], a[3][i]);
+      if (t + 4 <= n) {
+        _mm_storeu_ps(s + i * sbw + t, r);
+      } else {
+        float tmp[4];
+        _mm_storeu_ps(tmp, r);
+        std::memcpy(s + i * sbw + t, tmp, (n - t) * sizeof(float));
+      }
     }
   }
 }
@@ -308,6 +315,174 @@ inline void group_values(const float* w, int64_t sbw, const float* corr, bool re
   }
 }
 
+// ---------------------------------------------------------------- AVX-512 build
+//
+// The same three steps on 16-float registers, in the build made with -mavx512f (chosen at run
+// time where torch reports AVX512; kernels/__init__.py). Its 32 registers hold 6 queries' x 4
+// keys' score accumulators (a whole 64-float head in 4 registers), so a group is up to 6 queries:
+// the 3 query heads of two rows of a tile share each K and V row loaded and widened. Why: a
+// decode row is bound by reading the cache, but each further row of a tile (the drafts a
+// speculative verify step checks, a short chunk over a cached prefix) is arithmetic on rows
+// already in L1, and in the AVX2 build an extra row cost ~0.8 ms a step at batch 1, 1k context
+// (30 layers, two threads; `pdserve bench spec-crossover --parts`). Each query's sums run in
+// the same order whatever its group, so a row's output does not depend on the rows beside it.
+#if defined(__AVX512F__)
+constexpr int kGroupQ16 = 6;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The two 8-float halves of v added (AVX512F only: no DQ extract).
+inline __m256 fold16(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// Four horizontal sums at once, out[u] = sum of the 16 lanes of a_u: an unpack tree (13
+// single-uop ops) rather than four folds into hsum4 (~23 uops, its hadds 3 each), which took
+// as many uops as the scores' FMAs.
+inline __m128 hsum4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // Per 128-bit lane: [a0, a1, a0, a1] partial sums, then [a2, a3, a2, a3].
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // Per 128-bit lane: [a0, a1, a2, a3] partial sums.
+  const __m512d p01 = _mm512_castps_pd(s01), p23 = _mm512_castps_pd(s23);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p01, p23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(p01, p23)));
+  const __m256 h = fold16(s);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// group_scores on 16-float registers: NC16 = D / 16, up to kGroupQ16 queries.
+template <int NC16, int QB, typename KT>
+inline void group_scores16(const float* q, int64_t n, const KT* kb, int64_t rs, float* s,
+                           int64_t sbw, const KT* pk, int64_t pn) {
+  constexpr int64_t D = NC16 * 16;
+  constexpr int64_t kLine = 64 / sizeof(KT);
+  for (int64_t t = 0; t < n; t += 4) {  // the last group as group_scores' (key n - 1 repeated)
+    if (pk != nullptr) {
+      for (int64_t u = t; u < std::min<int64_t>(t + 4, pn); ++u)
+        for (int64_t d = 0; d < D; d += kLine)
+          _mm_prefetch(reinterpret_cast<const char*>(pk + u * rs + d), _MM_HINT_T1);
+    }
+    const KT* kr[4];
+    for (int u = 0; u < 4; ++u) kr[u] = kb + std::min<int64_t>(t + u, n - 1) * rs;
+    // The queries' loads are the same each pass, and the compiler hoists them into registers
+    // (QB x NC16 of them), spilling the accumulators around every FMA: hidden from it here, they
+    // stay memory operands of the FMAs (L1 hits).
+    const float* qq = q;
+    asm("" : "+r"(qq));
+    __m512 a[4][QB];
+    for (int u = 0; u < 4; ++u)
+      for (int i = 0; i < QB; ++i) a[u][i] = _mm512_setzero_ps();
+    for (int c = 0; c < NC16; ++c) {
+      for (int u = 0; u < 4; ++u) {
+        const __m512 kv = load16(kr[u] + c * 16);
+        for (int i = 0; i < QB; ++i)
+          a[u][i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qq + i * D + c * 16), a[u][i]);
+      }
+    }
+    for (int i = 0; i < QB; ++i) {
+      const __m128 r = hsum4_16(a[0][i], a[1][i], a[2][i], a[3][i]);
+      if (t + 4 <= n) {
+        _mm_storeu_ps(s + i * sbw + t, r);
+      } else {
+        float tmp[4];
+        _mm_storeu_ps(tmp, r);
+        std::memcpy(s + i * sbw + t, tmp, (n - t) * sizeof(float));
+      }
+    }
+  }
+}
+
+// group_values on 16-float registers: the head in chunks of CH registers, each V chunk loaded
+// once for the group's QB queries.
+template <int NC16, int QB, typename KT>
+inline void group_values16(const float* w, int64_t sbw, const float* corr, bool rescale,
+                           int64_t n, const KT* vb, int64_t rs, float* acc, const KT* pv,
+                           int64_t pn) {
+  constexpr int64_t D = NC16 * 16;
+  constexpr int64_t kLine = 64 / sizeof(KT);
+  constexpr int CH = NC16 <= 4 ? NC16 : NC16 % 4 == 0 ? 4 : NC16 % 3 == 0 ? 3 : 2;
+  static_assert(NC16 % CH == 0, "head_dim / 16 must be a multiple of the chunk");
+  for (int c0 = 0; c0 < NC16; c0 += CH) {
+    __m512 o[QB][CH];
+    for (int i = 0; i < QB; ++i) {
+      const __m512 cv = _mm512_set1_ps(rescale ? corr[i] : 1.f);
+      for (int c = 0; c < CH; ++c)
+        o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + (c0 + c) * 16), cv);
+    }
+    for (int64_t x = 0; x < n; ++x) {
+      if (pv != nullptr && c0 == 0 && x < pn) {
+        for (int64_t d = 0; d < D; d += kLine)
+          _mm_prefetch(reinterpret_cast<const char*>(pv + x * rs + d), _MM_HINT_T1);
+      }
+      const KT* vr = vb + x * rs + c0 * 16;
+      __m512 v[CH];
+      for (int c = 0; c < CH; ++c) v[c] = load16(vr + c * 16);
+      for (int i = 0; i < QB; ++i) {
+        const __m512 wv = _mm512_set1_ps(w[i * sbw + x]);
+        for (int c = 0; c < CH; ++c) o[i][c] = _mm512_fmadd_ps(wv, v[c], o[i][c]);
+      }
+    }
+    for (int i = 0; i < QB; ++i)
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + i * D + (c0 + c) * 16, o[i][c]);
+  }
+}
+#endif
+
+// The widest group of queries a head of D = NC * 8 floats runs in this build.
+template <int NC>
+constexpr int group_width() {
+#if defined(__AVX512F__)
+  if (NC % 2 == 0) return kGroupQ16;
+#endif
+  return kGroupQ;
+}
+
+// f(std::integral_constant<int, QB>) for the group's width qb (1 .. group_width<NC>()).
+template <int NC, typename F>
+inline void with_width(int64_t qb, F&& f) {
+  using I = std::integral_constant<int, 1>;
+  switch (qb) {
+    case 6: if constexpr (group_width<NC>() >= 6) { f(std::integral_constant<int, 6>{}); return; } break;
+    case 5: if constexpr (group_width<NC>() >= 5) { f(std::integral_constant<int, 5>{}); return; } break;
+    case 4: if constexpr (group_width<NC>() >= 4) { f(std::integral_constant<int, 4>{}); return; } break;
+    case 3: f(std::integral_constant<int, 3>{}); return;
+    case 2: f(std::integral_constant<int, 2>{}); return;
+    default: break;
+  }
+  f(I{});
+}
+
+// Scores / values of a group of QB queries: the 16-float kernels where this build has them
+// and the head is a whole number of 16-float registers, else the 8-float ones.
+template <int NC, int QB, typename KT>
+inline void scores_of(const float* q, int64_t n, const KT* kb, int64_t rs, float* s, int64_t sbw,
+                      const KT* pk, int64_t pn) {
+#if defined(__AVX512F__)
+  if constexpr (NC % 2 == 0) {
+    group_scores16<NC / 2, QB, KT>(q, n, kb, rs, s, sbw, pk, pn);
+    return;
+  }
+#endif
+  if constexpr (QB <= kGroupQ) group_scores<NC, QB, KT>(q, n, kb, rs, s, sbw, pk, pn);
+}
+
+template <int NC, int QB, typename KT>
+inline void values_of(const float* w, int64_t sbw, const float* corr, bool rescale, int64_t n,
+                      const KT* vb, int64_t rs, float* acc, const KT* pv, int64_t pn) {
+#if defined(__AVX512F__)
+  if constexpr (NC % 2 == 0) {
+    group_values16<NC / 2, QB, KT>(w, sbw, corr, rescale, n, vb, rs, acc, pv, pn);
+    return;
+  }
+#endif
+  if constexpr (QB <= kGroupQ) group_values<NC, QB, KT>(w, sbw, corr, rescale, n, vb, rs, acc, pv, pn);
+}
+
 // A span: the blocks one softmax pass covers. Scores for all of its keys, one max / rescale /
 // sum per query, then the values. A pass per block cost ~9 dependent steps per query each 16
 // keys (max, hmax, exp, sum), a quarter of the kernel's time at B=1 C=1024 with the caches
@@ -318,12 +493,12 @@ inline void group_values(const float* w, int64_t sbw, const float* corr, bool re
 constexpr int64_t kSpanBlocks = 4;
 constexpr int64_t kSpanScores = 4096;  // cap on a span's score buffer (floats): long tiles
 
-// Every group of up to kGroupQ queries (j0 = 0, 3, ... of nqh per head, nh heads) through f.
+// Every group of up to gq queries (j0 = 0, gq, ... of nqh per head, nh heads) through f.
 template <typename F>
-inline void for_groups(int64_t nh, int64_t nqh, F&& f) {
+inline void for_groups(int64_t nh, int64_t nqh, int64_t gq, F&& f) {
   for (int64_t hh = 0; hh < nh; ++hh)
-    for (int64_t j0 = 0; j0 < nqh; j0 += kGroupQ)
-      f(hh, j0, hh * nqh + j0, std::min<int64_t>(kGroupQ, nqh - j0));
+    for (int64_t j0 = 0; j0 < nqh; j0 += gq)
+      f(hh, j0, hh * nqh + j0, std::min<int64_t>(gq, nqh - j0));
 }
 
 // NC = head_dim / 8 (registers per head vector), KT the cache's element (float or Half).
@@ -386,22 +561,22 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
           bi + b + kAhead < nahead ? &ahead[bi + b + kAhead] : nullptr);
     };
     each_block([&](int64_t b, int64_t n, const Span* pf) {
-      for_groups(nh, nqh, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
+      for_groups(nh, nqh, group_width<NC>(), [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
         const KT* pk = pf && j0 == 0 ? kc + pf->base + ho : nullptr;
         const float* qj = qf.data() + j * D;
         float* sj = sbuf.data() + j * sbw + off[b];
         const KT* kb = kc + base[b] + ho;
         const int64_t pn = pf ? pf->rows : 0;
-        if (qb == 3) group_scores<NC, 3, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
-        else if (qb == 2) group_scores<NC, 2, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
-        else group_scores<NC, 1, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
+        with_width<NC>(qb, [&](auto w) {
+          scores_of<NC, decltype(w)::value, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
+        });
       });
     });
     span_softmax(sbuf.data(), sbw, lim.data(), lo.data(), softcap, s0, nq, hi, m, l,
                  corr.data());
     each_block([&](int64_t b, int64_t n, const Span* pf) {
-      for_groups(nh, nqh, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
+      for_groups(nh, nqh, group_width<NC>(), [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
         const KT* pv = pf && j0 == 0 ? vc + pf->base + ho : nullptr;
         const float* wj = sbuf.data() + j * sbw + off[b];
@@ -409,9 +584,9 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         float* aj = acc + j * D;
         const KT* vb = vc + base[b] + ho;
         const int64_t pn = pf ? pf->rows : 0;
-        if (qb == 3) group_values<NC, 3, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
-        else if (qb == 2) group_values<NC, 2, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
-        else group_values<NC, 1, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
+        with_width<NC>(qb, [&](auto w) {
+          values_of<NC, decltype(w)::value, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
+        });
       });
     });
     bi += nb;
