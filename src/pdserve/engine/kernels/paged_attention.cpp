@@ -126,14 +126,15 @@ void run_item(const Item& it, const T* q, const C* kc, const C* vc, const int32_
 }
 
 
-// ---------------------------------------------------------------- float32 fast path (AVX2)
+// ---------------------------------------------------------------- float32 fast path (AVX2 / AVX-512)
 //
 // The generic run_item() below does one dot product per (query, key) with a horizontal sum at
 // the end of each (a 4-cycle FMA chain of D/8 links, then a reduction), a scalar exp per key and
 // the output accumulator in memory: compute-bound at ~4x the time it takes to read the keys and
 // values. For float32 with head_dim a multiple of 8 (every model here) run_item_f32 instead
-// works a span of blocks at a time on groups of up to 3 queries (group_scores, span_softmax,
-// group_values): each K and V row loaded once per group, 4 keys' scores per hadd tree, masking
+// works a span of blocks at a time on groups of up to 3 queries, 6 in the AVX-512 build
+// (group_scores, span_softmax, group_values; Vec8 / Vec16 below): each K and V row loaded once
+// per group, 4 keys' scores per reduction tree, masking
 // / max / exp (exp8 from common.h: a Cephes-style polynomial, within ~2 ulp of std::exp) as
 // vector ops, a branch-free value loop with the outputs in registers. Each key/value block is
 // read from memory once per item and reused from L1 by the G query heads of its KV group (and
@@ -168,22 +169,89 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // Why this shape (it replaced a loop over one query at a time that ran at ~1/3 of the read
 // bandwidth, bound by instructions rather than memory): every K and V row of a block is loaded
 // once for all QB queries of a group (the G query heads of a GQA group, the rows of a tile),
-// each load feeding QB FMAs; scores come 4 keys at a time out of one hadd tree; masking, max and
-// exp are vector ops over a span's score rows; the value loop has no branch (a masked key's
-// weight is an exact 0).
-constexpr int kGroupQ = 3;
+// each load feeding QB FMAs; scores come 4 keys at a time out of one reduction tree; masking,
+// max and exp are vector ops over a span's score rows; the value loop has no branch (a masked
+// key's weight is an exact 0). Each query's sums run in the same order whatever its group, so a
+// row's output does not depend on the rows beside it.
 constexpr int64_t kAhead = 3;  // prefetch distance in blocks (run_item_f32)
 
-// Scores of up to kGroupQ queries q (scaled, D floats each) against keys [0, n) of one block
-// at kb (rows rs elements apart) into s (row i of query i at s + i * sbw). pk (or nullptr):
-// the same head's first pn rows of a later block, prefetched into L2 a row per row used here.
-template <int NC, int QB, typename KT>
+// The registers group_scores / group_values run on: 8 floats in every build; 16 in the AVX-512
+// one, whose 32 registers hold 6 queries' x 4 keys' score accumulators (a 64-float head in 4
+// registers), so a group there is up to 6 queries: the 3 query heads of two rows of a tile
+// share each K and V row loaded and widened. Why: a decode row is bound by reading the cache,
+// but each further row of a tile (the drafts a speculative verify step checks, a short chunk
+// over a cached prefix) is arithmetic on rows already in L1: in the AVX2 build an extra row
+// cost 0.8-1.2 ms a step at batch 1, 1k context (30 layers, two threads), 13-42% less in the
+// AVX-512 one (`pdserve bench spec-crossover --parts --attention-builds avx2,avx512`).
+struct Vec8 {
+  using T = __m256;
+  static constexpr int kWidth = 8, kRegisters = 16, kGroup = 3;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const at::Half* p) { return load8(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static __m128 sum4(T a0, T a1, T a2, T a3) { return hsum4(a0, a1, a2, a3); }
+};
+
+#if defined(__AVX512F__)
+// The two 8-float halves of v added (AVX512F only: no DQ extract).
+inline __m256 fold16(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// Four horizontal sums at once, out[u] = sum of the 16 lanes of a_u: an unpack tree (13
+// single-uop ops) rather than four folds into hsum4 (~23 uops, its hadds 3 each), which took
+// as many uops as the scores' FMAs.
+inline __m128 hsum4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // Per 128-bit lane: [a0, a1, a0, a1] partial sums, then [a2, a3, a2, a3].
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // Per 128-bit lane: [a0, a1, a2, a3] partial sums.
+  const __m512d p01 = _mm512_castps_pd(s01), p23 = _mm512_castps_pd(s23);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p01, p23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(p01, p23)));
+  const __m256 h = fold16(s);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+struct Vec16 {
+  using T = __m512;
+  static constexpr int kWidth = 16, kRegisters = 32, kGroup = 6;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static __m128 sum4(T a0, T a1, T a2, T a3) { return hsum4_16(a0, a1, a2, a3); }
+};
+
+// A head of D = NC * 8 floats runs on 16-float registers where it is a whole number of them.
+template <int NC>
+using VecFor = std::conditional_t<NC % 2 == 0, Vec16, Vec8>;
+#else
+template <int NC>
+using VecFor = Vec8;
+#endif
+
+// Scores of up to V::kGroup queries q (scaled, D = NV * V::kWidth floats each) against keys
+// [0, n) of one block at kb (rows rs elements apart) into s (row i of query i at s + i * sbw).
+// pk (or nullptr): the same head's first pn rows of a later block, prefetched into L2 a row per
+// row used here.
+template <typename V, int NV, int QB, typename KT>
 inline void group_scores(const float* q, int64_t n, const KT* kb, int64_t rs, float* s,
                          int64_t sbw, const KT* pk, int64_t pn) {
-  constexpr int64_t D = NC * 8;
+  constexpr int64_t W = V::kWidth, D = NV * W;
   constexpr int64_t kLine = 64 / sizeof(KT);  // cache elements per 64-byte line
   // Keys 4 at a time; the last group repeats key n - 1 in its missing places (their scores
-  // are not stored), so every key's sum comes out of the same hsum4 tree wherever the block's
+  // are not stored), so every key's sum comes out of the same tree wherever the block's
   // visible keys end: a row scores the same alone as in a tile (the tile reads to its longest
   // row's limit).
   for (int64_t t = 0; t < n; t += 4) {
@@ -194,18 +262,22 @@ inline void group_scores(const float* q, int64_t n, const KT* kb, int64_t rs, fl
     }
     const KT* kr[4];
     for (int u = 0; u < 4; ++u) kr[u] = kb + std::min<int64_t>(t + u, n - 1) * rs;
-    __m256 a[4][QB];
+    // The queries' loads are the same each pass, and the compiler hoists them into registers
+    // (QB x NV of them), spilling the accumulators around every FMA: hidden from it here, they
+    // stay memory operands of the FMAs (L1 hits).
+    const float* qq = q;
+    asm("" : "+r"(qq));
+    typename V::T a[4][QB];
     for (int u = 0; u < 4; ++u)
-      for (int i = 0; i < QB; ++i) a[u][i] = _mm256_setzero_ps();
-    for (int c = 0; c < NC; ++c) {
+      for (int i = 0; i < QB; ++i) a[u][i] = V::zero();
+    for (int c = 0; c < NV; ++c) {
       for (int u = 0; u < 4; ++u) {
-        const __m256 kv = load8(kr[u] + c * 8);
-        for (int i = 0; i < QB; ++i)
-          a[u][i] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + i * D + c * 8), a[u][i]);
+        const typename V::T kv = V::load(kr[u] + c * W);
+        for (int i = 0; i < QB; ++i) a[u][i] = V::fma(kv, V::load(qq + i * D + c * W), a[u][i]);
       }
     }
     for (int i = 0; i < QB; ++i) {
-      const __m128 r = hsum4(a[0][i], a[1][i], a[2][i], a[3][i]);
+      const __m128 r = V::sum4(a[0][i], a[1][i], a[2][i], a[3][i]);
       if (t + 4 <= n) {
         _mm_storeu_ps(s + i * sbw + t, r);
       } else {
@@ -280,207 +352,64 @@ inline void span_softmax(float* s, int64_t sbw, const int32_t* lim, const int32_
 }
 
 // acc[i] = acc[i] * corr[i] (only when rescale) + sum over keys x < n of w[i * sbw + x] * V
-// row x (at vb, rows rs apart), for up to kGroupQ queries; pv / pn: as group_scores' pk / pn.
-template <int NC, int QB, typename KT>
+// row x (at vb, rows rs apart), for up to V::kGroup queries; pv / pn: as group_scores' pk / pn.
+template <typename V, int NV, int QB, typename KT>
 inline void group_values(const float* w, int64_t sbw, const float* corr, bool rescale,
                          int64_t n, const KT* vb, int64_t rs, float* acc, const KT* pv,
                          int64_t pn) {
-  constexpr int64_t D = NC * 8;
+  constexpr int64_t W = V::kWidth, D = NV * W;
   constexpr int64_t kLine = 64 / sizeof(KT);
-  // In chunks of CH registers of the head: QB * CH accumulators + QB weights.
-  constexpr int CH = NC < 4 ? NC : 4;
-  static_assert(NC % CH == 0, "head_dim / 8 must be a multiple of the chunk");
-  for (int c0 = 0; c0 < NC; c0 += CH) {
-    __m256 o[QB][CH];
+  // In chunks of CH registers of the head: QB * CH accumulators, and either the chunk's CH
+  // value registers loaded first (where they fit beside them) or QB broadcast weights.
+  constexpr int CH = NV <= 4 ? NV : NV % 4 == 0 ? 4 : NV % 3 == 0 ? 3 : 2;
+  static_assert(NV % CH == 0, "head_dim / width must be a multiple of the chunk");
+  constexpr bool kValuesFirst = QB * CH + CH + 1 <= V::kRegisters;
+  for (int c0 = 0; c0 < NV; c0 += CH) {
+    typename V::T o[QB][CH];
     for (int i = 0; i < QB; ++i) {
-      const __m256 cv = _mm256_set1_ps(rescale ? corr[i] : 1.f);
-      for (int c = 0; c < CH; ++c)
-        o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + (c0 + c) * 8), cv);
+      const typename V::T cv = V::set1(rescale ? corr[i] : 1.f);
+      for (int c = 0; c < CH; ++c) o[i][c] = V::mul(V::load(acc + i * D + (c0 + c) * W), cv);
     }
     for (int64_t x = 0; x < n; ++x) {
       if (pv != nullptr && c0 == 0 && x < pn) {  // a later block's values, a row per key
         for (int64_t d = 0; d < D; d += kLine)
           _mm_prefetch(reinterpret_cast<const char*>(pv + x * rs + d), _MM_HINT_T1);
       }
-      const KT* vr = vb + x * rs + c0 * 8;
-      __m256 wv[QB];
-      for (int i = 0; i < QB; ++i) wv[i] = _mm256_broadcast_ss(w + i * sbw + x);
-      for (int c = 0; c < CH; ++c) {
-        const __m256 v = load8(vr + c * 8);
-        for (int i = 0; i < QB; ++i) o[i][c] = _mm256_fmadd_ps(wv[i], v, o[i][c]);
-      }
-    }
-    for (int i = 0; i < QB; ++i)
-      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + i * D + (c0 + c) * 8, o[i][c]);
-  }
-}
-
-// ---------------------------------------------------------------- AVX-512 build
-//
-// The same three steps on 16-float registers, in the build made with -mavx512f (chosen at run
-// time where torch reports AVX512; kernels/__init__.py). Its 32 registers hold 6 queries' x 4
-// keys' score accumulators (a whole 64-float head in 4 registers), so a group is up to 6 queries:
-// the 3 query heads of two rows of a tile share each K and V row loaded and widened. Why: a
-// decode row is bound by reading the cache, but each further row of a tile (the drafts a
-// speculative verify step checks, a short chunk over a cached prefix) is arithmetic on rows
-// already in L1, and in the AVX2 build an extra row cost ~0.8 ms a step at batch 1, 1k context
-// (30 layers, two threads; `pdserve bench spec-crossover --parts`). Each query's sums run in
-// the same order whatever its group, so a row's output does not depend on the rows beside it.
-#if defined(__AVX512F__)
-constexpr int kGroupQ16 = 6;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// The two 8-float halves of v added (AVX512F only: no DQ extract).
-inline __m256 fold16(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
-// Four horizontal sums at once, out[u] = sum of the 16 lanes of a_u: an unpack tree (13
-// single-uop ops) rather than four folds into hsum4 (~23 uops, its hadds 3 each), which took
-// as many uops as the scores' FMAs.
-inline __m128 hsum4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  // Per 128-bit lane: [a0, a1, a0, a1] partial sums, then [a2, a3, a2, a3].
-  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  // Per 128-bit lane: [a0, a1, a2, a3] partial sums.
-  const __m512d p01 = _mm512_castps_pd(s01), p23 = _mm512_castps_pd(s23);
-  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p01, p23)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(p01, p23)));
-  const __m256 h = fold16(s);
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// group_scores on 16-float registers: NC16 = D / 16, up to kGroupQ16 queries.
-template <int NC16, int QB, typename KT>
-inline void group_scores16(const float* q, int64_t n, const KT* kb, int64_t rs, float* s,
-                           int64_t sbw, const KT* pk, int64_t pn) {
-  constexpr int64_t D = NC16 * 16;
-  constexpr int64_t kLine = 64 / sizeof(KT);
-  for (int64_t t = 0; t < n; t += 4) {  // the last group as group_scores' (key n - 1 repeated)
-    if (pk != nullptr) {
-      for (int64_t u = t; u < std::min<int64_t>(t + 4, pn); ++u)
-        for (int64_t d = 0; d < D; d += kLine)
-          _mm_prefetch(reinterpret_cast<const char*>(pk + u * rs + d), _MM_HINT_T1);
-    }
-    const KT* kr[4];
-    for (int u = 0; u < 4; ++u) kr[u] = kb + std::min<int64_t>(t + u, n - 1) * rs;
-    // The queries' loads are the same each pass, and the compiler hoists them into registers
-    // (QB x NC16 of them), spilling the accumulators around every FMA: hidden from it here, they
-    // stay memory operands of the FMAs (L1 hits).
-    const float* qq = q;
-    asm("" : "+r"(qq));
-    __m512 a[4][QB];
-    for (int u = 0; u < 4; ++u)
-      for (int i = 0; i < QB; ++i) a[u][i] = _mm512_setzero_ps();
-    for (int c = 0; c < NC16; ++c) {
-      for (int u = 0; u < 4; ++u) {
-        const __m512 kv = load16(kr[u] + c * 16);
-        for (int i = 0; i < QB; ++i)
-          a[u][i] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qq + i * D + c * 16), a[u][i]);
-      }
-    }
-    for (int i = 0; i < QB; ++i) {
-      const __m128 r = hsum4_16(a[0][i], a[1][i], a[2][i], a[3][i]);
-      if (t + 4 <= n) {
-        _mm_storeu_ps(s + i * sbw + t, r);
+      const KT* vr = vb + x * rs + c0 * W;
+      if constexpr (kValuesFirst) {
+        typename V::T v[CH];
+        for (int c = 0; c < CH; ++c) v[c] = V::load(vr + c * W);
+        for (int i = 0; i < QB; ++i) {
+          const typename V::T wv = V::set1(w[i * sbw + x]);
+          for (int c = 0; c < CH; ++c) o[i][c] = V::fma(wv, v[c], o[i][c]);
+        }
       } else {
-        float tmp[4];
-        _mm_storeu_ps(tmp, r);
-        std::memcpy(s + i * sbw + t, tmp, (n - t) * sizeof(float));
-      }
-    }
-  }
-}
-
-// group_values on 16-float registers: the head in chunks of CH registers, each V chunk loaded
-// once for the group's QB queries.
-template <int NC16, int QB, typename KT>
-inline void group_values16(const float* w, int64_t sbw, const float* corr, bool rescale,
-                           int64_t n, const KT* vb, int64_t rs, float* acc, const KT* pv,
-                           int64_t pn) {
-  constexpr int64_t D = NC16 * 16;
-  constexpr int64_t kLine = 64 / sizeof(KT);
-  constexpr int CH = NC16 <= 4 ? NC16 : NC16 % 4 == 0 ? 4 : NC16 % 3 == 0 ? 3 : 2;
-  static_assert(NC16 % CH == 0, "head_dim / 16 must be a multiple of the chunk");
-  for (int c0 = 0; c0 < NC16; c0 += CH) {
-    __m512 o[QB][CH];
-    for (int i = 0; i < QB; ++i) {
-      const __m512 cv = _mm512_set1_ps(rescale ? corr[i] : 1.f);
-      for (int c = 0; c < CH; ++c)
-        o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + (c0 + c) * 16), cv);
-    }
-    for (int64_t x = 0; x < n; ++x) {
-      if (pv != nullptr && c0 == 0 && x < pn) {
-        for (int64_t d = 0; d < D; d += kLine)
-          _mm_prefetch(reinterpret_cast<const char*>(pv + x * rs + d), _MM_HINT_T1);
-      }
-      const KT* vr = vb + x * rs + c0 * 16;
-      __m512 v[CH];
-      for (int c = 0; c < CH; ++c) v[c] = load16(vr + c * 16);
-      for (int i = 0; i < QB; ++i) {
-        const __m512 wv = _mm512_set1_ps(w[i * sbw + x]);
-        for (int c = 0; c < CH; ++c) o[i][c] = _mm512_fmadd_ps(wv, v[c], o[i][c]);
+        typename V::T wv[QB];
+        for (int i = 0; i < QB; ++i) wv[i] = V::set1(w[i * sbw + x]);
+        for (int c = 0; c < CH; ++c) {
+          const typename V::T v = V::load(vr + c * W);
+          for (int i = 0; i < QB; ++i) o[i][c] = V::fma(wv[i], v, o[i][c]);
+        }
       }
     }
     for (int i = 0; i < QB; ++i)
-      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + i * D + (c0 + c) * 16, o[i][c]);
+      for (int c = 0; c < CH; ++c) V::store(acc + i * D + (c0 + c) * W, o[i][c]);
   }
 }
-#endif
 
-// The widest group of queries a head of D = NC * 8 floats runs in this build.
-template <int NC>
-constexpr int group_width() {
-#if defined(__AVX512F__)
-  if (NC % 2 == 0) return kGroupQ16;
-#endif
-  return kGroupQ;
-}
-
-// f(std::integral_constant<int, QB>) for the group's width qb (1 .. group_width<NC>()).
+// f(std::integral_constant<int, QB>) for a group of qb queries, 1 <= qb <= VecFor<NC>::kGroup.
 template <int NC, typename F>
 inline void with_width(int64_t qb, F&& f) {
-  using I = std::integral_constant<int, 1>;
+  constexpr int kMax = VecFor<NC>::kGroup;
   switch (qb) {
-    case 6: if constexpr (group_width<NC>() >= 6) { f(std::integral_constant<int, 6>{}); return; } break;
-    case 5: if constexpr (group_width<NC>() >= 5) { f(std::integral_constant<int, 5>{}); return; } break;
-    case 4: if constexpr (group_width<NC>() >= 4) { f(std::integral_constant<int, 4>{}); return; } break;
+    case 6: if constexpr (kMax >= 6) { f(std::integral_constant<int, 6>{}); return; } break;
+    case 5: if constexpr (kMax >= 5) { f(std::integral_constant<int, 5>{}); return; } break;
+    case 4: if constexpr (kMax >= 4) { f(std::integral_constant<int, 4>{}); return; } break;
     case 3: f(std::integral_constant<int, 3>{}); return;
     case 2: f(std::integral_constant<int, 2>{}); return;
     default: break;
   }
-  f(I{});
-}
-
-// Scores / values of a group of QB queries: the 16-float kernels where this build has them
-// and the head is a whole number of 16-float registers, else the 8-float ones.
-template <int NC, int QB, typename KT>
-inline void scores_of(const float* q, int64_t n, const KT* kb, int64_t rs, float* s, int64_t sbw,
-                      const KT* pk, int64_t pn) {
-#if defined(__AVX512F__)
-  if constexpr (NC % 2 == 0) {
-    group_scores16<NC / 2, QB, KT>(q, n, kb, rs, s, sbw, pk, pn);
-    return;
-  }
-#endif
-  if constexpr (QB <= kGroupQ) group_scores<NC, QB, KT>(q, n, kb, rs, s, sbw, pk, pn);
-}
-
-template <int NC, int QB, typename KT>
-inline void values_of(const float* w, int64_t sbw, const float* corr, bool rescale, int64_t n,
-                      const KT* vb, int64_t rs, float* acc, const KT* pv, int64_t pn) {
-#if defined(__AVX512F__)
-  if constexpr (NC % 2 == 0) {
-    group_values16<NC / 2, QB, KT>(w, sbw, corr, rescale, n, vb, rs, acc, pv, pn);
-    return;
-  }
-#endif
-  if constexpr (QB <= kGroupQ) group_values<NC, QB, KT>(w, sbw, corr, rescale, n, vb, rs, acc, pv, pn);
+  f(std::integral_constant<int, 1>{});
 }
 
 // A span: the blocks one softmax pass covers. Scores for all of its keys, one max / rescale /
@@ -511,6 +440,8 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
                   int64_t BS, float scale, int64_t window, float softcap, float* acc, float* m,
                   float* l, int64_t nh, const Span* ahead, int64_t nahead) {
   constexpr int64_t D = NC * 8;
+  using V = VecFor<NC>;  // the registers this head runs on in this build
+  constexpr int NV = D / V::kWidth;
   const int32_t seq = tiles[it.tile * 3], row0 = tiles[it.tile * 3 + 1],
                 nrows = tiles[it.tile * 3 + 2];
   const int64_t G = H / KVH, nqh = nrows * G, nq = nh * nqh;
@@ -561,7 +492,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
           bi + b + kAhead < nahead ? &ahead[bi + b + kAhead] : nullptr);
     };
     each_block([&](int64_t b, int64_t n, const Span* pf) {
-      for_groups(nh, nqh, group_width<NC>(), [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
+      for_groups(nh, nqh, V::kGroup, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
         const KT* pk = pf && j0 == 0 ? kc + pf->base + ho : nullptr;
         const float* qj = qf.data() + j * D;
@@ -569,14 +500,14 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         const KT* kb = kc + base[b] + ho;
         const int64_t pn = pf ? pf->rows : 0;
         with_width<NC>(qb, [&](auto w) {
-          scores_of<NC, decltype(w)::value, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
+          group_scores<V, NV, decltype(w)::value, KT>(qj, n, kb, rs, sj, sbw, pk, pn);
         });
       });
     });
     span_softmax(sbuf.data(), sbw, lim.data(), lo.data(), softcap, s0, nq, hi, m, l,
                  corr.data());
     each_block([&](int64_t b, int64_t n, const Span* pf) {
-      for_groups(nh, nqh, group_width<NC>(), [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
+      for_groups(nh, nqh, V::kGroup, [&](int64_t hh, int64_t j0, int64_t j, int64_t qb) {
         const int64_t ho = (it.kvh + hh) * D;
         const KT* pv = pf && j0 == 0 ? vc + pf->base + ho : nullptr;
         const float* wj = sbuf.data() + j * sbw + off[b];
@@ -585,7 +516,7 @@ void run_item_f32(const Item& it, const float* q, const KT* kc, const KT* vc,
         const KT* vb = vc + base[b] + ho;
         const int64_t pn = pf ? pf->rows : 0;
         with_width<NC>(qb, [&](auto w) {
-          values_of<NC, decltype(w)::value, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
+          group_values<V, NV, decltype(w)::value, KT>(wj, sbw, cj, b == 0, n, vb, rs, aj, pv, pn);
         });
       });
     });
