@@ -52,6 +52,18 @@ def test_attention_builds_are_timed_side_by_side(tiny_llama_path, tmp_path, caps
     assert f"attention {builds[-1]}" in capsys.readouterr().out
 
 
+def test_an_unknown_build_is_refused_before_the_model_loads() -> None:
+    import argparse
+
+    from pdserve.bench import spec_crossover
+
+    p = argparse.ArgumentParser()
+    spec_crossover.add_arguments(p)
+    args = p.parse_args(["--model", "/nonexistent", "--attention-builds", "avx2,sse9"])
+    with pytest.raises(ValueError, match="'sse9' does not run here"):
+        spec_crossover.run(args)
+
+
 def test_a_runner_without_the_kernel_refuses_a_build() -> None:
     import torch
 

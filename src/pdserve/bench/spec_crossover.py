@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.engine import kernels
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 
@@ -145,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
     builds: list[str | None] = (
         [b.strip() for b in args.attention_builds.split(",")] if args.attention_builds else [None]
     )
+    for build in builds:  # refused before the model loads, not after its prompts
+        if build is not None and not kernels.runs_here(build):
+            known = ", ".join(kernels.SPECS["paged_attention"].builds)
+            raise ValueError(f"--attention-builds: {build!r} does not run here (builds: {known})")
     eng = _engine(args, max(batches))  # one model load; each batch's requests aborted after
     rows = [row for b in batches for row in measure(args, eng, b, builds)]
     need = 1 + args.accepted
