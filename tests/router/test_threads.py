@@ -4,6 +4,7 @@ router's loop that sends them (router/thread_moves.py) over fake links."""
 from __future__ import annotations
 
 import collections
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from pdserve.router import threads
 from pdserve.router.balancer import PoolSample
 from pdserve.router.events import RouterEvents
 from pdserve.router.loads import Job, WorkerLoad
+from pdserve.router.roles import Roles
 from pdserve.router.slo import SloPlanner
 from pdserve.router.thread_moves import ThreadMover
 from pdserve.router.threads import ThreadPolicy, ThreadSample, handover, share
@@ -116,6 +118,14 @@ def test_handover_frees_cores_before_giving_them() -> None:
     assert handover({"P0": 1, "D0": 2}, targets) == {"D0": 3}
     assert handover({"P0": 1, "D0": 3}, targets) == {}
     assert handover({}, {"P0": 2}) == {"P0": 2}  # not reported yet: sent
+
+
+def test_a_hold_and_the_grow_behind_it_go_together_the_hold_first() -> None:
+    # D told 0 frees its cores when its step in progress ends: P need not wait for the ack
+    assert list(handover({"P0": 1, "D0": 1}, {"P0": 2, "D0": 0}).items()) == [("D0", 0), ("P0", 2)]
+    assert handover({"P0": 1, "D0": 2}, {"P0": 2, "D0": 0}) == {"D0": 0, "P0": 2}
+    # a shrink to a count above 0 still frees its cores first
+    assert handover({"P0": 2, "D0": 0}, {"P0": 1, "D0": 1}) == {"P0": 1}
 
 
 # ---- the router's loop (thread_moves.py) over fake links ------------------------------------
@@ -257,18 +267,22 @@ def test_decode_slack_is_the_tightest_requests_tpot_time_left_over() -> None:
     # 65 tokens, 10 decoded in the 1 s since its first token: 6.4 s of SLO - 1 s - 55 steps
     d.add(Job("r1", 0.0, 910, 55, True, 0.0, first_at=1.0, generated=10))
     assert threads.decode_slack([d], planner, 2.0) == pytest.approx(6.4 - 1.0 - 0.55)
-    # waiting for its KV: its whole budget (1.9 s for 20 tokens) less its 20 steps
+    # P still prefills it: its TPOT has not started (a 4-token answer here kept D from holding
+    # for the very prompt it waited for)
     d.add(Job("r2", 0.0, 900, 20, True, 1.5))
-    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.2)
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(6.4 - 1.0 - 0.55)
+    # P's first token came 0.1 s ago, its KV on the way: 1.9 s for 20 tokens less 0.1 s, 19 steps
+    d.tokens("r2", 1, 1.9)
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.1 - 0.19)
     planner.calibration.tpot = 4.0  # measured TPOTs, holds included: not the step's time
-    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.2)
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(1.9 - 0.1 - 0.19)
     assert threads.decode_slack([WorkerLoad("D0")], planner, 2.0) == float("inf")
     d.add(Job("r3", 0.4, 0, 8, True, 1.9))  # D prefills a prompt itself: its TTFT runs
     assert threads.decode_slack([d], planner, 2.0) == 0.0
     assert threads.decode_slack([WorkerLoad("D0")], SloPlanner(model), 2.0) == 0.0
 
 
-def test_the_mover_holds_d_before_p_grows_and_counts_it_as_a_move() -> None:
+def test_the_mover_holds_d_as_p_grows_and_counts_it_as_a_move() -> None:
     links, events = FakeLinks(), RouterEvents()
     planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)), slo_tpot_s=0.1)
     policy = ThreadPolicy(cores=2, park_after_s=0.0)
@@ -277,12 +291,11 @@ def test_the_mover_holds_d_before_p_grows_and_counts_it_as_a_move() -> None:
     mover = ThreadMover(links, events, planner, policy)  # type: ignore[arg-type]
     links.find("D0").load.add(Job("r1", 0.0, 100, 60, True, 0.0, first_at=0.0))
     links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, 0.0))
-    mover.tick(0.1)  # 5.9 s of SLO for 60 steps of 10 ms, 0.1 s ran: D holds
-    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 0)]
+    mover.tick(0.1)  # 5.9 s of SLO for 60 steps of 10 ms, 0.1 s ran: D holds, P grows with it
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 0), ("P0", 2)]
     links.ack()
     mover.tick(0.2)
-    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 2)]
-    links.ack()
+    assert links.sent == []
     assert events.counters["thread_moves_to_prefill"] == 1
     assert links.find("D0").load.slowness == 1.0  # held, not slower: predicted at its split
     links.find("P0").load.first_token("r2", 0.3)  # P done: D gets both cores back
@@ -349,3 +362,36 @@ def test_price_tells_the_planner_how_much_a_local_prefill_slows_ps_queue() -> No
     assert planner.coupled == {"P0": pytest.approx(1.8)}  # speedup(2) / speedup(1)
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
     assert p.prefill_rate() == 1.0 and planner.coupled == {}  # no hold to lose
+
+
+def test_a_dispatch_and_an_acknowledged_count_sample_the_split_at_once() -> None:
+    links, events = FakeLinks(), RouterEvents()
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)), slo_tpot_s=0.1)
+    policy = ThreadPolicy(cores=2, park_after_s=0.0)
+    roles = Roles(
+        links,  # type: ignore[arg-type]
+        events,
+        lambda w: False,
+        planner=planner,
+        autobalancer=None,
+        interval_s=1.0,
+        drain_timeout_s=1.0,
+        switch_timeout_s=1.0,
+        thread_policy=policy,
+    )
+    for w in links.workers:  # the split: one thread each
+        w.stats = WorkerStats(threads=1)
+    links.find("D0").load.add(Job("r1", 0.0, 100, 60, True, 0.0, first_at=time.monotonic()))
+    roles.acknowledged(1, 1)  # the same count: nothing to sample
+    assert links.sent == []
+    links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, time.monotonic()))
+    roles.dispatched()  # the prompt's SetThreads go out before the prompt itself
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 0), ("P0", 2)]
+    links.ack()
+    links.find("P0").load.first_token("r2", time.monotonic())  # P done: D takes its cores back
+    roles.dispatched()
+    assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 1)]  # P frees them first
+    links.find("P0").stats = WorkerStats(threads=1)  # P's Stats reply, acknowledged
+    links.sent.clear()
+    roles.acknowledged(2, 1)
+    assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]  # not at the next tick

@@ -6,22 +6,20 @@ hand-off is retried once, resuming after the tokens already streamed (the new at
 prompt + those tokens), so a client never sees a token twice. A request that goes silent past
 its deadline, or whose client goes away, is aborted on every worker it touched.
 
-Workers are polled for stats every `stats_interval_s`; the replies feed /admin/workers, the
-metrics and the policies.
-
-Liveness: every `heartbeat_interval_s` the core pings each worker's heartbeat socket (answered by
-a thread of the worker, so a long engine step does not look like death). A worker silent for
-`liveness_timeout_s`, or whose main loop has not turned for `stuck_timeout_s`, is taken out of
-routing, and every request it was part of is recovered: the other worker of the pair is told to
-abort, and the request is dispatched again (a new attempt id), resuming after the tokens already
-streamed — at most `max_recoveries` times, then a clear 503. With no healthy worker of a needed
-role, a request runs whole on any healthy worker (counted, and in its timeline); with none at
-all it fails at once. A worker that answers again rejoins routing.
+Workers are polled for stats every `stats_interval_s`; the replies feed /admin/workers, the metrics
+and the policies (`roles`: a dispatch or a changed thread count samples the split). Liveness: every
+`heartbeat_interval_s` the core pings each worker's heartbeat socket (a thread of the worker
+answers: a long engine step is not death). A worker silent for `liveness_timeout_s`, or whose main
+loop has not turned for `stuck_timeout_s`, is taken out of routing, and every request it was part of
+is recovered: the other worker of the pair is told to abort, and the request is dispatched again (a
+new attempt id), resuming after the tokens already streamed — at most `max_recoveries` times, then a
+clear 503. With no healthy worker of a needed role, a request runs whole on any healthy one
+(counted, in its timeline); with none it fails at once. A worker that answers rejoins routing.
 
 This module is the request's life: generate, dispatch, failure and recovery. The rest lives
 beside it: `delivery` (tokens in order to the client, transfer reports), `links` (sockets,
-pools, stats), `routing` (plan, admission, pick; its decisions are `decide`'s),
-`liveness` (heartbeats, calling back `worker_down`), `roles` (role switching, autobalance),
+pools, stats), `routing` (plan, admission, pick; its decisions are `decide`'s), `liveness`
+(heartbeats, calling back `worker_down`), `roles` (role switching, autobalance, threads),
 `timeline` and `timelines` (the event vocabulary; kept timelines, scored predictions) and
 `events` (counters and metrics in one sink).
 """
@@ -307,6 +305,7 @@ class RouterCore:
         flight.p_done, flight.held = False, []  # a new attempt starts from P again
         prompt = flight.prompt_ids + flight.sent  # a retry resumes after what was streamed
         self.routing.route(flight, prompt, admit, only, kind)
+        self.roles.dispatched()  # a thread count it moves goes to P before the prompt
         assert flight.pair is not None
         self.pool_feedback.expect(flight, prompt)
         params = flight.params.to_wire()
@@ -380,7 +379,8 @@ class RouterCore:
                 self._send(w, m.Hello("router"))
             return
         if isinstance(msg, m.Stats):
-            w.stats = WorkerStats.from_report(msg.stats)
+            before, w.stats = w.stats.threads, WorkerStats.from_report(msg.stats)
+            self.roles.acknowledged(before, w.stats.threads)
             w.load.spec = w.stats.spec_per_step()
             if w.hb is None:  # with a heartbeat socket, health is the heartbeat's call
                 w.healthy = True

@@ -94,6 +94,18 @@ class Roles:
                 raise RequestError(f"worker {w.worker_id} did not switch roles", 409, "conflict")
             await asyncio.sleep(0.02)
 
+    def dispatched(self) -> None:
+        """A prompt was booked on its workers: the thread mover samples at once
+        (`ThreadMover.poke`), so a count it changes reaches P before the prompt does."""
+        if self.threads is not None:
+            self.threads.poke()
+
+    def acknowledged(self, before: int | None, after: int | None) -> None:
+        """A worker reported its thread count: a changed one lets the grows that waited on it go
+        at once rather than at the next sample."""
+        if self.threads is not None and before != after:
+            self.threads.poke()
+
     def pool_sample(self, now: float) -> balancer.PoolSample:
         """The autobalancer's view of the pools (an empty pool's work runs on the other)."""
         assert self.planner is not None

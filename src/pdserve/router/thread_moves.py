@@ -3,8 +3,10 @@
 target and sends `SetThreads` in hand-over order (`threads.handover`). A worker applies it
 between engine steps and answers with its stats, whose `threads` the next sample reads as the
 acknowledgement (and the planner's predictions for that worker scale to it,
-`WorkerLoad.slowness`). Each change of the split is counted (`thread_moves_to_{prefill,decode}`,
-`pdserve_thread_moves_total`); each worker's count is `pdserve_worker_threads`."""
+`WorkerLoad.slowness`). The router also samples at once when it dispatches a prompt and when a
+worker acknowledges a new count (`poke`). Each change of the split is counted
+(`thread_moves_to_{prefill,decode}`, `pdserve_thread_moves_total`); each worker's count is
+`pdserve_worker_threads`."""
 
 from __future__ import annotations
 
@@ -92,6 +94,12 @@ class ThreadMover:
             "workers": {w.worker_id: w.stats.threads for w in self.links.workers},
             "moves": {k: v for k, v in self.events.counters.items() if "thread_moves" in k},
         }
+
+    def poke(self) -> None:
+        """Sample now, not at the next tick: a prompt just booked on P (its `SetThreads` then
+        precedes the prompt on P's socket, so the prompt's first chunk runs on the new count),
+        or a worker that acknowledged a count (the grow waiting on that shrink goes at once)."""
+        self.tick(time.monotonic())
 
     async def run(self) -> None:
         while True:

@@ -37,7 +37,8 @@ the tokens of running requests are late at once, a queued prompt still has its T
 either must hold for `sustain_s`, and after a move nothing moves for `cooldown_s`.
 
 `handover`: shrinking workers are told first; a growing worker gets its new count only once no
-worker is above its target any more, so in `split` the host never runs more threads than cores.
+worker is above its target any more, so in `split` the host never runs more threads than cores;
+a hold's (D told 0) grow goes with it, the two overlapping for at most D's step in progress.
 
 `price`: the planner learns, each sample, the threads a prompt sent to each worker would
 prefill on (`prefill_threads`), which differ from those it runs now.
@@ -109,11 +110,15 @@ def decode_slack(decode: Sequence[WorkerLoad], planner: SloPlanner, now: float) 
         step = planner.model.decode_step_s(max(1, batch), ctx) * w.slowness
         for j in w.decoding():
             tokens = j.generated + j.remaining
-            if tokens < 2:
+            if tokens < 2 or j.first_at is None:
+                # P has not sent its first token: its TPOT has not started, and the prefill a
+                # hold speeds up is the one it waits for (counted at its full budget, a prompt
+                # with a 4-token answer left D 0.26 s of slack and P prefilled it on one thread)
                 continue
             # waiting for P's KV: its clock started at P's first token, a transfer ago
-            ran = now - j.first_at if j.first_at is not None else 0.0
-            slack = min(slack, planner.slo_tpot_s * (tokens - 1) - ran - j.remaining * step)
+            slack = min(
+                slack, planner.slo_tpot_s * (tokens - 1) - (now - j.first_at) - j.remaining * step
+            )
     return slack
 
 
@@ -271,9 +276,15 @@ def share(workers: Sequence[str], cores: int) -> dict[str, int]:
 
 def handover(current: Mapping[str, int], targets: Mapping[str, int]) -> dict[str, int]:
     """The `SetThreads` to send now: every shrink; the grows once no worker is above its
-    target (the shrinks have been applied), so the cores are freed before they are taken."""
+    target (the shrinks have been applied), so the cores are freed before they are taken.
+
+    Except behind a hold: a worker told 0 frees its cores when its step in progress ends (a D's
+    decode step, tens of ms), and the worker growing into them (P, with a prompt just sent) would
+    otherwise wait for that acknowledgement and the next sample, starting the prompt's first
+    chunk on its old count (256 tokens on one thread: about 1 s of the seeds' 2000-token prompt,
+    half of it lost)."""
     changes = {w: n for w, n in targets.items() if current.get(w) != n}
-    shrinking = any(current.get(w, 0) > n for w, n in targets.items())
-    if shrinking:
-        return {w: n for w, n in changes.items() if current.get(w, 0) > n}
-    return changes
+    shrinking = [w for w, n in targets.items() if current.get(w, 0) > n]
+    if shrinking and any(targets[w] > 0 for w in shrinking):
+        return {w: n for w, n in changes.items() if w in shrinking}
+    return {**{w: changes[w] for w in shrinking}, **changes}  # the hold is sent first
