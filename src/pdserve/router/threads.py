@@ -24,17 +24,19 @@ one thread, or held), in one of four states:
                  while P is idle: every request starts with a prefill, and a prompt's step
                  runs on the threads it started with (one step can be the whole prompt)
 
-`decode_slack` is the least, over D's decoding requests, of the TPOT SLO's time for their
-tokens minus the time they have decoded and the steps they still need: what a pause costs
-nobody. A request D prefills itself leaves no slack (its TTFT runs).
+`decode_slack` is the least, over D's decoding requests, of the TPOT SLO's time for their tokens
+minus the time they have decoded and the steps they still need: what a pause costs nobody. A
+request D prefills itself leaves no slack (its TTFT runs); one P has not sent a first token for
+does not count (its TPOT has not started).
 
-A parked pool that gets work returns to `split` at the next sample (no sustain): the host runs
-one thread more than it has cores for at most one sample interval plus one engine step, the
-bounded hand-over. In `split`, `p_cores` moves one core at a time, with hysteresis so it does
-not flap: a core moves to P when P's queue is over `high` of the TTFT SLO while D's TPOT headroom
-use is under `low` (D has slack), and back to D as soon as D's is over `high` (decode first:
-the tokens of running requests are late at once, a queued prompt still has its TTFT budget);
-either must hold for `sustain_s`, and after a move nothing moves for `cooldown_s`.
+A parked pool that gets work returns to `split` at the next sample (no sustain; the router
+samples when it dispatches a prompt): the host runs one thread more than it has cores for at
+most one sample interval plus one engine step, the bounded hand-over. In `split`, `p_cores`
+moves one core at a time, with hysteresis so it does not flap: a core moves to P when P's queue
+is over `high` of the TTFT SLO while D's TPOT headroom use is under `low` (D has slack), and
+back to D as soon as D's is over `high` (decode first: the tokens of running requests are late
+at once, a queued prompt still has its TTFT budget); either must hold for `sustain_s`, and after
+a move nothing moves for `cooldown_s`.
 
 `handover`: shrinking workers are told first; a growing worker gets its new count only once no
 worker is above its target any more, so in `split` the host never runs more threads than cores;
