@@ -226,18 +226,20 @@ def test_adaptive_composes_1p1d_default_slos_overflow_and_the_thread_policy() ->
     assert yaml.planner.disaggregation == "overflow" and yaml.topology.host_cores() == 3
 
 
-def test_adaptive_chunks_ps_prompts_so_a_thread_move_reaches_a_prompt_under_way() -> None:
+def test_adaptive_chunks_ds_prompts_and_leaves_ps_budget_to_the_thread_mover() -> None:
     d = flags.deployment(serve_args("--adaptive"))
-    assert d.engine_args("prefill")["max_num_batched_tokens"] == ADAPTIVE_PREFILL_CHUNK
-    # D too: stall-free sizes its chunks beside decodes, but with none running it took a whole
-    # prompt in one step, deaf to thread moves and hand-offs meanwhile
+    # stall-free sizes D's chunks beside decodes, but with none running it took a whole prompt
+    # in one step, deaf to thread moves and hand-offs meanwhile
     assert d.engine_args("decode")["max_num_batched_tokens"] == ADAPTIVE_PREFILL_CHUNK
-    assert sim_deploy.Deployment.of(d, hardware="cpu").prefill_batched_tokens == 256
+    # P keeps the shared budget: the mover caps its steps while it is short of cores
+    assert "max_num_batched_tokens" not in d.engine_args("prefill")
+    assert sim_deploy.Deployment.of(d, hardware="cpu").prefill_batched_tokens is None
+    assert plan.thread_policy(d).grain_tokens == ADAPTIVE_PREFILL_CHUNK
     smaller = flags.deployment(serve_args("--adaptive", "--max-num-batched-tokens", "128"))
-    assert smaller.engine_args("prefill")["max_num_batched_tokens"] == 128
-    own = Deployment(roles={"prefill": {"max_num_batched_tokens": 1024}},
+    assert smaller.engine_args("decode")["max_num_batched_tokens"] == 128
+    own = Deployment(roles={"decode": {"max_num_batched_tokens": 1024}},
                      planner=PlannerConfig(adaptive=True))  # fmt: skip
-    assert own.roles["prefill"]["max_num_batched_tokens"] == 1024
+    assert own.roles["decode"]["max_num_batched_tokens"] == 1024
     assert "max_num_batched_tokens" not in flags.deployment(serve_args()).engine_args("prefill")
 
 

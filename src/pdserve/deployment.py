@@ -51,10 +51,10 @@ DISAGGREGATIONS = ("auto", "conditional", "always", "overflow")
 # `--adaptive` without SLOs: the tighter of the RAG-small SLO sets of issue 45 for TTFT, a reading
 # pace for TPOT (10 tokens/s)
 ADAPTIVE_SLO_TTFT_S, ADAPTIVE_SLO_TPOT_S = 2.0, 0.1
-# `--adaptive`: P's and D's step budget. A new thread count applies from a worker's next step, so a
-# whole 900-token prompt in one step kept the count it started with (one of two cores) after D
-# went idle; at 256 tokens a move reaches P within ~0.3 s (a 900-token prompt on one thread in
-# 256-token chunks: 0.91x the one-step time, median of 8: no cost above the noise)
+# `--adaptive`: D's step budget, and P's while it is short of the host's cores (the thread
+# policy's `grain_tokens`; with every core P runs the shared budget). A new thread count applies
+# from a worker's next step, so a whole 900-token prompt in one step kept the count it started
+# with (one of two cores) after D went idle; at 256 tokens a move reaches P within ~0.3 s
 ADAPTIVE_PREFILL_CHUNK = 256
 
 
@@ -206,22 +206,17 @@ def adapted(p: PlannerConfig, t: Topology, ray: RayConfig | None) -> PlannerConf
 def chunked_prefill(
     roles: dict[str, dict[str, Any]], engine: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
-    """`adaptive`'s role overrides: P's and D's steps at most ADAPTIVE_PREFILL_CHUNK tokens,
-    unless the role sets its own budget (a smaller shared one stays). D's stall-free budget
-    sizes its chunks beside decodes; with none running it took a whole prompt in one step (a
-    2000-token one: 5 s without reading a message, a hold among them)."""
-    budget = adaptive_prefill_budget(engine.get("max_num_batched_tokens"))
-    out = dict(roles)
-    for role in ("prefill", "decode"):
-        own = roles.get(role, {})
-        if "max_num_batched_tokens" not in own:
-            out[role] = {**own, "max_num_batched_tokens": budget}
-    return out
-
-
-def adaptive_prefill_budget(shared: int | None) -> int:
-    """P's step budget under `adaptive` beside a shared one (the served and simulated P's)."""
-    return min(shared or ADAPTIVE_PREFILL_CHUNK, ADAPTIVE_PREFILL_CHUNK)
+    """`adaptive`'s role override: D's steps at most ADAPTIVE_PREFILL_CHUNK tokens, unless the
+    role sets its own budget (a smaller shared one stays). D's stall-free budget sizes its
+    chunks beside decodes; with none running it took a whole prompt in one step (a 2000-token
+    one: 5 s without reading a message, a hold among them). P keeps the shared budget: the
+    thread mover caps its steps while it is short of cores (`SetThreads.step_tokens`)."""
+    shared = engine.get("max_num_batched_tokens")
+    own = roles.get("decode", {})
+    if "max_num_batched_tokens" in own:
+        return roles
+    budget = min(shared or ADAPTIVE_PREFILL_CHUNK, ADAPTIVE_PREFILL_CHUNK)
+    return {**roles, "decode": {**own, "max_num_batched_tokens": budget}}
 
 
 def threads_for_cpus(cpus: float) -> int:

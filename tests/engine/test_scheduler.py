@@ -88,6 +88,26 @@ def test_chunked_prefill_splits_long_prompt_and_samples_on_last_chunk() -> None:
     assert_no_leaks(s)
 
 
+def test_a_step_cap_set_between_steps_chunks_a_prompt_finer_and_none_restores_the_budget() -> None:
+    s = make_scheduler(budget=16)
+    req = make_request("long", prompt_len=30, max_tokens=2)
+    s.add_request(req)
+    s.step_tokens = 4  # the thread mover's cap: a worker short of the host's cores
+    assert scheduled(step(s)) == {"long": 4}
+    assert scheduled(step(s)) == {"long": 4}
+    s.step_tokens = None  # every core: the whole budget again
+    assert scheduled(step(s)) == {"long": 16}
+    s.step_tokens = 64  # a cap above the budget changes nothing
+    assert scheduled(step(s)) == {"long": 6}
+    run_to_completion(s)
+    assert_no_leaks(s)
+    # without chunked prefill a prompt runs whole or not at all: no cap may starve it
+    whole = make_scheduler(budget=32, chunked=False)
+    whole.add_request(make_request("w", prompt_len=30, max_tokens=2))
+    whole.step_tokens = 4
+    assert scheduled(step(whole)) == {"w": 30}
+
+
 def _start_decodes(s: Scheduler, n: int = 3, max_tokens: int = 30) -> list[Request]:
     decs = [make_request(f"d{i}", prompt_len=2, max_tokens=max_tokens) for i in range(n)]
     add(s, *decs)

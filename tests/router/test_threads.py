@@ -222,10 +222,19 @@ def test_a_request_waiting_for_ps_kv_leaves_d_idle_so_p_keeps_the_cores() -> Non
 def test_a_worker_refuses_a_thread_count_out_of_range_and_holds_its_steps_at_zero() -> None:
     from pdserve.workers.worker import Worker
 
-    fake = SimpleNamespace(counters=collections.Counter(), held=False)
+    scheduler = SimpleNamespace(step_tokens=None)
+    fake = SimpleNamespace(
+        counters=collections.Counter(), held=False, engine=SimpleNamespace(scheduler=scheduler)
+    )
     for bad in (-1, 10**6):
         with pytest.raises(ValueError, match="threads must be in"):
             Worker.set_threads(fake, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="step_tokens=-1"):
+        Worker.set_threads(fake, 1, -1)  # type: ignore[arg-type]
+    Worker.set_threads(fake, 1, 256)  # type: ignore[arg-type]  # short of the cores: small steps
+    assert scheduler.step_tokens == 256
+    Worker.set_threads(fake, 1, 0)  # type: ignore[arg-type]  # the engine's own budget again
+    assert scheduler.step_tokens is None
     import torch
 
     before = torch.get_num_threads()
@@ -395,3 +404,65 @@ def test_a_dispatch_and_an_acknowledged_count_sample_the_split_at_once() -> None
     links.sent.clear()
     roles.acknowledged(2, 1)
     assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]  # not at the next tick
+
+
+def test_a_worker_short_of_the_cores_takes_small_steps_and_one_with_them_all_its_budget() -> None:
+    policy = ThreadPolicy(cores=2, grain_tokens=256)
+    assert policy.step_tokens({"P0": 1, "D0": 1}) == {"P0": 256, "D0": 256}
+    assert policy.step_tokens({"P0": 2, "D0": 0}) == {"P0": 0, "D0": 256}  # a hold: P's budget
+    with pytest.raises(ValueError, match="grain_tokens"):
+        ThreadPolicy(cores=2, grain_tokens=0)
+
+
+def test_a_hold_must_outlast_ps_longest_prompt_which_may_run_as_one_step() -> None:
+    def busy(slack: float, step: float) -> ThreadSample:
+        return ThreadSample(PoolSample(0.5, 0.1, 1, 1), P, D, False, False, slack, step)
+
+    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    assert policy.observe(0.0, busy(5.0, 0.0)) == {"P0": 2, "D0": 0}  # 5 s > twice the reserve
+    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    # a 3.5 s prompt P may take in one step: 5 s of slack does not cover it and the reserve
+    assert policy.observe(0.0, busy(5.0, 3.5)) == {"P0": 1, "D0": 1}
+    assert policy.prefill_threads(busy(5.0, 3.5)) == {"P0": 1, "D0": 1}
+    assert policy.observe(0.1, busy(6.0, 3.5)) == {"P0": 2, "D0": 0}
+    # held, the reserve is single: it lasts while the slack covers the step and one reserve
+    assert policy.observe(0.2, busy(4.6, 3.5)) == {"P0": 2, "D0": 0}
+    assert policy.observe(0.3, busy(4.4, 3.5)) == {"P0": 1, "D0": 1}
+
+
+def test_the_sample_carries_ps_longest_prompt_owed() -> None:
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)))
+    p = WorkerLoad("P0")
+    p.add(Job("r1", 0.8, 0, 0, False, 0.0))
+    p.add(Job("r2", 2.5, 0, 0, False, 0.0))
+    assert threads.sample({"P0": p}, {"D0": WorkerLoad("D0")}, planner, 0.1).prefill_step_s == 2.5
+    p.first_token("r2", 0.2)  # its first token came: nothing more owed
+    assert threads.sample({"P0": p}, {"D0": WorkerLoad("D0")}, planner, 0.3).prefill_step_s == 0.8
+
+
+def test_the_mover_sends_each_count_with_its_step_cap() -> None:
+    links, events = FakeLinks(), RouterEvents()
+    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)), slo_tpot_s=0.1)
+    policy = ThreadPolicy(cores=2, park_after_s=10.0, grain_tokens=128)
+    for w in links.workers:
+        w.stats = WorkerStats(threads=1)
+    mover = ThreadMover(links, events, planner, policy)  # type: ignore[arg-type]
+    mover.tick(0.0)  # the split at start-up: no count changes, the caps go on their own
+    assert [(w, msg.threads, msg.step_tokens) for w, msg in links.sent] == [
+        ("P0", 1, 128),
+        ("D0", 1, 128),
+    ]
+    links.ack()
+    mover.tick(0.1)
+    assert links.sent == []  # sent once, not every sample
+    links.find("D0").load.add(Job("r1", 0.0, 100, 60, True, 0.0, first_at=0.0))
+    links.find("P0").load.add(Job("r2", 0.5, 0, 0, False, 0.1))
+    mover.tick(0.2)  # D holds: P takes every core and its whole budget with them
+    assert [(w, msg.threads, msg.step_tokens) for w, msg in links.sent] == [
+        ("D0", 0, 128),
+        ("P0", 2, 0),
+    ]
+    links.ack()
+    links.find("P0").load.first_token("r2", 0.3)
+    mover.tick(0.3)  # P gives the core back and takes small steps again
+    assert [(w, msg.threads, msg.step_tokens) for w, msg in links.sent] == [("P0", 1, 128)]

@@ -417,7 +417,6 @@ def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:
     does too unless told --no-admission, and admission stays opt-in elsewhere."""
     import argparse
 
-    from pdserve.deployment import ADAPTIVE_PREFILL_CHUNK
     from pdserve.sim import cli
 
     def deployment(*argv: str):  # type: ignore[no-untyped-def]
@@ -426,7 +425,9 @@ def test_adaptive_admits_as_the_served_adaptive_deployment_does() -> None:
         return cli.deployment_from_args(p.parse_args(["--hardware", "cpu", *argv]))
 
     assert deployment("--adaptive").admission
-    assert deployment("--adaptive").prefill_batched_tokens == ADAPTIVE_PREFILL_CHUNK  # as served
+    # as served: P's steps are the shared budget, capped by the thread mover while it is short
+    # of cores (`ThreadPolicy.step_tokens`)
+    assert deployment("--adaptive").prefill_batched_tokens is None
     assert deployment("--prefill", "1", "--decode", "1").prefill_batched_tokens is None
     assert not deployment("--adaptive", "--no-admission").admission
     assert not deployment("--prefill", "1", "--decode", "1", "--slo-ttft", "2").admission

@@ -26,6 +26,7 @@ SAMPLES = [
     m.Shutdown(),
     m.SetRole("decode"),
     m.SetThreads(3),
+    m.SetThreads(2, 256),
     m.Ping(7),
     m.Pong(7, "D0", 0.25),
     m.WorkerInfo("P0", "prefill", 1, "tcp://x", 16, 100, b"\x00" * 8, "m"),
@@ -127,3 +128,9 @@ def test_sampling_params_extras_travel_only_when_set() -> None:
         m.sampling_params({"max_tokens": 3, "presence_penalty": "high"})
     with pytest.raises(ValueError, match="logit_bias"):
         m.sampling_params({"max_tokens": 3, "logit_bias": [1, 2]})
+
+
+def test_a_set_threads_without_a_step_cap_keeps_the_engines_budget() -> None:
+    """A router that sends no `step_tokens` (the field came later) still decodes: 0."""
+    body = msgpack.packb({"v": m.VERSION, "t": "SetThreads", "threads": 2})
+    assert m.decode(body) == m.SetThreads(2, 0)

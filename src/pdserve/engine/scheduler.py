@@ -93,6 +93,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # A cap below the policy's budget on what one step computes (None: the budget), set
+        # between steps: under `--adaptive` a worker short of the host's cores takes small
+        # steps, so that cores moving to it apply soon (a step keeps the count it started on)
+        self.step_tokens: int | None = None
         self.num_fork_recomputes = 0
         self.num_draft_drops = 0  # decodes whose drafts found no free blocks (not verified)
         # Finished requests whose blocks are kept (`Request.hold_kv`) until `release_held`.
@@ -199,6 +203,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.policy.max_num_batched_tokens
+        if self.step_tokens and self.policy.enable_chunked_prefill:  # a whole prompt cannot wait
+            budget = min(budget, self.step_tokens)
         if self.policy.prefill_budget is not None:
             self._schedule_stall_free(out, budget, self.policy.prefill_budget)
         elif self.policy.decode_first:

@@ -36,7 +36,8 @@ class ThreadMover:
         self.links, self.events, self.planner, self.policy = links, events, planner, policy
         self.interval_s = interval_s
         self.targets: dict[str, int] = {}
-        self._sent: dict[str, tuple[int, float]] = {}  # worker -> (threads, when) last sent
+        # worker -> (threads, step_tokens, when) last sent
+        self._sent: dict[str, tuple[int, int, float]] = {}
         self.decode_slack_s = 0.0  # the last sample's (why D holds or not, on /admin/pools)
 
     def sample(self, now: float) -> ThreadSample:
@@ -61,14 +62,23 @@ class ThreadMover:
         )
         self._count(self.targets or _reported(self.links.workers), targets, s)
         self.targets = targets
-        for worker_id, n in handover(current, targets).items():
+        steps = self.policy.step_tokens(targets)
+        moves = handover(current, targets)
+        for w, n in targets.items():  # a step cap not sent yet (at start-up) goes on its own
+            if (
+                w not in moves
+                and current.get(w) == n
+                and self._sent.get(w, ())[:2] != (n, steps[w])
+            ):
+                moves[w] = n
+        for worker_id, n in moves.items():
             sent = self._sent.get(worker_id)
-            if sent is not None and sent[0] == n and now - sent[1] < RESEND_S:
+            if sent is not None and sent[:2] == (n, steps[worker_id]) and now - sent[2] < RESEND_S:
                 continue
             found = self.links.find(worker_id)
             if found is not None:
-                self.links.send(found, m.SetThreads(n))
-                self._sent[worker_id] = (n, now)
+                self.links.send(found, m.SetThreads(n, steps[worker_id]))
+                self._sent[worker_id] = (n, steps[worker_id], now)
 
     def _count(
         self, before_: Mapping[str, int | None], targets: dict[str, int], s: ThreadSample
@@ -105,6 +115,10 @@ class ThreadMover:
         while True:
             await asyncio.sleep(self.interval_s)
             self.tick(time.monotonic())
+
+
+def _unsent(sent: Mapping[str, tuple[int, int, float]], w: str, n: int, step: int) -> bool:
+    return sent.get(w, (None, None))[:2] != (n, step)
 
 
 def _reported(workers: Any) -> dict[str, int | None]:

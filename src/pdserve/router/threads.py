@@ -31,12 +31,13 @@ does not count (its TPOT has not started).
 
 A parked pool that gets work returns to `split` at the next sample (no sustain; the router
 samples when it dispatches a prompt): the host runs one thread more than it has cores for at
-most one sample interval plus one engine step, the bounded hand-over. In `split`, `p_cores`
-moves one core at a time, with hysteresis so it does not flap: a core moves to P when P's queue
-is over `high` of the TTFT SLO while D's TPOT headroom use is under `low` (D has slack), and
-back to D as soon as D's is over `high` (decode first: the tokens of running requests are late
-at once, a queued prompt still has its TTFT budget); either must hold for `sustain_s`, and after
-a move nothing moves for `cooldown_s`.
+most one sample interval plus one engine step, the bounded hand-over (`step_tokens`: a worker
+short of the host's cores steps `grain_tokens`, one with them all its whole budget, which a
+hold's reserve covers). In `split`, `p_cores` moves one core at a time, with hysteresis so it
+does not flap: a core moves to P when P's queue is over `high` of the TTFT SLO while D's TPOT
+headroom use is under `low` (D has slack), and back to D as soon as D's is over `high` (decode
+first: the tokens of running requests are late at once, a queued prompt still has its TTFT
+budget); either must hold for `sustain_s`, and after a move nothing moves for `cooldown_s`.
 
 `handover`: shrinking workers are told first; a growing worker gets its new count only once no
 worker is above its target any more, so in `split` the host never runs more threads than cores;
@@ -69,6 +70,9 @@ class ThreadSample:
     prefill_idle: bool  # no prompt queued or computing on any P
     decode_idle: bool  # nothing decoding or prefilling on any D (waiting for P's KV is idle)
     decode_slack_s: float = 0.0  # how long D's decoding could pause within TPOT (`decode_slack`)
+    # P's longest prompt owed (predicted s): with every core P may run it as one step, which a
+    # hold must outlast
+    prefill_step_s: float = 0.0
 
 
 def sample(
@@ -92,6 +96,7 @@ def sample(
             j.prefill_s > 0 or j.first_at is not None for w in d for j in w.jobs.values()
         ),
         decode_slack_s=decode_slack(d, planner, now),
+        prefill_step_s=max((j.prefill_s for w in p for j in w.jobs.values()), default=0.0),
     )
 
 
@@ -135,6 +140,10 @@ class ThreadPolicy:
     # D holds (`hold_decode`) while its slack is over this, resumes under it, and holds again
     # only above twice it; it covers a sample interval, P's step in progress and the hand-over
     hold_reserve_s: float = 1.0
+    # a worker short of the host's cores steps at most this many tokens, so cores moving to it
+    # apply within ~0.3 s; with every core it runs its engine's own budget (a 2000-token prompt
+    # in 256-token steps took 1.15-1.2x its time in one, streamed to D chunk by chunk)
+    grain_tokens: int = 256
     p_cores: int | None = None  # P's share in `split`; None: half the cores (rounded down)
     # the threads the planner's cost model was profiled at: predictions scale from it
     profiled_threads: int = 1
@@ -152,6 +161,8 @@ class ThreadPolicy:
             raise ValueError(f"need 0 <= low < high, got low={self.low}, high={self.high}")
         if min(self.sustain_s, self.cooldown_s, self.park_after_s, self.hold_reserve_s) < 0:
             raise ValueError("sustain_s, cooldown_s, park_after_s, hold_reserve_s must be >= 0")
+        if self.grain_tokens < 1:
+            raise ValueError(f"grain_tokens must be >= 1, got {self.grain_tokens}")
         if self.p_cores is None:
             self.p_cores = self.cores // 2
 
@@ -186,8 +197,7 @@ class ThreadPolicy:
         share (and P drops to its own). The planner prices prefills at these (`price`)."""
         n_d = len(s.decode)
         p_split = self.split_share(s)
-        reserve = self.hold_reserve_s * (1 if self.state == "hold_decode" else 2)
-        can_hold = p_split >= self.cores - n_d and s.decode_slack_s > reserve
+        can_hold = p_split >= self.cores - n_d and s.decode_slack_s > self._reserve(s)
         p = self.cores if s.decode_idle or can_hold else p_split
         d = self.cores if s.prefill_idle else self.cores - p_split
         return {**share(s.prefill, p), **share(s.decode, d)}
@@ -208,8 +218,17 @@ class ThreadPolicy:
         assert self.p_cores is not None
         if s.prefill_idle or s.decode_idle or self.p_cores < self.cores - len(s.decode):
             return False  # P idle, D idle (a lend), or `split` can still give P a core
-        reserve = self.hold_reserve_s * (1 if self.state == "hold_decode" else 2)
-        return s.decode_slack_s > reserve
+        return s.decode_slack_s > self._reserve(s)
+
+    def _reserve(self, s: ThreadSample) -> float:
+        """The slack a hold needs: the reserve (twice it to start one, so holds do not flap)
+        and P's step in progress, up to a whole prompt on every core."""
+        return self.hold_reserve_s * (1 if self.state == "hold_decode" else 2) + s.prefill_step_s
+
+    def step_tokens(self, targets: Mapping[str, int]) -> dict[str, int]:
+        """Each worker's step cap for its target count (`SetThreads.step_tokens`): the grain
+        while it is short of the host's cores, its own budget (0) once it has them all."""
+        return {w: 0 if n >= self.cores else self.grain_tokens for w, n in targets.items()}
 
     def _idle_for(self, now: float, pool: str, idle: bool) -> float:
         if not idle:

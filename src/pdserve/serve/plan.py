@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from pdserve.costmodel.model import CostModel
-from pdserve.deployment import Deployment
+from pdserve.deployment import ADAPTIVE_PREFILL_CHUNK, Deployment
 from pdserve.launcher import WorkerSpec
 from pdserve.router.core import RouterCore
 from pdserve.router.slo import CALIBRATION_PROBES, SloPlanner
@@ -154,7 +154,11 @@ def thread_policy(d: Deployment) -> ThreadPolicy:
     """`--adaptive`'s thread policy over the host's cores, and the start-up line saying what
     the mode composed."""
     cores, p = d.topology.host_cores(), d.planner
-    policy = ThreadPolicy(cores=cores, profiled_threads=d.topology.worker_threads())
+    policy = ThreadPolicy(
+        cores=cores,
+        profiled_threads=d.topology.worker_threads(),
+        grain_tokens=ADAPTIVE_PREFILL_CHUNK,
+    )
     log.info(
         "adaptive: 1 prefill + 1 decode worker sharing %d cores (threads move between them, "
         "starting %d + %d); stall-free decode within TPOT %gs; D prefills when P would break "

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdserve import argtypes
 from pdserve.config import CacheConfig, RouterConfig
-from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S, adaptive_prefill_budget
+from pdserve.deployment import ADAPTIVE_SLO_TPOT_S, ADAPTIVE_SLO_TTFT_S
 from pdserve.deployment import Deployment as ServedDeployment
 from pdserve.sim import hardware, spec
 from pdserve.sim.closedloop import ClosedLoop
@@ -240,10 +240,6 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         link_gbps=args.link_gbps,
         per_message_s=args.per_message_ms / 1e3,
         max_batched_tokens=args.max_batched_tokens,
-        # as the served deployment chunks P's prompts (deployment.chunked_prefill)
-        prefill_batched_tokens=adaptive_prefill_budget(args.max_batched_tokens)
-        if adaptive
-        else None,
         max_num_seqs=args.max_num_seqs,
         slo_ttft_s=args.slo_ttft,
         slo_tpot_s=args.slo_tpot,

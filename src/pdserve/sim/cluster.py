@@ -367,10 +367,12 @@ class Simulation:
         targets = self.thread_policy.observe(self.now, s)
         if self.thread_policy.moves != moves and self.threads:
             self.count("thread_moves")
+        steps = self.thread_policy.step_tokens(targets)
         for wid, n in targets.items():
             self.threads[wid] = n
             base = self.thread_policy.profiled_threads
             w = self.byid[wid]
+            w.sched.step_tokens = steps[wid] or None  # as the served worker's `SetThreads`
             if n == 0 and not w.held:
                 self.count("decode_holds")
             w.hold(n == 0)  # 0: D holds its steps (`hold_decode`); its threads stay as they were

@@ -144,9 +144,12 @@ class SetThreads:
     """Run the engine on `threads` torch intra-op threads from the next engine step on (the
     router's thread mover, router/threads.py); 0: hold engine steps (KV still received) until
     a count above 0. Answered with Stats, whose `threads` (0 while held) is the
-    acknowledgement."""
+    acknowledgement. `step_tokens` caps what one engine step computes from then on (0: the
+    engine's own budget): small steps while a worker is short of the host's cores, so that
+    cores moving to it apply soon; whole-budget steps once it has them all."""
 
     threads: int
+    step_tokens: int = 0
 
 
 # ---- worker -> router/client ------------------------------------------------------------------

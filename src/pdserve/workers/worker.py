@@ -231,7 +231,7 @@ class Worker:
             self.counters["role_switches"] += 1
             self._send(client, self.info())
         elif isinstance(msg, m.SetThreads):
-            self.set_threads(msg.threads)
+            self.set_threads(msg.threads, msg.step_tokens)
             self._send(client, m.Stats(self.stats()))
         elif isinstance(msg, m.Shutdown):
             self.running = False
@@ -243,12 +243,14 @@ class Worker:
             self.slow_steps -= 1 if self.slow_steps > 0 else 0  # -1: every step
             time.sleep(self.slow_s)
 
-    def set_threads(self, n: int) -> None:
+    def set_threads(self, n: int, step_tokens: int = 0) -> None:
         """Applied between engine steps: one in progress (a prefill chunk too) ends on the old
         count. Our kernels read at::get_num_threads per call: nothing caches it. 0 holds the
-        steps (`hold_decode`: KV still arrives, messages are answered) until a count above 0."""
-        if not 0 <= n <= MAX_THREADS:
-            raise ValueError(f"threads must be in 0..{MAX_THREADS}, got {n}")
+        steps (`hold_decode`: KV still arrives, messages are answered) until a count above 0;
+        `step_tokens` caps the engine's steps from the next on (0: its own budget)."""
+        if not (0 <= n <= MAX_THREADS and step_tokens >= 0):
+            raise ValueError(f"threads must be in 0..{MAX_THREADS}, got {n} ({step_tokens=})")
+        self.engine.scheduler.step_tokens = step_tokens or None
         if (n == 0) != self.held:
             self.held = n == 0
             self.counters["step_holds" if self.held else "step_resumes"] += 1
