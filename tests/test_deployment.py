@@ -235,6 +235,8 @@ def test_adaptive_chunks_ds_prompts_and_leaves_ps_budget_to_the_thread_mover() -
     assert "max_num_batched_tokens" not in d.engine_args("prefill")
     assert sim_deploy.Deployment.of(d, hardware="cpu").prefill_batched_tokens is None
     assert plan.thread_policy(d).grain_tokens == ADAPTIVE_PREFILL_CHUNK
+    # the KV goes after each prompt: streamed, D's receive ran on the cores P computes on
+    assert not d.worker.stream_kv and flags.deployment(serve_args()).worker.stream_kv
     smaller = flags.deployment(serve_args("--adaptive", "--max-num-batched-tokens", "128"))
     assert smaller.engine_args("decode")["max_num_batched_tokens"] == 128
     own = Deployment(roles={"decode": {"max_num_batched_tokens": 1024}},

@@ -245,6 +245,9 @@ class Deployment:
                                  "use transport tcp, ipc or shm")  # fmt: skip
             object.__setattr__(self, "planner", adapted(self.planner, self.topology, self.ray))
             object.__setattr__(self, "roles", chunked_prefill(self.roles, self.engine))
+            # P sends a prompt's KV after it, not layer by layer: D's receive would run on the
+            # cores P computes on (a lone 2000-token prompt, paired: 0.94x the streamed time)
+            object.__setattr__(self, "worker", dataclasses.replace(self.worker, stream_kv=False))
         for role, overrides in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"roles: {role!r} is not one of {', '.join(ROLES)}")
