@@ -418,9 +418,9 @@ def test_a_hold_must_outlast_ps_longest_prompt_which_may_run_as_one_step() -> No
     def busy(slack: float, step: float) -> ThreadSample:
         return ThreadSample(PoolSample(0.5, 0.1, 1, 1), P, D, False, False, slack, step)
 
-    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0, profiled_threads=2)
     assert policy.observe(0.0, busy(5.0, 0.0)) == {"P0": 2, "D0": 0}  # 5 s > twice the reserve
-    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0)
+    policy = ThreadPolicy(cores=2, hold_reserve_s=1.0, profiled_threads=2)
     # a 3.5 s prompt P may take in one step: 5 s of slack does not cover it and the reserve
     assert policy.observe(0.0, busy(5.0, 3.5)) == {"P0": 1, "D0": 1}
     assert policy.prefill_threads(busy(5.0, 3.5)) == {"P0": 1, "D0": 1}
@@ -428,16 +428,25 @@ def test_a_hold_must_outlast_ps_longest_prompt_which_may_run_as_one_step() -> No
     # held, the reserve is single: it lasts while the slack covers the step and one reserve
     assert policy.observe(0.2, busy(4.6, 3.5)) == {"P0": 2, "D0": 0}
     assert policy.observe(0.3, busy(4.4, 3.5)) == {"P0": 1, "D0": 1}
+    # the step is priced at every core, not at P's threads of the moment (which hang on the
+    # hold): profiled at one thread, 3.5 s is 1.94 s on two, and 4.4 s of slack covers it twice
+    one = ThreadPolicy(cores=2, hold_reserve_s=1.0, profiled_threads=1)
+    assert one.observe(0.0, busy(4.4, 3.5)) == {"P0": 2, "D0": 0}
 
 
-def test_the_sample_carries_ps_longest_prompt_owed() -> None:
-    planner = SloPlanner(CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9)))
-    p = WorkerLoad("P0")
-    p.add(Job("r1", 0.8, 0, 0, False, 0.0))
-    p.add(Job("r2", 2.5, 0, 0, False, 0.0))
-    assert threads.sample({"P0": p}, {"D0": WorkerLoad("D0")}, planner, 0.1).prefill_step_s == 2.5
+def test_the_sample_carries_ps_longest_prompt_step_owed() -> None:
+    from pdserve.router import decide
+
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))  # 1 ms a prompt token
+    planner = SloPlanner(model, token_budget=2048)
+    p, d = WorkerLoad("P0"), WorkerLoad("D0")
+    decide.book(planner, "r1", (p, d), 800, 16, 0.0, None)
+    decide.book(planner, "r2", (p, d), 3000, 16, 0.0, None)  # two steps: the first is 2048
+    assert p.jobs["r2"].step_s == pytest.approx(2.048)
+    s = threads.sample({"P0": p}, {"D0": d}, planner, 0.1)
+    assert s.prefill_step_s == pytest.approx(2.048)
     p.first_token("r2", 0.2)  # its first token came: nothing more owed
-    assert threads.sample({"P0": p}, {"D0": WorkerLoad("D0")}, planner, 0.3).prefill_step_s == 0.8
+    assert threads.sample({"P0": p}, {"D0": d}, planner, 0.3).prefill_step_s == pytest.approx(0.8)
 
 
 def test_the_mover_sends_each_count_with_its_step_cap() -> None:

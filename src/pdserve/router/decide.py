@@ -169,10 +169,11 @@ def book(
     if pooled is None:
         pooled = pred.pooled_first if pred is not None else 0
     prefill = planner.prefill_time(tokens, cached, first, pooled)
+    step = planner.model.prefill_s(min(tokens - cached, planner.token_budget), cached)
     if second is None:
-        first.add(Job(rid, prefill, tokens, out, True, now, streams=streams))
+        first.add(Job(rid, prefill, tokens, out, True, now, streams=streams, step_s=step))
         return
-    first.add(Job(rid, prefill, 0, 0, False, now))
+    first.add(Job(rid, prefill, 0, 0, False, now, step_s=step))
     second.add(Job(rid, 0.0, tokens, out, True, now, streams=streams))
 
 

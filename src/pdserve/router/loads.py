@@ -22,6 +22,9 @@ class Job:
     first_at: float | None = None  # first token seen (decode starts)
     generated: int = 0
     streams: int = 1  # sequences decoding (n > 1: n choices forked from one prefill)
+    # its prefill's first step at the cost model's profiled threads (a whole token budget at
+    # most): what a worker given every core may still be computing when a hold ends
+    step_s: float = 0.0
 
 
 @dataclass

@@ -70,8 +70,8 @@ class ThreadSample:
     prefill_idle: bool  # no prompt queued or computing on any P
     decode_idle: bool  # nothing decoding or prefilling on any D (waiting for P's KV is idle)
     decode_slack_s: float = 0.0  # how long D's decoding could pause within TPOT (`decode_slack`)
-    # P's longest prompt owed (predicted s): with every core P may run it as one step, which a
-    # hold must outlast
+    # P's longest prompt step owed at the profile's threads (`Job.step_s`): with every core P
+    # may run a whole budget as one step, which a hold must outlast
     prefill_step_s: float = 0.0
 
 
@@ -96,7 +96,9 @@ def sample(
             j.prefill_s > 0 or j.first_at is not None for w in d for j in w.jobs.values()
         ),
         decode_slack_s=decode_slack(d, planner, now),
-        prefill_step_s=max((j.prefill_s for w in p for j in w.jobs.values()), default=0.0),
+        prefill_step_s=max(
+            (j.step_s for w in p for j in w.jobs.values() if j.prefill_s > 0), default=0.0
+        ),
     )
 
 
@@ -222,8 +224,10 @@ class ThreadPolicy:
 
     def _reserve(self, s: ThreadSample) -> float:
         """The slack a hold needs: the reserve (twice it to start one, so holds do not flap)
-        and P's step in progress, up to a whole prompt on every core."""
-        return self.hold_reserve_s * (1 if self.state == "hold_decode" else 2) + s.prefill_step_s
+        and P's step in progress, up to a whole budget on every core (priced at every core,
+        not at P's threads of the moment: those depend on the hold)."""
+        step = s.prefill_step_s * slowness(self.cores, self.profiled_threads)
+        return self.hold_reserve_s * (1 if self.state == "hold_decode" else 2) + step
 
     def step_tokens(self, targets: Mapping[str, int]) -> dict[str, int]:
         """Each worker's step cap for its target count (`SetThreads.step_tokens`): the grain
