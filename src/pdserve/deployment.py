@@ -246,7 +246,7 @@ class Deployment:
             object.__setattr__(self, "planner", adapted(self.planner, self.topology, self.ray))
             object.__setattr__(self, "roles", chunked_prefill(self.roles, self.engine))
             # P sends a prompt's KV after it, not layer by layer: D's receive would run on the
-            # cores P computes on (a lone 2000-token prompt, paired: 0.94x the streamed time)
+            # cores P computes on (a lone 2000-token prompt, paired: 0.94x / 0.99x streamed)
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, stream_kv=False))
         for role, overrides in self.roles.items():
             if role not in ROLES:

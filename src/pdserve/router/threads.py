@@ -143,8 +143,8 @@ class ThreadPolicy:
     # only above twice it; it covers a sample interval, P's step in progress and the hand-over
     hold_reserve_s: float = 1.0
     # a worker short of the host's cores steps at most this many tokens, so cores moving to it
-    # apply within ~0.3 s; with every core it runs its engine's own budget (a 2000-token prompt
-    # in 256-token steps took 1.15-1.2x its time in one, streamed to D chunk by chunk)
+    # apply within ~0.3 s; with every core it runs its engine's own budget (a lone 2000-token
+    # prompt in 256-token steps took 1.12-1.25x the colocated worker's time, in one 1.01-1.02x)
     grain_tokens: int = 256
     p_cores: int | None = None  # P's share in `split`; None: half the cores (rounded down)
     # the threads the planner's cost model was profiled at: predictions scale from it
