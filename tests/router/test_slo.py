@@ -441,3 +441,27 @@ def test_a_local_prefill_that_would_slow_ps_queue_past_ttft_is_a_miss_where_core
     assert short.miss is None
     remote = p.predict(3000, 50, Route("remote", "P0", "D0"), ls, {}, now=1.0)
     assert remote.miss == "slo_ttft"  # P's own queue; its prompts are not stretched
+
+
+def test_requests_reaching_d_during_the_answer_raise_its_predicted_tpot() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    route = Route("remote", "P0", "D0")
+    alone = p.predict(1000, 100, route, ls, {}, now=0.0)
+    busy = p.predict(1000, 100, route, ls, {}, now=0.0, decode_rate=0.5)
+    # 100 steps of ~22 ms: 0.5 a second join over 2.2 s, sharing half of it on average
+    extra = 0.5 * 100 * MODEL.decode_step_s(1, 1050) / 2
+    grow = MODEL.decode_step_s(1 + extra, int(1050 + extra * 1050)) - MODEL.decode_step_s(1, 1050)
+    assert busy.tpot_s == pytest.approx(alone.tpot_s + grow)
+    assert busy.ttft_s == alone.ttft_s
+
+
+def test_a_d_lent_every_core_decodes_new_requests_at_its_split_share() -> None:
+    p = planner()
+    ls = loads("P0", "D0")
+    route = Route("remote", "P0", "D0")
+    base = p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s
+    ls["D0"].slowness = 0.5  # two threads while P was idle
+    assert p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s < base
+    ls["D0"].decode_slowness = 1.0  # the thread mover's price: its one-thread share
+    assert p.predict(1000, 100, route, ls, {}, now=0.0).tpot_s == pytest.approx(base)

@@ -196,8 +196,10 @@ def test_the_movers_status_shows_ds_slack_and_none_while_nothing_decodes() -> No
     d = links.find("D0").load
     d.add(Job("r1", 0.0, 100, 49, True, 0.0, first_at=0.0, generated=1))  # 50 tokens at 100 ms
     mover.tick(1.0)
-    slack = threads.decode_slack([d], planner, 1.0)
+    # priced at the one thread D resumes on after a hold, not the two it is lent now
+    slack = threads.decode_slack([d], planner, 1.0, mover.policy.resume_slowness(1, 1))
     assert 0 < slack < 3.9  # 4.9 s of budget less the second run and 49 steps
+    assert slack < threads.decode_slack([d], planner, 1.0)
     assert mover.status()["decode_slack_s"] == round(slack, 3)
 
 
@@ -307,9 +309,11 @@ def test_the_mover_holds_d_as_p_grows_and_counts_it_as_a_move() -> None:
     assert links.sent == []
     assert events.counters["thread_moves_to_prefill"] == 1
     assert links.find("D0").load.slowness == 1.0  # held, not slower: predicted at its split
+    assert links.find("D0").load.held_s(1.1) == pytest.approx(1.0)  # the clock runs from 0.1
     links.find("P0").load.first_token("r2", 0.3)  # P done: D gets both cores back
     mover.tick(0.3)
     assert [(w, msg.threads) for w, msg in links.sent] == [("P0", 1)]
+    assert links.find("D0").load.held_s(5.0) == pytest.approx(0.2)  # resumed at 0.3
     links.ack()
     mover.tick(0.4)
     assert [(w, msg.threads) for w, msg in links.sent] == [("D0", 2)]
@@ -371,6 +375,13 @@ def test_price_tells_the_planner_how_much_a_local_prefill_slows_ps_queue() -> No
     assert planner.coupled == {"P0": pytest.approx(1.8)}  # speedup(2) / speedup(1)
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
     assert p.prefill_rate() == 1.0 and planner.coupled == {}  # no hold to lose
+    # D lent both cores decodes a new request on its one-thread share: P will be prefilling it
+    d.slowness = threads.slowness(2, 1)
+    threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
+    assert d.decode_rate() == 1.0
+    d.slowness = 1.5  # slower now than its share: the slower counts
+    threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
+    assert d.decode_rate() == 1.5
 
 
 def test_a_dispatch_and_an_acknowledged_count_sample_the_split_at_once() -> None:
@@ -475,3 +486,21 @@ def test_the_mover_sends_each_count_with_its_step_cap() -> None:
     links.find("P0").load.first_token("r2", 0.3)
     mover.tick(0.3)  # P gives the core back and takes small steps again
     assert [(w, msg.threads, msg.step_tokens) for w, msg in links.sent] == [("P0", 1, 128)]
+
+
+def test_ds_slack_prices_its_steps_at_the_threads_it_resumes_on_after_a_hold() -> None:
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.0, 0.0), (0.0, 1e9))  # 10 ms a decode step
+    planner = SloPlanner(model, slo_tpot_s=0.1)
+    d = WorkerLoad("D0")
+    d.add(Job("r1", 0.0, 910, 55, True, 0.0, first_at=1.0, generated=10))
+    d.slowness = 0.5  # lent every core while P was idle: its steps run twice as fast now
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(6.4 - 1.0 - 0.275)
+    # a hold ends in `split`, on one of the two cores: the 55 steps left at the profile's time
+    policy = ThreadPolicy(cores=2)
+    resume = policy.resume_slowness(len(P), len(D))
+    assert resume == pytest.approx(1.0)
+    assert threads.decode_slack([d], planner, 2.0, resume) == pytest.approx(6.4 - 1.0 - 0.55)
+    d.slowness = 2.0  # slower now than after the hold: the slower one counts
+    assert threads.decode_slack([d], planner, 2.0, resume) == pytest.approx(6.4 - 1.0 - 1.1)
+    # with four cores split 2 + 2, D resumes on two threads of a one-thread profile
+    assert ThreadPolicy(cores=4).resume_slowness(1, 1) == pytest.approx(threads.slowness(2, 1))

@@ -15,7 +15,7 @@ import time
 
 from pdserve.router import slo
 from pdserve.router.events import RouterEvents
-from pdserve.router.flight import Delta, Flight
+from pdserve.router.flight import Delta, Flight, decode_load
 from pdserve.router.links import Links
 from pdserve.router.pool_feedback import PoolFeedback
 from pdserve.router.timeline import Ev, Side, labelled, staged
@@ -59,6 +59,9 @@ class Delivery:
         if msg.cached >= 0:
             self._cached(flight, msg.worker, msg.cached, now)
         if msg.token_ids:
+            if flight.first_at is None:
+                dec = decode_load(flight)
+                flight.held_at_first = 0.0 if dec is None else dec.held_s(now)
             flight.first_at = flight.first_at or now
             flight.last_at = now
             for w in flight.pair or ():

@@ -97,6 +97,7 @@ class Flight:
     raw_pred: tuple[float, float] = (0.0, 0.0)  # the same before online calibration
     first_at: float | None = None  # router time of the first and last tokens delivered
     last_at: float | None = None
+    held_at_first: float = 0.0  # its decode worker's `held_s` clock at the first token
     choices_done: set[int] = field(default_factory=set)  # n > 1: the choices that ended
     sent_other: bool = False  # n > 1: tokens of choices other than 0 were streamed
     spec: dict[str, int] = field(default_factory=dict)  # speculation, summed over choices
@@ -110,3 +111,11 @@ class Flight:
     @property
     def wire_rid(self) -> str:
         return f"{self.rid}.{self.attempt}"
+
+
+def decode_load(flight: Flight) -> WorkerLoad | None:
+    """The router's load of the worker that decodes `flight` (D, or the one worker of a local
+    or colocated route)."""
+    if flight.pair is None:
+        return None
+    return (flight.pair[1] or flight.pair[0]).load

@@ -42,10 +42,33 @@ class WorkerLoad:
     # ... and of the prefills sent here now, which may run on other threads than it runs now
     # (`threads.price`); None: `slowness`
     prefill_slowness: float | None = None
+    # ... and of the decode steps of requests sent here now: a new prompt sends P to work, so
+    # a D lent every core while P was idle decodes it on its `split` share (`threads.price`)
+    decode_slowness: float | None = None
+    # seconds this worker was told to hold its steps (`hold_decode`), and since when it is
+    held_total_s: float = 0.0
+    held_since: float | None = None
+
+    def set_held(self, held: bool, now: float) -> None:
+        """The thread mover told it to hold its steps (or to run them again)."""
+        if held and self.held_since is None:
+            self.held_since = now
+        elif not held and self.held_since is not None:
+            self.held_total_s += now - self.held_since
+            self.held_since = None
+
+    def held_s(self, now: float) -> float:
+        """Seconds held so far (the clock two readings of which bound a request's holds)."""
+        since = self.held_since
+        return self.held_total_s + (0.0 if since is None else max(0.0, now - since))
 
     def prefill_rate(self) -> float:
         """What the cost model's prefill times are multiplied by here."""
         return self.slowness if self.prefill_slowness is None else self.prefill_slowness
+
+    def decode_rate(self) -> float:
+        """What the cost model's decode steps are multiplied by for requests decoding here."""
+        return self.slowness if self.decode_slowness is None else self.decode_slowness
 
     def _queue(self, now: float) -> tuple[list[Job], float]:
         """The prefills owed here in the order they run, and how long the head has run."""

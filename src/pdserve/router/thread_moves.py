@@ -44,7 +44,8 @@ class ThreadMover:
         pools = self.links.pools()
         p = {w.worker_id: w.load for w in pools["prefill"]}
         d = {w.worker_id: w.load for w in pools["decode"]}
-        return threads.sample(p, d, self.planner, now)
+        resume = self.policy.resume_slowness(len(p), len(d))
+        return threads.sample(p, d, self.planner, now, resume)
 
     def tick(self, now: float) -> None:
         s = self.sample(now)
@@ -54,6 +55,8 @@ class ThreadMover:
         self.decode_slack_s = s.decode_slack_s
         current = {w.worker_id: w.stats.threads or 0 for w in self.links.workers}  # 0: held
         for ws in self.links.workers:  # the planner predicts each at the threads it runs now
+            if ws.worker_id in targets:  # a request's TPOT is learned less D's holds
+                ws.load.set_held(targets[ws.worker_id] == 0, now)
             if ws.stats.threads:
                 ws.load.slowness = threads.slowness(ws.stats.threads, self.policy.profiled_threads)
         # ... and its prefills at those it will run them on

@@ -80,9 +80,11 @@ def sample(
     decode: Mapping[str, WorkerLoad],
     planner: SloPlanner,
     now: float,
+    resume_slowness: float = 0.0,
 ) -> ThreadSample:
     """The policy's input from the router's picture of each pool's workers (the real router's
-    ThreadMover and the simulator both build it here)."""
+    ThreadMover and the simulator both build it here); `resume_slowness`: D's steps after a
+    hold against the profile's (`ThreadPolicy.resume_slowness`)."""
     p, d = list(prefill.values()), list(decode.values())
     return ThreadSample(
         balancer.pressures(p, d, planner, now, len(p), len(d)),
@@ -95,18 +97,21 @@ def sample(
         decode_idle=not any(
             j.prefill_s > 0 or j.first_at is not None for w in d for j in w.jobs.values()
         ),
-        decode_slack_s=decode_slack(d, planner, now),
+        decode_slack_s=decode_slack(d, planner, now, resume_slowness),
         prefill_step_s=max(
             (j.step_s for w in p for j in w.jobs.values() if j.prefill_s > 0), default=0.0
         ),
     )
 
 
-def decode_slack(decode: Sequence[WorkerLoad], planner: SloPlanner, now: float) -> float:
+def decode_slack(
+    decode: Sequence[WorkerLoad], planner: SloPlanner, now: float, resume_slowness: float = 0.0
+) -> float:
     """Seconds every D could hold its steps with each decoding request still within the TPOT
     SLO: per request, its SLO time for all its tokens less the time since its first token here
-    and its remaining steps at the worker's predicted step (inf: nothing decoding; 0: no TPOT
-    SLO, or a D prefilling a prompt itself)."""
+    and its remaining steps at the worker's predicted step, on the slower of its threads now
+    and those it resumes on (`resume_slowness`) (inf: nothing decoding; 0: no TPOT SLO, or a D
+    prefilling a prompt itself)."""
     if planner.slo_tpot_s is None:
         return 0.0
     slack = math.inf
@@ -115,8 +120,11 @@ def decode_slack(decode: Sequence[WorkerLoad], planner: SloPlanner, now: float) 
             return 0.0
         batch, ctx = w.decode_streams(), w.context_sum()
         # the model's step, not the planner's TPOT calibration: that ratio learns from whole
-        # requests' TPOT, holds included, and would shrink the slack the more D held
-        step = planner.model.decode_step_s(max(1, batch), ctx) * w.slowness
+        # requests' TPOT, holds included, and would shrink the slack the more D held. A hold
+        # ends in `split`: priced at D's threads of the moment (every core while P was idle),
+        # its remaining steps looked up to 1.6x faster than they would run after it
+        slow = max(w.slowness, resume_slowness)
+        step = planner.model.decode_step_s(max(1, batch), ctx) * slow
         for j in w.decoding():
             tokens = j.generated + j.remaining
             if tokens < 2 or j.first_at is None:
@@ -185,6 +193,12 @@ class ThreadPolicy:
         p = {"split": self.p_cores, "lend_decode": n_p, "lend_prefill": self.cores}[state]
         d = {"split": self.cores - self.p_cores, "lend_decode": self.cores, "lend_prefill": n_d}
         return {**share(s.prefill, p), **share(s.decode, d[state])}
+
+    def resume_slowness(self, n_p: int, n_d: int) -> float:
+        """Each D's step time in `split` (where a hold ends) against the profile's."""
+        assert self.p_cores is not None
+        p = min(max(self.p_cores, n_p), self.cores - n_d)
+        return slowness(max(1, (self.cores - p) // max(1, n_d)), self.profiled_threads)
 
     def split_share(self, s: ThreadSample) -> int:
         """P's cores in `split` for `s`'s pools."""
@@ -265,8 +279,10 @@ class ThreadPolicy:
 def price(
     policy: ThreadPolicy, s: ThreadSample, loads: Mapping[str, WorkerLoad], planner: SloPlanner
 ) -> None:
-    """Tell the planner what moving threads does to prefills: each worker's prefills at the
-    threads it would run them on (`WorkerLoad.prefill_slowness`, `prefill_threads`), and per P
+    """Tell the planner what moving threads does to prefills and decodes: each worker's
+    prefills at the threads it would run them on (`WorkerLoad.prefill_slowness`,
+    `prefill_threads`), D's decode steps at the slower of its threads now and its `split`
+    share (`decode_slowness`: a new request sends P to work), and per P
     how much slower its queue runs while a D prefills a prompt itself (`SloPlanner.coupled`:
     D's slack is gone, so P loses the cores D's hold lent it). Priced at the threads of the
     moment, a burst went wrong (the seeds' case, three 2000-token prompts in 0.1 s): P, parked
@@ -277,6 +293,10 @@ def price(
     for wid, n in busy.items():
         if wid in loads:
             loads[wid].prefill_slowness = slowness(n, base)
+    resume = policy.resume_slowness(len(s.prefill), len(s.decode))
+    for wid in s.decode:
+        if wid in loads:
+            loads[wid].decode_slowness = max(loads[wid].slowness, resume)
     planner.coupled = {
         w: slowness(n, base) / slowness(busy[w], base)
         for w, n in share(s.prefill, policy.split_share(s)).items()

@@ -8,7 +8,7 @@ import collections
 from typing import Any
 
 from pdserve.router.events import RouterEvents
-from pdserve.router.flight import Flight
+from pdserve.router.flight import Flight, decode_load
 from pdserve.router.slo import SloPlanner
 from pdserve.router.timeline import TIMELINE_KEEP, Event
 
@@ -71,4 +71,16 @@ class Timelines:
             if actual is not None and actual > 0:
                 self.events.prediction(kind, abs(predicted - actual) / actual)
         if planner is not None and flight.attempt == 1:
-            planner.learn(flight.raw_pred, ttft, tpot, n)
+            planner.learn(flight.raw_pred, ttft, _stepping_tpot(flight, tpot, n), n)
+
+
+def _stepping_tpot(flight: Flight, tpot: float | None, n: int) -> float | None:
+    """`tpot` less the time its decode worker was held meanwhile (`hold_decode`). The step
+    model predicts steps, not the thread policy's holds, which each stay within every
+    request's TPOT slack: learned with them, the calibration rose to 3x and admission refused
+    requests (slo_tpot) that the hold would have let through."""
+    dec = decode_load(flight)
+    if tpot is None or dec is None or flight.last_at is None:
+        return tpot
+    held = dec.held_s(flight.last_at) - flight.held_at_first
+    return max(0.0, tpot - held / max(1, n - 1)) or None

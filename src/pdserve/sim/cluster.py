@@ -127,6 +127,7 @@ class Simulation:
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
         self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
+        self._held_first: dict[str, float] = {}  # its decoder's `held_s` at its first token
 
     # ---- the loop ----------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -286,6 +287,7 @@ class Simulation:
             now = self.now
             if rec.first_at is None:
                 rec.first_at = now
+                self._held_first[rid] = self._decoder(rid, w).load.held_s(now)
                 rec.cached_tokens = w.cached_tokens(rid)
                 rec.pool_tokens = w.pool_tokens.get(rid, 0)
             rec.last_at = now
@@ -302,6 +304,11 @@ class Simulation:
         else:
             deliver()
 
+    def _decoder(self, rid: str, w: SimWorker) -> SimWorker:
+        """The worker that decodes `rid` (`w`, the one that sent the token, when unrouted)."""
+        pair = self.routes.get(rid, (w, None))
+        return pair[1] or pair[0]
+
     def on_kv_done(self, p: SimWorker, o: Outgoing) -> None:
         rec = self.records[o.rid]
         rec.kv_bytes += o.nbytes
@@ -317,9 +324,15 @@ class Simulation:
         if self.spec is not None:
             self.spec.forget(rid)
         raw = self._raw.pop(rid, None)
+        first = self._held_first.pop(rid, None)
         if raw is not None and self.planner is not None:
-            # the router's online calibration (timeline.score): actual vs predicted, per request
-            self.planner.learn(raw, rec.ttft, rec.tpot, rec.tokens)
+            # the router's online calibration (timelines.score): actual vs predicted, per
+            # request, its TPOT less its decoder's holds
+            tpot = rec.tpot
+            if tpot is not None and first is not None and rec.last_at is not None:
+                held = self._decoder(rid, w).load.held_s(rec.last_at) - first
+                tpot = max(0.0, tpot - held / max(1, rec.tokens - 1)) or None
+            self.planner.learn(raw, rec.ttft, tpot, rec.tokens)
         pair = self.routes.pop(rid, (w, None))
         for x in pair:
             if x is not None:
@@ -363,7 +376,8 @@ class Simulation:
         p = {w.wid: w.load for w in pools["prefill"]}
         d = {w.wid: w.load for w in pools["decode"]}
         moves = self.thread_policy.moves
-        s = threads.sample(p, d, self.planner, self.now)
+        resume = self.thread_policy.resume_slowness(len(p), len(d))
+        s = threads.sample(p, d, self.planner, self.now, resume)
         targets = self.thread_policy.observe(self.now, s)
         if self.thread_policy.moves != moves and self.threads:
             self.count("thread_moves")
@@ -376,6 +390,7 @@ class Simulation:
             if n == 0 and not w.held:
                 self.count("decode_holds")
             w.hold(n == 0)  # 0: D holds its steps (`hold_decode`); its threads stay as they were
+            w.load.set_held(n == 0, self.now)
             if n:
                 w.speed = speedup(n) / speedup(base)
                 w.load.slowness = threads.slowness(n, base)  # as the router's mover
