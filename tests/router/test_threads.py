@@ -504,3 +504,17 @@ def test_ds_slack_prices_its_steps_at_the_threads_it_resumes_on_after_a_hold() -
     assert threads.decode_slack([d], planner, 2.0, resume) == pytest.approx(6.4 - 1.0 - 1.1)
     # with four cores split 2 + 2, D resumes on two threads of a one-thread profile
     assert ThreadPolicy(cores=4).resume_slowness(1, 1) == pytest.approx(threads.slowness(2, 1))
+
+
+def test_ds_slack_keeps_room_for_the_requests_that_join_it_meanwhile() -> None:
+    model = CostModel((0.0, 1e-3, 0.0), (0.01, 0.002, 0.0), (0.0, 1e9))  # +2 ms a request
+    planner = SloPlanner(model, slo_tpot_s=0.1)
+    d = WorkerLoad("D0")
+    d.add(Job("r1", 0.0, 910, 55, True, 0.0, first_at=1.0, generated=10))
+    quiet = threads.decode_slack([d], planner, 2.0)
+    assert quiet == pytest.approx(6.4 - 1.0 - 55 * 0.012)
+    planner._arrivals.extend([0.0, 0.5, 1.0])  # 2 requests a second reach the one D
+    left = 55 * 0.012  # 0.66 s of steps: 0.66 joiners on average over them, 2 ms a step each
+    joined = 6.4 - 1.0 - left - 55 * (2 * left / 2) * 0.002
+    assert threads.decode_slack([d], planner, 2.0) == pytest.approx(joined)
+    assert joined < quiet

@@ -287,7 +287,7 @@ class SloPlanner:
         starts = _decode_starts(dec, loads, now)
         overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
-        step_new += self._joining(batch + streams, ctx, per_stream, decode_rate, out * step_new)
+        step_new += self.joining(batch + streams, ctx, per_stream, decode_rate, out * step_new)
         step_new = spec_step(self.model, step_new, dec.spec, batch + streams, per_stream)
         step_new *= dec.decode_rate()
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
@@ -361,7 +361,7 @@ class SloPlanner:
         total += (out - done) * self.model.decode_step_s(batch, ctx)
         return total / out
 
-    def _joining(self, batch: int, ctx: int, per_stream: int, rate: float, window: float) -> float:
+    def joining(self, batch: int, ctx: int, per_stream: int, rate: float, window: float) -> float:
         """What the requests reaching the decode worker during the new request's decode
         (`window` seconds at the profile's speed) add to its mean step: `rate` a second, each
         sharing on average half of the window. Why: `_mean_step` sees only the batch of the

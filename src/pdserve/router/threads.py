@@ -115,16 +115,17 @@ def decode_slack(
     if planner.slo_tpot_s is None:
         return 0.0
     slack = math.inf
+    rate = planner.arrival_rate() / max(1, len(decode))  # requests a second reaching each D
     for w in decode:
         if any(j.prefill_s > 0 for j in w.jobs.values()):
             return 0.0
         batch, ctx = w.decode_streams(), w.context_sum()
-        # the model's step, not the planner's TPOT calibration: that ratio learns from whole
-        # requests' TPOT, holds included, and would shrink the slack the more D held. A hold
-        # ends in `split`: priced at D's threads of the moment (every core while P was idle),
-        # its remaining steps looked up to 1.6x faster than they would run after it
+        # the model's step (the planner's TPOT calibration is for whole-request predictions).
+        # A hold ends in `split`: priced at D's threads of the moment (every core while P was
+        # idle), its remaining steps looked up to 1.6x faster than they would run after it
         slow = max(w.slowness, resume_slowness)
         step = planner.model.decode_step_s(max(1, batch), ctx) * slow
+        per_stream = ctx // max(1, batch)
         for j in w.decoding():
             tokens = j.generated + j.remaining
             if tokens < 2 or j.first_at is None:
@@ -132,10 +133,13 @@ def decode_slack(
                 # hold speeds up is the one it waits for (counted at its full budget, a prompt
                 # with a 4-token answer left D 0.26 s of slack and P prefilled it on one thread)
                 continue
-            # waiting for P's KV: its clock started at P's first token, a transfer ago
-            slack = min(
-                slack, planner.slo_tpot_s * (tokens - 1) - (now - j.first_at) - j.remaining * step
-            )
+            # waiting for P's KV: its clock started at P's first token, a transfer ago. Its
+            # steps left also carry the requests that join D meanwhile (`SloPlanner.joining`):
+            # at the batch of the moment, holds spent the slack the next arrivals needed, and
+            # admission refused them to protect requests left 1 s from their TPOT SLO
+            left = j.remaining * step
+            left += j.remaining * planner.joining(batch, ctx, per_stream, rate, left) * slow
+            slack = min(slack, planner.slo_tpot_s * (tokens - 1) - (now - j.first_at) - left)
     return slack
 
 
