@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.router.loads import WorkerLoad
+from pdserve.router.loads import WorkerLoad, less_held
 from pdserve.router.timelines import _stepping_tpot
 
 
@@ -42,3 +42,9 @@ def test_a_requests_learned_tpot_leaves_out_its_decoders_holds() -> None:
     assert _stepping_tpot(flight, None, 101) is None  # type: ignore[arg-type]
     local = SimpleNamespace(pair=(SimpleNamespace(load=d), None), held_at_first=1.0, last_at=12.0)
     assert _stepping_tpot(local, tpot, 101) == pytest.approx(7.0 / 100)  # type: ignore[arg-type]
+
+
+def test_less_held_spreads_the_held_seconds_over_the_tokens_after_the_first() -> None:
+    assert less_held(0.1, 3.0, 101) == pytest.approx(0.07)
+    assert less_held(None, 3.0, 101) is None
+    assert less_held(0.01, 3.0, 101) is None  # held longer than it decoded: nothing to learn

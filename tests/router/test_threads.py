@@ -378,10 +378,10 @@ def test_price_tells_the_planner_how_much_a_local_prefill_slows_ps_queue() -> No
     # D lent both cores decodes a new request on its one-thread share: P will be prefilling it
     d.slowness = threads.slowness(2, 1)
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
-    assert d.decode_rate() == 1.0
+    assert d.decode_factor() == 1.0
     d.slowness = 1.5  # slower now than its share: the slower counts
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
-    assert d.decode_rate() == 1.5
+    assert d.decode_factor() == 1.5
 
 
 def test_a_dispatch_and_an_acknowledged_count_sample_the_split_at_once() -> None:

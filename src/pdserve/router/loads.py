@@ -66,7 +66,7 @@ class WorkerLoad:
         """What the cost model's prefill times are multiplied by here."""
         return self.slowness if self.prefill_slowness is None else self.prefill_slowness
 
-    def decode_rate(self) -> float:
+    def decode_factor(self) -> float:
         """What the cost model's decode steps are multiplied by for requests decoding here."""
         return self.slowness if self.decode_slowness is None else self.decode_slowness
 
@@ -139,3 +139,11 @@ class WorkerLoad:
 
     def remove(self, rid: str) -> None:
         self.jobs.pop(rid, None)
+
+
+def less_held(tpot: float | None, held_s: float, tokens: int) -> float | None:
+    """A request's TPOT less the `held_s` seconds its decode worker held its steps meanwhile
+    (`hold_decode`), what the planner's calibration learns from (None: nothing to learn)."""
+    if tpot is None:
+        return None
+    return max(0.0, tpot - held_s / max(1, tokens - 1)) or None

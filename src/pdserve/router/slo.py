@@ -283,13 +283,13 @@ class SloPlanner:
         local = route.kind != "remote"
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
-        step_now = self.model.decode_step_s(max(1, batch), ctx) * dec.decode_rate()
+        step_now = self.model.decode_step_s(max(1, batch), ctx) * dec.decode_factor()
         starts = _decode_starts(dec, loads, now)
         overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
         step_new += self.joining(batch + streams, ctx, per_stream, decode_rate, out * step_new)
         step_new = spec_step(self.model, step_new, dec.spec, batch + streams, per_stream)
-        step_new *= dec.decode_rate()
+        step_new *= dec.decode_factor()
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
         # it. Those queued now end before this request decodes if it prefills there (local,
         # colocated: its own prefill comes after them); on a remote route, only what is left
@@ -391,7 +391,7 @@ class SloPlanner:
         steps, then one more in the batch for the steps they share with it (`overlap`)."""
         if batch == 0:
             return 0.0, 0.0, 0
-        k = self.calibration.tpot * dec.decode_rate()  # `stall` is already dec's own time
+        k = self.calibration.tpot * dec.decode_factor()  # `stall` is already dec's own time
         step_old = self.model.decode_step_s(batch, ctx) * k
         step_new = self.model.decode_step_s(batch + streams, ctx + streams * new_ctx) * k
         stall *= self.calibration.tpot

@@ -9,6 +9,7 @@ from typing import Any
 
 from pdserve.router.events import RouterEvents
 from pdserve.router.flight import Flight, decode_load
+from pdserve.router.loads import less_held
 from pdserve.router.slo import SloPlanner
 from pdserve.router.timeline import TIMELINE_KEEP, Event
 
@@ -82,5 +83,4 @@ def _stepping_tpot(flight: Flight, tpot: float | None, n: int) -> float | None:
     dec = decode_load(flight)
     if tpot is None or dec is None or flight.last_at is None:
         return tpot
-    held = dec.held_s(flight.last_at) - flight.held_at_first
-    return max(0.0, tpot - held / max(1, n - 1)) or None
+    return less_held(tpot, dec.held_s(flight.last_at) - flight.held_at_first, n)

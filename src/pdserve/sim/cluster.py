@@ -41,6 +41,7 @@ from pdserve.costmodel.capacity import speedup
 from pdserve.costmodel.contention import Contention
 from pdserve.router import balancer, decide, slo, threads
 from pdserve.router.decide import ROLES
+from pdserve.router.loads import less_held
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.threads import ThreadPolicy
@@ -329,9 +330,9 @@ class Simulation:
             # the router's online calibration (timelines.score): actual vs predicted, per
             # request, its TPOT less its decoder's holds
             tpot = rec.tpot
-            if tpot is not None and first is not None and rec.last_at is not None:
+            if first is not None and rec.last_at is not None:
                 held = self._decoder(rid, w).load.held_s(rec.last_at) - first
-                tpot = max(0.0, tpot - held / max(1, rec.tokens - 1)) or None
+                tpot = less_held(tpot, held, rec.tokens)
             self.planner.learn(raw, rec.ttft, tpot, rec.tokens)
         pair = self.routes.pop(rid, (w, None))
         for x in pair:
