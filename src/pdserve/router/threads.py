@@ -200,14 +200,16 @@ class ThreadPolicy:
 
     def resume_slowness(self, n_p: int, n_d: int) -> float:
         """Each D's step time in `split` (where a hold ends) against the profile's."""
-        assert self.p_cores is not None
-        p = min(max(self.p_cores, n_p), self.cores - n_d)
+        p = self._p_split(n_p, n_d)
         return slowness(max(1, (self.cores - p) // max(1, n_d)), self.profiled_threads)
 
     def split_share(self, s: ThreadSample) -> int:
         """P's cores in `split` for `s`'s pools."""
+        return self._p_split(len(s.prefill), len(s.decode))
+
+    def _p_split(self, n_p: int, n_d: int) -> int:
         assert self.p_cores is not None
-        return min(max(self.p_cores, len(s.prefill)), self.cores - len(s.decode))
+        return min(max(self.p_cores, n_p), self.cores - n_d)
 
     def prefill_threads(self, s: ThreadSample) -> dict[str, int]:
         """Per worker, the threads a prompt sent to it now would prefill on, which under this
