@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sweep.add_arguments(swp)
+    from pdserve.bench import sweep_resim
+
+    resim = bench_sub.add_parser(
+        "sweep-sim",
+        help="predict a finished sweep again with this simulator (measured points kept)",
+        description=sweep_resim.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep_resim.add_arguments(resim)
     from pdserve.bench import profile
 
     prof = bench_sub.add_parser(
@@ -346,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from pdserve.bench import sweep
 
                 return sweep.run(args, argv if argv is not None else sys.argv[1:])
+            if args.bench_command == "sweep-sim":
+                from pdserve.bench import sweep_resim
+
+                return sweep_resim.run(args)
             if args.bench_command == "sched":
                 return sched.run(args, argv if argv is not None else sys.argv[1:])
             if args.bench_command == "mlperf":

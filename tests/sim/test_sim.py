@@ -20,6 +20,7 @@ from pdserve.sim.hardware import ModelShape, gpu, model_shape
 from pdserve.sim.records import SimConfig, SimRequest
 from pdserve.sim.steptime import CostModelStep, Link, RooflineStep, planner_cost_model
 from pdserve.sim.workload import arrivals, load_trace
+from pdserve.workloads.spec import arrival_gaps
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,15 @@ def test_arrivals_and_trace(tmp_path: Path) -> None:
     assert 2000 / ts[-1] == pytest.approx(4.0, rel=0.1)
     bursty = arrivals(2000, 4.0, 0, cv=3.0)
     assert 2000 / bursty[-1] == pytest.approx(4.0, rel=0.35)
+    # --bench-arrivals: bench serve's own send times, from its first request
+    gaps = arrival_gaps(0.6, 1.0, 20, 3)
+    sent = list(itertools.accumulate(gaps))
+    replay = arrivals(20, 0.6, 3, bench=True)
+    assert replay == pytest.approx([t - sent[0] for t in sent]) and replay != arrivals(20, 0.6, 3)
+    bursty_gaps = arrival_gaps(0.6, 0.25, 20, 3)  # cv 2: gamma shape 1/4, bench's burstiness
+    assert arrivals(20, 0.6, 3, cv=2.0, bench=True) == pytest.approx(
+        [t - bursty_gaps[0] for t in itertools.accumulate(bursty_gaps)]
+    )
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_timestamp,prompt_size,token_size\n10.0,5,2\n10.5,3,1\n")
     reqs = load_trace(trace)
@@ -264,6 +274,7 @@ def test_arrivals_and_trace(tmp_path: Path) -> None:
         (["sim", "--model", "llama-3.1-70b", "--colocated", "1"], "does not fit"),
         (["sim", "--prefill", "1"], "--decode"),
         (["sim", "--admission", "--router", "round_robin"], "need --router planner"),
+        (["sim", "--bench-arrivals", "--concurrency", "2"], "--bench-arrivals is for"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]

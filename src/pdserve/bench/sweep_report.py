@@ -149,6 +149,7 @@ def render(result: dict[str, Any]) -> str:
         f"- workload: {result['workload']}",
         f"- SLOs: TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s",
         f"- point order: {result['order']}; repeats per point: {result['repeats']}",
+        *_simulated_line(result),
         f"- knee: the rate where SLO attainment falls below {thr:.0%}, interpolated between the "
         "two measured rates that bracket it (median over repeats)",
         "",
@@ -169,6 +170,16 @@ def render(result: dict[str, Any]) -> str:
     ]
     lines += report.markdown_table(header, rows, "llrrrrrrrrr")
     return "\n".join(lines) + "\n"
+
+
+def _simulated_line(result: dict[str, Any]) -> list[str]:
+    """When the prediction was made after the measurement (`bench sweep-sim`), and from what."""
+    if not result.get("simulated"):
+        return []
+    models = sorted({str(s["sim"]["cost_model"]) for s in result["systems"]
+                     if (s.get("sim") or {}).get("cost_model")})  # fmt: skip
+    return [f"- simulated again on {result['simulated']} (`pdserve bench sweep-sim`), cost "
+            f"model{'s' if len(models) > 1 else ''}: {', '.join(models) or 'none'}"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the plot

@@ -6,9 +6,11 @@ it serves (`serve.flags.deployment`), and that becomes the simulated twin
 this host's profiled cost model for the workers' thread count and engine settings (the file
 `pdserve serve` itself would load: `serve.plan.cost_path`), or `--cost-model`. The requests
 are the sweep's workload shape (`sim.workload`: rag is its shape, shared system prompt and
-lengths, not its text) with Poisson arrivals at each rate, seeded by `--seed`; each point is
+lengths, not its text) sent at the very times the measured point sent them (`bench serve`'s
+Poisson gaps for that rate and `--seed`: `sim.workload.arrivals(bench=True)`); each point is
 scored against the sweep's SLOs as the measured points are. Peers are reported as skipped;
 pdserve-adaptive runs the router's thread policy in the simulator (`pdserve sim --adaptive`).
+`pdserve bench sweep-sim DIR` makes the prediction again for a finished sweep (sweep_resim.py).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def workload(args: argparse.Namespace, rate: float) -> list[Any]:
     ns = argparse.Namespace(
         workload=args.workload, num_requests=args.num_requests, input_len=args.input_len,
         output_len=args.output_len, len_spread=args.len_spread, seed=args.seed, rate=rate,
-        arrival_cv=1.0, turns=getattr(args, "turns", 3), trace=None,
+        arrival_cv=1.0, bench_arrivals=True, turns=getattr(args, "turns", 3), trace=None,
     )  # fmt: skip
     return make_requests(ns)
 

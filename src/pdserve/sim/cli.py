@@ -66,6 +66,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     a("--turns", type=_pos_int, default=3, help="multiturn: turns per conversation")
     a("--seed", type=int, default=0)
     a("--arrival-cv", type=_pos_float, default=1.0, help="gamma arrivals' cv (1: Poisson)")
+    a("--bench-arrivals", action="store_true",
+      help="the arrival times `pdserve bench serve` sends at for the same --rate and --seed "
+      "(burstiness 1 / cv^2), to predict a measured run")  # fmt: skip
     a("--trace", type=Path, default=None,
       help="replay a trace (Mooncake .jsonl, Azure .csv, or CSV arrival_s,input_tokens,"
       "output_tokens) instead of --workload/--rate/--num-requests")  # fmt: skip
@@ -181,6 +184,9 @@ def add_closed_loop_arguments(parser: argparse.ArgumentParser) -> None:
 def load_from_args(args: argparse.Namespace) -> ClosedLoop | None:
     """The closed loop the flags ask for; None: the open loop (arrivals at --rate)."""
     concurrency = getattr(args, "concurrency", None)
+    replayed = concurrency is not None or getattr(args, "trace", None)
+    if getattr(args, "bench_arrivals", False) and replayed:
+        raise ValueError("--bench-arrivals is for arrivals at --rate (no --trace, --concurrency)")
     if concurrency is None:
         if getattr(args, "think_time", 0.0):
             # the open loop sends a later turn when the previous one ends, at its own arrival

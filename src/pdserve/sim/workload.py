@@ -9,7 +9,8 @@ chat header (what the real rag prompts share, 3 whole 16-token blocks cached) th
 question + passages of random ids, lengths around `input_len`, answers around `output_len`.
 
 Arrivals: Poisson (exponential gaps, mean 1 / rate) or gamma with a coefficient of variation
-`cv` (cv = 1 is Poisson; > 1 burstier), as DistServe's simulator offers. The turns of a
+`cv` (cv = 1 is Poisson; > 1 burstier), as DistServe's simulator offers; `--bench-arrivals`
+takes the very times `pdserve bench serve` sends at for the same rate and seed. The turns of a
 multiturn conversation share their first turn's arrival process; later turns are sent when the
 previous one ends (the simulator holds them). With `pdserve sim --concurrency` the arrival times
 are ignored: the closed loop of the load generator sends the requests (sim/closedloop.py), think
@@ -31,22 +32,31 @@ import numpy as np
 
 from pdserve.sim.cluster import SimRequest
 from pdserve.workloads import streams as bw
+from pdserve.workloads.spec import arrival_gaps
 from pdserve.workloads.traces import Scaling, Trace, prompt_ids, read_trace
 
 SIM_WORKLOADS = ("synthetic", "rag", "mixed", "shifting", "multiturn")
 RAG_SHARED_PREFIX = 58  # tokens of the rag workload's system prompt + chat header
 
 
-def arrivals(n: int, rate: float, seed: int, cv: float = 1.0) -> list[float]:
-    """`n` arrival times starting at 0: gamma gaps with mean 1 / rate and the given cv."""
+def arrivals(n: int, rate: float, seed: int, cv: float = 1.0, bench: bool = False) -> list[float]:
+    """`n` arrival times starting at 0: gamma gaps with mean 1 / rate and the given cv.
+
+    `bench`: the times `pdserve bench serve --rate R --burstiness 1/cv^2 --seed S` sends at
+    (its own gaps, `workloads.spec.arrival_gaps`), counted from its first request. A sweep of
+    20 requests at 0.6 req/s sent them over 44 s where the simulator's own draw spread them
+    over 32 s: predicting a measured point needs the measured arrivals, not another draw."""
     if not rate > 0 or not np.isfinite(rate):
         raise ValueError(f"rate must be > 0 requests/s, got {rate}")
     if not cv > 0:
         raise ValueError(f"arrival cv must be > 0, got {cv}")
     if n < 1:
         raise ValueError(f"num_requests must be >= 1, got {n}")
-    rng = np.random.default_rng(seed + 7919)
     shape = 1.0 / (cv * cv)
+    if bench:
+        gaps = np.asarray(arrival_gaps(rate, shape, n, seed))
+        return [float(t) for t in np.cumsum(gaps) - gaps[0]]
+    rng = np.random.default_rng(seed + 7919)
     gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
     gaps[0] = 0.0
     return [float(t) for t in np.cumsum(gaps)]
@@ -134,7 +144,9 @@ def make_requests(args: argparse.Namespace) -> list[SimRequest]:
     if getattr(args, "trace", None):
         return trace_requests(read_trace(Path(args.trace), scaling_from_args(args)), args.seed)
     items = make_items(args)
-    return requests_from_items(items, arrivals(len(items), args.rate, args.seed, args.arrival_cv))
+    bench = getattr(args, "bench_arrivals", False)
+    times = arrivals(len(items), args.rate, args.seed, args.arrival_cv, bench)
+    return requests_from_items(items, times)
 
 
 def scaling_from_args(args: argparse.Namespace) -> Scaling:

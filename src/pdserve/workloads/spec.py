@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,16 @@ def think_times(mean: float, dist: str, seed: int) -> Callable[[], float] | None
         return lambda: mean
     rng = np.random.default_rng([seed, 7])
     return lambda: float(rng.exponential(mean))
+
+
+def arrival_gaps(rate: float, burstiness: float, n: int, seed: int) -> list[float]:
+    """Inter-arrival times (s): gamma(shape=burstiness, scale=1/(rate*burstiness)), mean 1/rate.
+    `bench serve` waits gap i before sending request i; `pdserve sim --bench-arrivals` replays
+    the same times."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return [float(x) for x in rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)]
 
 
 @dataclass(frozen=True)

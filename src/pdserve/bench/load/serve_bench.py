@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
 import time
 from collections import deque
@@ -50,7 +49,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
-import numpy as np
 
 from pdserve import argtypes
 from pdserve.bench.harness.report import write_json
@@ -65,7 +63,7 @@ from pdserve.bench.load.client import (
 )
 from pdserve.bench.load.summary import RequestRecord, format_table, summarize
 from pdserve.workloads import streams as wl
-from pdserve.workloads.spec import THINK_DISTS, LoadSpec, default, think_times
+from pdserve.workloads.spec import THINK_DISTS, LoadSpec, arrival_gaps, default, think_times
 from pdserve.workloads.streams import (
     WORKLOADS,
     RequestItem,
@@ -226,14 +224,6 @@ class _Ready:
             asyncio.get_running_loop().call_later(delay, self._queue.put_nowait, q.popleft())
         else:
             self._queue.put_nowait(q.popleft())
-
-
-def arrival_gaps(rate: float, burstiness: float, n: int, seed: int) -> list[float]:
-    """Inter-arrival times (s): gamma(shape=burstiness, scale=1/(rate*burstiness)), mean 1/rate."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = np.random.default_rng(seed)
-    return [float(x) for x in rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)]
 
 
 class _Conversations:
