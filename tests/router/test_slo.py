@@ -368,7 +368,7 @@ def test_with_requests_arriving_long_prompts_go_to_an_idle_p_and_short_ones_stay
     assert short.chosen is not None and short.chosen.route.kind == "local"
     # retries are not arrivals
     p.decide(20, 100, routes, ls, {}, now=41.5, admit_all=True)
-    assert len(p._arrivals) == 6
+    assert p.arrivals.rate_over(41.6, 100.0) == pytest.approx(6 / 100)
 
 
 def test_a_short_requests_tpot_does_not_calibrate_the_model() -> None:
@@ -447,13 +447,19 @@ def test_requests_reaching_d_during_the_answer_raise_its_predicted_tpot() -> Non
     p = planner()
     ls = loads("P0", "D0")
     route = Route("remote", "P0", "D0")
-    alone = p.predict(1000, 100, route, ls, {}, now=0.0)
-    busy = p.predict(1000, 100, route, ls, {}, now=0.0, decode_rate=0.5)
-    # 100 steps of ~22 ms: 0.5 a second join over 2.2 s, sharing half of it on average
-    extra = 0.5 * 100 * MODEL.decode_step_s(1, 1050) / 2
-    grow = MODEL.decode_step_s(1 + extra, int(1050 + extra * 1050)) - MODEL.decode_step_s(1, 1050)
+    alone = p.predict(1000, 100, route, ls, {}, now=10.0)
+    # 100 steps of ~22 ms: as many join over those 2.2 s as arrived in the last 2.2 s (two;
+    # the one at 5 s is older), each sharing half of it on average: one more in the batch
+    for t in (5.0, 8.5, 9.5):
+        p.arrivals.add(t)
+    busy = p.predict(1000, 100, route, ls, {}, now=10.0)
+    grow = MODEL.decode_step_s(2, 2100) - MODEL.decode_step_s(1, 1050)
     assert busy.tpot_s == pytest.approx(alone.tpot_s + grow)
     assert busy.ttft_s == alone.ttft_s
+    # split over two decode workers, half a request joins each
+    split = p.predict(1000, 100, route, ls, {}, now=10.0, decoders=2)
+    half = MODEL.decode_step_s(1.5, 1575) - MODEL.decode_step_s(1, 1050)
+    assert split.tpot_s == pytest.approx(alone.tpot_s + half)
 
 
 def test_a_d_lent_every_core_decodes_new_requests_at_its_split_share() -> None:

@@ -4,6 +4,7 @@ router's loop that sends them (router/thread_moves.py) over fake links."""
 from __future__ import annotations
 
 import collections
+import math
 import time
 from types import SimpleNamespace
 
@@ -375,13 +376,21 @@ def test_price_tells_the_planner_how_much_a_local_prefill_slows_ps_queue() -> No
     assert planner.coupled == {"P0": pytest.approx(1.8)}  # speedup(2) / speedup(1)
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
     assert p.prefill_rate() == 1.0 and planner.coupled == {}  # no hold to lose
-    # D lent both cores decodes a new request on its one-thread share: P will be prefilling it
+    # D lent both cores decodes a new request on its one-thread share while P is busy: P's
+    # busy share starts at 1 (no samples yet)
     d.slowness = threads.slowness(2, 1)
     threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
     assert d.decode_factor() == 1.0
-    d.slowness = 1.5  # slower now than its share: the slower counts
-    threads.price(policy, sample(0.5, 0.1, slack=0.5), {"P0": p, "D0": d}, planner)
-    assert d.decode_factor() == 1.5
+    # P seen idle for a time constant: 1/e of the time busy, both cores the rest
+    policy.observe(0.0, sample(0.0, 0.1, p_idle=True))
+    policy.observe(threads.BUSY_TAU_S, sample(0.0, 0.1, p_idle=True))
+    busy = math.exp(-1.0)
+    assert policy.prefill_busy == pytest.approx(busy)
+    threads.price(policy, sample(0.0, 0.1, p_idle=True), {"P0": p, "D0": d}, planner)
+    assert d.decode_factor() == pytest.approx(busy + (1 - busy) * threads.slowness(2, 1))
+    # busy again for as long: the share climbs back
+    policy.observe(2 * threads.BUSY_TAU_S, sample(0.5, 0.1))
+    assert policy.prefill_busy == pytest.approx(busy + (1 - math.exp(-1.0)) * (1 - busy))
 
 
 def test_a_dispatch_and_an_acknowledged_count_sample_the_split_at_once() -> None:
@@ -513,8 +522,9 @@ def test_ds_slack_keeps_room_for_the_requests_that_join_it_meanwhile() -> None:
     d.add(Job("r1", 0.0, 910, 55, True, 0.0, first_at=1.0, generated=10))
     quiet = threads.decode_slack([d], planner, 2.0)
     assert quiet == pytest.approx(6.4 - 1.0 - 55 * 0.012)
-    planner._arrivals.extend([0.0, 0.5, 1.0])  # 2 requests a second reach the one D
-    left = 55 * 0.012  # 0.66 s of steps: 0.66 joiners on average over them, 2 ms a step each
-    joined = 6.4 - 1.0 - left - 55 * (2 * left / 2) * 0.002
+    for t in (1.5, 1.7, 1.9):  # three arrivals in the last 0.66 s (the steps left)
+        planner.arrivals.add(t)
+    left = 55 * 0.012  # 0.66 s of steps: as many join over them as came in the last 0.66 s,
+    joined = 6.4 - 1.0 - left - 55 * (3 / 2) * 0.002  # each for half of them, +2 ms a step
     assert threads.decode_slack([d], planner, 2.0) == pytest.approx(joined)
     assert joined < quiet

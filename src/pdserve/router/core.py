@@ -337,7 +337,7 @@ class RouterCore:
         for w in flight.pair or ():
             if w is not None:
                 w.outstanding = max(0, w.outstanding - 1)
-                w.load.remove(flight.rid)
+                flight.seen = w.load.remove(flight.rid) or flight.seen
 
     def _abort_workers(self, flight: Flight) -> None:
         for w in flight.pair or ():

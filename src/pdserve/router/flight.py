@@ -94,7 +94,8 @@ class Flight:
     session: str | None = None  # the client's conversation (OpenAI `user`): affinity
     route: str = ""  # remote | local | colocated | fallback
     prediction: slo.Prediction | None = None  # the planner's, for the first dispatch
-    raw_pred: tuple[float, float] = (0.0, 0.0)  # the same before online calibration
+    raw_pred: tuple[float, ...] = (0.0, 0.0)  # the same before online calibration
+    seen: tuple[float, float] | None = None  # the mean decode batch it met (`Job.seen`)
     first_at: float | None = None  # router time of the first and last tokens delivered
     last_at: float | None = None
     held_at_first: float = 0.0  # its decode worker's `held_s` clock at the first token

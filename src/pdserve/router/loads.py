@@ -25,6 +25,17 @@ class Job:
     # its prefill's first step at the cost model's profiled threads (a whole token budget at
     # most): what a worker given every core may still be computing when a hold ends
     step_s: float = 0.0
+    # the decode batch (streams, context tokens) it stepped in, summed over its tokens: what
+    # the planner's calibration re-prices its TPOT at (`seen`, `SloPlanner.learn`)
+    seen_streams: int = 0
+    seen_context: int = 0
+    seen_tokens: int = 0
+
+    def seen(self) -> tuple[float, float] | None:
+        """The mean decode batch of its tokens here: (streams, context tokens); None: none."""
+        if not self.seen_tokens:
+            return None
+        return self.seen_streams / self.seen_tokens, self.seen_context / self.seen_tokens
 
 
 @dataclass
@@ -133,12 +144,18 @@ class WorkerLoad:
         job = self.jobs.get(rid)
         if job is not None and job.decodes:
             job.first_at = job.first_at or now
+            stepping = [j for j in self.decoding() if j.first_at is not None]
+            job.seen_streams += n * sum(j.streams for j in stepping)
+            job.seen_context += n * sum(j.context * j.streams for j in stepping)
+            job.seen_tokens += n
             job.generated += n
             job.context += n
             job.remaining = max(1, job.remaining - n)
 
-    def remove(self, rid: str) -> None:
-        self.jobs.pop(rid, None)
+    def remove(self, rid: str) -> tuple[float, float] | None:
+        """Forget `rid` here; the mean batch it decoded in (`Job.seen`), if it decoded here."""
+        job = self.jobs.pop(rid, None)
+        return job.seen() if job is not None else None
 
 
 def less_held(tpot: float | None, held_s: float, tokens: int) -> float | None:

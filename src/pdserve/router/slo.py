@@ -18,7 +18,7 @@ cost model predicts
 and checks the requests on D, decoding or still waiting for their first token: a local prefill
 (or a hand-off's receive) stalls each of them, a bigger batch slows each step; one predicted to
 end within its TPOT SLO must stay within it ("slo_tpot_running"). A local route is also charged
-the stall of the requests expected to reach D while it prefills (`_future_stall`) and, where
+the stall of the requests expected to reach D while it prefills (`arrivals.future_stall`) and, where
 P and D share cores (`--adaptive`), the slower prefills of P's queued prompts meanwhile; one
 predicted within its TTFT SLO must stay within it ("slo_ttft_queued", `_queued_stretch`). A request
 whose every route misses an SLO is rejected before any prefill is spent (when admission is on);
@@ -37,15 +37,15 @@ process and misses the serving loop's own overheads.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from pdserve.costmodel.model import CostModel
+from pdserve.router.arrivals import Arrivals, future_stall
+from pdserve.router.batch import decode_starts, drained, overlaps
 from pdserve.router.loads import Job, WorkerLoad
 from pdserve.router.pool_index import PoolBandwidth
 
 ROUTES = ("remote", "local", "colocated")
-ARRIVAL_WINDOW = 16  # first attempts the planner's arrival rate is measured over
 # Finished requests `--adaptive`'s planner learns from before it refuses on predictions alone
 CALIBRATION_PROBES = 3
 CALIBRATION_MIN_TOKENS = 16  # shorter requests' TPOT does not calibrate the model (`learn`)
@@ -73,6 +73,7 @@ class Prediction:
     misses: int = 0  # SLOs missed: this request's (TTFT, TPOT) + running requests pushed over
     pooled_first: int = 0  # prompt tokens after `cached_first` the prefilling worker loads
     # from its KV pool instead of computing them
+    step_s: float = 0.0  # the model's decode step it was priced at (answer's batch, joiners)
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,13 @@ class SloPlanner:
         self.calibration = Calibration()
         self.calibration_probes = calibration_probes
         self._probing = False  # a request admitted to calibrate is in flight
-        self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)
+        self.arrivals = Arrivals()
         # per P, how many times slower its queued prompts run while a D prefills one itself
         # (`--adaptive`: threads.price); a local route is charged that (`_queued_stretch`)
         self.coupled: dict[str, float] = {}
 
     def arrival_rate(self) -> float:
-        """Requests per second over the last ARRIVAL_WINDOW first attempts (0 until two came
-        apart in time)."""
-        if len(self._arrivals) < 2 or self._arrivals[-1] <= self._arrivals[0]:
-            return 0.0
-        return (len(self._arrivals) - 1) / (self._arrivals[-1] - self._arrivals[0])
+        return self.arrivals.rate()
 
     def observe_transfer(self, nbytes: int, tokens: int) -> None:
         """A KV transfer of `tokens` tokens moved `nbytes`: learn KV bytes per token (codec,
@@ -163,31 +160,37 @@ class SloPlanner:
         self.kv_bytes_per_token = per if old <= 0 else 0.8 * old + 0.2 * per
 
     # ---- online calibration --------------------------------------------------------------
-    def uncalibrated(self, pred: Prediction) -> tuple[float, float]:
-        """(TTFT, TPOT) of `pred` before online calibration: what `learn` later compares with
-        the request's actual latencies."""
-        return pred.ttft_s / self.calibration.ttft, pred.tpot_s / self.calibration.tpot
+    def uncalibrated(self, pred: Prediction) -> tuple[float, float, float]:
+        """(TTFT, TPOT, the model's decode step) of `pred` before online calibration: what
+        `learn` later compares with the request's actual latencies."""
+        return pred.ttft_s / self.calibration.ttft, pred.tpot_s / self.calibration.tpot, pred.step_s
 
     def learn(
         self,
-        raw: tuple[float, float],
+        raw: tuple[float, ...],
         ttft: float | None,
         tpot: float | None,
         tokens: int | None = None,
+        seen: tuple[float, float] | None = None,
     ) -> None:
         """A finished request's actual TTFT / TPOT (None: not measured) against its
-        uncalibrated prediction `raw`; `tokens`: how many it generated. The router and the
-        simulator both call this.
+        uncalibrated prediction `raw`; `tokens`: how many it generated; `seen`: the mean
+        decode batch it stepped in (`Job.seen`). The router and the simulator both call this.
 
+        The TPOT is compared at the batch it met, not the one predicted: a burst that joined
+        after a request was admitted is no error of the step model, and learned as one (4 of
+        a burst at 30-40 ms predicted, 55-68 ms met) the calibration priced every later
+        request 1.5-2x over its TPOT and admission refused requests that decoded at 40-68 ms.
         The TPOT of a request shorter than CALIBRATION_MIN_TOKENS is not learned: over a few
-        steps it is the first steps' one-off costs. Measured: the 4-token warm-up request of
-        `bench compare` on a fresh 1-thread server took 45 ms a token against 12.8 predicted,
-        the clamped ratio moved the calibration to 1.5, and 300-token requests that met the
-        20.9 ms TPOT SLO at 12 ms were rejected as predicted at 24 ms."""
+        steps it is the first steps' one-off costs (a 4-token warm-up at 45 ms a token against
+        12.8 ms predicted moved the calibration to 1.5)."""
         self._probing = False
         if tokens is not None and tokens < CALIBRATION_MIN_TOKENS:
             tpot = None
-        for kind, predicted, actual in (("ttft", raw[0], ttft), ("tpot", raw[1], tpot)):
+        predicted_tpot = raw[1]
+        if seen is not None and len(raw) > 2 and raw[2] > 0:
+            predicted_tpot *= self.model.decode_step_s(seen[0], int(seen[1])) / raw[2]
+        for kind, predicted, actual in (("ttft", raw[0], ttft), ("tpot", predicted_tpot, tpot)):
             if actual is not None and actual > 0:
                 self.calibration.observe(kind, predicted, actual)
 
@@ -220,13 +223,11 @@ class SloPlanner:
         if not routes:
             return Decision(None, "unavailable", 1)
         if not admit_all:  # a first attempt: an arrival (a retry is not a new request)
-            self._arrivals.append(now)
-        decoders = {r.decode or r.first for r in routes if r.kind != "colocated"}
-        rate = self.arrival_rate() / max(1, len(decoders))  # per decode worker
-        preds = [
-            self.predict(prompt_len, max_tokens, r, loads, cached, now, streams, pooled, rate)
-            for r in routes
-        ]
+            self.arrivals.add(now)
+        n_dec = max(1, len({r.decode or r.first for r in routes if r.kind != "colocated"}))
+        rate = self.arrival_rate() / n_dec  # per decode worker
+        args = (loads, cached, now, streams, pooled, rate, n_dec)
+        preds = [self.predict(prompt_len, max_tokens, r, *args) for r in routes]
         feasible = [p for p in preds if p.miss is None]
         remote = [p for p in feasible if p.route.kind == "remote"]
         if self.mode == "overflow" and remote:  # D prefills only what P would make late
@@ -262,11 +263,13 @@ class SloPlanner:
         streams: int = 1,
         pooled: dict[str, int] | None = None,
         decode_rate: float = 0.0,
+        decoders: int = 1,
     ) -> Prediction:
         """`streams`: the request's decode sequences (n choices share one prefill); `pooled`:
         per worker, prompt tokens it could load from its KV pool (used when loading them is
         predicted faster than computing them); `decode_rate`: requests per second reaching
-        each decode worker (`decide` measures it; see `_future_stall`)."""
+        each decode worker (`decide` measures it; see `arrivals.future_stall`); `decoders`: how
+        many share the arrivals that join during the answer (`joining`)."""
         first = loads[route.first]
         dec = loads[route.decode] if route.decode is not None else first
         c_first = min(cached.get(route.first, 0), prompt_len - 1)
@@ -284,10 +287,12 @@ class SloPlanner:
         batch, ctx = dec.decode_streams(), dec.context_sum()
         per_stream = prompt_len + out // 2
         step_now = self.model.decode_step_s(max(1, batch), ctx) * dec.decode_factor()
-        starts = _decode_starts(dec, loads, now)
-        overlap = _overlaps(dec.decoding(), starts, first_token, out, step_now)
+        starts = decode_starts(dec, loads, now)
+        overlap = overlaps(dec.decoding(), starts, first_token, out, step_now)
         step_new = self._mean_step(dec.decoding(), overlap, streams, per_stream, out)
-        step_new += self.joining(batch + streams, ctx, per_stream, decode_rate, out * step_new)
+        joins = self.arrivals.rate_over(now, out * step_new) / max(1, decoders)
+        step_new += self.joining(batch + streams, ctx, per_stream, joins, out * step_new)
+        step_s = step_new
         step_new = spec_step(self.model, step_new, dec.spec, batch + streams, per_stream)
         step_new *= dec.decode_factor()
         # D runs its queued prefills in arrival order, and each stalls the decode steps beside
@@ -307,11 +312,11 @@ class SloPlanner:
         tpot = (step_new + (spread + transfer) / max(1, out - 1)) * self.calibration.tpot
         stall = prefill if local else receive
         worst, added, pushed = self._running(
-            dec, batch, ctx, per_stream, stall, now, streams, overlap
+            dec, batch, ctx, per_stream, stall, now, streams, overlap, decoders
         )
         late = 0
         if local:
-            added += _future_stall(prefill, decode_rate)
+            added += future_stall(prefill, decode_rate)
             if route.first not in self.coupled:
                 stretch, late = self._queued_stretch(loads, prefill, now)
                 added, pushed = added + stretch, pushed + late
@@ -321,7 +326,7 @@ class SloPlanner:
         )
         cost = ttft + out * tpot + added
         return Prediction(
-            route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed, p_first
+            route, ttft, tpot, worst, cost, c_first, c_dec, miss, own + pushed, p_first, step_s
         )
 
     def prefill_time(self, prompt_len: int, cached: int, w: WorkerLoad, pooled: int = 0) -> float:
@@ -364,7 +369,8 @@ class SloPlanner:
     def joining(self, batch: int, ctx: int, per_stream: int, rate: float, window: float) -> float:
         """What the requests reaching the decode worker during the new request's decode
         (`window` seconds at the profile's speed) add to its mean step: `rate` a second, each
-        sharing on average half of the window. Why: `_mean_step` sees only the batch of the
+        sharing on average half of the window (`rate`: `Arrivals.rate_over` the window, per
+        decode worker). Why: `_mean_step` sees only the batch of the
         moment, which drains; at the seeds' case's 0.6 req/s the batch that arrivals keep
         made TPOTs 2-4x the predictions, the calibration learned that ratio and then applied it
         to running requests' steps at their full batch too, and refused requests (slo_tpot_
@@ -385,10 +391,13 @@ class SloPlanner:
         now: float,
         streams: int,
         overlap: dict[str, float],
+        decoders: int = 1,
     ) -> tuple[float, float, int]:
         """(worst protected TPOT, total added delay, how many pushed past the SLO) of the
         requests decoding on `dec` if this request joins: `stall` seconds of prefill in their
-        steps, then one more in the batch for the steps they share with it (`overlap`)."""
+        steps, then one more in the batch for the steps they share with it (`overlap`). Each
+        one's own steps are priced as a new request's are: at the batch it meets as the others
+        finish (`batch.drained`) and the requests that join meanwhile (`joining`)."""
         if batch == 0:
             return 0.0, 0.0, 0
         k = self.calibration.tpot * dec.decode_factor()  # `stall` is already dec's own time
@@ -396,6 +405,7 @@ class SloPlanner:
         step_new = self.model.decode_step_s(batch + streams, ctx + streams * new_ctx) * k
         stall *= self.calibration.tpot
         worst, added, pushed = 0.0, 0.0, 0
+        drains = drained(dec.decoding())
         for j in dec.decoding():
             tokens = j.generated + j.remaining
             shared = min(j.remaining, overlap[j.rid])
@@ -405,10 +415,15 @@ class SloPlanner:
             # A request still waiting for its first token here (prefilling ahead of this one,
             # or its KV on the way from P) decodes through this stall too.
             ran = max(0.0, now - j.first_at) if j.first_at is not None else 0.0
-            old = (ran + j.remaining * step_old) / (tokens - 1)
-            new = (ran + stall + j.remaining * step_old + shared * (step_new - step_old)) / (
-                tokens - 1
-            )
+            # at most the batch of the moment throughout (the rule before the drain, which
+            # priced the arrivals and the departures as even)
+            b, c = drains[j.rid]
+            own = self.model.decode_step_s(b, int(c))
+            joins = self.arrivals.rate_over(now, j.remaining * own * k) / max(1, decoders)
+            own += self.joining(round(b), int(c), new_ctx, joins, j.remaining * own * k)
+            own = min(own * k, step_old)
+            old = (ran + j.remaining * own) / (tokens - 1)
+            new = old + (stall + shared * (step_new - step_old)) / (tokens - 1)
             if old <= self.slo_tpot_s < new:
                 worst, pushed = max(worst, new), pushed + 1
         return worst, added, pushed
@@ -438,52 +453,6 @@ class SloPlanner:
                 added, ttft = added + extra, now - j.queued_at + left * k
                 late += self.slo_ttft_s is not None and ttft <= self.slo_ttft_s < ttft + extra
         return added, late
-
-
-def _future_stall(prefill: float, rate: float) -> float:
-    """Expected delay a local prefill of `prefill` seconds adds to requests that reach the
-    decode worker while it runs: they arrive at the worker's rate, each waits on average
-    half of it. The requests decoding there already are charged in `_running`. Why: with
-    only those counted, an idle P and an idle D tie on a long prompt, and the local route
-    won by the hand-off's few ms. Every request then prefilled on D (KB-QA on 2 cores,
-    2000-token prompts: P idle, D doing both phases, attainment 75% against 88-100% with
-    every prefill on P). A prompt queued on P is not charged the same way: a later prompt
-    can still be routed around P's queue, while the decodes on D cannot leave it."""
-    return rate * prefill * prefill / 2
-
-
-def _decode_starts(dec: WorkerLoad, loads: dict[str, WorkerLoad], now: float) -> dict[str, float]:
-    """Per job on `dec` not decoding yet, seconds until it starts: when its prefill ends, on
-    `dec` or on the P it was sent to (0 when none is owed anywhere: its KV is on the way)."""
-    starts = {}
-    for j in dec.decoding():
-        if j.first_at is None or j.prefill_s > 0:
-            ends = (w.prefilled_in(j.rid, now) for w in loads.values())
-            starts[j.rid] = max((t for t in ends if t is not None), default=0.0)
-    return starts
-
-
-def _overlaps(
-    jobs: list[Job], starts: dict[str, float], start: float, out: int, step: float
-) -> dict[str, float]:
-    """Per job decoding on a worker, how many of a new request's `out` decode steps it shares
-    with it: the job decodes from `starts` (0: now) for its tokens left, the new request from
-    `start` seconds from now, both at `step` a token. (`_mean_step` counts the shared steps
-    from the new request's first; a job starting later would share later ones.)
-
-    Why: counting every job for the new request's whole answer made a remote route look as
-    slow as a batch of 3 at 2k context (23.5 ms a token against a 20.9 ms SLO, on one thread),
-    when P's ~7 s prefill meant those jobs had mostly finished before its KV arrived; one-thread
-    1P1D refused 3 of 8 KB-QA requests at 0.06 req/s that unscheduled met it. And a job whose
-    own prefill was queued on P ahead of the new one was counted for every step, though it
-    would finish before the new one's KV came."""
-    end = start + out * step
-    overlap = {}
-    for j in jobs:
-        s_j = starts.get(j.rid, 0.0)
-        shared = min(end, s_j + j.remaining * step) - max(start, s_j)
-        overlap[j.rid] = min(float(out), max(0.0, shared / step))
-    return overlap
 
 
 def spec_step(

@@ -60,6 +60,7 @@ from pdserve.router.loads import WorkerLoad
 from pdserve.router.slo import SloPlanner
 
 STATES = ("split", "lend_decode", "lend_prefill", "hold_decode")
+BUSY_TAU_S = 20.0  # time constant of P's busy share (`ThreadPolicy.prefill_busy`): an answer
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,6 @@ def decode_slack(
     if planner.slo_tpot_s is None:
         return 0.0
     slack = math.inf
-    rate = planner.arrival_rate() / max(1, len(decode))  # requests a second reaching each D
     for w in decode:
         if any(j.prefill_s > 0 for j in w.jobs.values()):
             return 0.0
@@ -138,6 +138,7 @@ def decode_slack(
             # at the batch of the moment, holds spent the slack the next arrivals needed, and
             # admission refused them to protect requests left 1 s from their TPOT SLO
             left = j.remaining * step
+            rate = planner.arrivals.rate_over(now, left) / max(1, len(decode))  # to each D
             left += j.remaining * planner.joining(batch, ctx, per_stream, rate, left) * slow
             slack = min(slack, planner.slo_tpot_s * (tokens - 1) - (now - j.first_at) - left)
     return slack
@@ -165,6 +166,10 @@ class ThreadPolicy:
     moves: int = 0  # changes of the targets (state changes and one-core moves)
     _want: str | None = None  # the one-core move under way in `split`: to_prefill | to_decode
     _want_since: float = 0.0
+    # P's busy share of the recent past (time-weighted over BUSY_TAU_S; 1 until samples say
+    # otherwise): the part of an answer D decodes on its `split` share (`price`)
+    prefill_busy: float = 1.0
+    _busy_at: float | None = None
     _idle_since: dict[str, float] = field(default_factory=dict)  # pool -> when it went idle
     _last_move: float = float("-inf")
 
@@ -187,6 +192,10 @@ class ThreadPolicy:
             raise ValueError(f"{n_p + n_d} workers need at least as many cores, have {self.cores}")
         assert self.p_cores is not None
         self.p_cores = min(max(self.p_cores, n_p), self.cores - n_d)
+        if self._busy_at is not None and now > self._busy_at:
+            a = 1.0 - math.exp(-(now - self._busy_at) / BUSY_TAU_S)
+            self.prefill_busy += a * (float(not s.prefill_idle) - self.prefill_busy)
+        self._busy_at = now
         state = self._state(now, s)
         if state != self.state:
             self.state, self.moves, self._want = state, self.moves + 1, None
@@ -197,6 +206,13 @@ class ThreadPolicy:
         p = {"split": self.p_cores, "lend_decode": n_p, "lend_prefill": self.cores}[state]
         d = {"split": self.cores - self.p_cores, "lend_decode": self.cores, "lend_prefill": n_d}
         return {**share(s.prefill, p), **share(s.decode, d[state])}
+
+    def expected_decode_slowness(self, n_p: int, n_d: int) -> float:
+        """Each D's mean step time over an answer against the profile's: its `split` share
+        while P prefills (`prefill_busy` of the time), every core while P is idle."""
+        lent = slowness(max(1, self.cores // max(1, n_d)), self.profiled_threads)
+        busy = self.prefill_busy
+        return busy * self.resume_slowness(n_p, n_d) + (1.0 - busy) * lent
 
     def resume_slowness(self, n_p: int, n_d: int) -> float:
         """Each D's step time in `split` (where a hold ends) against the profile's."""
@@ -287,8 +303,9 @@ def price(
 ) -> None:
     """Tell the planner what moving threads does to prefills and decodes: each worker's
     prefills at the threads it would run them on (`WorkerLoad.prefill_slowness`,
-    `prefill_threads`), D's decode steps at the slower of its threads now and its `split`
-    share (`decode_slowness`: a new request sends P to work), and per P
+    `prefill_threads`), D's decode steps at its `split` share for the part of an answer P is
+    busy and at every core for the rest (`decode_slowness`, `expected_decode_slowness`), and
+    per P
     how much slower its queue runs while a D prefills a prompt itself (`SloPlanner.coupled`:
     D's slack is gone, so P loses the cores D's hold lent it). Priced at the threads of the
     moment, a burst went wrong (the seeds' case, three 2000-token prompts in 0.1 s): P, parked
@@ -299,10 +316,13 @@ def price(
     for wid, n in busy.items():
         if wid in loads:
             loads[wid].prefill_slowness = slowness(n, base)
-    resume = policy.resume_slowness(len(s.prefill), len(s.decode))
+    # Not the slower of D's threads now and its `split` share, as before: with prompts in
+    # 0.5-1.1 s (bf16 rows) P was idle most of an answer, D decoded on both cores at 38-68 ms
+    # a token, and admission refused requests predicted at over 100 ms on one
+    expected = policy.expected_decode_slowness(len(s.prefill), len(s.decode))
     for wid in s.decode:
         if wid in loads:
-            loads[wid].decode_slowness = max(loads[wid].slowness, resume)
+            loads[wid].decode_slowness = expected
     planner.coupled = {
         w: slowness(n, base) / slowness(busy[w], base)
         for w, n in share(s.prefill, policy.split_share(s)).items()

@@ -72,7 +72,7 @@ class Timelines:
             if actual is not None and actual > 0:
                 self.events.prediction(kind, abs(predicted - actual) / actual)
         if planner is not None and flight.attempt == 1:
-            planner.learn(flight.raw_pred, ttft, _stepping_tpot(flight, tpot, n), n)
+            planner.learn(flight.raw_pred, ttft, _stepping_tpot(flight, tpot, n), n, flight.seen)
 
 
 def _stepping_tpot(flight: Flight, tpot: float | None, n: int) -> float | None:

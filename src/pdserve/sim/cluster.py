@@ -127,7 +127,7 @@ class Simulation:
         self.loop: LoopDriver | None = None  # the closed loop sending the requests, if any
         self._target: dict[str, str] = {}  # draining worker -> its next role
         self.decisions: list[tuple[float, str, str, str]] = []  # (time, rid, route, workers)
-        self._raw: dict[str, tuple[float, float]] = {}  # uncalibrated predictions, to learn from
+        self._raw: dict[str, tuple[float, ...]] = {}  # uncalibrated predictions, to learn from
         self._held_first: dict[str, float] = {}  # its decoder's `held_s` at its first token
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -329,11 +329,11 @@ class Simulation:
         if raw is not None and self.planner is not None:
             # the router's online calibration (timelines.score): actual vs predicted, per
             # request, its TPOT less its decoder's holds
-            tpot = rec.tpot
+            tpot, dec = rec.tpot, self._decoder(rid, w).load
             if first is not None and rec.last_at is not None:
-                held = self._decoder(rid, w).load.held_s(rec.last_at) - first
-                tpot = less_held(tpot, held, rec.tokens)
-            self.planner.learn(raw, rec.ttft, tpot, rec.tokens)
+                tpot = less_held(tpot, dec.held_s(rec.last_at) - first, rec.tokens)
+            job = dec.jobs.get(rid)
+            self.planner.learn(raw, rec.ttft, tpot, rec.tokens, job.seen() if job else None)
         pair = self.routes.pop(rid, (w, None))
         for x in pair:
             if x is not None:
