@@ -522,9 +522,9 @@ def test_ds_slack_keeps_room_for_the_requests_that_join_it_meanwhile() -> None:
     d.add(Job("r1", 0.0, 910, 55, True, 0.0, first_at=1.0, generated=10))
     quiet = threads.decode_slack([d], planner, 2.0)
     assert quiet == pytest.approx(6.4 - 1.0 - 55 * 0.012)
-    for t in (1.5, 1.7, 1.9):  # three arrivals in the last 0.66 s (the steps left)
+    for t in (0.0, 0.5, 1.0):  # 2 requests a second reach the one D (the last arrivals' rate)
         planner.arrivals.add(t)
-    left = 55 * 0.012  # 0.66 s of steps: as many join over them as came in the last 0.66 s,
-    joined = 6.4 - 1.0 - left - 55 * (3 / 2) * 0.002  # each for half of them, +2 ms a step
+    left = 55 * 0.012  # 0.66 s of steps: 0.66 joiners on average over them, 2 ms a step each
+    joined = 6.4 - 1.0 - left - 55 * (2 * left / 2) * 0.002
     assert threads.decode_slack([d], planner, 2.0) == pytest.approx(joined)
     assert joined < quiet
