@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A step's tokens reach the router within a few ms of each other: the batch around them is
+# counted once per this long (`WorkerLoad.tokens`), not once per token (O(batch^2) a step)
+SEEN_REFRESH_S = 0.005
+
 
 @dataclass
 class Job:
@@ -59,6 +63,9 @@ class WorkerLoad:
     # seconds this worker was told to hold its steps (`hold_decode`), and since when it is
     held_total_s: float = 0.0
     held_since: float | None = None
+    # the decoding batch (streams, context tokens) last counted for `Job.seen`, and when
+    _seen: tuple[int, int] = (0, 0)
+    _seen_at: float = float("-inf")
 
     def set_held(self, held: bool, now: float) -> None:
         """The thread mover told it to hold its steps (or to run them again)."""
@@ -144,13 +151,23 @@ class WorkerLoad:
         job = self.jobs.get(rid)
         if job is not None and job.decodes:
             job.first_at = job.first_at or now
-            stepping = [j for j in self.decoding() if j.first_at is not None]
-            job.seen_streams += n * sum(j.streams for j in stepping)
-            job.seen_context += n * sum(j.context * j.streams for j in stepping)
+            streams, context = self._stepping(now)
+            job.seen_streams += n * streams
+            job.seen_context += n * context
             job.seen_tokens += n
             job.generated += n
             job.context += n
             job.remaining = max(1, job.remaining - n)
+
+    def _stepping(self, now: float) -> tuple[int, int]:
+        """(streams, context tokens) of the requests decoding here, counted again only when
+        SEEN_REFRESH_S has passed since the last count."""
+        if now - self._seen_at >= SEEN_REFRESH_S:
+            stepping = [j for j in self.decoding() if j.first_at is not None]
+            self._seen = (sum(j.streams for j in stepping),
+                          sum(j.context * j.streams for j in stepping))  # fmt: skip
+            self._seen_at = now
+        return self._seen
 
     def remove(self, rid: str) -> tuple[float, float] | None:
         """Forget `rid` here; the mean batch it decoded in (`Job.seen`), if it decoded here."""
