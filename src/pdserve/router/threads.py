@@ -60,7 +60,7 @@ from pdserve.router.loads import WorkerLoad
 from pdserve.router.slo import SloPlanner
 
 STATES = ("split", "lend_decode", "lend_prefill", "hold_decode")
-BUSY_TAU_S = 20.0  # time constant of P's busy share (`ThreadPolicy.prefill_busy`): an answer
+BUSY_TAU_S = 20.0  # time constant of P's busy share (`ThreadPolicy.prefill_busy`): ~an answer
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,7 @@ class ThreadPolicy:
         n_p, n_d = len(s.prefill), len(s.decode)
         if n_p + n_d > self.cores:
             raise ValueError(f"{n_p + n_d} workers need at least as many cores, have {self.cores}")
-        assert self.p_cores is not None
-        self.p_cores = min(max(self.p_cores, n_p), self.cores - n_d)
+        self.p_cores = self._p_split(n_p, n_d)
         if self._busy_at is not None and now > self._busy_at:
             a = 1.0 - math.exp(-(now - self._busy_at) / BUSY_TAU_S)
             self.prefill_busy += a * (float(not s.prefill_idle) - self.prefill_busy)
