@@ -76,7 +76,11 @@ def test_report_spread_knees_and_plot(tmp_path: Path) -> None:
     assert measured[1]["spread"]["attainment"] == {"median": 0.6, "min": 0.5, "max": 0.7}
     assert measured[1]["attainment"] == 0.6  # the median run's numbers on top
     sim = {"points": [{"rate": 0.2, "attainment": 1.0, "goodput": 0.2},
-                      {"rate": 0.4, "attainment": 0.8, "goodput": 0.3}]}  # fmt: skip
+                      {"rate": 0.4, "attainment": 0.8, "goodput": 0.3}],
+           "levelled": [{"rate": 0.2, "attainment": 1.0, "goodput": 0.2, "prefill_x": 1.2,
+                         "decode_x": 1.1},
+                        {"rate": 0.4, "attainment": 0.5, "goodput": 0.2, "prefill_x": 1.5,
+                         "decode_x": 1.25}]}  # fmt: skip
     result = {
         "command": "pdserve bench sweep", "started": "now", "order": "interleaved",
         "repeats": 3, "knee_attainment": 0.9, "workload": {"workload": "rag"},
@@ -91,7 +95,11 @@ def test_report_spread_knees_and_plot(tmp_path: Path) -> None:
     assert k["knee"]["rate"] == pytest.approx(0.25)
     assert k["sim_knee"]["rate"] == pytest.approx(0.3)
     assert k["sim_knee_error"] == pytest.approx(0.2)
-    assert "| pdserve-colocated | 0.25 req/s | 0.3 req/s | +20% |" in text
+    # at the probed level: 0.2 + 0.2 x 0.1/0.5 = 0.24, -4%
+    assert k["levelled_knee"]["rate"] == pytest.approx(0.24)
+    assert k["levelled_knee_error"] == pytest.approx(-0.04)
+    assert "| pdserve-colocated | 0.25 req/s | 0.3 req/s | +20% | 0.24 req/s | -4% |" in text
+    assert "80% / 50% (x1.50/x1.25)" in text
     assert "| vllm-cpu | skipped: absent |" in text
     assert "60% (50%-70%)" in text
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
@@ -255,6 +263,117 @@ def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
     assert [r.arrival for r in sweep_sim.workload(args, 50.0)] == pytest.approx(
         [t - sent[0] for t in sent]
     )
+
+
+def test_levels_are_the_median_of_each_rates_probes() -> None:
+    from pdserve.bench import sweep_sim
+
+    def run(px: float, dx: float) -> dict[str, Any]:
+        return {**_run(1.0, 0.1), "level": {"prefill_x": px, "decode_x": dx}}
+
+    system = {"points": [
+        {"rate": 0.2, "runs": [run(1.0, 2.0), run(3.0, 1.0), run(2.0, 9.0)]},
+        {"rate": 0.4, "runs": [{**_run(1.0, 0.1), "level": {"error": "probe failed"}}]},
+        {"rate": 0.6, "runs": [], "failed": "not run"},
+    ]}  # fmt: skip
+    assert sweep_sim.levels(system) == {0.2: (2.0, 2.0)}
+    assert sweep_sim.levels({"name": "vllm-cpu", "skipped": "absent"}) == {}
+
+
+def test_host_level_probes_the_systems_cost_model_and_a_failure_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.bench import sweep_sim
+    from pdserve.costmodel import host_level
+
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args(["--rates", "1", "--num-requests", "2", "--slo-ttft", "1",
+                              "--slo-tpot", "1", "--cores", "2", "--output-dir", str(tmp_path),
+                              "--cost-model", str(tmp_path / "cm.json"),
+                              "--pdserve-args=--prefill-format bf16"])  # fmt: skip
+    asked: list[tuple[Any, ...]] = []
+
+    def measure(path: Path, model: Any, threads: int, settings: dict[str, str]) -> Any:
+        asked.append((path, threads, settings["prefill_format"]))
+        if threads == 2:
+            raise RuntimeError("host level probe failed (1): boom")
+        return host_level.Level(1.5, 1.25, 0.3, 0.02, 4140, 9.0)
+
+    monkeypatch.setattr(host_level, "measure", measure)
+    assert sweep_sim.host_level("pdserve-1p1d", args) == {
+        "prefill_x": 1.5, "decode_x": 1.25, "prefill_s": 0.3, "decode_s": 0.02,
+        "decode_context": 4140, "seconds": 9.0,
+    }  # fmt: skip
+    assert asked == [(tmp_path / "cm.json", 1, "bf16")]  # 1 + 1 threads on 2 cores
+    assert "boom" in sweep_sim.host_level("pdserve-colocated", args)["error"]
+    assert sweep_sim.host_level("vllm-cpu", args) is None
+
+
+def test_sim_at_the_probed_level(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+    from pdserve.costmodel.model import CostModel
+
+    path = tmp_path / "cm.json"
+    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=100_000)
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args([
+        "--systems", "pdserve-1p1d", "--rates", "0.1,50", "--num-requests", "6",
+        "--input-len", "300", "--output-len", "4", "--slo-ttft", "1", "--slo-tpot", "1",
+        "--cores", "2", "--cost-model", str(path), "--output-dir", str(tmp_path), "--seed", "3",
+    ])  # fmt: skip
+    pred = sweep_sim.predict("pdserve-1p1d", args, {0.1: (1.0, 1.0), 50: (3.0, 3.0)})
+    same, slow = pred["levelled"]
+    assert {k: v for k, v in same.items() if not k.endswith("_x")} == pred["points"][0]
+    assert (slow["prefill_x"], slow["decode_x"]) == (3.0, 3.0)
+    # three times slower steps: every queued prompt's TTFT is longer
+    assert slow["ttft_ms"]["p50"] > 2 * pred["points"][1]["ttft_ms"]["p50"]
+    assert "levelled" not in sweep_sim.predict("pdserve-1p1d", args, {7.0: (2.0, 2.0)})
+
+
+def test_sweep_with_sim_probes_the_host_before_each_pdserve_point(
+    fake_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.bench import sweep_sim
+    from pdserve.cli import main
+    from pdserve.costmodel.model import CostModel
+
+    @contextlib.contextmanager
+    def fake_server(system: Any, args: Any, log: Path) -> Iterator[str]:
+        yield fake_url
+
+    probed: list[str] = []
+
+    def probe(name: str, args: Any) -> dict[str, Any] | None:
+        probed.append(name)
+        return None if name == "vllm-cpu" else {"prefill_x": 2.0, "decode_x": 1.5}
+
+    monkeypatch.setattr(compare, "running_server", fake_server)
+    monkeypatch.setattr(sweep_sim, "host_level", probe)
+    cm = tmp_path / "cm.json"
+    CostModel((0.01, 0.001, 0.0), (0.005, 0.001, 0.0)).save(cm, kv_bytes_per_token=100_000)
+    out = tmp_path / "sweep"
+    argv = [
+        "bench", "sweep", "--systems", "pdserve-1p1d", "--workload", "synthetic",
+        "--input-len", "8", "--output-len", "3", "--rates", "40", "--num-requests", "3",
+        "--slo-ttft", "30", "--slo-tpot", "5", "--output-dir", str(out), "--sim",
+        "--cost-model", str(cm),
+    ]  # fmt: skip
+    assert main(argv) == 0 and probed == ["pdserve-1p1d"]
+    point = json.loads((out / "pdserve-1p1d" / "rate-40.json").read_text())
+    assert point["runs"][0]["level"] == {"prefill_x": 2.0, "decode_x": 1.5}
+    result = json.loads((out / "summary.json").read_text())
+    (levelled,) = result["systems"][0]["sim"]["levelled"]
+    assert (levelled["rate"], levelled["prefill_x"], levelled["decode_x"]) == (40, 2.0, 1.5)
+    assert "levelled_knee" in result["summary"]["pdserve-1p1d"]
+    assert "(x2.00/x1.50)" in (out / "report.md").read_text()
+    # predicted again later: the recorded levels are used again
+    assert main(["bench", "sweep-sim", str(out), "--cost-model", str(cm)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["systems"][0]["sim"]["levelled"][0]["prefill_x"] == 2.0
+    probed.clear()
+    assert main([*argv, "--no-level"]) == 0 and probed == []
 
 
 def test_sim_of_a_command_line_serve_refuses_is_skipped(tmp_path: Path) -> None:

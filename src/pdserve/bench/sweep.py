@@ -28,7 +28,11 @@ knee is at least the highest rate; the lowest rate already below: none.
 `--sim` adds the simulator's prediction of the same sweep for the pdserve systems (same
 workload, SLOs and threads; this host's profiled cost model, as `pdserve sim --hardware cpu`
 finds it, or `--cost-model`): its points, dashed in the plot, and its knee with the error
-against the measured knee (`sweep_sim`).
+against the measured knee (`sweep_sim`). Before each pdserve point it also times a few engine
+steps against that cost model (`costmodel/host_level.py`, ~10 s; `--no-level` skips it): the
+point's "level", with which the simulator predicts the sweep again at the speed the host ran
+the point (a shared VM's speed moves by more than the simulator's targets between a profile
+and a sweep).
 
 Writes under `--output-dir`: `<system>/rate-<r>.json` per point (the median run's rate,
 completed, refused (answered 429/503 by the server's admission), failed, goodput, attainment,
@@ -73,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--sim", action="store_true", help="add the simulator's prediction (pdserve systems)")
     a("--cost-model", type=Path, default=None,
       help="--sim: the profiled cost model (default: this host's, per thread count)")  # fmt: skip
+    a("--no-level", action="store_true",
+      help="--sim: no host-level probe before each pdserve point")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- order
@@ -134,12 +140,20 @@ def run_point(system: peers.System, args: argparse.Namespace, rate: float, rep: 
               ) -> dict[str, Any]:  # fmt: skip
     """One load phase on a fresh server, scored against the SLOs; its requests saved."""
     label = f"rate {rate:g}" + (f" #{rep + 1}" if args.repeats > 1 else "")
+    level = None
+    if args.sim and not args.no_level:  # the host's speed now, before the server starts
+        from pdserve.bench import sweep_sim
+
+        level = sweep_sim.host_level(system.name, args)
     res = compare.run_phase(system, args, label, num_requests=args.num_requests,
                             seed=args.seed, rate=rate)  # fmt: skip
     compare.apply_slos(res, args.slo_ttft, args.slo_tpot)
     folder = args.output_dir / system.name / "requests"
     report.write_json(folder / f"{rate_name(rate)}-run{rep + 1}.json", res["requests"], indent=1)
-    return point_stats(res, rate, rep)
+    stats = point_stats(res, rate, rep)
+    if level is not None:
+        stats["level"] = level
+    return stats
 
 
 def run_points(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
@@ -210,7 +224,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
         for s in systems:
             try:
-                s["sim"] = sweep_sim.predict(s["name"], args)
+                s["sim"] = sweep_sim.predict(s["name"], args, sweep_sim.levels(s))
             except Exception as e:  # hours of measurement are written whatever the sim does
                 s["sim"] = {"skipped": f"simulation failed: {e!r}"}
     machine["load_average_end"] = report.load_average()

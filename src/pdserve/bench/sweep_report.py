@@ -88,6 +88,10 @@ def summarize(result: dict[str, Any], threshold: float) -> dict[str, Any]:
             predicted = knee([(p["rate"], p["attainment"]) for p in sim["points"]], threshold)
             row["sim_knee"] = asdict(predicted)
             row["sim_knee_error"] = knee_error(predicted, measured) if measured else None
+            if sim.get("levelled"):
+                at = knee([(p["rate"], p["attainment"]) for p in sim["levelled"]], threshold)
+                row["levelled_knee"] = asdict(at)
+                row["levelled_knee_error"] = knee_error(at, measured) if measured else None
         elif sim:
             row["sim_skipped"] = sim.get("skipped")
         out[s["name"]] = row
@@ -105,8 +109,8 @@ def _num(v: float | None, fmt: str = ".3f") -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def _point_row(name: str, p: dict[str, Any], sim: dict[float, float]) -> list[str]:
-    predicted = _pct(sim.get(p["rate"]))
+def _point_row(name: str, p: dict[str, Any], sim: dict[float, str]) -> list[str]:
+    predicted = sim.get(p["rate"], "—")
     if not p.get("runs"):
         why = (str(p.get("failed", "")).splitlines() or [""])[0]  # the log's tail: in the JSON
         return [name, f"{p['rate']:g}", f"failed: {why}", "—", predicted,
@@ -120,21 +124,34 @@ def _point_row(name: str, p: dict[str, Any], sim: dict[float, float]) -> list[st
     ]  # fmt: skip
 
 
-def _sim_attainment(system: dict[str, Any]) -> dict[float, float]:
-    return {q["rate"]: q["attainment"] for q in (system.get("sim") or {}).get("points") or []}
+def _sim_attainment(system: dict[str, Any]) -> dict[float, str]:
+    """Per rate: the predicted attainment, then at the point's level with its factors."""
+    sim = system.get("sim") or {}
+    out = {q["rate"]: _pct(q["attainment"]) for q in sim.get("points") or []}
+    for q in sim.get("levelled") or []:
+        out[q["rate"]] = (f"{out.get(q['rate'], '—')} / {_pct(q['attainment'])} "
+                          f"(x{q['prefill_x']:.2f}/x{q['decode_x']:.2f})")  # fmt: skip
+    return out
 
 
 def _knee_lines(result: dict[str, Any]) -> list[str]:
     rows = []
     for name, k in result["summary"].items():
         if k.get("skipped"):
-            rows.append([name, f"skipped: {k['skipped']}", "—", "—"])
+            rows.append([name, f"skipped: {k['skipped']}", "—", "—", "—", "—"])
             continue
         measured = Knee(**k["knee"]).text() if k.get("knee") else "—"
         sim = Knee(**k["sim_knee"]).text() if k.get("sim_knee") else k.get("sim_skipped") or "—"
-        err = k.get("sim_knee_error")
-        rows.append([name, measured, sim, "—" if err is None else f"{err:+.0%}"])
-    return report.markdown_table(("system", "knee (measured)", "knee (simulated)", "error"), rows)
+        at = Knee(**k["levelled_knee"]).text() if k.get("levelled_knee") else "—"
+        rows.append([name, measured, sim, _err(k.get("sim_knee_error")), at,
+                     _err(k.get("levelled_knee_error"))])  # fmt: skip
+    header = ("system", "knee (measured)", "knee (simulated)", "error",
+              "simulated at the run's level", "error")  # fmt: skip
+    return report.markdown_table(header, rows)
+
+
+def _err(v: float | None) -> str:
+    return "—" if v is None else f"{v:+.0%}"
 
 
 def render(result: dict[str, Any]) -> str:
@@ -158,7 +175,8 @@ def render(result: dict[str, Any]) -> str:
         *_knee_lines(result),
         "",
         "## Points (median over repeats, min-max in brackets; latencies and counts of the "
-        "median run; sim: the simulator's attainment)",
+        "median run; sim: the simulator's attainment with the profile / at the host's level "
+        "probed before the point (its prefill / decode factors against the profile))",
         "",
     ]
     header = ("system", "rate", "goodput req/s", "attainment", "sim", "TTFT p90 ms",
@@ -187,7 +205,8 @@ def _simulated_line(result: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Goodput and attainment against the rate: a solid line per measured system (min-max
-    bars over repeats), dashed for the simulator's prediction in the same colour."""
+    bars over repeats), dashed for the simulator's prediction in the same colour, dotted for
+    its prediction at the host's probed level."""
     plt = plots.pyplot()
     fig, (ax_g, ax_a) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, s in enumerate(s for s in result["systems"] if s.get("points") or s.get("sim")):
@@ -204,6 +223,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             if sim:
                 ax.plot([p["rate"] for p in sim], [p[key] for p in sim], "--", color=color,
                         marker="x", label=f"{s['name']} (sim)")  # fmt: skip
+            at = (s.get("sim") or {}).get("levelled") or []
+            if at:
+                ax.plot([p["rate"] for p in at], [p[key] for p in at], ":", color=color,
+                        marker="+", label=f"{s['name']} (sim at level)")  # fmt: skip
     ax_a.axhline(result["knee_attainment"], color="grey", lw=0.8, ls=":")
     ax_g.set(xlabel="request rate (req/s)", ylabel="goodput (req/s)", title="goodput")
     ax_a.set(xlabel="request rate (req/s)", ylabel="share within both SLOs",

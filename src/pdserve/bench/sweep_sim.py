@@ -11,12 +11,22 @@ Poisson gaps for that rate and `--seed`: `sim.workload.arrivals(bench=True)`); e
 scored against the sweep's SLOs as the measured points are. Peers are reported as skipped;
 pdserve-adaptive runs the router's thread policy in the simulator (`pdserve sim --adaptive`).
 `pdserve bench sweep-sim DIR` makes the prediction again for a finished sweep (sweep_resim.py).
+
+At the run's level: `host_level` times a few engine steps against the same cost model before
+each measured point (costmodel/host_level.py); `predict` then simulates each rate a second
+time with the workers' steps at that level (prefill terms x the median `prefill_x` of the
+rate's repeats, decode terms x `decode_x`), the planner's cost model left at the profile's, as
+the server loaded it. That prediction ("levelled") tells the simulator's queueing, batching
+and policy apart from the host's speed drifting between the profile and the sweep.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
+import statistics
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +54,57 @@ def why_not(name: str, args: argparse.Namespace) -> str | None:
 
 
 def sim_deployment(name: str, args: argparse.Namespace) -> Any:
-    from pdserve.serve.plan import cost_path
     from pdserve.sim.deploy import Deployment
+
+    served, _, path = _served_profile(name, args)
+    return Deployment.of(served, hardware="cpu", model=served.model or "default",
+                         cost_model=path)  # fmt: skip
+
+
+def _served_profile(name: str, args: argparse.Namespace) -> tuple[Any, int, Path]:
+    """The served deployment, its workers' threads and the cost model the simulator prices."""
+    from pdserve.serve.plan import cost_path
 
     served = served_deployment(name, args)
     threads = served.topology.worker_threads(args.cores)
-    path = args.cost_model or cost_path(served, threads)
-    return Deployment.of(served, hardware="cpu", model=served.model or "default",
-                         cost_model=Path(path))  # fmt: skip
+    return served, threads, Path(args.cost_model or cost_path(served, threads))
+
+
+def host_level(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The host's level now against the cost model the system's prediction prices
+    (costmodel/host_level.py); None for a system the simulator does not model, {"error": why}
+    when the probe fails (the point is measured all the same)."""
+    if why_not(name, args) is not None:
+        return None
+    from pdserve.costmodel import host_level as hl
+    from pdserve.serve.plan import cost_settings
+
+    try:
+        served, threads, path = _served_profile(name, args)
+        return hl.measure(path, served.model, threads, cost_settings(served)).as_dict()
+    except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired, SystemExit) as e:
+        return {"error": str(e) or type(e).__name__}
+
+
+def levels(system: dict[str, Any]) -> dict[float, tuple[float, float]]:
+    """Per rate: the median (prefill_x, decode_x) over the measured repeats' probes."""
+    out = {}
+    for p in system.get("points") or []:
+        got = [r["level"] for r in p.get("runs") or [] if "prefill_x" in (r.get("level") or {})]
+        if got:
+            out[p["rate"]] = (statistics.median(g["prefill_x"] for g in got),
+                              statistics.median(g["decode_x"] for g in got))  # fmt: skip
+    return out
+
+
+def at_level(built: Any, prefill_x: float, decode_x: float) -> Any:
+    """`built` with the workers' steps rescaled; the planner keeps the profile's model."""
+
+    def rescale(step: Any) -> Any:
+        return dataclasses.replace(step, model=step.model.rescaled(prefill_x, decode_x))
+
+    return dataclasses.replace(built, step=rescale(built.step),
+                               prefill_step=rescale(built.prefill_step))  # fmt: skip
 
 
 def workload(args: argparse.Namespace, rate: float) -> list[Any]:
@@ -65,9 +118,11 @@ def workload(args: argparse.Namespace, rate: float) -> list[Any]:
     return make_requests(ns)
 
 
-def predict(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def predict(name: str, args: argparse.Namespace,
+            level: dict[float, tuple[float, float]] | None = None) -> dict[str, Any]:  # fmt: skip
     """{"points": [{rate, attainment, goodput, ttft_ms, tpot_ms}], deployment, cost model} or
-    {"skipped": why}."""
+    {"skipped": why}; with `level` (per rate: prefill_x, decode_x) also "levelled": the points
+    of the rates it holds, predicted at that level."""
     why = why_not(name, args)
     if why is not None:
         return {"skipped": why}
@@ -81,17 +136,24 @@ def predict(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": f"cannot simulate: {e}"}
     except SystemExit:  # serve's parser refused the command line (its error is on stderr)
         return {"skipped": "cannot simulate: `pdserve serve` refuses this command line"}
-    points = []
-    for rate in args.rates:
+
+    def point(rate: float, b: Any) -> dict[str, Any]:
         records: list[Record] = []
-        simulate(d, workload(args, rate), built=built, records_out=records)
+        simulate(d, workload(args, rate), built=b, records_out=records)
         s = summarize(records, args.slo_ttft, args.slo_tpot, d.gpus)
-        points.append({
+        return {
             "rate": rate, "attainment": s["attainment"], "goodput": s["goodput_rps"],
             "ttft_ms": _ms(s["ttft_s"]), "tpot_ms": _ms(s["tpot_s"]),
-        })  # fmt: skip
-    return {"deployment": d.label(), "cost_model": str(d.cost_model), "points": points,
-            "command": shlex.join(compare.SYSTEMS[name].command(args, 0))}  # fmt: skip
+        }  # fmt: skip
+
+    out = {"deployment": d.label(), "cost_model": str(d.cost_model),
+           "points": [point(rate, built) for rate in args.rates],
+           "command": shlex.join(compare.SYSTEMS[name].command(args, 0))}  # fmt: skip
+    at = {r: x for r, x in (level or {}).items() if r in args.rates}
+    if at:
+        out["levelled"] = [{**point(r, at_level(built, *at[r])), "prefill_x": at[r][0],
+                            "decode_x": at[r][1]} for r in args.rates if r in at]  # fmt: skip
+    return out
 
 
 def _ms(stats: dict[str, float | None]) -> dict[str, float | None]:
