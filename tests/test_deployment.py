@@ -261,3 +261,36 @@ def test_adaptive_refuses_what_it_cannot_compose(topology, planner, ray, match) 
         adapted(planner, topology, ray)
     with pytest.raises(ValueError, match="worker processes"):
         Deployment(planner=PlannerConfig(adaptive=True), worker=WorkerConfig(transport="inproc"))
+
+
+def test_level_probe_plans_with_the_cost_model_at_the_hosts_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.costmodel import host_level
+    from pdserve.costmodel.contention import Contention
+    from pdserve.costmodel.model import CostModel
+
+    path = tmp_path / "cm.json"
+    cost = CostModel((0.01, 0.001, 0.0), (0.005, 0.001, 0.0))
+    cost.save(path, kv_bytes_per_token=100)
+    Contention(1.1, 1.0, 1.2, 1.0, 1, 2).save_into(path)
+    asked: list[tuple[Path, int]] = []
+
+    def measure(p: Path, model: object, threads: int, settings: dict[str, str]) -> object:
+        asked.append((p, threads))
+        return host_level.Level(2.0, 1.5, 1.0, 0.02, 4140, 9.0)
+
+    monkeypatch.setattr(host_level, "measure", measure)
+    off = flags.deployment(serve_args("--adaptive", "--cost-model", str(path)))
+    assert not off.planner.level_probe and plan.at_host_level(off, cost, 1) == (off, cost)
+    d = flags.deployment(serve_args("--adaptive", "--cost-model", str(path), "--level-probe"))
+    levelled_d, levelled = plan.at_host_level(d, cost, 1)
+    assert asked == [(path, 1)] and levelled == cost.rescaled(2.0, 1.5)
+    saved = Path(levelled_d.planner.cost_model)
+    assert saved != path and CostModel.load(saved) == levelled
+    assert CostModel.load_about(saved)["level"]["prefill_x"] == 2.0
+    assert Contention.load(saved) == Contention.load(path)
+    # the stall-free decode worker is handed the levelled file too
+    specs = plan.with_stall_free(levelled_d, plan.worker_specs(levelled_d, 1), levelled, 1)
+    assert {s.config.cost_model for s in specs if s.role == "decode"} == {str(saved)}
+    saved.unlink()

@@ -122,6 +122,9 @@ class PlannerConfig:
     stall_free: bool = True  # with slo_tpot_s: decode workers size prompt chunks to it
     # 1P1D whose threads move between P and D, D prefilling under bursts (`Deployment.adapted`)
     adaptive: bool = False
+    # time a few steps at start-up and plan with the cost model at this host's speed now
+    # (costmodel/host_level.py; serve/plan.py `at_host_level`)
+    level_probe: bool = False
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATIONS:

@@ -97,14 +97,18 @@ def levels(system: dict[str, Any]) -> dict[float, tuple[float, float]]:
     return out
 
 
-def at_level(built: Any, prefill_x: float, decode_x: float) -> Any:
-    """`built` with the workers' steps rescaled; the planner keeps the profile's model."""
+def at_level(built: Any, prefill_x: float, decode_x: float, planner: bool = False) -> Any:
+    """`built` with the workers' steps rescaled; the planner keeps the profile's model unless
+    `planner` (a server started with `--level-probe` plans at its own probe's level)."""
 
     def rescale(step: Any) -> Any:
         return dataclasses.replace(step, model=step.model.rescaled(prefill_x, decode_x))
 
-    return dataclasses.replace(built, step=rescale(built.step),
-                               prefill_step=rescale(built.prefill_step))  # fmt: skip
+    out = dataclasses.replace(built, step=rescale(built.step),
+                              prefill_step=rescale(built.prefill_step))  # fmt: skip
+    if planner and built.planner_model is not None:
+        out.planner_model = built.planner_model.rescaled(prefill_x, decode_x)
+    return out
 
 
 def workload(args: argparse.Namespace, rate: float) -> list[Any]:
@@ -151,7 +155,8 @@ def predict(name: str, args: argparse.Namespace,
            "command": shlex.join(compare.SYSTEMS[name].command(args, 0))}  # fmt: skip
     at = {r: x for r, x in (level or {}).items() if r in args.rates}
     if at:
-        out["levelled"] = [{**point(r, at_level(built, *at[r])), "prefill_x": at[r][0],
+        planner = served_deployment(name, args).planner.level_probe
+        out["levelled"] = [{**point(r, at_level(built, *at[r], planner)), "prefill_x": at[r][0],
                             "decode_x": at[r][1]} for r in args.rates if r in at]  # fmt: skip
     return out
 

@@ -153,6 +153,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt tokens so running decodes stay within the TPOT SLO (stall-free batching)",
     )
     a(
+        "--level-probe",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="before the workers start, time a 512-token prompt and a decode batch against the "
+        "cost model (~10 s) and plan with it rescaled to this host's speed now (a shared VM "
+        "drifts from its profile by up to 2x)",
+    )
+    a(
         "--restart-workers",
         action=argparse.BooleanOptionalAction,
         default=True,

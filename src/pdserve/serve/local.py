@@ -33,6 +33,7 @@ def run(d: Deployment) -> int:
     plan.use_secret(d, [s.config.host for s in specs])
     # before the workers start: profiling (when needed) measures a quiet machine
     cost = plan.cost_model(d, threads)
+    d, cost = plan.at_host_level(d, cost, threads)
     specs = plan.with_stall_free(d, specs, cost, threads)
     ctx = zmq.Context()
     workers: list[Launched] = []

@@ -3,6 +3,7 @@ the router core that every front (local processes, Ray actors, HTTP) runs.
 
     specs  = worker_specs(d)                  # one WorkerSpec per worker, engine args checked
     cost   = cost_model(d, threads)           # a file, this host's saved one, a profile, or None
+    d, cost = at_host_level(d, cost, threads) # --level-probe: rescaled to the host's speed now
     specs  = with_stall_free(d, specs, ...)   # decode workers get the TPOT SLO and the file
     core   = router_core(d, endpoints, cost)  # RouterCore with the planner and autobalancer
 """
@@ -13,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,33 @@ def cost_settings(d: Deployment) -> dict[str, str]:
         "decode_matmul": d.setting("decode_matmul", "auto"),
         "prefill_format": resolved(d.setting("prefill_format", "auto"), quantization, dtype),
     }
+
+
+def at_host_level(
+    d: Deployment, cost: CostModel | None, threads: int
+) -> tuple[Deployment, CostModel | None]:
+    """`--level-probe`: the cost model rescaled to the speed this host runs the workers' engine
+    now (costmodel/host_level.py), saved to a file of this server's that the deployment then
+    names, so the planner and the stall-free workers price the same steps."""
+    if not d.planner.level_probe or cost is None:
+        return d, cost
+    from pdserve.costmodel import host_level
+    from pdserve.costmodel.contention import Contention
+
+    path = cost_path(d, threads)
+    level = host_level.measure(path, d.model, threads, cost_settings(d))
+    levelled = cost.rescaled(level.prefill_x, level.decode_x)
+    out = Path(tempfile.gettempdir()) / f"pdserve-level-{os.getpid()}-{path.name}"
+    levelled.save(out, **CostModel.load_about(path), level=level.as_dict(), levelled=str(path))
+    contention = Contention.load(path)
+    if contention.measured:
+        contention.save_into(out)
+    log.info(
+        "host level: prefill x%.2f, decode x%.2f against %s (probe %.0f s); planning with %s",
+        level.prefill_x, level.decode_x, path, level.seconds, out,
+    )  # fmt: skip
+    planner = dataclasses.replace(d.planner, cost_model=str(out))
+    return dataclasses.replace(d, planner=planner), levelled
 
 
 def cost_path(d: Deployment, threads: int) -> Path:
