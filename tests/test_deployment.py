@@ -293,4 +293,11 @@ def test_level_probe_plans_with_the_cost_model_at_the_hosts_speed(
     # the stall-free decode worker is handed the levelled file too
     specs = plan.with_stall_free(levelled_d, plan.worker_specs(levelled_d, 1), levelled, 1)
     assert {s.config.cost_model for s in specs if s.role == "decode"} == {str(saved)}
+    # and /metrics shows the level the planner runs at (1 when not probed)
+    from pdserve.metrics.prometheus import Metrics
+    from pdserve.serve.http import cost_level
+
+    assert cost_level(levelled_d)["decode_x"] == 1.5 and cost_level(off) == {}
+    text = Metrics().render().decode()
+    assert 'pdserve_cost_model_level{kind="prefill"} 1.0' in text
     saved.unlink()

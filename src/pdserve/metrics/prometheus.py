@@ -26,6 +26,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -317,6 +318,15 @@ class Metrics:
         )
         for outcome in ("hit", "miss", "moved"):
             self.conversations.labels(outcome)
+        self.cost_level = Gauge(
+            "pdserve_cost_model_level",
+            "The planner's step times against the profiled cost model, as `--level-probe` "
+            "measured them at start-up (measured / profiled, by kind; 1: not probed).",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("prefill", "decode"):
+            self.cost_level.labels(kind).set(1.0)
         self._workers = _WorkerCollector()
         r.register(self._workers)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()

@@ -38,6 +38,9 @@ async def serve_router(
     from pdserve.metrics.prometheus import Metrics
 
     metrics = Metrics(slo_ttft_s=d.planner.slo_ttft_s, slo_tpot_s=d.planner.slo_tpot_s)
+    level = cost_level(d)
+    for kind in ("prefill", "decode"):
+        metrics.cost_level.labels(kind).set(level.get(f"{kind}_x", 1.0))
     core = router_core(d, endpoints, cost, metrics=metrics)
     await core.start()
     if pools is not None:
@@ -52,6 +55,14 @@ async def serve_router(
             await pools.close()
         await core.close()
     return 0
+
+
+def cost_level(d: Deployment) -> dict[str, float]:
+    """The level `--level-probe` saved with the cost model the planner uses ({} if none)."""
+    if d.planner.cost_model in ("auto", "none"):
+        return {}
+    level = CostModel.load_about(Path(d.planner.cost_model)).get("level")
+    return dict(level) if isinstance(level, dict) else {}
 
 
 async def _serve_app(d: Deployment, core: RouterCore, metrics: Any, pools: Any, n: int) -> None:
