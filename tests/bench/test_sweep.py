@@ -229,8 +229,8 @@ def test_sweep_needs_slos_and_distinct_rates() -> None:
         sweep.check(args)
 
 
-def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
-    from pdserve.bench import sweep_sim
+def _sim_args(tmp_path: Path, systems: str) -> argparse.Namespace:
+    """A sweep of 300-token prompts at 0.1 and 50 req/s over a hand-made cost model."""
     from pdserve.costmodel.model import CostModel
 
     path = tmp_path / "cm.json"
@@ -238,12 +238,18 @@ def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
     CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=100_000)
     parser = argparse.ArgumentParser()
     sweep.add_arguments(parser)
-    args = parser.parse_args([
-        "--systems", "pdserve-colocated,pdserve-1p1d,pdserve-adaptive,vllm-cpu", "--rates",
-        "0.1,50", "--num-requests", "6", "--input-len", "300", "--output-len", "4",
-        "--slo-ttft", "1", "--slo-tpot", "1", "--cores", "2", "--cost-model", str(path),
-        "--output-dir", str(tmp_path), "--seed", "3",  # at 0.1 req/s its gaps are >= 2.6 s
+    return parser.parse_args([
+        "--systems", systems, "--rates", "0.1,50", "--num-requests", "6", "--input-len", "300",
+        "--output-len", "4", "--slo-ttft", "1", "--slo-tpot", "1", "--cores", "2",
+        "--cost-model", str(path), "--output-dir", str(tmp_path),
+        "--seed", "3",  # at 0.1 req/s its gaps are >= 2.6 s
     ])  # fmt: skip
+
+
+def test_sim_predicts_the_sweep_of_the_pdserve_systems(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+
+    args = _sim_args(tmp_path, "pdserve-colocated,pdserve-1p1d,pdserve-adaptive,vllm-cpu")
     colocated = sweep_sim.predict("pdserve-colocated", args)
     assert colocated["deployment"] == "1 colocated x TP1"
     assert "--colocated 1 --threads 2" in colocated["command"]
@@ -312,17 +318,8 @@ def test_host_level_probes_the_systems_cost_model_and_a_failure_is_kept(
 
 def test_sim_at_the_probed_level(tmp_path: Path) -> None:
     from pdserve.bench import sweep_sim
-    from pdserve.costmodel.model import CostModel
 
-    path = tmp_path / "cm.json"
-    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(path, kv_bytes_per_token=100_000)
-    parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
-    args = parser.parse_args([
-        "--systems", "pdserve-1p1d", "--rates", "0.1,50", "--num-requests", "6",
-        "--input-len", "300", "--output-len", "4", "--slo-ttft", "1", "--slo-tpot", "1",
-        "--cores", "2", "--cost-model", str(path), "--output-dir", str(tmp_path), "--seed", "3",
-    ])  # fmt: skip
+    args = _sim_args(tmp_path, "pdserve-1p1d")
     pred = sweep_sim.predict("pdserve-1p1d", args, {0.1: (1.0, 1.0), 50: (3.0, 3.0)})
     same, slow = pred["levelled"]
     assert {k: v for k, v in same.items() if not k.endswith("_x")} == pred["points"][0]
