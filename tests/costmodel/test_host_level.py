@@ -21,7 +21,10 @@ def test_factors_are_measured_over_priced_steps() -> None:
     # priced: a 512-token prompt 10 + 512 = 522 ms; a batch of 8: 5 + 8 = 13 ms
     level = hl.level_of(MODEL, 1.044, 0.026, 4140, seconds=9.0)
     assert level.prefill_x == pytest.approx(2.0) and level.decode_x == pytest.approx(2.0)
-    assert hl.Level.from_dict(json.loads(json.dumps(level.as_dict()))) == level
+    assert json.loads(json.dumps(level.as_dict())) == {
+        "prefill_x": level.prefill_x, "decode_x": level.decode_x, "prefill_s": 1.044,
+        "decode_s": 0.026, "decode_context": 4140, "seconds": 9.0,
+    }  # fmt: skip
     with pytest.raises(ValueError, match="> 0"):
         hl.level_of(MODEL, 0.0, 0.026, 4140)
 
@@ -63,3 +66,18 @@ def test_the_probe_times_a_real_engine(tiny_llama_path: Path, tmp_path: Path) ->
     assert level.decode_context >= hl.DECODE_BATCH * hl.DECODE_CONTEXT
     # a tiny model's steps are far below this model's milliseconds
     assert level.prefill_x < 1 and level.decode_x < 1
+
+
+def test_a_rescaled_model_keeps_its_profiles_about_and_contention(tmp_path: Path) -> None:
+    from pdserve.costmodel.contention import Contention
+
+    profile = tmp_path / "cm.json"
+    MODEL.save(profile, kv_bytes_per_token=100, threads=2)
+    Contention(1.1, 1.0, 1.2, 1.0, 1, 2).save_into(profile)
+    out = hl.save_rescaled(profile, MODEL.rescaled(2.0, 3.0), tmp_path / "x.json", threads=1)
+    assert CostModel.load(out) == MODEL.rescaled(2.0, 3.0)
+    assert CostModel.load_about(out) == {"kv_bytes_per_token": 100, "threads": 1}
+    assert Contention.load(out) == Contention.load(profile)
+    plain = tmp_path / "plain.json"
+    MODEL.save(plain)
+    assert not Contention.load(hl.save_rescaled(plain, MODEL, tmp_path / "y.json")).measured

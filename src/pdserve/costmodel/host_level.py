@@ -56,10 +56,6 @@ class Level:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Level:
-        return cls(**{k: d[k] for k in asdict(cls(1.0, 1.0, 0.0, 0.0, 0, 0.0))})
-
 
 def level_of(model: CostModel, prefill_s: float, decode_s: float, context: int,
              seconds: float = 0.0) -> Level:  # fmt: skip
@@ -69,6 +65,19 @@ def level_of(model: CostModel, prefill_s: float, decode_s: float, context: int,
     priced_decode = model.decode_step_s(DECODE_BATCH, context)
     return Level(prefill_s / priced_prefill, decode_s / priced_decode, prefill_s, decode_s,
                  context, seconds)  # fmt: skip
+
+
+def save_rescaled(profile: Path, model: CostModel, out: Path, **about: object) -> Path:
+    """`model` (a rescaled `profile`) saved to `out` with the profile's `about` under `about`
+    and its contention section, so that whatever loads `out` prices as `profile` would at
+    the new level."""
+    from pdserve.costmodel.contention import Contention
+
+    model.save(out, **{**CostModel.load_about(profile), **about})
+    contention = Contention.load(profile)
+    if contention.measured:
+        contention.save_into(out)
+    return out
 
 
 def measure(cost_model: Path, model: str | None, threads: int,

@@ -91,16 +91,12 @@ def at_host_level(
     if not d.planner.level_probe or cost is None:
         return d, cost
     from pdserve.costmodel import host_level
-    from pdserve.costmodel.contention import Contention
 
     path = cost_path(d, threads)
     level = host_level.measure(path, d.model, threads, cost_settings(d))
     levelled = cost.rescaled(level.prefill_x, level.decode_x)
     out = Path(tempfile.gettempdir()) / f"pdserve-level-{os.getpid()}-{path.name}"
-    levelled.save(out, **CostModel.load_about(path), level=level.as_dict(), levelled=str(path))
-    contention = Contention.load(path)
-    if contention.measured:
-        contention.save_into(out)
+    host_level.save_rescaled(path, levelled, out, level=level.as_dict(), levelled=str(path))
     log.info(
         "host level: prefill x%.2f, decode x%.2f against %s (probe %.0f s); planning with %s",
         level.prefill_x, level.decode_x, path, level.seconds, out,

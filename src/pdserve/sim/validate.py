@@ -184,7 +184,7 @@ def calibrated(d: Deployment, run: RealRun, folder: Path) -> tuple[Deployment, d
     steps' measured / priced median, decode terms x the decode steps'), saved beside the run
     with the profile's contention section. A run stored without step logs: scaled so that a
     lone request's TTFT and TPOT match the probes' instead."""
-    from pdserve.costmodel.contention import Contention
+    from pdserve.costmodel.host_level import save_rescaled
     from pdserve.costmodel.model import CostModel
     from pdserve.sim.deploy import cost_model_path
     from pdserve.sim.level import run_level
@@ -200,11 +200,7 @@ def calibrated(d: Deployment, run: RealRun, folder: Path) -> tuple[Deployment, d
         factors["decode_x"] = tpot / model.decode_step_s(1, n + 4)
     # per-batch decode terms too; transfer, receive kept
     scaled = model.rescaled(factors["prefill_x"], factors["decode_x"])
-    out = folder / f"calibrated-{time.monotonic_ns()}.json"
-    scaled.save(out, **CostModel.load_about(path))
-    contention = Contention.load(path)
-    if contention.measured:
-        contention.save_into(out)
+    out = save_rescaled(path, scaled, folder / f"calibrated-{time.monotonic_ns()}.json")
     return replace(d, cost_model=out), factors
 
 
