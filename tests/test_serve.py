@@ -193,6 +193,16 @@ def test_thirty_concurrent_streams_metrics_and_timeline(server) -> None:  # type
     assert {w["role"] for w in workers} == {"prefill", "decode"}
     assert all(w["healthy"] and w["kv_blocks_total"] > 0 for w in workers)
 
+    # the workers' engine steps (a benchmark's level of the host during its load): P prefilled
+    # prompts, D decoded; none begun after now
+    steps = httpx.get(server.url + "/admin/steps", params={"since": 0}, timeout=30).json()
+    assert set(steps["workers"]) == {w["id"] for w in workers} and steps["missing"] == []
+    by_role = {w["role"]: steps["workers"][w["id"]] for w in workers}
+    assert any(len(s) > 4 and s[4] > 1 for s in by_role["prefill"])  # a prompt chunk
+    assert any(s[2] > 0 for s in by_role["decode"])  # decode rows
+    later = httpx.get(server.url + "/admin/steps", params={"since": steps["now"] + 60}).json()
+    assert all(v == [] for v in later["workers"].values())
+
 
 def test_client_errors_get_openai_envelopes(server) -> None:  # type: ignore[no-untyped-def]
     client = server.client()

@@ -19,7 +19,10 @@ from fastapi.responses import StreamingResponse
 from factories import serving
 from pdserve.bench import compare, sweep, sweep_report
 from pdserve.bench.sweep_report import Knee, knee
+from pdserve.costmodel.model import CostModel
 from pdserve.workloads.spec import arrival_gaps
+
+FAKE_COST = CostModel((0.01, 0.001, 0.0), (0.005, 0.001, 0.0))  # the fake server's steps' prices
 
 
 def test_knee_interpolates_between_the_bracketing_points() -> None:
@@ -151,6 +154,16 @@ def _fake_app() -> FastAPI:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.get("/admin/steps")
+    async def steps(since: float) -> dict[str, Any]:
+        """P's six lone prefill steps at 2x FAKE_COST's price, then D's six decodes at 3x."""
+        from pdserve.sim.steptime import CostModelStep
+
+        priced = CostModelStep(FAKE_COST).priced
+        p = [[since + i, 2 * priced(0, 0, [(8, 0)]), 0, 0, 8, 0] for i in range(6)]
+        d = [[since + 10 + i, 3 * priced(2, 20, []), 2, 20] for i in range(6)]
+        return {"since": since, "workers": {"P0": p, "D0": d}, "missing": []}
 
     return app
 
@@ -286,6 +299,50 @@ def test_levels_are_the_median_of_each_rates_probes() -> None:
     assert sweep_sim.levels({"name": "vllm-cpu", "skipped": "absent"}) == {}
 
 
+def test_a_runs_own_steps_level_falls_back_to_the_probe_per_kind() -> None:
+    from pdserve.bench import sweep_sim
+
+    probe = {"prefill_x": 2.0, "decode_x": 1.5}
+    both = {"prefill_x": 1.2, "decode_x": 1.1, "fallback": []}
+    few_prefills = {"prefill_x": 1.0, "decode_x": 1.1, "fallback": ["prefill"]}
+    assert sweep_sim.run_factors({"level": probe, "steps_level": both}, "steps") == (1.2, 1.1)
+    assert sweep_sim.run_factors({"level": probe, "steps_level": few_prefills}, "steps") == (
+        2.0, 1.1)  # fmt: skip
+    assert sweep_sim.run_factors({"level": probe, "steps_level": {"error": "404"}}, "steps") is None
+    assert sweep_sim.run_factors({"level": {"error": "x"}, "steps_level": few_prefills},
+                                 "steps") is None  # fmt: skip
+    assert sweep_sim.run_factors({"steps_level": both}, "steps") == (1.2, 1.1)
+    assert sweep_sim.run_factors({"level": probe, "steps_level": both}, "probe") == (2.0, 1.5)
+    points = {
+        "points": [
+            {
+                "rate": 0.2,
+                "runs": [
+                    {"level": probe, "steps_level": both},
+                    {"level": probe, "steps_level": few_prefills},
+                ],
+            }
+        ]
+    }
+    assert sweep_sim.levels(points, "steps") == {0.2: (pytest.approx(1.6), pytest.approx(1.1))}
+
+
+def test_steps_level_prices_the_servers_steps_with_the_systems_cost_model(tmp_path: Path) -> None:
+    from pdserve.bench import sweep_sim
+    from pdserve.sim.steptime import CostModelStep
+
+    args = _sim_args(tmp_path, "pdserve-1p1d")
+    model = CostModel.load(args.cost_model)
+    price = CostModelStep(model).priced(0, 0, [(300, 0)])
+    logs = {"workers": {"P0": [[float(i), 1.5 * price, 0, 0, 300, 0] for i in range(5)],
+                        "D0": [[10.0, 0.01, 1, 5]]}, "missing": ["D1"]}  # fmt: skip
+    got = sweep_sim.steps_level("pdserve-1p1d", args, logs)
+    assert got["prefill_x"] == pytest.approx(1.5) and got["fallback"] == ["decode"]
+    assert got["missing"] == ["D1"] and got["lone_steps"] == 6
+    assert sweep_sim.steps_level("pdserve-1p1d", args, {"error": "404"}) == {"error": "404"}
+    assert "error" in sweep_sim.steps_level("pdserve-1p1d", args, {"workers": {"P0": [[1.0]]}})
+
+
 def test_host_level_probes_the_systems_cost_model_and_a_failure_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -334,7 +391,6 @@ def test_sweep_with_sim_probes_the_host_before_each_pdserve_point(
 ) -> None:
     from pdserve.bench import sweep_sim
     from pdserve.cli import main
-    from pdserve.costmodel.model import CostModel
 
     @contextlib.contextmanager
     def fake_server(system: Any, args: Any, log: Path) -> Iterator[str]:
@@ -349,7 +405,7 @@ def test_sweep_with_sim_probes_the_host_before_each_pdserve_point(
     monkeypatch.setattr(compare, "running_server", fake_server)
     monkeypatch.setattr(sweep_sim, "host_level", probe)
     cm = tmp_path / "cm.json"
-    CostModel((0.01, 0.001, 0.0), (0.005, 0.001, 0.0)).save(cm, kv_bytes_per_token=100_000)
+    FAKE_COST.save(cm, kv_bytes_per_token=100_000)
     out = tmp_path / "sweep"
     argv = [
         "bench", "sweep", "--systems", "pdserve-1p1d", "--workload", "synthetic",
@@ -365,10 +421,21 @@ def test_sweep_with_sim_probes_the_host_before_each_pdserve_point(
     assert (levelled["rate"], levelled["prefill_x"], levelled["decode_x"]) == (40, 2.0, 1.5)
     assert "levelled_knee" in result["summary"]["pdserve-1p1d"]
     assert "(x2.00/x1.50)" in (out / "report.md").read_text()
+    # the point's own steps (the fake's GET /admin/steps): kept, and their level predicted at
+    own = point["runs"][0]["steps_level"]
+    assert (own["prefill_x"], own["decode_x"]) == pytest.approx((2.0, 3.0))
+    assert own["lone_steps"] == 12 and own["fallback"] == [] and own["missing"] == []
+    kept = json.loads((out / "pdserve-1p1d" / "steps" / "rate-40-run1.json").read_text())
+    assert set(kept["workers"]) == {"P0", "D0"}
+    (stepped,) = result["systems"][0]["sim"]["stepped"]
+    assert (stepped["prefill_x"], stepped["decode_x"]) == pytest.approx((2.0, 3.0))
+    assert "stepped_knee" in result["summary"]["pdserve-1p1d"]
+    assert "(x2.00/x3.00)" in (out / "report.md").read_text()
     # predicted again later: the recorded levels are used again
     assert main(["bench", "sweep-sim", str(out), "--cost-model", str(cm)]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert again["systems"][0]["sim"]["levelled"][0]["prefill_x"] == 2.0
+    assert again["systems"][0]["sim"]["stepped"][0]["decode_x"] == pytest.approx(3.0)
     probed.clear()
     assert main([*argv, "--no-level"]) == 0 and probed == []
 

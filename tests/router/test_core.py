@@ -12,6 +12,7 @@ import zmq
 from factories import eventually_async
 from pdserve import LLM, SamplingParams
 from pdserve.config import WorkerConfig
+from pdserve.engine.step_log import StepRecord
 from pdserve.launcher import WorkerSpec, await_ready, launch, stop
 from pdserve.router.core import RequestError, RouterCore
 from pdserve.workers import messages as m
@@ -154,3 +155,29 @@ def test_overload_is_refused_at_once_with_retry_after(workers) -> None:  # type:
     err, rejected, table = asyncio.run(_with_core(workers, run))
     assert (err.status, err.code, err.retry_after_s) == (429, "overloaded", 1)
     assert rejected == 1 and all(r["kv_blocks_used"] == 0 for r in table)
+
+
+def test_step_logs_are_the_workers_steps_since_a_time(workers) -> None:  # type: ignore[no-untyped-def]
+    """GET /admin/steps' source: each worker's engine steps begun after `since`, P's a prompt
+    chunk of the request's length, D's its decodes; none before a request, none after a later
+    `since`."""
+    prompt = list(range(300, 337))  # no other test's: no cached prefix on P
+
+    async def run(core: RouterCore):  # type: ignore[no-untyped-def]
+        await _idle(core)
+        since = time.monotonic()
+        before = await core.links.step_logs.collect(core.workers, since)
+        await _collect(core, "steps", prompt, GREEDY)
+        during = await core.links.step_logs.collect(core.workers, since)
+        after = await core.links.step_logs.collect(core.workers, time.monotonic())
+        return before, during, after
+
+    before, during, after = asyncio.run(_with_core(workers, run))
+    assert before["workers"] == {"P0": [], "D0": []} and before["missing"] == []
+    p = [StepRecord.from_wire(s) for s in during["workers"]["P0"]]
+    d = [StepRecord.from_wire(s) for s in during["workers"]["D0"]]
+    assert sum(n for s in p for n, _ in s.chunks) == len(prompt)
+    assert not any(s.decodes for s in p)
+    assert sum(s.decodes for s in d) == GREEDY.max_tokens - 1  # the first token is P's
+    assert all(s.start >= during["since"] and s.seconds > 0 for s in p + d)
+    assert after["workers"] == {"P0": [], "D0": []}

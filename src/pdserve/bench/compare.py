@@ -49,7 +49,13 @@ from typing import Any
 from pdserve import argtypes
 from pdserve.bench import peers
 from pdserve.bench.harness import report
-from pdserve.bench.harness.servers import fetch_timelines, pdserve_bin, run_load, running_server
+from pdserve.bench.harness.servers import (
+    fetch_steps,
+    fetch_timelines,
+    pdserve_bin,
+    run_load,
+    running_server,
+)
 from pdserve.bench.load import serve_bench, summary
 from pdserve.bench.peers import System
 from pdserve.percentiles import percentiles
@@ -200,12 +206,18 @@ def warm_up(system: System, args: argparse.Namespace, url: str) -> None:
         raise RuntimeError(f"{system.name}: warm-up request failed: {res['errors']}")
 
 
-def run_phase(system: System, args: argparse.Namespace, label: str, **load: Any) -> dict[str, Any]:
+def run_phase(system: System, args: argparse.Namespace, label: str, *, steps: bool = False,
+              **load: Any) -> dict[str, Any]:  # fmt: skip
+    """One load phase on a fresh server; with `steps`, also its workers' engine steps over
+    the phase (pdserve's GET /admin/steps) under "step_logs"."""
     log = args.output_dir / "logs" / f"{system.name}.log"
     with running_server(system, args, log) as url:
         warm_up(system, args, url)
         ns = bench_args(args, system, url, **load)
+        since = time.monotonic()  # after the warm-up: the phase's own steps
         res = run_load(ns)
+        if steps:
+            res["step_logs"] = fetch_steps(url, since)
         if system.timelines:
             asyncio.run(fetch_timelines(url, res["requests"]))
     spec = [r["speculation"] for r in res["requests"] if r.get("speculation")]

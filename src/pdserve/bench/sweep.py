@@ -32,13 +32,15 @@ against the measured knee (`sweep_sim`). Before each pdserve point it also times
 steps against that cost model (`costmodel/host_level.py`, ~10 s; `--no-level` skips it): the
 point's "level", with which the simulator predicts the sweep again at the speed the host ran
 the point (a shared VM's speed moves by more than the simulator's targets between a profile
-and a sweep).
+and a sweep). After each such point it also reads the workers' own engine steps over the load
+(GET /admin/steps): their level where the point ran ("steps_level", sim/level.py), and a third
+prediction at it.
 
 Writes under `--output-dir`: `<system>/rate-<r>.json` per point (the median run's rate,
 completed, refused (answered 429/503 by the server's admission), failed, goodput, attainment,
 TTFT and TPOT p50/p90/p99, the server's and this command; every repeat under "runs"), the
-per-request records under `<system>/requests/`, `summary.json`, `report.md` (knees, points) and
-`sweep.png`; server logs under `logs/`.
+per-request records under `<system>/requests/`, the workers' steps under `<system>/steps/`,
+`summary.json`, `report.md` (knees, points) and `sweep.png`; server logs under `logs/`.
 """
 
 from __future__ import annotations
@@ -146,13 +148,18 @@ def run_point(system: peers.System, args: argparse.Namespace, rate: float, rep: 
 
         level = sweep_sim.host_level(system.name, args)
     res = compare.run_phase(system, args, label, num_requests=args.num_requests,
-                            seed=args.seed, rate=rate)  # fmt: skip
+                            seed=args.seed, rate=rate, steps=level is not None)  # fmt: skip
     compare.apply_slos(res, args.slo_ttft, args.slo_tpot)
-    folder = args.output_dir / system.name / "requests"
-    report.write_json(folder / f"{rate_name(rate)}-run{rep + 1}.json", res["requests"], indent=1)
+    run = f"{rate_name(rate)}-run{rep + 1}.json"
+    report.write_json(args.output_dir / system.name / "requests" / run, res["requests"], indent=1)
     stats = point_stats(res, rate, rep)
     if level is not None:
+        from pdserve.bench import sweep_sim
+
+        logs = res.pop("step_logs", {})
+        report.write_json(args.output_dir / system.name / "steps" / run, logs)
         stats["level"] = level
+        stats["steps_level"] = sweep_sim.steps_level(system.name, args, logs)
     return stats
 
 
@@ -224,7 +231,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
         for s in systems:
             try:
-                s["sim"] = sweep_sim.predict(s["name"], args, sweep_sim.levels(s))
+                s["sim"] = sweep_sim.predict(s["name"], args, sweep_sim.levels(s),
+                                             sweep_sim.levels(s, "steps"))  # fmt: skip
             except Exception as e:  # hours of measurement are written whatever the sim does
                 s["sim"] = {"skipped": f"simulation failed: {e!r}"}
     machine["load_average_end"] = report.load_average()

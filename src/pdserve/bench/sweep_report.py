@@ -22,6 +22,7 @@ from typing import Any
 from pdserve.bench.harness import plots, report
 
 SPREAD_KEYS = ("goodput", "attainment")  # per point: median, min, max over the repeats
+LEVELLED = ("levelled", "stepped")  # the simulator's points at the probed / the steps' level
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,11 @@ def summarize(result: dict[str, Any], threshold: float) -> dict[str, Any]:
             predicted = knee([(p["rate"], p["attainment"]) for p in sim["points"]], threshold)
             row["sim_knee"] = asdict(predicted)
             row["sim_knee_error"] = knee_error(predicted, measured) if measured else None
-            if sim.get("levelled"):
-                at = knee([(p["rate"], p["attainment"]) for p in sim["levelled"]], threshold)
-                row["levelled_knee"] = asdict(at)
-                row["levelled_knee_error"] = knee_error(at, measured) if measured else None
+            for key in LEVELLED:  # at the probed level, at the points' own steps' level
+                if sim.get(key):
+                    at = knee([(p["rate"], p["attainment"]) for p in sim[key]], threshold)
+                    row[f"{key}_knee"] = asdict(at)
+                    row[f"{key}_knee_error"] = knee_error(at, measured) if measured else None
         elif sim:
             row["sim_skipped"] = sim.get("skipped")
         out[s["name"]] = row
@@ -125,12 +127,14 @@ def _point_row(name: str, p: dict[str, Any], sim: dict[float, str]) -> list[str]
 
 
 def _sim_attainment(system: dict[str, Any]) -> dict[float, str]:
-    """Per rate: the predicted attainment, then at the point's level with its factors."""
+    """Per rate: the predicted attainment, then at the probed level and at the steps' level,
+    each with its factors."""
     sim = system.get("sim") or {}
     out = {q["rate"]: _pct(q["attainment"]) for q in sim.get("points") or []}
-    for q in sim.get("levelled") or []:
-        out[q["rate"]] = (f"{out.get(q['rate'], '—')} / {_pct(q['attainment'])} "
-                          f"(x{q['prefill_x']:.2f}/x{q['decode_x']:.2f})")  # fmt: skip
+    for key in LEVELLED:
+        for q in sim.get(key) or []:
+            out[q["rate"]] = (f"{out.get(q['rate'], '—')} / {_pct(q['attainment'])} "
+                              f"(x{q['prefill_x']:.2f}/x{q['decode_x']:.2f})")  # fmt: skip
     return out
 
 
@@ -138,15 +142,18 @@ def _knee_lines(result: dict[str, Any]) -> list[str]:
     rows = []
     for name, k in result["summary"].items():
         if k.get("skipped"):
-            rows.append([name, f"skipped: {k['skipped']}", "—", "—", "—", "—"])
+            rows.append([name, f"skipped: {k['skipped']}", *["—"] * 6])
             continue
         measured = Knee(**k["knee"]).text() if k.get("knee") else "—"
         sim = Knee(**k["sim_knee"]).text() if k.get("sim_knee") else k.get("sim_skipped") or "—"
-        at = Knee(**k["levelled_knee"]).text() if k.get("levelled_knee") else "—"
-        rows.append([name, measured, sim, _err(k.get("sim_knee_error")), at,
-                     _err(k.get("levelled_knee_error"))])  # fmt: skip
+        row = [name, measured, sim, _err(k.get("sim_knee_error"))]
+        for key in LEVELLED:
+            at = k.get(f"{key}_knee")
+            row += [Knee(**at).text() if at else "—", _err(k.get(f"{key}_knee_error"))]
+        rows.append(row)
     header = ("system", "knee (measured)", "knee (simulated)", "error",
-              "simulated at the run's level", "error")  # fmt: skip
+              "simulated at the probed level", "error",
+              "at the points' own steps", "error")  # fmt: skip
     return report.markdown_table(header, rows)
 
 
@@ -176,7 +183,8 @@ def render(result: dict[str, Any]) -> str:
         "",
         "## Points (median over repeats, min-max in brackets; latencies and counts of the "
         "median run; sim: the simulator's attainment with the profile / at the host's level "
-        "probed before the point (its prefill / decode factors against the profile))",
+        "probed before the point / at the level of the point's own steps (each with its prefill "
+        "/ decode factors against the profile))",
         "",
     ]
     header = ("system", "rate", "goodput req/s", "attainment", "sim", "TTFT p90 ms",
@@ -206,7 +214,7 @@ def _simulated_line(result: dict[str, Any]) -> list[str]:
 def plot(result: dict[str, Any], path: Path) -> None:
     """Goodput and attainment against the rate: a solid line per measured system (min-max
     bars over repeats), dashed for the simulator's prediction in the same colour, dotted for
-    its prediction at the host's probed level."""
+    its prediction at the host's probed level, dash-dotted at the points' own steps' level."""
     plt = plots.pyplot()
     fig, (ax_g, ax_a) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, s in enumerate(s for s in result["systems"] if s.get("points") or s.get("sim")):
@@ -223,10 +231,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             if sim:
                 ax.plot([p["rate"] for p in sim], [p[key] for p in sim], "--", color=color,
                         marker="x", label=f"{s['name']} (sim)")  # fmt: skip
-            at = (s.get("sim") or {}).get("levelled") or []
-            if at:
-                ax.plot([p["rate"] for p in at], [p[key] for p in at], ":", color=color,
-                        marker="+", label=f"{s['name']} (sim at level)")  # fmt: skip
+            for level, style, what in (("levelled", ":", "probed"), ("stepped", "-.", "steps")):
+                at = (s.get("sim") or {}).get(level) or []
+                if at:
+                    ax.plot([p["rate"] for p in at], [p[key] for p in at], style, color=color,
+                            marker="+", label=f"{s['name']} (sim at {what} level)")  # fmt: skip
     ax_a.axhline(result["knee_attainment"], color="grey", lw=0.8, ls=":")
     ax_g.set(xlabel="request rate (req/s)", ylabel="goodput (req/s)", title="goodput")
     ax_a.set(xlabel="request rate (req/s)", ylabel="share within both SLOs",

@@ -49,7 +49,8 @@ def resimulate(folder: Path, cost_model: Path | None = None) -> dict[str, Any]:
         raise ValueError(f"{path}: cannot read a sweep summary ({e})") from None
     args = sweep_args(result, folder, cost_model)
     for s in result["systems"]:
-        s["sim"] = sweep_sim.predict(s["name"], args, sweep_sim.levels(s))
+        s["sim"] = sweep_sim.predict(s["name"], args, sweep_sim.levels(s),
+                                     sweep_sim.levels(s, "steps"))  # fmt: skip
     result["simulated"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     sweep_report.write(result, folder)
     return result

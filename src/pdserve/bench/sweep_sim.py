@@ -17,7 +17,11 @@ each measured point (costmodel/host_level.py); `predict` then simulates each rat
 time with the workers' steps at that level (prefill terms x the median `prefill_x` of the
 rate's repeats, decode terms x `decode_x`), the planner's cost model left at the profile's, as
 the server loaded it. That prediction ("levelled") tells the simulator's queueing, batching
-and policy apart from the host's speed drifting between the profile and the sweep.
+and policy apart from the host's speed drifting between the profile and the sweep. The probe
+runs before the point, and the host can move during it: `steps_level` prices the workers' own
+lone steps over the point (GET /admin/steps, sim/level.py), and "stepped" predicts each rate
+a third time at that level (a kind with fewer than `sim.level.MIN_STEPS` lone steps, such as
+a busy colocated worker's prefill-only steps, at the probe's factor).
 """
 
 from __future__ import annotations
@@ -86,20 +90,64 @@ def host_level(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
         return {"error": str(e) or type(e).__name__}
 
 
-def levels(system: dict[str, Any]) -> dict[float, tuple[float, float]]:
-    """Per rate: the median (prefill_x, decode_x) over the measured repeats' probes."""
+def steps_level(name: str, args: argparse.Namespace, logs: dict[str, Any]) -> dict[str, Any]:
+    """The level the point ran at: its workers' lone engine steps (GET /admin/steps) priced by
+    the cost model the prediction prices (sim/level.py `run_level`); {"error": why} when the
+    server gave no steps or the model cannot be read."""
+    if "error" in logs or "workers" not in logs:
+        return {"error": str(logs.get("error", "no steps"))}
+    from pdserve.costmodel.model import CostModel
+    from pdserve.engine.step_log import StepRecord
+    from pdserve.sim.level import run_level
+
+    try:
+        path = _served_profile(name, args)[2]
+        records = {w: [StepRecord.from_wire(x) for x in steps]
+                   for w, steps in logs["workers"].items()}  # fmt: skip
+        out = run_level(CostModel.load(path), records)
+    except (ValueError, OSError, TypeError) as e:
+        return {"error": str(e) or type(e).__name__}
+    return {**out, "missing": list(logs.get("missing") or [])}
+
+
+def run_factors(run: dict[str, Any], source: str) -> tuple[float, float] | None:
+    """A measured run's (prefill_x, decode_x): the probe's ("probe"), or its own steps'
+    ("steps"), a kind with too few lone steps taking the probe's factor (None when the run
+    has neither)."""
+    probe = run.get("level") or {}
+    probed = (probe["prefill_x"], probe["decode_x"]) if "prefill_x" in probe else None
+    if source == "probe":
+        return probed
+    own = run.get("steps_level") or {}
+    if "prefill_x" not in own:
+        return None
+    out = []
+    for i, kind in enumerate(("prefill", "decode")):
+        if kind not in own["fallback"]:
+            out.append(own[f"{kind}_x"])
+        elif probed is not None:
+            out.append(probed[i])
+        else:
+            return None
+    return out[0], out[1]
+
+
+def levels(system: dict[str, Any], source: str = "probe") -> dict[float, tuple[float, float]]:
+    """Per rate: the median (prefill_x, decode_x) over the measured repeats (`run_factors`)."""
     out = {}
     for p in system.get("points") or []:
-        got = [r["level"] for r in p.get("runs") or [] if "prefill_x" in (r.get("level") or {})]
+        got = [f for r in p.get("runs") or [] if (f := run_factors(r, source)) is not None]
         if got:
-            out[p["rate"]] = (statistics.median(g["prefill_x"] for g in got),
-                              statistics.median(g["decode_x"] for g in got))  # fmt: skip
+            out[p["rate"]] = (statistics.median(g[0] for g in got),
+                              statistics.median(g[1] for g in got))  # fmt: skip
     return out
 
 
-def at_level(built: Any, prefill_x: float, decode_x: float, planner: bool = False) -> Any:
+def at_level(built: Any, prefill_x: float, decode_x: float, planner: bool = False,
+             planner_x: tuple[float, float] | None = None) -> Any:  # fmt: skip
     """`built` with the workers' steps rescaled; the planner keeps the profile's model unless
-    `planner` (a server started with `--level-probe` plans at its own probe's level)."""
+    `planner` (a server started with `--level-probe` plans at its own probe's level:
+    `planner_x`, default the workers')."""
 
     def rescale(step: Any) -> Any:
         return dataclasses.replace(step, model=step.model.rescaled(prefill_x, decode_x))
@@ -107,7 +155,7 @@ def at_level(built: Any, prefill_x: float, decode_x: float, planner: bool = Fals
     out = dataclasses.replace(built, step=rescale(built.step),
                               prefill_step=rescale(built.prefill_step))  # fmt: skip
     if planner and built.planner_model is not None:
-        out.planner_model = built.planner_model.rescaled(prefill_x, decode_x)
+        out.planner_model = built.planner_model.rescaled(*(planner_x or (prefill_x, decode_x)))
     return out
 
 
@@ -123,10 +171,12 @@ def workload(args: argparse.Namespace, rate: float) -> list[Any]:
 
 
 def predict(name: str, args: argparse.Namespace,
-            level: dict[float, tuple[float, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+            level: dict[float, tuple[float, float]] | None = None,
+            stepped: dict[float, tuple[float, float]] | None = None) -> dict[str, Any]:  # fmt: skip
     """{"points": [{rate, attainment, goodput, ttft_ms, tpot_ms}], deployment, cost model} or
-    {"skipped": why}; with `level` (per rate: prefill_x, decode_x) also "levelled": the points
-    of the rates it holds, predicted at that level."""
+    {"skipped": why}; with `level` (per rate: prefill_x, decode_x, probed before the point)
+    also "levelled": the points of the rates it holds, predicted at that level; with `stepped`
+    (the points' own steps) also "stepped", the same at the level the points ran."""
     why = why_not(name, args)
     if why is not None:
         return {"skipped": why}
@@ -153,11 +203,12 @@ def predict(name: str, args: argparse.Namespace,
     out = {"deployment": d.label(), "cost_model": str(d.cost_model),
            "points": [point(rate, built) for rate in args.rates],
            "command": shlex.join(compare.SYSTEMS[name].command(args, 0))}  # fmt: skip
-    at = {r: x for r, x in (level or {}).items() if r in args.rates}
-    if at:
-        planner = served_deployment(name, args).planner.level_probe
-        out["levelled"] = [{**point(r, at_level(built, *at[r], planner)), "prefill_x": at[r][0],
-                            "decode_x": at[r][1]} for r in args.rates if r in at]  # fmt: skip
+    probed = served_deployment(name, args).planner.level_probe
+    for key, at in (("levelled", level or {}), ("stepped", stepped or {})):
+        rates = [r for r in args.rates if r in at]
+        if rates:
+            out[key] = [{**point(r, at_level(built, *at[r], probed, (level or {}).get(r))),
+                         "prefill_x": at[r][0], "decode_x": at[r][1]} for r in rates]  # fmt: skip
     return out
 
 

@@ -5,8 +5,9 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (SSE when `stream`), GET /v1/models,
 GET /health, GET /metrics, GET /admin/workers, GET /admin/kvpool, GET/POST /admin/pools
-(router/pools.py), GET /v1/requests/{id}/timeline, and the live dashboard: GET /dashboard (the
-page) and GET /admin/dashboard.json (its data; router/dashboard.py).
+(router/pools.py), GET /admin/steps?since= (the workers' engine steps: router/step_logs.py),
+GET /v1/requests/{id}/timeline, and the live dashboard: GET /dashboard (the page) and
+GET /admin/dashboard.json (its data; router/dashboard.py).
 The response `id` is the request id the core used, so a request's timeline is reachable by it.
 
 Every error is OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 for bad
@@ -24,6 +25,7 @@ fails (the response closes its body iterator in every case).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -191,6 +193,16 @@ def create_app(
         stats (from the stats each worker reports); the router's pool index and counters."""
         report = getattr(core, "kvpool", None)
         return report() if report is not None else {"workers": {}, "index": {}, "router": {}}
+
+    @app.get("/admin/steps")
+    async def steps(since: float = 0.0) -> dict[str, Any]:
+        """Each healthy worker's engine steps begun at or after `since` (time.monotonic() on
+        the workers' host) and the router's clock now (router/step_logs.py)."""
+        links = getattr(core, "links", None)
+        if links is None:
+            return {"since": since, "workers": {}, "missing": [], "now": time.monotonic()}
+        out = await links.step_logs.collect(core.workers, since)
+        return {**out, "now": time.monotonic()}
 
     @app.get("/v1/requests/{rid}/timeline")
     async def timeline(rid: str) -> JSONResponse:

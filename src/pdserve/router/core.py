@@ -16,13 +16,11 @@ new attempt id), resuming after the tokens already streamed — at most `max_rec
 clear 503. With no healthy worker of a needed role, a request runs whole on any healthy one
 (counted, in its timeline); with none it fails at once. A worker that answers rejoins routing.
 
-This module is the request's life: generate, dispatch, failure and recovery. The rest lives
-beside it: `delivery` (tokens in order to the client, transfer reports), `links` (sockets,
-pools, stats), `routing` (plan, admission, pick; its decisions are `decide`'s), `liveness`
-(heartbeats, calling back `worker_down`), `roles` (role switching, autobalance, threads),
-`timeline` and `timelines` (the event vocabulary; kept timelines, scored predictions) and
-`events` (counters and metrics in one sink).
-"""
+This module is the request's life: generate, dispatch, failure and recovery. Beside it:
+`delivery` (tokens in order, transfer reports), `links` (sockets, pools, stats, step logs),
+`routing` (plan, admission, pick; decisions `decide`'s), `liveness` (heartbeats, calling back
+`worker_down`), `roles` (role switching, autobalance, threads), `timeline(s)` (the event
+vocabulary; kept timelines, scored predictions), `events` (counters and metrics in one sink)."""
 
 from __future__ import annotations
 
@@ -378,6 +376,8 @@ class RouterCore:
                 self.events.count("prefix_resyncs")
                 self._send(w, m.Hello("router"))
             return
+        if isinstance(msg, m.Steps):
+            return self.links.step_logs.answer(msg)
         if isinstance(msg, m.Stats):
             before, w.stats = w.stats.threads, WorkerStats.from_report(msg.stats)
             self.roles.acknowledged(before, w.stats.threads)

@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from pdserve.router.events import RouterEvents
 from pdserve.router.flight import WorkerState
+from pdserve.router.step_logs import StepLogs
 from pdserve.workers import messages as m
 
 ROLES = ("prefill", "decode", "colocated")
@@ -31,6 +32,7 @@ class Links:
         # per worker id, what the process that placed it knows (node, actor, restarts): shown
         # beside the router's own columns in /admin/workers
         self.placement: dict[str, dict[str, Any]] = {}
+        self.step_logs = StepLogs(self.send)  # GET /admin/steps; answers via the core's reader
 
     def add(self, endpoint: str) -> WorkerState:
         """A worker that joins after start-up (a pool grew, or one came back elsewhere)."""

@@ -1,7 +1,7 @@
 """A server under test and the load against it: start a server (pdserve or a peer) on a free
 port, wait until it serves, stop it and every process it started; run a `bench/load/` load
 (`serve_bench`: the client, its result dict) against its URL; fetch pdserve's per-request
-timelines after the load.
+timelines, and the workers' engine steps over it (GET /admin/steps), after the load.
 
 A server is anything `Launchable`: a name, the command line for a port, and optionally extra
 environment (`peers.System` for `bench compare`, `Server` for the benches that only start
@@ -196,3 +196,16 @@ async def fetch_timelines(url: str, records: list[dict[str, Any]]) -> int:
                         rec["speculation"] = body["speculation"]
                     n += 1
     return n
+
+
+def fetch_steps(url: str, since: float) -> dict[str, Any]:
+    """pdserve's workers' engine steps begun at or after `since` (time.monotonic(), one clock
+    on this host: the server runs here), as GET /admin/steps answers; {"error": why} when the
+    server cannot say (a loaded sweep point is kept whatever this returns)."""
+    try:
+        resp = httpx.get(f"{url}/admin/steps", params={"since": since}, timeout=30.0)
+        resp.raise_for_status()
+        body = resp.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": str(e) or type(e).__name__}
+    return body if isinstance(body, dict) else {"error": f"not an object: {body!r:.80}"}
