@@ -436,6 +436,13 @@ def test_sweep_with_sim_probes_the_host_before_each_pdserve_point(
     again = json.loads((out / "summary.json").read_text())
     assert again["systems"][0]["sim"]["levelled"][0]["prefill_x"] == 2.0
     assert again["systems"][0]["sim"]["stepped"][0]["decode_x"] == pytest.approx(3.0)
+    # the kept steps are priced again: D's twice as long now reads x6
+    path = out / "pdserve-1p1d" / "steps" / "rate-40-run1.json"
+    kept["workers"]["D0"] = [[a, 2 * b, *rest] for a, b, *rest in kept["workers"]["D0"]]
+    path.write_text(json.dumps(kept))
+    assert main(["bench", "sweep-sim", str(out), "--cost-model", str(cm)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["systems"][0]["sim"]["stepped"][0]["decode_x"] == pytest.approx(6.0)
     probed.clear()
     assert main([*argv, "--no-level"]) == 0 and probed == []
 

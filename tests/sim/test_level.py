@@ -57,3 +57,42 @@ def test_step_record_wire_round_trip_and_bad_length() -> None:
     assert StepRecord.from_wire(s.to_wire()) == s
     with pytest.raises(ValueError, match="4 \\+ 2k"):
         StepRecord.from_wire([1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+def test_with_contention_every_step_counts_its_overlap_divided_out() -> None:
+    from pdserve.costmodel.contention import Contention
+
+    # a decode beside a prefill runs x2, a prefill beside a decode x1.25 (x1 otherwise)
+    slow = Contention(prefill_by_decode=1.25, decode_by_prefill=2.0)
+    # P: five prefills of 0.2 s priced (1.5x: 0.3 s of work alone), each fully beside D's decodes
+    # for 0.2 of its seconds: 0.3 + 0.2 x (1 - 1/1.25) = 0.34 s measured
+    pre = [prefill(10.0 * i, 0.34) for i in range(5)]
+    # D: a decode of 0.06 s priced at 1.0x inside each prefill (0.06 x 2 = 0.12 s measured),
+    # and five lone ones at 1.0x
+    dec = [decode(10.0 * i + 0.1, 0.12) for i in range(5)]
+    dec += [decode(100.0 + i, 0.06) for i in range(5)]
+    # lone only: the prefills all overlap: too few
+    assert run_level(MODEL, {"P": pre, "D": dec})["fallback"] == ["prefill"]
+    got = run_level(MODEL, {"P": pre, "D": dec}, slow)
+    # each prefill overlapped 0.12 s of decode: 0.34 - 0.12 x 0.2 = 0.316 of work, x1.58
+    assert got["prefill_x"] == pytest.approx(0.316 / 0.2)
+    assert got["decode_x"] == pytest.approx(1.0)  # 0.12 - 0.12 x 0.5 = 0.06
+    assert got["fallback"] == [] and got["contention"] is True and got["mixed_steps"] == 0
+    # without contention in the profile nothing is divided out
+    flat = run_level(MODEL, {"P": pre, "D": dec}, Contention.none())
+    assert flat["prefill_x"] == pytest.approx(1.7) and flat["decode_x"] == pytest.approx(1.5)
+
+
+def test_mixed_steps_give_prefill_factors_at_the_decodes_factor() -> None:
+    from pdserve.costmodel.contention import Contention
+
+    dec = [decode(float(i), 0.12) for i in range(5)]  # decode x2
+    # a mixed step of 1 decode + 400 tokens: decodes alone 0.06, with the chunk 0.51 (the
+    # fixed term max(0.1, 0.05), + 0.4 + 0.01): chunk's price 0.45; measured at prefill x3:
+    # 2 x 0.06 + 3 x 0.45 = 1.47
+    mixed = [StepRecord(10.0 + 2 * i, 1.47, 1, 300, ((400, 0),)) for i in range(5)]
+    small = StepRecord(30.0, 5.0, 8, 2400, ((10, 0),))  # chunk under half the price: skipped
+    got = run_level(MODEL, {"C": [*dec, *mixed, small]}, Contention.none())
+    assert got["decode_x"] == pytest.approx(2.0) and got["prefill_x"] == pytest.approx(3.0)
+    assert got["mixed_steps"] == 5 and got["prefill_steps"] == 5
+    assert run_level(MODEL, {"C": [*dec, *mixed]})["fallback"] == ["prefill"]  # lone only

@@ -4,7 +4,8 @@ The settings come from the sweep command DIR/summary.json records (parsed by `be
 own flags), each system is predicted as `bench sweep --sim` does it (`sweep_sim.predict`), the
 measured points stay as they are, and the report says when the prediction was made and from
 which cost model: a simulator fixed later is checked against measurements it could not see,
-without hours of measuring again.
+without hours of measuring again. The level of each point's own steps is priced again from the
+steps the sweep kept, with that cost model.
 """
 
 from __future__ import annotations
@@ -49,11 +50,29 @@ def resimulate(folder: Path, cost_model: Path | None = None) -> dict[str, Any]:
         raise ValueError(f"{path}: cannot read a sweep summary ({e})") from None
     args = sweep_args(result, folder, cost_model)
     for s in result["systems"]:
+        relevel(s, args, folder)
         s["sim"] = sweep_sim.predict(s["name"], args, sweep_sim.levels(s),
                                      sweep_sim.levels(s, "steps"))  # fmt: skip
     result["simulated"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     sweep_report.write(result, folder)
     return result
+
+
+def relevel(system: dict[str, Any], args: argparse.Namespace, folder: Path) -> None:
+    """Each run's `steps_level` priced again from the steps the sweep kept
+    (`<system>/steps/rate-<r>-run<k>.json`) with this cost model and this code."""
+    for p in system.get("points") or []:
+        for r in p.get("runs") or []:
+            kept = (
+                folder
+                / system["name"]
+                / "steps"
+                / f"{sweep.rate_name(p['rate'])}-run{r['repeat'] + 1}.json"
+            )
+            if kept.is_file():
+                r["steps_level"] = sweep_sim.steps_level(
+                    system["name"], args, json.loads(kept.read_text())
+                )
 
 
 def run(args: argparse.Namespace) -> int:

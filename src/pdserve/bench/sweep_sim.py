@@ -19,9 +19,9 @@ rate's repeats, decode terms x `decode_x`), the planner's cost model left at the
 the server loaded it. That prediction ("levelled") tells the simulator's queueing, batching
 and policy apart from the host's speed drifting between the profile and the sweep. The probe
 runs before the point, and the host can move during it: `steps_level` prices the workers' own
-lone steps over the point (GET /admin/steps, sim/level.py), and "stepped" predicts each rate
-a third time at that level (a kind with fewer than `sim.level.MIN_STEPS` lone steps, such as
-a busy colocated worker's prefill-only steps, at the probe's factor).
+steps over the point (GET /admin/steps), the contention the simulator adds divided out
+(sim/level.py), and "stepped" predicts each rate a third time at that level (a kind with
+fewer than `sim.level.MIN_STEPS` steps at the probe's factor).
 """
 
 from __future__ import annotations
@@ -91,11 +91,12 @@ def host_level(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def steps_level(name: str, args: argparse.Namespace, logs: dict[str, Any]) -> dict[str, Any]:
-    """The level the point ran at: its workers' lone engine steps (GET /admin/steps) priced by
-    the cost model the prediction prices (sim/level.py `run_level`); {"error": why} when the
-    server gave no steps or the model cannot be read."""
+    """The level the point ran at: its workers' engine steps (GET /admin/steps) priced by the
+    cost model the prediction prices, the contention it adds divided out (sim/level.py
+    `run_level`); {"error": why} when the server gave no steps or the model cannot be read."""
     if "error" in logs or "workers" not in logs:
         return {"error": str(logs.get("error", "no steps"))}
+    from pdserve.costmodel.contention import Contention
     from pdserve.costmodel.model import CostModel
     from pdserve.engine.step_log import StepRecord
     from pdserve.sim.level import run_level
@@ -104,7 +105,7 @@ def steps_level(name: str, args: argparse.Namespace, logs: dict[str, Any]) -> di
         path = _served_profile(name, args)[2]
         records = {w: [StepRecord.from_wire(x) for x in steps]
                    for w, steps in logs["workers"].items()}  # fmt: skip
-        out = run_level(CostModel.load(path), records)
+        out = run_level(CostModel.load(path), records, Contention.load(path))
     except (ValueError, OSError, TypeError) as e:
         return {"error": str(e) or type(e).__name__}
     return {**out, "missing": list(logs.get("missing") or [])}

@@ -14,6 +14,15 @@ Only steps no other worker's step overlapped count ("lone"): an overlapped step 
 contention the simulator adds on its own, and counting it here would add it twice. Mixed steps
 (a colocated worker's decodes with a prompt chunk) count in neither. With fewer than
 `MIN_STEPS` lone steps of a kind, its factor is 1.0 and `fallback` says so.
+
+Under load few steps are lone (a 1P1D P's prompts run beside D's decodes), so `run_level(...,
+contention)` counts every step with the simulator's own contention divided out instead: a step
+that ran `seconds` and overlapped another worker's step of kind k for `t` of them did the work
+of `seconds - t (1 - 1 / slowdown(own kind, [k]))` alone (sim/host.py runs work at rate
+1 / slowdown while others are mid-step; with more than two workers the overlaps are summed, at
+most the step's length). Mixed steps then give prefill factors too: (work - decode_x x the
+price of their decodes alone) / the price their chunks add, where the chunks are at least half
+the step's price (a busy colocated worker's prompts run only in such steps).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.step_log import StepRecord
 from pdserve.sim.steptime import CostModelStep
@@ -49,18 +59,57 @@ def _overlapped_by(s: StepRecord, other: list[StepRecord], starts: list[float]) 
     return i >= 0 and other[i].overlaps(s)
 
 
-def run_level(model: CostModel, logs: Mapping[str, Sequence[StepRecord]]) -> dict[str, Any]:
-    """The measured / priced ratios of the run's lone steps (module docstring)."""
+def kind_of(s: StepRecord) -> str:
+    """The step's kind as sim/host.py's contention reads it: any prompt chunk makes a prefill."""
+    return "prefill" if s.chunks else "decode"
+
+
+def alone_s(logs: Mapping[str, Sequence[StepRecord]], contention: Contention
+            ) -> list[tuple[StepRecord, float]]:  # fmt: skip
+    """Every step with the seconds it would have taken alone (module docstring)."""
+    ordered = {w: sorted(steps, key=lambda s: s.start) for w, steps in logs.items()}
+    starts = {w: [s.start for s in steps] for w, steps in ordered.items()}
+    out = []
+    for w, steps in ordered.items():
+        for s in steps:
+            end, lost = s.start + s.seconds, 0.0
+            for v in ordered:
+                if v == w:
+                    continue
+                i = bisect.bisect_left(starts[v], end) - 1  # the last of v's begun before `end`
+                while i >= 0 and ordered[v][i].start + ordered[v][i].seconds > s.start:
+                    o = ordered[v][i]
+                    t = min(end, o.start + o.seconds) - max(s.start, o.start)
+                    lost += t * (1 - 1 / contention.slowdown(kind_of(s), [kind_of(o)]))
+                    i -= 1
+            out.append((s, s.seconds - min(lost, s.seconds * (1 - 1 / _worst(contention)))))
+    return out
+
+
+def _worst(c: Contention) -> float:
+    return max(c.slowdown(k, [o]) for k in ("prefill", "decode") for o in ("prefill", "decode"))
+
+
+def run_level(model: CostModel, logs: Mapping[str, Sequence[StepRecord]],
+              contention: Contention | None = None) -> dict[str, Any]:  # fmt: skip
+    """The measured / priced ratios of the run's lone steps, or with `contention` of every
+    step with that contention divided out (module docstring)."""
     step = CostModelStep(model)
     lone = lone_steps(logs)
+    timed = [(s, s.seconds) for s in lone] if contention is None else alone_s(logs, contention)
     kinds: dict[str, list[float]] = {"prefill": [], "decode": []}
-    for s in lone:
-        if bool(s.decodes) == bool(s.chunks):
-            continue  # a mixed step (or an empty one)
-        kind = "decode" if s.decodes else "prefill"
-        kinds[kind].append(s.seconds / step.priced(s.decodes, s.context, s.chunks))
+    mixed = []
+    for s, seconds in timed:
+        if s.decodes and s.chunks:
+            mixed.append((s, seconds))
+        elif s.decodes or s.chunks:
+            kind = "decode" if s.decodes else "prefill"
+            kinds[kind].append(seconds / step.priced(s.decodes, s.context, s.chunks))
     out: dict[str, Any] = {"from": "steps", "steps": sum(len(v) for v in logs.values())}
     out["lone_steps"] = len(lone)
+    if contention is not None:
+        out["contention"] = contention.measured
+        out["mixed_steps"] = _prefill_from_mixed(step, mixed, kinds)
     fallback = []
     for kind, ratios in kinds.items():
         out[f"{kind}_steps"] = len(ratios)
@@ -71,3 +120,20 @@ def run_level(model: CostModel, logs: Mapping[str, Sequence[StepRecord]]) -> dic
             out[f"{kind}_x"] = statistics.median(ratios)
     out["fallback"] = fallback  # kinds with too few lone steps: left at the profile's level
     return out
+
+
+def _prefill_from_mixed(step: CostModelStep, mixed: Sequence[tuple[StepRecord, float]],
+                        kinds: dict[str, list[float]]) -> int:  # fmt: skip
+    """Add the prefill factors of mixed steps whose chunks are at least half their price, at
+    the decode-only steps' factor; returns how many were added (none without enough decodes)."""
+    if len(kinds["decode"]) < MIN_STEPS:
+        return 0
+    decode_x = statistics.median(kinds["decode"])
+    n = 0
+    for s, seconds in mixed:
+        whole = step.priced(s.decodes, s.context, s.chunks)
+        decodes = step.priced(s.decodes, s.context, ())
+        if whole - decodes >= whole / 2:
+            kinds["prefill"].append((seconds - decode_x * decodes) / (whole - decodes))
+            n += 1
+    return n
