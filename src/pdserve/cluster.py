@@ -33,7 +33,7 @@ import zmq
 from pdserve.config import RouterConfig, WorkerConfig
 from pdserve.costmodel.model import CostModel
 from pdserve.deployment import Deployment, PlannerConfig, Topology
-from pdserve.engine import loader
+from pdserve.engine import loader, step_log
 from pdserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.step_log import StepRecord
@@ -344,7 +344,7 @@ class LocalCluster:
                 continue
             self._send(w, m.GetSteps(since))
             msg = self._recv_until(w, m.Steps)
-            out[w.worker_id] = [StepRecord.from_wire(s) for s in msg.steps]
+            out[w.worker_id] = step_log.from_wire(msg.steps, msg.threads)
         return out
 
     def _recv_until(self, w: WorkerHandle, kind: type) -> Any:

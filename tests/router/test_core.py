@@ -12,7 +12,7 @@ import zmq
 from factories import eventually_async
 from pdserve import LLM, SamplingParams
 from pdserve.config import WorkerConfig
-from pdserve.engine.step_log import StepRecord
+from pdserve.engine import step_log
 from pdserve.launcher import WorkerSpec, await_ready, launch, stop
 from pdserve.router.core import RequestError, RouterCore
 from pdserve.workers import messages as m
@@ -174,8 +174,9 @@ def test_step_logs_are_the_workers_steps_since_a_time(workers) -> None:  # type:
 
     before, during, after = asyncio.run(_with_core(workers, run))
     assert before["workers"] == {"P0": [], "D0": []} and before["missing"] == []
-    p = [StepRecord.from_wire(s) for s in during["workers"]["P0"]]
-    d = [StepRecord.from_wire(s) for s in during["workers"]["D0"]]
+    p = step_log.from_wire(during["workers"]["P0"], during["threads"]["P0"])
+    d = step_log.from_wire(during["workers"]["D0"], during["threads"]["D0"])
+    assert {s.threads for s in p + d} == {1}  # each worker's one thread, recorded
     assert sum(n for s in p for n, _ in s.chunks) == len(prompt)
     assert not any(s.decodes for s in p)
     assert sum(s.decodes for s in d) == GREEDY.max_tokens - 1  # the first token is P's

@@ -30,14 +30,15 @@ def test_each_healthy_worker_is_asked_and_its_answer_kept() -> None:
     async def run() -> dict[str, Any]:
         task = asyncio.create_task(logs.collect(workers, 12.5, timeout_s=5))
         await asyncio.sleep(0)
-        logs.answer(m.Steps("D0", [[13.0, 0.02, 1, 40]]))
-        logs.answer(m.Steps("P0", [[12.6, 0.3, 0, 0, 64, 0]]))
+        logs.answer(m.Steps("D0", [[13.0, 0.02, 1, 40]], [1]))
+        logs.answer(m.Steps("P0", [[12.6, 0.3, 0, 0, 64, 0]]))  # threads not recorded
         return await task
 
     out = asyncio.run(run())
     assert sent == [("P0", m.GetSteps(12.5)), ("D0", m.GetSteps(12.5))]  # not the down ones
     assert out["since"] == 12.5 and out["missing"] == []
     assert out["workers"] == {"P0": [[12.6, 0.3, 0, 0, 64, 0]], "D0": [[13.0, 0.02, 1, 40]]}
+    assert out["threads"] == {"P0": [], "D0": [1]}
 
 
 def test_a_silent_worker_is_named_and_its_late_answer_dropped() -> None:

@@ -96,3 +96,28 @@ def test_mixed_steps_give_prefill_factors_at_the_decodes_factor() -> None:
     assert got["decode_x"] == pytest.approx(2.0) and got["prefill_x"] == pytest.approx(3.0)
     assert got["mixed_steps"] == 5 and got["prefill_steps"] == 5
     assert run_level(MODEL, {"C": [*dec, *mixed]})["fallback"] == ["prefill"]  # lone only
+
+
+def test_steps_on_other_threads_are_priced_at_theirs() -> None:
+    """A model profiled on 1 thread; steps that ran on 2 are priced x 1 / speedup(2) (1.8)."""
+    from pdserve.costmodel.capacity import speedup
+
+    two = [StepRecord(float(i), 0.2 / speedup(2), 0, 0, ((100, 0),), threads=2) for i in range(5)]
+    one = [StepRecord(10.0 + i, 0.06, 1, 300, (), threads=1) for i in range(5)]
+    got = run_level(MODEL, {"P": two, "D": one}, threads=1)
+    assert got["prefill_x"] == pytest.approx(1.0) and got["decode_x"] == pytest.approx(1.0)
+    unknown = run_level(MODEL, {"P": two, "D": one})  # the model's threads unknown: as priced
+    assert unknown["prefill_x"] == pytest.approx(1 / speedup(2))
+
+
+def test_a_steps_message_with_and_without_threads() -> None:
+    from pdserve.engine import step_log
+
+    wire = [[1.0, 0.1, 2, 40], [2.0, 0.3, 0, 0, 64, 0]]
+    assert [s.threads for s in step_log.from_wire(wire, [2, 1])] == [2, 1]
+    assert [s.threads for s in step_log.from_wire(wire, [])] == [0, 0]
+    with pytest.raises(ValueError, match="2 steps but 1 thread"):
+        step_log.from_wire(wire, [2])
+    log = step_log.StepLog()
+    log.add(StepRecord(5.0, 0.1, 1, 9, (), threads=2))
+    assert log.wire_since(4.0) == ([[5.0, 0.1, 1, 9]], [2]) and log.wire_since(6.0) == ([], [])

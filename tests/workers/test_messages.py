@@ -36,6 +36,7 @@ SAMPLES = [
     m.RequestFailed("r", "D0", "why", "transfer"),
     m.Stats({"a": 1, "b": [1, 2]}),
     m.Steps("D0", [[1.0, 0.04, 2, 300], [1.1, 0.2, 0, 0, 256, 0]]),
+    m.Steps("P0", [[1.0, 0.3, 0, 0, 64, 0]], [2]),
     m.KVEvents("D-1", 3, 16, [b"\x01" * 32], [b"\x02" * 32], cleared=True),
     m.KVWant("r", "P0"),
     m.KVReady("r"),

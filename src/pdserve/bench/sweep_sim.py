@@ -98,14 +98,14 @@ def steps_level(name: str, args: argparse.Namespace, logs: dict[str, Any]) -> di
         return {"error": str(logs.get("error", "no steps"))}
     from pdserve.costmodel.contention import Contention
     from pdserve.costmodel.model import CostModel
-    from pdserve.engine.step_log import StepRecord
+    from pdserve.engine import step_log
     from pdserve.sim.level import run_level
 
     try:
-        path = _served_profile(name, args)[2]
-        records = {w: [StepRecord.from_wire(x) for x in steps]
+        _, threads, path = _served_profile(name, args)
+        records = {w: step_log.from_wire(steps, (logs.get("threads") or {}).get(w) or [])
                    for w, steps in logs["workers"].items()}  # fmt: skip
-        out = run_level(CostModel.load(path), records, Contention.load(path))
+        out = run_level(CostModel.load(path), records, Contention.load(path), threads)
     except (ValueError, OSError, TypeError) as e:
         return {"error": str(e) or type(e).__name__}
     return {**out, "missing": list(logs.get("missing") or [])}

@@ -200,7 +200,8 @@ def create_app(
         the workers' host) and the router's clock now (router/step_logs.py)."""
         links = getattr(core, "links", None)
         if links is None:
-            return {"since": since, "workers": {}, "missing": [], "now": time.monotonic()}
+            return {"since": since, "workers": {}, "threads": {}, "missing": [],
+                    "now": time.monotonic()}  # fmt: skip
         out = await links.step_logs.collect(core.workers, since)
         return {**out, "now": time.monotonic()}
 

@@ -37,12 +37,13 @@ class StepLogs:
         if waiting:
             fut = waiting.popleft()
             if not fut.done():
-                fut.set_result(msg.steps)
+                fut.set_result((msg.steps, msg.threads))
 
     async def collect(self, workers: Sequence[Any], since: float,
                       timeout_s: float = TIMEOUT_S) -> dict[str, Any]:  # fmt: skip
-        """{"since", "workers": {id: [step, ...]}, "missing": [ids]} for the healthy workers
-        (each step as `StepRecord.to_wire()`)."""
+        """{"since", "workers": {id: [step, ...]}, "threads": {id: [n, ...]}, "missing": [ids]}
+        for the healthy workers (each step as `StepRecord.to_wire()`, the threads it ran on
+        beside it; an empty list: not recorded)."""
         loop = asyncio.get_running_loop()
         asked: dict[str, asyncio.Future] = {}
         for w in workers:
@@ -54,10 +55,10 @@ class StepLogs:
             self._send(w, m.GetSteps(since))
         if asked:
             await asyncio.wait(asked.values(), timeout=timeout_s)
-        out: dict[str, Any] = {"since": since, "workers": {}, "missing": []}
+        out: dict[str, Any] = {"since": since, "workers": {}, "threads": {}, "missing": []}
         for wid, fut in asked.items():
             if fut.done():
-                out["workers"][wid] = fut.result()
+                out["workers"][wid], out["threads"][wid] = fut.result()
             else:
                 fut.cancel()  # `answer` skips it; a late answer resolves nothing
                 out["missing"].append(wid)

@@ -23,6 +23,11 @@ of `seconds - t (1 - 1 / slowdown(own kind, [k]))` alone (sim/host.py runs work 
 most the step's length). Mixed steps then give prefill factors too: (work - decode_x x the
 price of their decodes alone) / the price their chunks add, where the chunks are at least half
 the step's price (a busy colocated worker's prompts run only in such steps).
+
+A step that recorded its threads (`StepRecord.threads`), where the cost model was profiled at
+`threads` others, is priced as the simulator runs it: x speedup(threads) / speedup(its own)
+(`costmodel.capacity.speedup`, sim/cluster.py's thread moves), so `--adaptive`'s moving split
+reads as the host's level, not as faster or slower steps.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.costmodel.capacity import speedup
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.step_log import StepRecord
@@ -90,11 +96,16 @@ def _worst(c: Contention) -> float:
     return max(c.slowdown(k, [o]) for k in ("prefill", "decode") for o in ("prefill", "decode"))
 
 
-def run_level(model: CostModel, logs: Mapping[str, Sequence[StepRecord]],
-              contention: Contention | None = None) -> dict[str, Any]:  # fmt: skip
+def run_level(
+    model: CostModel,
+    logs: Mapping[str, Sequence[StepRecord]],
+    contention: Contention | None = None,
+    threads: int = 0,
+) -> dict[str, Any]:
     """The measured / priced ratios of the run's lone steps, or with `contention` of every
-    step with that contention divided out (module docstring)."""
-    step = CostModelStep(model)
+    step with that contention divided out; `threads`: the model's profiled threads, against
+    which steps that recorded theirs are priced (module docstring)."""
+    step = _ThreadedStep(model, threads)
     lone = lone_steps(logs)
     timed = [(s, s.seconds) for s in lone] if contention is None else alone_s(logs, contention)
     kinds: dict[str, list[float]] = {"prefill": [], "decode": []}
@@ -104,7 +115,7 @@ def run_level(model: CostModel, logs: Mapping[str, Sequence[StepRecord]],
             mixed.append((s, seconds))
         elif s.decodes or s.chunks:
             kind = "decode" if s.decodes else "prefill"
-            kinds[kind].append(seconds / step.priced(s.decodes, s.context, s.chunks))
+            kinds[kind].append(seconds / step.of(s))
     out: dict[str, Any] = {"from": "steps", "steps": sum(len(v) for v in logs.values())}
     out["lone_steps"] = len(lone)
     if contention is not None:
@@ -122,7 +133,21 @@ def run_level(model: CostModel, logs: Mapping[str, Sequence[StepRecord]],
     return out
 
 
-def _prefill_from_mixed(step: CostModelStep, mixed: Sequence[tuple[StepRecord, float]],
+class _ThreadedStep:
+    """`CostModelStep.priced` at the step's own threads (`StepRecord.threads`) against the
+    model's (`threads`); either unknown (0): at the model's."""
+
+    def __init__(self, model: CostModel, threads: int) -> None:
+        self.step, self.threads = CostModelStep(model), threads
+
+    def of(self, s: StepRecord, chunks: bool = True) -> float:
+        price = self.step.priced(s.decodes, s.context, s.chunks if chunks else ())
+        if self.threads and s.threads and s.threads != self.threads:
+            price *= speedup(self.threads) / speedup(s.threads)
+        return price
+
+
+def _prefill_from_mixed(step: _ThreadedStep, mixed: Sequence[tuple[StepRecord, float]],
                         kinds: dict[str, list[float]]) -> int:  # fmt: skip
     """Add the prefill factors of mixed steps whose chunks are at least half their price, at
     the decode-only steps' factor; returns how many were added (none without enough decodes)."""
@@ -131,8 +156,7 @@ def _prefill_from_mixed(step: CostModelStep, mixed: Sequence[tuple[StepRecord, f
     decode_x = statistics.median(kinds["decode"])
     n = 0
     for s, seconds in mixed:
-        whole = step.priced(s.decodes, s.context, s.chunks)
-        decodes = step.priced(s.decodes, s.context, ())
+        whole, decodes = step.of(s), step.of(s, chunks=False)
         if whole - decodes >= whole / 2:
             kinds["prefill"].append((seconds - decode_x * decodes) / (whole - decodes))
             n += 1

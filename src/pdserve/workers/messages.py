@@ -242,10 +242,12 @@ class Stats:
 
 @dataclass(frozen=True)
 class Steps:
-    """A worker's engine steps, each `engine.step_log.StepRecord.to_wire()`."""
+    """A worker's engine steps, each `engine.step_log.StepRecord.to_wire()`, and the threads
+    each ran on (empty: not recorded)."""
 
     worker_id: str
     steps: list[list[float]]
+    threads: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -219,8 +219,7 @@ class Worker:
         elif isinstance(msg, m.GetStats):
             self._send(client, m.Stats(self.stats()))
         elif isinstance(msg, m.GetSteps):
-            steps = self.engine.step_log.since(msg.since)
-            self._send(client, m.Steps(self.worker_id, [s.to_wire() for s in steps]))
+            self._send(client, m.Steps(self.worker_id, *self.engine.step_log.wire_since(msg.since)))
         elif isinstance(msg, m.SetFault):
             self.set_fault(msg)
         elif isinstance(msg, m.SetRole):
