@@ -245,6 +245,30 @@ def test_adaptive_chunks_ds_prompts_and_leaves_ps_budget_to_the_thread_mover() -
     assert "max_num_batched_tokens" not in flags.deployment(serve_args()).engine_args("prefill")
 
 
+def test_adaptive_grain_sets_ps_step_cap_in_the_server_and_its_simulated_twin(
+    tmp_path: Path,
+) -> None:
+    from pdserve.costmodel.model import CostModel
+    from pdserve.sim.cluster import Simulation
+    from pdserve.sim.deploy import build
+
+    d = flags.deployment(serve_args("--adaptive", "--adaptive-grain", "512"))
+    assert d.planner.adaptive_grain == 512 and Deployment.from_dict(d.to_dict()) == d
+    assert plan.thread_policy(d).grain_tokens == 512
+    assert plan.thread_policy(d).step_tokens({"P0": 1, "D0": 1}) == {"P0": 512, "D0": 512}
+    cm = tmp_path / "cm.json"
+    CostModel((0.1, 0.002, 0.0), (0.05, 0.001, 0.0)).save(cm, kv_bytes_per_token=100_000)
+    twin = sim_deploy.Deployment.of(d, hardware="cpu", model="default", cost_model=cm)
+    built = build(twin)
+    assert twin.grain == 512 and built.config.thread_grain == 512
+    sim = Simulation(built.config, built.step, built.link, built.planner_model, built.prefill_step)
+    assert sim.thread_policy is not None and sim.thread_policy.grain_tokens == 512
+    with pytest.raises(SystemExit):
+        flags.deployment(serve_args("--adaptive", "--adaptive-grain", "0"))
+    with pytest.raises(ValueError, match="adaptive_grain"):
+        PlannerConfig(adaptive_grain=0)
+
+
 @pytest.mark.parametrize(
     ("topology", "planner", "ray", "match"),
     [

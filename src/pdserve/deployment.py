@@ -125,6 +125,9 @@ class PlannerConfig:
     # time a few steps at start-up and plan with the cost model at this host's speed now
     # (costmodel/host_level.py; serve/plan.py `at_host_level`)
     level_probe: bool = False
+    # adaptive: P's step cap in prompt tokens while it is short of the host's cores (the
+    # thread policy's `grain_tokens`): a thread move reaches a prompt under way within a step
+    adaptive_grain: int = ADAPTIVE_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATIONS:
@@ -138,6 +141,8 @@ class PlannerConfig:
                 raise ValueError(f"planner: {name} must be > 0 seconds, got {value}")
         if self.expected_output < 1:
             raise ValueError("planner: expected_output must be >= 1")
+        if self.adaptive_grain < 1:
+            raise ValueError(f"planner: adaptive_grain must be >= 1, got {self.adaptive_grain}")
 
     @property
     def has_slo(self) -> bool:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 from typing import Any
 
+from pdserve.argtypes import positive_int
 from pdserve.config import (
     KV_POOL_FIELDS,
     RouterConfig,
@@ -20,7 +21,13 @@ from pdserve.config import (
     add_config_args,
     add_engine_overrides,
 )
-from pdserve.deployment import SERVE_ENGINE_ARGS, Deployment, args_dict, load_yaml
+from pdserve.deployment import (
+    ADAPTIVE_PREFILL_CHUNK,
+    SERVE_ENGINE_ARGS,
+    Deployment,
+    args_dict,
+    load_yaml,
+)
 
 TOPOLOGY_FLAGS = ("prefill", "decode", "colocated")
 
@@ -140,6 +147,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the side the load needs (router/threads.py), stall-free batching on D, and D "
         "prefilling prompts only when P's queue would break the TTFT SLO; SLOs not given "
         "default to --slo-ttft 2 --slo-tpot 0.1",
+    )
+    a(
+        "--adaptive-grain",
+        type=positive_int,
+        default=ADAPTIVE_PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="with --adaptive: P's step cap while it is short of the host's cores, so a thread "
+        "move reaches a prompt under way within a step (longer steps waste less per token)",
     )
     add_engine_overrides(parser, SERVE_ENGINE_ARGS)
     # --kv-pool-*: WorkerConfig's pool fields, handed to every worker

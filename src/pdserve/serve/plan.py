@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from pdserve.costmodel.model import CostModel
-from pdserve.deployment import ADAPTIVE_PREFILL_CHUNK, Deployment
+from pdserve.deployment import Deployment
 from pdserve.launcher import WorkerSpec
 from pdserve.router.core import RouterCore
 from pdserve.router.slo import CALIBRATION_PROBES, SloPlanner
@@ -182,7 +182,7 @@ def thread_policy(d: Deployment) -> ThreadPolicy:
     policy = ThreadPolicy(
         cores=cores,
         profiled_threads=d.topology.worker_threads(),
-        grain_tokens=ADAPTIVE_PREFILL_CHUNK,
+        grain_tokens=p.adaptive_grain,
     )
     log.info(
         "adaptive: 1 prefill + 1 decode worker sharing %d cores (threads move between them, "

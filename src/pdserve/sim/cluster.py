@@ -112,7 +112,9 @@ class Simulation:
             # the profile is the starting split's: cores / 2 threads a worker, as `pdserve
             # serve --adaptive` loads
             ThreadPolicy(
-                cores=config.thread_cores, profiled_threads=max(1, config.thread_cores // 2)
+                cores=config.thread_cores,
+                profiled_threads=max(1, config.thread_cores // 2),
+                grain_tokens=config.thread_grain,
             )
             if config.thread_cores
             else None

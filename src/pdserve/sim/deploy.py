@@ -75,6 +75,7 @@ class Deployment:
     conversation_ttl_s: float = CacheConfig.conversation_ttl  # D keeps a finished turn
     conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     cores: int = 0  # cpu, adaptive: the cores P and D share, threads moved (0: one thread each)
+    grain: int = served.ADAPTIVE_PREFILL_CHUNK  # adaptive: P's step cap while short of cores
     # cpu: torch threads a worker runs (the cost-model file profiled at that many); 0: one, or
     # cores / 2 with adaptive
     threads: int = 0
@@ -106,6 +107,7 @@ class Deployment:
             if p.disaggregation == "overflow"
             else "conditional",
             "cores": d.topology.host_cores() if p.adaptive else 0,
+            "grain": p.adaptive_grain,
             "threads": d.topology.threads or 0,
             "prefix_routing": planner and d.router.prefix_routing,
             "autobalance": planner and p.autobalance,
@@ -250,6 +252,7 @@ def build(d: Deployment) -> Built:
         expected_output=d.expected_output,
         message_s=d.message_s,
         thread_cores=d.cores,
+        thread_grain=d.grain,
         max_model_len=_max_model_len(d),
         spec=d.spec,
         multiturn_reuse=d.multiturn_reuse,

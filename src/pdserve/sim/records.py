@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.config import CacheConfig, RouterConfig
+from pdserve.deployment import ADAPTIVE_PREFILL_CHUNK
 from pdserve.engine.scheduler import SchedulerPolicy
 from pdserve.router import slo
 from pdserve.sim.spec import SpecModel
@@ -103,6 +104,7 @@ class SimConfig:
     conversation_local_tokens: int = RouterConfig.conversation_local_tokens
     # adaptive: the cores P and D share, their threads moved by router/threads.py (0: off)
     thread_cores: int = 0
+    thread_grain: int = ADAPTIVE_PREFILL_CHUNK  # adaptive: P's step cap while short of cores
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
