@@ -22,19 +22,27 @@ class Worker:
     info: object | None = "up"
 
 
-def test_each_healthy_worker_is_asked_and_its_answer_kept() -> None:
+def scripted(answers: dict[str, list[list[m.Steps]]]) -> tuple[StepLogs, list[tuple[str, object]]]:
+    """StepLogs over fake workers: the k-th question to a worker is answered, on the loop's
+    next turn, by the messages of its k-th script entry, in order (none: it stays silent)."""
     sent: list[tuple[str, object]] = []
-    logs = StepLogs(lambda w, msg: sent.append((w.worker_id, msg)))
+
+    def send(w: Worker, msg: object) -> None:
+        sent.append((w.worker_id, msg))
+        for reply in answers[w.worker_id].pop(0):
+            asyncio.get_running_loop().call_soon(logs.answer, reply)
+
+    logs = StepLogs(send)
+    return logs, sent
+
+
+def test_each_healthy_worker_is_asked_and_its_answer_kept() -> None:
+    logs, sent = scripted({
+        "P0": [[m.Steps("P0", [[12.6, 0.3, 0, 0, 64, 0]])]],  # threads not recorded
+        "D0": [[m.Steps("D0", [[13.0, 0.02, 1, 40]], [1])]],
+    })  # fmt: skip
     workers = [Worker("P0"), Worker("D0"), Worker("X", healthy=False), Worker("Y", info=None)]
-
-    async def run() -> dict[str, Any]:
-        task = asyncio.create_task(logs.collect(workers, 12.5, timeout_s=5))
-        await asyncio.sleep(0)
-        logs.answer(m.Steps("D0", [[13.0, 0.02, 1, 40]], [1]))
-        logs.answer(m.Steps("P0", [[12.6, 0.3, 0, 0, 64, 0]]))  # threads not recorded
-        return await task
-
-    out = asyncio.run(run())
+    out = asyncio.run(logs.collect(workers, 12.5, timeout_s=5))
     assert sent == [("P0", m.GetSteps(12.5)), ("D0", m.GetSteps(12.5))]  # not the down ones
     assert out["since"] == 12.5 and out["missing"] == []
     assert out["workers"] == {"P0": [[12.6, 0.3, 0, 0, 64, 0]], "D0": [[13.0, 0.02, 1, 40]]}
@@ -42,21 +50,17 @@ def test_each_healthy_worker_is_asked_and_its_answer_kept() -> None:
 
 
 def test_a_silent_worker_is_named_and_its_late_answer_dropped() -> None:
-    logs = StepLogs(lambda w, msg: None)
+    late = m.Steps("D0", [[1.2, 0.1, 1, 5]])  # D0's answer to the first question, too late
+    logs, _ = scripted({
+        "P0": [[m.Steps("P0", [[1.5, 0.1, 2, 10]])],
+               [m.Steps("P0", []), m.Steps("P0", [[9.0, 0.1, 1, 1]])]],  # the second unasked
+        "D0": [[], [late, m.Steps("D0", [[2.2, 0.1, 1, 6]])]],
+    })  # fmt: skip
     workers = [Worker("P0"), Worker("D0")]
 
     async def run() -> tuple[dict[str, Any], dict[str, Any]]:
-        first = asyncio.create_task(logs.collect(workers, 1.0, timeout_s=0.05))
-        await asyncio.sleep(0)
-        logs.answer(m.Steps("P0", [[1.5, 0.1, 2, 10]]))
-        got = await first  # D0 never answered
-        second = asyncio.create_task(logs.collect(workers, 2.0, timeout_s=5))
-        await asyncio.sleep(0)
-        logs.answer(m.Steps("D0", [[1.2, 0.1, 1, 5]]))  # the late answer to the first question
-        logs.answer(m.Steps("D0", [[2.2, 0.1, 1, 6]]))
-        logs.answer(m.Steps("P0", []))
-        logs.answer(m.Steps("P0", [[9.0, 0.1, 1, 1]]))  # asked nothing: dropped
-        return got, await second
+        first = await logs.collect(workers, 1.0, timeout_s=0.05)
+        return first, await logs.collect(workers, 2.0, timeout_s=5)
 
     got, second = asyncio.run(run())
     assert got["workers"] == {"P0": [[1.5, 0.1, 2, 10]]} and got["missing"] == ["D0"]
