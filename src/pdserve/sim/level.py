@@ -41,6 +41,7 @@ from pdserve.costmodel.capacity import speedup
 from pdserve.costmodel.contention import Contention
 from pdserve.costmodel.model import CostModel
 from pdserve.engine.step_log import StepRecord
+from pdserve.sim.host import step_kind
 from pdserve.sim.steptime import CostModelStep
 
 MIN_STEPS = 5
@@ -65,16 +66,13 @@ def _overlapped_by(s: StepRecord, other: list[StepRecord], starts: list[float]) 
     return i >= 0 and other[i].overlaps(s)
 
 
-def kind_of(s: StepRecord) -> str:
-    """The step's kind as sim/host.py's contention reads it: any prompt chunk makes a prefill."""
-    return "prefill" if s.chunks else "decode"
-
-
 def alone_s(logs: Mapping[str, Sequence[StepRecord]], contention: Contention
             ) -> list[tuple[StepRecord, float]]:  # fmt: skip
     """Every step with the seconds it would have taken alone (module docstring)."""
     ordered = {w: sorted(steps, key=lambda s: s.start) for w, steps in logs.items()}
     starts = {w: [s.start for s in steps] for w, steps in ordered.items()}
+    kinds = ("prefill", "decode")
+    most = 1 - 1 / max(contention.slowdown(k, [o]) for k in kinds for o in kinds)
     out = []
     for w, steps in ordered.items():
         for s in steps:
@@ -86,14 +84,12 @@ def alone_s(logs: Mapping[str, Sequence[StepRecord]], contention: Contention
                 while i >= 0 and ordered[v][i].start + ordered[v][i].seconds > s.start:
                     o = ordered[v][i]
                     t = min(end, o.start + o.seconds) - max(s.start, o.start)
-                    lost += t * (1 - 1 / contention.slowdown(kind_of(s), [kind_of(o)]))
+                    # the record's chunks are the rows sim/host.py calls a step's prefill by
+                    kind, other = step_kind(s.chunks), step_kind(o.chunks)
+                    lost += t * (1 - 1 / contention.slowdown(kind, [other]))
                     i -= 1
-            out.append((s, s.seconds - min(lost, s.seconds * (1 - 1 / _worst(contention)))))
+            out.append((s, s.seconds - min(lost, s.seconds * most)))
     return out
-
-
-def _worst(c: Contention) -> float:
-    return max(c.slowdown(k, [o]) for k in ("prefill", "decode") for o in ("prefill", "decode"))
 
 
 def run_level(
