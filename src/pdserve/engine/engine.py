@@ -310,8 +310,8 @@ class LLMEngine(KVAccess):
             self._fork_choices(rid, tokens, sampled)
         self.scheduler.update_from_output(out, {k: [t for t, _ in v] for k, v in sampled.items()})
         outputs = early + self._collect(out, sampled)
-        elapsed = time.perf_counter() - begin
-        self.step_log.add(step_log.record(out, began_at, elapsed, torch.get_num_threads()))
+        whole = time.perf_counter() - begin  # the whole step(), as the profiler times it
+        self.step_log.add(step_log.record(out, began_at, whole, torch.get_num_threads()))
         return outputs
 
     def _emit_pending(self) -> list[RequestOutput]:
